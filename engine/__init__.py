@@ -1,0 +1,1 @@
+"""Forge engine: the training library behind the `forge` CLI. Importable without the CLI."""

@@ -1,0 +1,26 @@
+"""`[data]`: where training tokens come from."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from engine.config.base import Section
+
+
+class DataConfig(Section):
+    dataset_path: str | None = Field(
+        None, description="directory written by `forge tokenize`; unset = the embedded Shakespeare corpus"
+    )
+    file_pattern: str = Field("*.npy", description="glob of shard files inside dataset_path")
+    tokenizer_path: str | None = Field(
+        None, description="tokenizer.json; must match the manifest's tokenizer. Unset = the one beside the shards"
+    )
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
+    pin_memory: bool = Field(False, description="pin host batches (GPU only)")
+    prefetch_factor: int | None = Field(None, gt=0, description="batches prefetched per worker (needs num_workers > 0)")
+
+    @model_validator(mode="after")
+    def _prefetch_needs_workers(self) -> "DataConfig":
+        if self.prefetch_factor is not None and self.num_workers == 0:
+            raise ValueError("prefetch_factor needs num_workers > 0")
+        return self

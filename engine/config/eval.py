@@ -1,0 +1,17 @@
+"""`[eval]`: in-loop evaluation on held-out shards."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from engine.config.base import Section
+
+
+class EvalConfig(Section):
+    enabled: bool = False
+    interval: int = Field(100, gt=0, description="evaluate every N training steps (and after the last)")
+    steps: int = Field(10, gt=0, description="batches per evaluation")
+    dataset_path: str | None = Field(
+        None, description="held-out shards; unset only with the embedded corpus, whose held-out split is used"
+    )
+    file_pattern: str = "*.npy"

@@ -1,0 +1,89 @@
+"""`JobConfig`: one TOML file, one sub-model per section, plus the rules that span sections."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from engine.config.base import Section
+from engine.config.checkpoint import CheckpointConfig
+from engine.config.data import DataConfig
+from engine.config.distributed import DistributedConfig
+from engine.config.eval import EvalConfig
+from engine.config.metrics import MetricsConfig
+from engine.config.model import ModelConfig
+from engine.config.optimizer import OptimizerConfig
+from engine.config.profiling import ProfilingConfig
+from engine.config.scheduler import SchedulerConfig
+from engine.config.train import TrainConfig
+from engine.errors import ConfigError, ConfigIssue
+
+
+class JobConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
+
+    def validate(self, world_size: int = 1) -> "JobConfig":  # type: ignore[override]
+        """Check the rules that span sections once the world size is known; raise every problem at once."""
+        issues = cross_section_issues(self, world_size)
+        if issues:
+            raise ConfigError(issues)
+        return self
+
+    @property
+    def uses_embedded_corpus(self) -> bool:
+        return self.data.dataset_path is None
+
+
+def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    issues: list[ConfigIssue] = []
+    m, t, d = cfg.model, cfg.train, cfg.distributed
+
+    if t.seq_len > m.max_seq_len:
+        issues.append(ConfigIssue("train.seq_len", f"{t.seq_len} exceeds model.max_seq_len ({m.max_seq_len})",
+                                  "lower train.seq_len or raise model.max_seq_len"))
+    if cfg.scheduler.warmup_steps > t.max_steps:
+        issues.append(ConfigIssue("scheduler.warmup_steps",
+                                  f"{cfg.scheduler.warmup_steps} is longer than train.max_steps ({t.max_steps})",
+                                  "shorten the warmup or train longer"))
+    if cfg.eval.enabled and cfg.eval.dataset_path is None and cfg.data.dataset_path is not None:
+        issues.append(ConfigIssue("eval.dataset_path", "eval is enabled but has no data source",
+                                  "set eval.dataset_path to held-out shards, or eval.enabled = false"))
+    if cfg.profiling.enable and cfg.profiling.start_step > t.max_steps:
+        issues.append(ConfigIssue("profiling.start_step", f"{cfg.profiling.start_step} is after train.max_steps ({t.max_steps})",
+                                  "profile an earlier window"))
+    issues += layout_issues(cfg, world_size)
+    return issues
+
+
+def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """The parallel degrees against the world size and the model's shape."""
+    m, d = cfg.model, cfg.distributed
+    if world_size < 1:
+        return [ConfigIssue("world_size", f"must be >= 1, got {world_size}")]
+    issues: list[ConfigIssue] = []
+    dp_shard = d.resolved_dp_shard(world_size)
+    degrees = f"dp_replicate={d.dp_replicate} × dp_shard={d.dp_shard} × tp={d.tp} × pp={d.pp} × cp={d.cp}"
+    if d.dp_shard == 0 or d.dp_shard < -1:
+        issues.append(ConfigIssue("distributed.dp_shard", f"must be -1 or >= 1, got {d.dp_shard}"))
+    elif dp_shard == 0 or d.dp_replicate * dp_shard * d.tp * d.pp * d.cp != world_size:
+        issues.append(ConfigIssue("distributed", f"{degrees} does not multiply to the world size {world_size}",
+                                  "make the product of the degrees equal the number of processes"))
+    if m.n_heads % d.tp or m.kv_heads % d.tp:
+        issues.append(ConfigIssue("distributed.tp", f"n_heads ({m.n_heads}) and n_kv_heads ({m.kv_heads}) must be divisible by tp ({d.tp})"))
+    if d.pp > m.n_layers:
+        issues.append(ConfigIssue("distributed.pp", f"pp ({d.pp}) exceeds model.n_layers ({m.n_layers})"))
+    for name in ("tp", "pp", "cp", "dp_replicate"):
+        if getattr(d, name) > 1:
+            issues.append(ConfigIssue(f"distributed.{name}", f"{name} > 1 is not supported yet", f"set distributed.{name} = 1"))
+    if world_size > 1:
+        issues.append(ConfigIssue("world_size", f"multi-process training (world size {world_size}) is not supported yet",
+                                  "train in one process"))
+    return issues

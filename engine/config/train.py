@@ -1,0 +1,39 @@
+"""`[train]`: the training loop's hyperparameters."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from engine.config.base import Section
+
+
+class TrainConfig(Section):
+    batch_size: int = Field(8, gt=0, description="sequences per device per micro-step")
+    seq_len: int = Field(512, gt=0, description="tokens per sequence")
+    max_steps: int = Field(1000, gt=0, description="optimizer steps to train for")
+    grad_accum_steps: int = Field(1, gt=0, description="micro-steps accumulated per optimizer step")
+    grad_clip_norm: float | None = Field(1.0, ge=0, description="clip the global grad norm to this; 0 or unset = no clipping")
+    seed: int = Field(42, ge=0, description="seed for weights init and every RNG")
+    data_seed: int | None = Field(None, ge=0, description="seed for the data order; None = seed")
+    compile_model: bool = Field(False, description="torch.compile each transformer block")
+    mixed_precision: Literal["auto", "bf16", "fp16", "fp32", "fp8"] = Field(
+        "auto", description="compute dtype; auto = bf16 on GPU, fp32 on CPU (bf16 matmuls are slow on most CPUs)"
+    )
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none", description="recompute activations in backward: full = every block"
+    )
+    loss_fn: Literal["cross_entropy"] = "cross_entropy"
+
+    @model_validator(mode="after")
+    def _supported(self) -> "TrainConfig":
+        if self.mixed_precision == "fp8":
+            raise ValueError("mixed_precision = 'fp8' is not supported yet; use bf16, fp16, fp32 or auto")
+        if self.activation_checkpointing == "selective":
+            raise ValueError("activation_checkpointing = 'selective' is not supported yet; use 'none' or 'full'")
+        return self
+
+    @property
+    def effective_data_seed(self) -> int:
+        return self.seed if self.data_seed is None else self.data_seed

@@ -1,0 +1,22 @@
+"""What a job will cost, computed from its config alone (no torch): shown by validate-config and train."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.config.job import JobConfig
+from engine.model.estimate import param_counts, training_flops_per_token
+
+
+def job_summary(cfg: JobConfig, world_size: int = 1) -> dict[str, Any]:
+    dp = cfg.distributed.dp_replicate * cfg.distributed.resolved_dp_shard(world_size)
+    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum_steps * max(dp, 1)
+    flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
+    return {
+        "world_size": world_size,
+        "parameters": param_counts(cfg.model),
+        "flops_per_token": flops_per_token,
+        "tokens_per_step": tokens_per_step,
+        "flops_per_step": flops_per_token * tokens_per_step,
+        "total_tokens": tokens_per_step * cfg.train.max_steps,
+    }

@@ -1,0 +1,1 @@
+"""The `forge` command-line suite: parses, calls `engine`, renders with Rich."""

@@ -1,0 +1,4 @@
+"""placeholder until written."""
+
+def doctor() -> None:
+    """(not yet written)"""

@@ -1,0 +1,4 @@
+"""placeholder until written."""
+
+def tokenize() -> None:
+    """(not yet written)"""

@@ -1,0 +1,4 @@
+"""placeholder until written."""
+
+def train() -> None:
+    """(not yet written)"""

@@ -1,0 +1,64 @@
+"""Console output shared by every command: plain lines off a terminal, a panel for user errors."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable
+
+import typer
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+console = Console()
+err_console = Console(stderr=True)
+
+USER_ERROR_EXIT = 2
+
+
+def is_interactive() -> bool:
+    """A live dashboard and spinners only make sense on a real terminal."""
+    return console.is_terminal and not console.is_dumb_terminal
+
+
+def show_user_error(err: Exception) -> None:
+    """Render a user error (exit code 2): a table of field → problem → fix for config errors, else a panel."""
+    from engine.errors import ConfigError
+
+    if isinstance(err, ConfigError):
+        table = Table(show_header=True, header_style="bold", expand=False)
+        table.add_column("field")
+        table.add_column("problem")
+        table.add_column("how to fix")
+        for issue in err.issues:
+            table.add_row(issue.path, issue.problem, issue.hint)
+        title = f"{len(err.issues)} configuration error(s)" + (f" in {err.source}" if err.source else "")
+        err_console.print(Panel(table, title=title, border_style="red", expand=False))
+        return
+    hint = getattr(err, "hint", "")
+    body = str(getattr(err, "message", err)) + (f"\n[dim]fix:[/dim] {hint}" if hint else "")
+    err_console.print(Panel(body, title="error", border_style="red", expand=False))
+
+
+def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn `engine.errors.UserError` raised by a command into a panel and exit code 2."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from engine.errors import UserError
+
+        try:
+            return command(*args, **kwargs)
+        except UserError as err:
+            show_user_error(err)
+            raise typer.Exit(USER_ERROR_EXIT) from None
+
+    return run
+
+
+def print_json(data: Any) -> None:
+    """Machine-readable output: plain JSON on stdout, no styling."""
+    import json
+
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")

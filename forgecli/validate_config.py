@@ -1,0 +1,74 @@
+"""`forge validate-config`: load and check a preset without training (never imports torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+from rich.tree import Tree
+
+from forgecli.overrides import OVERRIDE_HELP, collect_overrides
+from forgecli.ui import console, print_json, user_errors
+
+
+@user_errors
+def validate_config(
+    ctx: typer.Context,
+    preset: Path = typer.Argument(..., help="TOML preset to check."),
+    world_size: int = typer.Option(1, "--world-size", help="Number of processes the layout must fit."),
+    as_json: bool = typer.Option(False, "--json", help="Print the resolved config and estimates as JSON."),
+) -> None:
+    """Check a preset and its overrides: every error at once, the resolved config, size and cost.
+
+    [bold]Examples[/bold]
+
+      forge validate-config presets/debug.toml
+
+      forge validate-config presets/debug.toml --model.n_layers=8 --world-size 1 --json
+
+    """
+    from engine.config import load_job_config
+    from engine.train.summary import job_summary
+
+    overrides = collect_overrides(ctx.args)
+    cfg = load_job_config(preset, overrides).validate(world_size)
+    summary = job_summary(cfg, world_size)
+    if as_json:
+        print_json({"config": cfg.model_dump(mode="json"), **summary})
+        return
+    console.print(config_tree(cfg.model_dump(mode="json"), str(preset)))
+    console.print(summary_table(summary))
+    console.print("[green]✓ config is valid[/green]" + (f" for world size {world_size}" if world_size > 1 else ""))
+
+
+def config_tree(data: dict[str, Any], title: str) -> Tree:
+    tree = Tree(f"[bold]{title}[/bold]")
+    for section, fields in data.items():
+        branch = tree.add(f"[cyan]\\[{section}][/cyan]")
+        for key, value in fields.items():
+            branch.add(f"{key} = [magenta]{value!r}[/magenta]")
+    return tree
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    table = Table(title="Size and cost", show_header=False, expand=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    params = summary["parameters"]
+    table.add_row("parameters (total)", human(params["total"]))
+    table.add_row("  embedding", human(params["embedding"]))
+    table.add_row("  non-embedding", human(params["non_embedding"]))
+    table.add_row("training FLOPs per token", human(summary["flops_per_token"], "FLOP"))
+    table.add_row("tokens per step (global)", f"{summary['tokens_per_step']:,}")
+    table.add_row("training FLOPs per step", human(summary["flops_per_step"], "FLOP"))
+    table.add_row("total tokens", f"{summary['total_tokens']:,}")
+    return table
+
+
+def human(n: float, unit: str = "") -> str:
+    for scale, suffix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {suffix}{unit}".rstrip()
+    return f"{n:g} {unit}".rstrip()
