@@ -1,0 +1,1 @@
+"""Distributed checkpoints (torch.distributed.checkpoint) in the run directory."""

@@ -1,0 +1,52 @@
+"""Causal self-attention with grouped-query heads, optional QK-norm, RoPE, and PyTorch's SDPA kernels."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from engine.config.model import ModelConfig
+from engine.model.rope import apply_rope
+
+SDPA_BACKENDS = {
+    "math": SDPBackend.MATH,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # QK-norm is always RMSNorm over the head dimension, whatever norm_type the residual stream uses.
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.sdpa_backend = cfg.sdpa_backend
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        with self._kernel():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _kernel(self) -> contextlib.AbstractContextManager:
+        if self.sdpa_backend == "auto":
+            return contextlib.nullcontext()
+        return sdpa_kernel(SDPA_BACKENDS[self.sdpa_backend])

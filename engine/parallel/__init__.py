@@ -1,0 +1,1 @@
+"""Parallelism and compilation applied to the single-device model from outside."""

@@ -1,0 +1,27 @@
+"""Mixed precision: parameters and optimizer state stay fp32; matmuls run in the compute dtype under autocast."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def compute_dtype(mode: str, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on GPU and fp32 on CPU, where bf16 matmuls are far slower than fp32 on most chips."""
+    if mode == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return COMPUTE_DTYPES[mode]
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def grad_scaler(device: torch.device, dtype: torch.dtype) -> torch.amp.GradScaler:
+    """fp16 gradients underflow without loss scaling; for other dtypes the scaler is a pass-through."""
+    return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)

@@ -1,0 +1,110 @@
+"""Training progress on the console: a live Rich dashboard on a terminal, plain log lines otherwise."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.live import Live
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from forgecli.ui import console
+
+
+def fmt_metrics(metrics: dict[str, Any]) -> dict[str, str]:
+    mfu = metrics.get("mfu")
+    memory = metrics.get("cuda_max_allocated_gib", metrics.get("rss_gib"))
+    return {
+        "loss": f"{metrics['loss']:.4f}",
+        "lr": f"{metrics['lr']:.3e}",
+        "grad norm": f"{metrics['grad_norm']:.3f}",
+        "tokens/s": f"{metrics['tokens_per_sec']:,.0f}",
+        "MFU": f"{100 * mfu:.1f}%" if mfu is not None else "n/a",
+        "memory": f"{memory:.2f} GiB" if memory is not None else "n/a",
+    }
+
+
+def start_line(info: dict[str, Any]) -> str:
+    return (f"training {info['parameters']:,} parameters on {info['device']} ({info['dtype']}), "
+            f"{info['max_steps']} steps × {info['tokens_per_step']:,} tokens → {info['run_dir']}")
+
+
+class PlainReporter:
+    """One line per event, no colour or cursor movement: for SLURM logs, CI and pipes."""
+
+    def __init__(self) -> None:
+        self.max_steps = 0
+        self.started = time.perf_counter()
+
+    def on_start(self, info: dict[str, Any]) -> None:
+        self.max_steps = info["max_steps"]
+        self.started = time.perf_counter()
+        print(start_line(info), flush=True)
+
+    def on_log(self, step: int, metrics: dict[str, float]) -> None:
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / step * (self.max_steps - step)
+        fields = " ".join(f"{k}={v}" for k, v in fmt_metrics(metrics).items()).replace("grad norm", "grad_norm")
+        print(f"step {step}/{self.max_steps} {fields} eta={eta:.0f}s", flush=True)
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        print(f"eval step {step} loss={metrics['eval_loss']:.4f} perplexity={metrics['eval_perplexity']:.2f}", flush=True)
+
+    def on_checkpoint(self, step: int, path: Path) -> None:
+        print(f"checkpoint step {step} → {path}", flush=True)
+
+    def on_end(self, summary: dict[str, Any]) -> None:
+        print(f"done: {summary['steps']} steps, {summary['tokens_seen']:,} tokens in {summary['train_time_sec']:.1f}s, "
+              f"final loss {summary['final_loss']:.4f}", flush=True)
+
+
+class LiveDashboard:
+    """A progress bar with ETA and a table of the latest metrics, redrawn in place."""
+
+    def __init__(self) -> None:
+        self.progress = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+                                 TaskProgressColumn(), TimeRemainingColumn(), console=console)
+        self.task = self.progress.add_task("train", total=1)
+        self.metrics: dict[str, str] = {}
+        self.eval: dict[str, str] = {}
+        self.live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
+
+    def _render(self) -> Table:
+        table = Table.grid(padding=(0, 2))
+        table.add_row(self.progress)
+        metrics = Table(show_header=True, header_style="bold cyan", box=None)
+        for name in [*self.metrics, *self.eval]:
+            metrics.add_column(name, justify="right")
+        if self.metrics or self.eval:
+            metrics.add_row(*self.metrics.values(), *self.eval.values())
+        table.add_row(metrics)
+        return table
+
+    def on_start(self, info: dict[str, Any]) -> None:
+        console.print(start_line(info))
+        self.progress.update(self.task, total=info["max_steps"])
+        self.live.start()
+
+    def on_log(self, step: int, metrics: dict[str, float]) -> None:
+        self.metrics = fmt_metrics(metrics)
+        self.progress.update(self.task, completed=step)
+        self.live.update(self._render())
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.eval = {"eval loss": f"{metrics['eval_loss']:.4f}", "eval ppl": f"{metrics['eval_perplexity']:.2f}"}
+        self.live.update(self._render())
+
+    def on_checkpoint(self, step: int, path: Path) -> None:
+        self.live.console.print(f"[dim]checkpoint step {step} → {path}[/dim]")
+
+    def on_end(self, summary: dict[str, Any]) -> None:
+        self.live.update(self._render())
+        self.live.stop()
+        console.print(f"[green]✓ done[/green]: {summary['steps']} steps, {summary['tokens_seen']:,} tokens in "
+                      f"{summary['train_time_sec']:.1f}s, final loss {summary['final_loss']:.4f}")
+
+    def stop(self) -> None:
+        if self.live.is_started:
+            self.live.stop()

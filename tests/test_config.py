@@ -1,0 +1,189 @@
+"""Loading presets, overrides, and validation errors that name the field and the fix."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+import pytest
+
+from engine.config import JobConfig, dump_toml, load_job_config
+from engine.config.loader import parse_literal
+from engine.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "preset.toml"
+    path.write_text(text)
+    return path
+
+
+def paths(err: ConfigError) -> list[str]:
+    return [i.path for i in err.issues]
+
+
+def test_debug_preset_loads_and_validates():
+    cfg = load_job_config(REPO / "presets" / "debug.toml").validate(1)
+    assert cfg.model.vocab_size == 4096 and cfg.data.dataset_path is None
+
+
+def test_seed_schema_preset_loads_unchanged(tmp_path):
+    """Field names follow the seed framework's schema, so its small presets load as they are."""
+    text = """
+[model]
+dim = 256
+n_layers = 4
+n_heads = 4
+n_kv_heads = 4
+vocab_size = 32000
+max_seq_len = 512
+[train]
+batch_size = 4
+seq_len = 512
+max_steps = 100
+grad_accum_steps = 1
+grad_clip_norm = 1.0
+seed = 42
+compile_model = false
+activation_checkpointing = "none"
+[optimizer]
+name = "adamw"
+lr = 3e-4
+weight_decay = 0.1
+betas = [0.9, 0.95]
+eps = 1e-8
+fused = true
+[scheduler]
+name = "cosine"
+warmup_steps = 10
+min_lr_ratio = 0.1
+[data]
+num_workers = 2
+pin_memory = true
+prefetch_factor = 2
+[distributed]
+dp_shard = -1
+dp_replicate = 1
+tp = 1
+pp = 1
+[checkpoint]
+dir = "checkpoints/debug"
+interval = 50
+keep_last_n = 2
+[metrics]
+log_interval = 5
+enable_wandb = false
+enable_tensorboard = false
+[profiling]
+enable = false
+"""
+    cfg = load_job_config(write(tmp_path, text)).validate(1)
+    assert cfg.optimizer.betas == (0.9, 0.95) and cfg.checkpoint.keep_last_n == 2
+
+
+def test_overrides_are_toml_literals_and_win_over_preset(tmp_path):
+    preset = write(tmp_path, "[optimizer]\nlr = 1e-3\n")
+    cfg = load_job_config(preset, ["--optimizer.lr=5e-4", "--optimizer.betas=[0.8,0.99]", "--train.compile_model=false",
+                                   "--data.dataset_path=/data/shards", "--metrics.wandb_run_name=\"a b\""])
+    assert cfg.optimizer.lr == 5e-4 and cfg.optimizer.betas == (0.8, 0.99)
+    assert cfg.train.compile_model is False and cfg.data.dataset_path == "/data/shards"
+    assert cfg.metrics.wandb_run_name == "a b"
+
+
+def test_parse_literal_falls_back_to_string():
+    assert parse_literal("3") == 3 and parse_literal("true") is True and parse_literal("runs/x") == "runs/x"
+
+
+def test_every_error_at_once_with_suggestions(tmp_path):
+    preset = write(tmp_path, '[model]\nn_layrs = 3\nnorm_type = "batchnorm"\n[train]\nbatch_size = -1\n[optimzer]\nlr = 1\n')
+    with pytest.raises(ConfigError) as info:
+        load_job_config(preset, ["--train.max_steps=abc"])
+    issues = {i.path: i for i in info.value.issues}
+    assert set(issues) == {"model.n_layrs", "model.norm_type", "train.batch_size", "train.max_steps", "optimzer"}
+    assert "model.n_layers" in issues["model.n_layrs"].hint
+    assert "'optimizer'" in issues["optimzer"].hint
+    assert "batchnorm" in issues["model.norm_type"].problem
+
+
+def test_bad_override_syntax(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_job_config(None, ["--train", "--a.b.c=1"])
+    assert len(info.value.issues) == 2
+
+
+def test_missing_and_malformed_preset(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_job_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_job_config(write(tmp_path, "[model\ndim = 3"))
+
+
+@pytest.mark.parametrize("override,path", [
+    ("--model.dim=100", "model"),                     # not divisible by n_heads
+    ("--model.n_kv_heads=3", "model"),                # n_heads not divisible
+    ("--train.mixed_precision=fp8", "train"),         # not supported yet
+    ("--train.activation_checkpointing=selective", "train"),
+    ("--scheduler.min_lr_ratio=2", "scheduler.min_lr_ratio"),
+    ("--optimizer.lr=-1", "optimizer.lr"),
+    ("--data.prefetch_factor=2", "data"),
+])
+def test_section_rules(override, path):
+    with pytest.raises(ConfigError) as info:
+        load_job_config(None, [override])
+    assert paths(info.value) == [path]
+
+
+def test_cross_section_rules_all_reported():
+    cfg = load_job_config(None, ["--train.seq_len=4096", "--model.max_seq_len=1024", "--eval.enabled=true",
+                                 "--data.dataset_path=/x", "--scheduler.warmup_steps=5000", "--train.max_steps=100"])
+    with pytest.raises(ConfigError) as info:
+        cfg.validate(1)
+    assert set(paths(info.value)) == {"train.seq_len", "eval.dataset_path", "scheduler.warmup_steps"}
+
+
+def test_layout_against_world_size():
+    cfg = load_job_config(None, ["--distributed.dp_shard=2"])
+    with pytest.raises(ConfigError) as info:
+        cfg.validate(3)
+    assert "distributed" in paths(info.value)
+    assert "does not multiply" in str(info.value)
+    with pytest.raises(ConfigError, match="tp"):
+        load_job_config(None, ["--distributed.tp=3"]).validate(3)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_job_config(REPO / "presets" / "debug.toml", ["--model.n_kv_heads=3", "--model.n_heads=6"])
+    again = load_job_config(write(tmp_path, dump_toml(cfg)))
+    assert again == cfg
+
+
+def test_registries_cover_every_choice():
+    """Every string a config Literal allows has a builder registered (and nothing else)."""
+    import engine.model.mlp  # noqa: F401  (registers activations)
+    import engine.model.norms  # noqa: F401
+    import engine.train.losses  # noqa: F401
+    import engine.train.optim  # noqa: F401
+    import engine.train.schedules  # noqa: F401
+    from engine.config import registry
+
+    def choices(model, field):
+        return sorted(typing.get_args(model.model_fields[field].annotation))
+
+    from engine.config.model import ModelConfig
+    from engine.config.optimizer import OptimizerConfig
+    from engine.config.scheduler import SchedulerConfig
+    from engine.config.train import TrainConfig
+
+    assert registry.NORMS.names() == choices(ModelConfig, "norm_type")
+    assert registry.ACTIVATIONS.names() == choices(ModelConfig, "activation")
+    assert registry.OPTIMIZERS.names() == choices(OptimizerConfig, "name")
+    assert registry.SCHEDULERS.names() == choices(SchedulerConfig, "name")
+    assert registry.LOSSES.names() == choices(TrainConfig, "loss_fn")
+    with pytest.raises(ValueError, match="did you mean 'cosine'"):
+        registry.SCHEDULERS.get("cosin")
+
+
+def test_job_config_defaults_are_valid():
+    JobConfig().validate(1)
