@@ -24,6 +24,7 @@ app.command("doctor")(doctor.doctor)
 
 
 def main() -> None:
+    """Console-script entry point."""
     app()
 
 

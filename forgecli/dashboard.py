@@ -15,7 +15,7 @@ from forgecli.ui import console
 
 def fmt_metrics(metrics: dict[str, Any]) -> dict[str, str]:
     mfu = metrics.get("mfu")
-    memory = metrics.get("cuda_max_allocated_gib", metrics.get("rss_gib"))
+    memory = metrics.get("mem_peak_gib")
     return {
         "loss": f"{metrics['loss']:.4f}",
         "lr": f"{metrics['lr']:.3e}",
@@ -27,7 +27,7 @@ def fmt_metrics(metrics: dict[str, Any]) -> dict[str, str]:
 
 
 def start_line(info: dict[str, Any]) -> str:
-    return (f"training {info['parameters']:,} parameters on {info['device']} ({info['dtype']}), "
+    return (f"training {info['parameters']['total']:,} parameters on {info['device']} ({info['dtype']}), "
             f"{info['max_steps']} steps × {info['tokens_per_step']:,} tokens → {info['run_dir']}")
 
 

@@ -187,3 +187,11 @@ def test_registries_cover_every_choice():
 
 def test_job_config_defaults_are_valid():
     JobConfig().validate(1)
+
+
+def test_configuration_doc_lists_every_field():
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    for section, info in JobConfig.model_fields.items():
+        assert f"## `[{section}]`" in doc
+        for field in info.annotation.model_fields:
+            assert f"| `{field}` |" in doc, f"docs/configuration.md misses {section}.{field}"

@@ -8,11 +8,13 @@ parallel layout than the one that saved.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,6 +23,19 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAIN_STATE = "train_state.json"
+
+
+def distributed() -> bool:
+    """Whether a process group is up: without one DCP reads and writes everything from this process."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """DCP warns whenever one process saves or loads alone, which is exactly what we ask for without a group."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
@@ -39,7 +54,8 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     path.mkdir(parents=True, exist_ok=True)
     (path / TRAIN_STATE).write_text(json.dumps(train_state, indent=2))
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+    with single_process_quiet():
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path, no_dist=not distributed())
     return path
 
 
@@ -48,7 +64,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     optimizers = [optimizer] if optimizer is not None else []
     model_sd, optim_sd = get_state_dict(model, optimizers)
     state = {"model": model_sd, **({"optimizer": optim_sd} if optimizers else {})}
-    dcp.load(state, checkpoint_id=path)
+    with single_process_quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=not distributed())
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
     return json.loads((path / TRAIN_STATE).read_text())
 

@@ -165,7 +165,7 @@ def run_loop(job: Job, reporter: Reporter) -> dict[str, Any]:
     tokens_per_step = job.summary["tokens_per_step"]
     profiler = ProfilerWindow(cfg.profiling, job.run_dir, job.device)
     info = {"run_dir": str(job.run_dir), "device": str(job.device), "dtype": str(job.dtype).removeprefix("torch."),
-            "max_steps": t.max_steps, "parameters": job.model.num_parameters(), **job.summary}
+            "max_steps": t.max_steps, **job.summary}
     reporter.on_start(info)
     log.info("start %s", info)
 

@@ -1,0 +1,110 @@
+"""Our training step vs Hugging Face `transformers` LlamaForCausalLM + torch.optim.AdamW, same process.
+
+Both models get the same shape, batch, sequence length, dtype and thread count, and the same loss
+function applied to their logits, so the ratio measures model + optimizer implementation only.
+Steps are timed in alternating rounds (ours, theirs, ours, …) so machine drift hits both alike.
+
+    python benchmarks/bench_train_step.py                      # CPU, fp32, the debug-sized model
+    python benchmarks/bench_train_step.py --dim 512 --n-layers 8 --seq-len 512
+    python benchmarks/bench_train_step.py --device cuda --dtype bf16 --dim 2048 --n-layers 16 --batch-size 8 --seq-len 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import transformers
+
+from engine.config.model import ModelConfig
+from engine.config.optimizer import OptimizerConfig
+from engine.model.transformer import Transformer
+from engine.train.losses import cross_entropy
+from engine.train.optim import build_optimizer
+from engine.train.precision import COMPUTE_DTYPES, autocast
+
+
+def hf_llama(cfg: ModelConfig) -> torch.nn.Module:
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
+        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=False, mlp_bias=False, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(hf_cfg)
+
+
+def step_timer(model, optimizer, logits_of, batch, device, dtype):
+    inputs, labels = batch
+
+    def step() -> float:
+        start = time.perf_counter()
+        with autocast(device, dtype):
+            loss = cross_entropy(logits_of(model, inputs), labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    return step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dim", type=int, default=192)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--n-heads", type=int, default=6)
+    p.add_argument("--n-kv-heads", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=list(COMPUTE_DTYPES), default="fp32")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", help="write the result as JSON here")
+    args = p.parse_args()
+
+    device, dtype = torch.device(args.device), COMPUTE_DTYPES[args.dtype]
+    cfg = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+                      vocab_size=args.vocab_size, max_seq_len=args.seq_len)
+    torch.manual_seed(0)
+    batch = tuple(torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), device=device) for _ in range(2))
+    ours = Transformer(cfg).to(device)
+    theirs = hf_llama(cfg).to(device)
+    assert ours.num_parameters() == theirs.num_parameters(), (ours.num_parameters(), theirs.num_parameters())
+    timers = {
+        "forge": step_timer(ours, build_optimizer(ours, OptimizerConfig()), lambda m, x: m(x), batch, device, dtype),
+        "transformers": step_timer(theirs, torch.optim.AdamW(theirs.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1),
+                                   lambda m, x: m(input_ids=x).logits, batch, device, dtype),
+    }
+    for step in timers.values():
+        for _ in range(args.warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(args.rounds):
+        for name, step in timers.items():
+            times[name] += [step() for _ in range(args.steps)]
+    tokens = args.batch_size * args.seq_len
+    result = {name: {"median_step_sec": statistics.median(t), "tokens_per_sec": tokens / statistics.median(t)}
+              for name, t in times.items()}
+    result["ratio_forge_over_transformers"] = result["forge"]["tokens_per_sec"] / result["transformers"]["tokens_per_sec"]
+    result["setup"] = {**vars(args), "parameters": ours.num_parameters(), "threads": torch.get_num_threads(),
+                       "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+                       "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+                       "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

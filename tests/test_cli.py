@@ -1,0 +1,154 @@
+"""The CLI end to end, as a user types it: help, validate-config, train, and bad input of every kind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+FORGE = [sys.executable, "-m", "forgecli.app"]
+TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--train.seq_len=64",
+        "--model.max_seq_len=64", "--train.batch_size=4", "--train.max_steps=6", "--metrics.log_interval=1",
+        "--eval.interval=3", "--eval.steps=2", "--checkpoint.interval=3", "--scheduler.warmup_steps=2"]
+
+
+def forge(*args: str, cwd: Path = REPO, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
+    return subprocess.run([*FORGE, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_is_fast_and_lists_commands():
+    best = min(_timed(["--help"]) for _ in range(3))
+    out = forge("--help").stdout
+    for command in ("train", "validate-config", "tokenize", "doctor"):
+        assert command in out
+    assert best < 0.5, f"forge --help took {best:.2f}s"
+
+
+def _timed(args: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "from forgecli.app import main; main()", *args], cwd=REPO,
+                   capture_output=True, check=False, timeout=30)
+    return time.perf_counter() - start
+
+
+def test_validate_config_never_imports_torch():
+    code = ("import sys; sys.argv = ['forge', 'validate-config', 'presets/debug.toml', '--json'];\n"
+            "from forgecli.app import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["parameters"]["total"] > 0 and report["tokens_per_step"] == 8 * 256
+
+
+def test_validate_config_reports_errors_as_a_table():
+    result = forge("validate-config", "presets/debug.toml", "--model.n_layrs=3", "--train.seq_len=9999")
+    assert result.returncode == 2
+    assert "model.n_layrs" in result.stderr and "model.n_layers" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_validate_config_world_size():
+    assert forge("validate-config", "presets/debug.toml", "--distributed.dp_shard=2").returncode == 2
+    result = forge("validate-config", "presets/debug.toml", "--distributed.dp_shard=3", "--world-size", "2")
+    assert result.returncode == 2 and "does not multiply" in result.stderr
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_train_writes_a_complete_run_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    result = forge("train", "presets/debug.toml", "--run-dir", str(run_dir), *TINY)
+    assert result.returncode == 0, result.stderr
+    assert "step 6/6" in result.stdout and "\x1b[" not in result.stdout  # plain lines off a terminal
+    records = metrics_of(run_dir)
+    train_records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train_records] == [1, 2, 3, 4, 5, 6]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu"):
+        assert key in train_records[-1]
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
+    assert (run_dir / "train.log").read_text().count("step ") >= 6
+    assert (run_dir / "tokenizer.json").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_3", "step_6"]
+    # The resolved config is a preset: training from it again validates.
+    again = forge("validate-config", str(run_dir / "config.toml"))
+    assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.slow
+def test_same_seed_gives_bitwise_identical_losses(tmp_path):
+    losses = []
+    for name in ("a", "b"):
+        result = forge("train", "presets/debug.toml", "--run-dir", str(tmp_path / name), *TINY)
+        assert result.returncode == 0, result.stderr
+        losses.append([(r["step"], r["loss"], r["grad_norm"]) for r in metrics_of(tmp_path / name) if "loss" in r])
+    assert losses[0] == losses[1]
+    other = forge("train", "presets/debug.toml", "--run-dir", str(tmp_path / "c"), *TINY, "--train.seed=7")
+    assert other.returncode == 0
+    assert [r["loss"] for r in metrics_of(tmp_path / "c") if "loss" in r] != [l for _, l, _ in losses[0]]
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr + result.stdout
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["presets/nope.toml"], ["nope.toml", "not found"]),
+    (["presets/debug.toml", "--train.bach_size=2"], ["train.bach_size", "train.batch_size"]),
+    (["presets/debug.toml", "--train.batch_size=two"], ["train.batch_size"]),
+    (["presets/debug.toml", "--optimizer.lr=-1"], ["optimizer.lr"]),
+    (["presets/debug.toml", "--train.seq_len=512"], ["train.seq_len", "max_seq_len"]),
+    (["presets/debug.toml", "--data.dataset_path=/no/such/dir", "--eval.enabled=false"], ["/no/such/dir"]),
+    (["presets/debug.toml", "--data.dataset_path=/no/such/dir"], ["eval.dataset_path"]),
+    (["presets/debug.toml", "--model.vocab_size=1000"], ["vocab"]),
+    (["presets/debug.toml", "--distributed.tp=2"], ["distributed.tp"]),
+    (["presets/debug.toml", "stray"], ["stray"]),
+])
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, needles):
+    run_dir = tmp_path / "run"
+    result = forge("train", *args, "--run-dir", str(run_dir))
+    assert_user_error(result, *needles)
+    assert not run_dir.exists()
+
+
+def test_empty_and_corrupt_data_directories(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_user_error(forge("train", "presets/debug.toml", f"--data.dataset_path={empty}", "--eval.enabled=false",
+                            "--run-dir", str(tmp_path / "r1")), str(empty))
+    assert not (tmp_path / "r1").exists()
+
+    data = tmp_path / "data"
+    docs = tmp_path / "docs.txt"
+    docs.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    made = forge("tokenize", str(docs), "--out", str(data), "--train-tokenizer", "--vocab-size", "300")
+    assert made.returncode == 0, made.stderr
+    shard = sorted(data.glob("*.npy"))[0]
+    shard.write_bytes(shard.read_bytes()[: len(shard.read_bytes()) // 2])
+    assert_user_error(forge("train", "presets/debug.toml", f"--data.dataset_path={data}", "--eval.enabled=false",
+                            "--run-dir", str(tmp_path / "r2")), shard.name)
+    assert not (tmp_path / "r2").exists()
+
+
+@pytest.mark.slow
+def test_existing_run_is_never_overwritten(tmp_path):
+    run_dir = tmp_path / "run"
+    assert forge("train", "presets/debug.toml", "--run-dir", str(run_dir), *TINY).returncode == 0
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    assert_user_error(forge("train", "presets/debug.toml", "--run-dir", str(run_dir), *TINY), "already holds a run")
+    assert (run_dir / "metrics.jsonl").read_bytes() == before

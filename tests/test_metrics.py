@@ -1,0 +1,167 @@
+"""Metric sinks (JSONL, TensorBoard, W&B offline), MFU arithmetic, the peak table, and memory stats."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import JobConfig
+from engine.errors import UserError
+from engine.metrics import mfu as mfu_module
+from engine.metrics.memory import memory_stats
+from engine.metrics.mfu import measured_cpu_flops, mfu, peak_flops
+from engine.metrics.trackers import build_trackers
+
+
+def job(**metrics: object) -> JobConfig:
+    cfg = JobConfig()
+    cfg.metrics = cfg.metrics.model_copy(update=metrics)
+    return cfg
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_jsonl_one_object_per_call_appended_on_reopen(tmp_path: Path):
+    with build_trackers(job(), tmp_path) as logger:
+        logger.log(1, {"loss": 2.5, "lr": 1e-3})
+        logger.log(2, {"loss": 2.0, "lr": 1e-3})
+    with build_trackers(job(), tmp_path) as logger:
+        logger.log(3, {"loss": float("nan")})
+    rows = records(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["loss"] == 2.5 and rows[0]["lr"] == 1e-3 and rows[0]["time"] > 0
+    assert rows[2]["loss"] is None  # non-finite values stay valid JSON
+
+
+def test_jsonl_is_flushed_per_line(tmp_path: Path):
+    logger = build_trackers(job(), tmp_path)
+    logger.log(1, {"loss": 1.0})
+    assert records(tmp_path) == [{"step": 1, "time": records(tmp_path)[0]["time"], "loss": 1.0}]
+    logger.close()
+
+
+def test_tensorboard_writes_readable_event_files(tmp_path: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with build_trackers(job(enable_tensorboard=True), tmp_path) as logger:
+        logger.log(1, {"step": 1, "loss": 3.0, "mfu": None})
+        logger.log(2, {"step": 2, "loss": 2.0, "mfu": 0.25})
+    log_dir = tmp_path / "tensorboard"
+    assert list(log_dir.glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"loss", "mfu"}
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 3.0), (2, 2.0)]
+    assert [(e.step, e.value) for e in events.Scalars("mfu")] == [(2, 0.25)]
+
+
+def test_tensorboard_dir_absolute(tmp_path: Path):
+    target = tmp_path / "tb-elsewhere"
+    with build_trackers(job(enable_tensorboard=True, tensorboard_dir=str(target)), tmp_path / "run") as logger:
+        logger.log(1, {"loss": 1.0})
+    assert list(target.glob("events.out.tfevents.*"))
+
+
+def test_wandb_offline_creates_its_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run-7"
+    with build_trackers(job(enable_wandb=True), run_dir) as logger:
+        logger.log(1, {"loss": 3.0, "mfu": None})
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
+    assert [r["step"] for r in records(run_dir)] == [1]
+
+
+@pytest.mark.parametrize(("flag", "module"),
+                         [("enable_wandb", "wandb"), ("enable_tensorboard", "torch.utils.tensorboard")])
+def test_missing_tracker_package_is_a_user_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 flag: str, module: str):
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(UserError, match=f"metrics.{flag} = true") as err:
+        build_trackers(job(**{flag: True}), tmp_path)
+    assert "pip install" in err.value.hint
+
+
+def test_mfu_arithmetic():
+    assert mfu(flops_per_token=6e9, tokens_per_sec=50_000, peak=1e15) == pytest.approx(0.3)
+    assert mfu(6e9, 50_000, None) is None
+
+
+@pytest.mark.parametrize(("name", "dtype", "expected"), [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.5e12),
+    ("NVIDIA H100 PCIe", torch.bfloat16, 756.5e12),
+    ("NVIDIA H100 NVL", torch.float16, 835.5e12),
+    ("NVIDIA H200", torch.bfloat16, 989.5e12),
+    ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312e12),
+    ("NVIDIA A10G", torch.bfloat16, 125e12),
+    ("NVIDIA L4", torch.bfloat16, 121e12),
+    ("NVIDIA L40S", torch.bfloat16, 362e12),
+    ("NVIDIA GeForce RTX 4090", torch.float32, 82.6e12),
+    ("Tesla V100-SXM2-16GB", torch.float16, 125e12),
+    ("Tesla V100-SXM2-16GB", torch.bfloat16, None),  # no bf16 hardware: no honest peak
+    ("AMD Instinct MI300X", torch.bfloat16, 1307.4e12),
+    ("Some Future GPU", torch.bfloat16, None),
+])
+def test_peak_table_by_device_name(monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype,
+                                   expected: float | None):
+    monkeypatch.delenv("FORGE_PEAK_FLOPS", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops(torch.device("cuda"), dtype) == expected
+
+
+def test_fp32_counts_at_tf32_rate_when_allowed(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("FORGE_PEAK_FLOPS", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-40GB")
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    assert peak_flops(torch.device("cuda"), torch.float32) == 19.5e12
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert peak_flops(torch.device("cuda"), torch.float32) == 156e12
+
+
+def test_env_override(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("FORGE_PEAK_FLOPS", "123e12")
+    assert peak_flops(torch.device("cpu"), torch.float32) == 123e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert peak_flops(torch.device("cuda"), torch.bfloat16) == 123e12
+
+
+@pytest.mark.parametrize("value", ["fast", "0", "-5e12", "nan"])
+def test_bad_env_override_is_a_user_error(monkeypatch: pytest.MonkeyPatch, value: str):
+    monkeypatch.setenv("FORGE_PEAK_FLOPS", value)
+    with pytest.raises(UserError, match="FORGE_PEAK_FLOPS"):
+        peak_flops(torch.device("cpu"), torch.float32)
+
+
+def test_cpu_peak_is_measured_once(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("FORGE_PEAK_FLOPS", raising=False)
+    monkeypatch.setattr(mfu_module, "CPU_MATMUL_SIZE", 256)
+    monkeypatch.setattr(mfu_module, "CPU_MEASURE_SECONDS", 0.05)
+    measured_cpu_flops.cache_clear()
+    try:
+        first = peak_flops(torch.device("cpu"), torch.float32)
+        assert first is not None and 1e8 < first < 1e14
+        assert peak_flops(torch.device("cpu"), torch.bfloat16) == first
+        assert measured_cpu_flops.cache_info().misses == 1
+    finally:
+        measured_cpu_flops.cache_clear()
+
+
+def test_cpu_memory_stats():
+    stats = memory_stats(torch.device("cpu"))
+    assert stats["mem_peak_gib"] > 0
+    if sys.platform.startswith("linux"):
+        assert 0 < stats["mem_rss_gib"] <= stats["mem_peak_gib"] * 1.01
+
+
+def test_cuda_memory_stats_keys(monkeypatch: pytest.MonkeyPatch):
+    for fn, gib in (("memory_allocated", 1), ("memory_reserved", 2), ("max_memory_allocated", 3)):
+        monkeypatch.setattr(torch.cuda, fn, lambda device=None, gib=gib: gib * 2**30)
+    expected = {"mem_allocated_gib": 1.0, "mem_reserved_gib": 2.0, "mem_peak_gib": 3.0}
+    assert memory_stats(torch.device("cuda")) == expected
