@@ -1,4 +1,170 @@
-"""placeholder until written."""
+"""`forge tokenize`: text / JSONL / Parquet → token shards + manifest. The work is in `engine.data.tokenize`."""
 
-def tokenize() -> None:
-    """(not yet written)"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from engine.data import DEFAULT_SHARD_TOKENS
+from forgecli.ui import console, err_console, print_json, user_errors
+
+if TYPE_CHECKING:  # the engine is imported when the command runs, not when `forge --help` loads the app
+    from engine.data.tokenize import Progress as TokenizeProgress, TokenizeReport
+
+PLAIN_INTERVAL_S = 10.0
+
+
+@user_errors
+def tokenize(
+    inputs: list[Path] = typer.Argument(..., metavar="INPUT", show_default=False, help=(
+        ".txt files (one document each), .jsonl files (one document per line), .parquet files (one per row), "
+        "or directories searched recursively for them.")),
+    out: Path = typer.Option(..., "--out", "-o", help="Output directory: shard-NNNNN.npy, manifest.json, tokenizer.json."),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="A Hugging Face tokenizer.json to encode with."),
+    train_tokenizer: bool = typer.Option(False, "--train-tokenizer",
+                                         help="Train a byte-level BPE on the inputs instead (needs --vocab-size)."),
+    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="Vocabulary size for --train-tokenizer."),
+    eos_token: Optional[str] = typer.Option(None, "--eos-token", help=(
+        "Token appended after every document. Default: <|endoftext|> when training; for --tokenizer, the eos_token "
+        "of a tokenizer_config.json beside it, else a well-known end-of-text token in its vocabulary.")),
+    text_field: str = typer.Option("text", "--text-field", help="JSONL field / Parquet column that holds the text."),
+    shard_tokens: int = typer.Option(DEFAULT_SHARD_TOKENS, "--shard-tokens", help="Tokens per shard (the last one holds the rest)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result (manifest included) as JSON; progress goes to stderr."),
+) -> None:
+    """Tokenize text into memory-mapped token shards for `forge train` (data.dataset_path = OUT).
+
+    Uses every core. An interrupted run resumes where it stopped when rerun with the same inputs and options.
+
+    [bold]Examples[/bold]
+
+      forge tokenize corpus/ --train-tokenizer --vocab-size 32000 --out data/mycorpus
+
+      forge tokenize train.jsonl --tokenizer tokenizer.json --text-field content --out data/train
+
+      forge tokenize part-*.parquet --tokenizer tokenizer.json --shard-tokens 100000000 --out data/web
+
+    """
+    from engine.data.tokenize import tokenize_files
+
+    train_vocab_size = trained_vocab_size(train_tokenizer, vocab_size)
+    view = progress_view(err_console if as_json else console)
+    with view:
+        report = tokenize_files(inputs, out, tokenizer=tokenizer, train_vocab_size=train_vocab_size,
+                                eos_token=eos_token, text_field=text_field, shard_tokens=shard_tokens,
+                                progress=view.update)
+    if as_json:
+        print_json(report_json(report))
+    else:
+        console.print(summary_table(report))
+
+
+def trained_vocab_size(train_tokenizer: bool, vocab_size: int | None) -> int | None:
+    """--train-tokenizer and --vocab-size come together; --tokenizer vs training is checked by the engine."""
+    from engine.errors import DataError
+
+    if train_tokenizer and vocab_size is None:
+        raise DataError("--train-tokenizer needs --vocab-size N", "e.g. --train-tokenizer --vocab-size 32000")
+    if vocab_size is not None and not train_tokenizer:
+        raise DataError("--vocab-size only applies with --train-tokenizer",
+                        "add --train-tokenizer, or drop --vocab-size to keep the vocabulary of --tokenizer")
+    return vocab_size
+
+
+def progress_view(target: Console) -> "RichProgressView | PlainProgressView":
+    return RichProgressView(target) if target.is_terminal and not target.is_dumb_terminal else PlainProgressView(target)
+
+
+class RichProgressView:
+    """A live bar over input bytes, with tokens and throughput; one task per phase."""
+
+    def __init__(self, target: Console) -> None:
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                            TextColumn("{task.fields[detail]}"), TimeRemainingColumn(), console=target)
+        self.tasks: dict[str, int] = {}
+        self.started = self.last = time.perf_counter()
+
+    def __enter__(self) -> "RichProgressView":
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+    def update(self, p: "TokenizeProgress") -> None:
+        if p.phase not in self.tasks:
+            for task in self.tasks.values():
+                self.bar.update(task, completed=self.bar.tasks[task].total)
+            self.tasks[p.phase] = self.bar.add_task(p.phase, total=p.bytes_total, detail="")
+            self.started = self.last  # the phase began when the previous one reported last
+        self.last = time.perf_counter()
+        self.bar.update(self.tasks[p.phase], completed=p.bytes_done, detail=detail(p, self.last - self.started))
+
+
+class PlainProgressView:
+    """Plain lines for logs: one when a phase starts or a shard is written, else one every 10 s."""
+
+    def __init__(self, target: Console) -> None:
+        self.target = target
+        self.started = self.last_event = self.last_line = time.perf_counter()
+        self.phase, self.shards = "", 0
+
+    def __enter__(self) -> "PlainProgressView":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, p: "TokenizeProgress") -> None:
+        now = time.perf_counter()
+        quiet = p.phase == self.phase and p.shards == self.shards and now - self.last_line < PLAIN_INTERVAL_S
+        if p.phase != self.phase:
+            self.phase, self.started = p.phase, self.last_event  # the phase began when the previous one reported last
+        self.last_event = now
+        if quiet:
+            return
+        self.shards, self.last_line = p.shards, now
+        share = 100 * p.bytes_done / max(p.bytes_total, 1)
+        self.target.print(f"{p.phase}: {share:.0f}% of {p.bytes_total / 1e6:,.1f} MB, {detail(p, now - self.started)}",
+                          highlight=False, markup=False, soft_wrap=True)
+
+
+def detail(p: "TokenizeProgress", seconds: float) -> str:
+    if p.phase != "tokenizing":
+        return f"{p.documents:,} documents"
+    rate = f", {p.tokens / seconds / 1e6:.2f} M tok/s" if seconds > 0 else ""
+    return f"{p.tokens:,} tokens, {p.documents:,} documents, {p.shards} shards{rate}"
+
+
+def new_tokens(report: "TokenizeReport") -> int:
+    """Tokens encoded by this run (finished shards reused from an interrupted run are not counted)."""
+    return report.manifest.total_tokens - sum(s.tokens for s in report.manifest.shards[:report.reused_shards])
+
+
+def report_json(report: "TokenizeReport") -> dict:
+    return {"directory": str(report.directory), "already_complete": report.already_complete,
+            "reused_shards": report.reused_shards, "seconds": round(report.seconds, 3),
+            "tokens_per_second": round(new_tokens(report) / report.seconds) if report.seconds > 0 else None,
+            "manifest": report.manifest.to_json()}
+
+
+def summary_table(report: "TokenizeReport") -> Table:
+    m = report.manifest
+    title = "already tokenized (nothing to do)" if report.already_complete else "tokenized"
+    table = Table(title=title, show_header=False, expand=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("directory", str(report.directory))
+    table.add_row("tokens", f"{m.total_tokens:,}")
+    table.add_row("documents", f"{m.total_documents:,}")
+    table.add_row("shards", f"{len(m.shards)} × {m.dtype}" + (f" ({report.reused_shards} reused from an interrupted run)"
+                                                              if report.reused_shards and not report.already_complete else ""))
+    table.add_row("tokenizer", f"vocab {m.vocab_size:,}, eos {m.eos_token!r} = {m.eos_id}, sha256 {m.tokenizer_sha256[:16]}…")
+    if not report.already_complete:
+        table.add_row("time", f"{report.seconds:.1f} s, {new_tokens(report) / max(report.seconds, 1e-9) / 1e6:.2f} M tokens/s")
+    return table

@@ -1,0 +1,200 @@
+"""Token shards → micro-batches for the training loop, through a torch DataLoader.
+
+`open_train_data` / `open_eval_data` do every check up front (manifest, shard files, tokenizer fingerprint,
+vocabulary against the model) and raise DataError before a run writes anything. A sample is a window of
+`train.seq_len + 1` tokens (inputs = the first seq_len, labels = the last seq_len); windows do not overlap
+and never cross a shard boundary. Which samples each micro-step gets is decided in `engine.data.sampler`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from engine.config import JobConfig
+from engine.data.embedded import embedded_corpus
+from engine.data.sampler import BatchLayout, EpochOrder, EvalBatchSampler, TrainBatchSampler
+from engine.data.shards import MANIFEST, TOKENIZER_FILE, Manifest, ShardInfo, open_shard, read_manifest
+from engine.data.tokenizer import file_sha256
+from engine.errors import DataError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class TokenWindows(Dataset[Batch]):
+    """Sample i = the i-th window of `seq_len + 1` tokens, counting shard by shard.
+
+    Holds memory maps, never token data: pickling it to DataLoader workers sends only the paths, and each
+    worker maps the files itself.
+    """
+
+    def __init__(self, arrays: Sequence[np.ndarray], paths: Sequence[Path], seq_len: int) -> None:
+        self.paths, self.window = list(paths), seq_len + 1
+        self._arrays: list[np.ndarray] | None = list(arrays)
+        self.starts = np.concatenate([[0], np.cumsum([len(a) // self.window for a in arrays])])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index: int) -> Batch:
+        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        offset = (index - int(self.starts[shard])) * self.window
+        tokens = torch.from_numpy(self.arrays[shard][offset:offset + self.window].astype(np.int64))
+        return tokens[:-1], tokens[1:]
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        if self._arrays is None:
+            self._arrays = [np.load(p, mmap_mode="r") for p in self.paths]
+        return self._arrays
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_arrays": None}
+
+
+@dataclass
+class TokenData:
+    """One verified data set and how this rank batches it."""
+
+    directory: Path
+    manifest: Manifest
+    tokenizer_file: Path | None  # the tokenizer.json the shards were made with, if known
+    dataset: TokenWindows
+    layout: BatchLayout
+    loader_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.dataset)
+
+    def loader(self, batch_sampler: TrainBatchSampler | EvalBatchSampler, **extra: Any) -> DataLoader:
+        return DataLoader(self.dataset, batch_sampler=batch_sampler, **self.loader_options, **extra)
+
+
+@dataclass
+class TrainData(TokenData):
+    seed: int = 0
+
+    def batches(self, start_step: int = 0) -> Iterator[Batch]:
+        """Endless micro-batches `(inputs, labels)`, int64 [batch_size, seq_len], from optimizer step
+        `start_step` on: grad_accum_steps micro-batches per step, the same global batch for any layout."""
+        order = EpochOrder(self.num_samples, self.seed)
+        return iter(self.loader(TrainBatchSampler(order, self.layout, start_step)))
+
+
+@dataclass
+class EvalData(TokenData):
+    steps: int = 1
+
+    @cached_property
+    def _loader(self) -> DataLoader:
+        persistent = {"persistent_workers": True} if self.loader_options.get("num_workers") else {}
+        return self.loader(EvalBatchSampler(self.num_samples, self.layout, self.steps), **persistent)
+
+    def batches(self) -> Iterator[Batch]:
+        """Exactly `eval.steps` micro-batches, the same ones on every call."""
+        return iter(self._loader)
+
+
+def open_train_data(cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
+    """The training shards of `cfg.data` (the embedded corpus when dataset_path is unset), verified."""
+    directory = Path(cfg.data.dataset_path) if cfg.data.dataset_path else embedded_corpus().train
+    parts = verified(directory, "data.dataset_path", cfg.data.file_pattern, "data.file_pattern", cfg)
+    layout = BatchLayout(cfg.train.batch_size, cfg.train.grad_accum_steps, dp_size, dp_rank)
+    return TrainData(*parts, layout, loader_options(cfg), seed=cfg.train.effective_data_seed)
+
+
+def open_eval_data(cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> EvalData | None:
+    """The held-out shards of `cfg.eval` (the embedded corpus's held-out works when dataset_path is unset
+    and training uses the embedded corpus), verified; None when evaluation is off."""
+    if not cfg.eval.enabled:
+        return None
+    if cfg.eval.dataset_path:
+        directory = Path(cfg.eval.dataset_path)
+    elif cfg.data.dataset_path is None:
+        directory = embedded_corpus().val
+    else:
+        raise DataError("eval is enabled but eval.dataset_path is unset",
+                        "set eval.dataset_path to held-out shards written by forge tokenize, or eval.enabled = false")
+    parts = verified(directory, "eval.dataset_path", cfg.eval.file_pattern, "eval.file_pattern", cfg)
+    check_same_tokenizer(parts[1], directory, cfg)
+    layout = BatchLayout(cfg.train.batch_size, 1, dp_size, dp_rank)
+    return EvalData(*parts, layout, loader_options(cfg), steps=cfg.eval.steps)
+
+
+def loader_options(cfg: JobConfig) -> dict[str, Any]:
+    options: dict[str, Any] = {"num_workers": cfg.data.num_workers, "pin_memory": cfg.data.pin_memory}
+    if cfg.data.prefetch_factor is not None:
+        options["prefetch_factor"] = cfg.data.prefetch_factor
+    return options
+
+
+def verified(directory: Path, path_field: str, pattern: str, pattern_field: str,
+             cfg: JobConfig) -> tuple[Path, Manifest, Path | None, TokenWindows]:
+    """Everything a data set must satisfy before training starts; each failure names the file and field.
+    Returns the first four fields of a `TokenData`."""
+    if not directory.is_dir():
+        raise DataError(f"{path_field} {directory} is not a directory",
+                        f"tokenize text into it first (forge tokenize INPUT… --out {directory}) or fix {path_field}")
+    manifest = read_manifest(directory)
+    if manifest.vocab_size > cfg.model.vocab_size:
+        raise DataError(f"the tokenizer of {directory / MANIFEST} has {manifest.vocab_size} tokens, "
+                        f"more than model.vocab_size = {cfg.model.vocab_size}",
+                        f"set model.vocab_size to at least {manifest.vocab_size}")
+    tokenizer_file = matching_tokenizer(directory, manifest, cfg.data.tokenizer_path)
+    shards = selected_shards(directory, manifest, pattern, pattern_field)
+    arrays = [open_shard(directory, info, manifest.dtype) for info in shards]
+    dataset = TokenWindows(arrays, [directory / s.file for s in shards], cfg.train.seq_len)
+    if len(dataset) == 0:
+        longest = max(s.tokens for s in shards)
+        raise DataError(f"no shard of {directory} holds train.seq_len + 1 = {cfg.train.seq_len + 1} tokens "
+                        f"(the longest has {longest})", "lower train.seq_len or tokenize more text")
+    return directory, manifest, tokenizer_file, dataset
+
+
+def matching_tokenizer(directory: Path, manifest: Manifest, tokenizer_path: str | None) -> Path | None:
+    """data.tokenizer_path if set, else the tokenizer.json beside the shards; either must match the manifest."""
+    if tokenizer_path is not None:
+        path, name = Path(tokenizer_path), f"data.tokenizer_path {tokenizer_path}"
+        if not path.is_file():
+            raise DataError(f"{name} not found", f"fix the path, or unset it to use {directory / TOKENIZER_FILE}")
+    else:
+        path, name = directory / TOKENIZER_FILE, str(directory / TOKENIZER_FILE)
+        if not path.is_file():
+            return None
+    if file_sha256(path) != manifest.tokenizer_sha256:
+        raise DataError(f"{name} is not the tokenizer that {directory / MANIFEST} was tokenized with "
+                        f"(sha256 {file_sha256(path)[:12]}… ≠ {manifest.tokenizer_sha256[:12]}…)",
+                        "use the tokenizer.json written beside the shards, or re-tokenize with this tokenizer")
+    return path
+
+
+def selected_shards(directory: Path, manifest: Manifest, pattern: str, pattern_field: str) -> list[ShardInfo]:
+    """The manifest's shards whose names match the pattern; a matching file the manifest does not list
+    means shards of different runs were mixed, so it is an error rather than silently ignored."""
+    listed = {s.file for s in manifest.shards}
+    strays = sorted(p.name for p in directory.glob(pattern) if p.name not in listed and p.is_file())
+    if strays:
+        raise DataError(f"{directory / strays[0]} matches {pattern_field} {pattern!r} but is not listed in "
+                        f"{directory / MANIFEST}", f"remove it (and any other strays: {len(strays)}) or narrow {pattern_field}")
+    shards = [s for s in manifest.shards if fnmatch(s.file, pattern)]
+    if not shards:
+        raise DataError(f"no shard of {directory / MANIFEST} matches {pattern_field} {pattern!r}",
+                        f"use the default '*.npy' or a pattern matching names like {manifest.shards[0].file}")
+    return shards
+
+
+def check_same_tokenizer(eval_manifest: Manifest, eval_directory: Path, cfg: JobConfig) -> None:
+    train_directory = Path(cfg.data.dataset_path) if cfg.data.dataset_path else embedded_corpus().train
+    train_manifest = read_manifest(train_directory)
+    if train_manifest.tokenizer_sha256 != eval_manifest.tokenizer_sha256:
+        raise DataError(f"eval.dataset_path {eval_directory} was tokenized with a different tokenizer than "
+                        f"data.dataset_path {train_directory}",
+                        "tokenize the held-out text with the training data's tokenizer.json (forge tokenize --tokenizer)")

@@ -1,0 +1,96 @@
+"""The order in which samples are used, and which of them each micro-step of each rank gets.
+
+The training order is an endless stream of sample indices: epoch e is a permutation of all samples drawn
+from numpy's Generator seeded with (data_seed, e), and the next epoch follows when the data runs out.
+Optimizer step s uses the G = batch_size × grad_accum_steps × dp_size consecutive stream positions from
+s × G, and micro-step m of data-parallel rank r takes the batch_size positions from s × G + (m × dp_size + r)
+× batch_size. So the samples of a step do not depend on how they are split over ranks and micro-steps, and
+resuming at step s needs nothing but s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import count
+from typing import Iterator
+
+import numpy as np
+from torch.utils.data import Sampler
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How one optimizer step's samples are split: per-device batch, micro-steps, data-parallel ranks."""
+
+    batch_size: int
+    grad_accum_steps: int = 1
+    dp_size: int = 1
+    dp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.batch_size > 0 and self.grad_accum_steps > 0 and 0 <= self.dp_rank < self.dp_size
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.grad_accum_steps * self.dp_size
+
+    def micro_batch_start(self, step: int, micro_step: int) -> int:
+        """Stream position of this rank's first sample in micro-step `micro_step` of optimizer step `step`."""
+        return step * self.global_batch + (micro_step * self.dp_size + self.dp_rank) * self.batch_size
+
+
+class EpochOrder:
+    """The endless shuffled stream: position p is sample permutation(epoch = p // n)[p % n]."""
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        assert num_samples > 0
+        self.num_samples, self.seed = num_samples, seed
+        self._cache: dict[int, np.ndarray] = {}
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._cache:
+            if len(self._cache) >= 2:  # a batch spans at most two epochs when it is smaller than the data
+                self._cache.pop(min(self._cache))
+            self._cache[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        return self._cache[epoch]
+
+    def take(self, position: int, count: int) -> np.ndarray:
+        """The sample indices at stream positions [position, position + count)."""
+        out = np.empty(count, dtype=np.int64)
+        filled = 0
+        while filled < count:
+            epoch, offset = divmod(position + filled, self.num_samples)
+            chunk = self.permutation(epoch)[offset:offset + count - filled]
+            out[filled:filled + len(chunk)] = chunk
+            filled += len(chunk)
+        return out
+
+
+class TrainBatchSampler(Sampler[list[int]]):
+    """Endless: this rank's sample indices for every micro-step from optimizer step `start_step` on."""
+
+    def __init__(self, order: EpochOrder, layout: BatchLayout, start_step: int = 0) -> None:
+        assert start_step >= 0
+        self.order, self.layout, self.start_step = order, layout, start_step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in count(self.start_step):
+            for micro in range(self.layout.grad_accum_steps):
+                yield self.order.take(self.layout.micro_batch_start(step, micro), self.layout.batch_size).tolist()
+
+
+class EvalBatchSampler(Sampler[list[int]]):
+    """The same `steps` micro-batches on every pass: the first samples in file order, spread over ranks
+    like one optimizer step with `steps` micro-steps, wrapping around when the held-out set is smaller."""
+
+    def __init__(self, num_samples: int, layout: BatchLayout, steps: int) -> None:
+        assert num_samples > 0 and steps > 0
+        self.num_samples, self.layout, self.steps = num_samples, layout, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for micro in range(self.steps):
+            start = self.layout.micro_batch_start(0, micro)
+            yield (np.arange(start, start + self.layout.batch_size) % self.num_samples).tolist()
