@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterator, Literal, NamedTuple
 Status = Literal["ok", "warn", "fail", "info"]
 
 MIN_PYTHON = (3, 11)
-MIN_TORCH = "2.13"  # kept in step with pyproject.toml's `torch>=2.13`
+MIN_TORCH = (2, 13)  # kept in step with pyproject.toml's `torch>=2.13`
+MIN_TORCH_TEXT = ".".join(map(str, MIN_TORCH))
 GIB = 2**30
 DISK_FAIL_GIB = 1.0
 DISK_WARN_GIB = 10.0
@@ -39,6 +40,12 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "transformers": ("the test suite's parity checks against Hugging Face models", "pip install -e '.[dev]'"),
 }
 
+
+
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string like '2.13.0+cpu', compared as numbers ('2.9' < '2.13')."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 @dataclass(frozen=True)
 class CheckResult:
@@ -105,11 +112,11 @@ def check_torch() -> Outcome:
         import torch
     except ImportError as e:
         return Outcome("fail", f"cannot import torch: {e}",
-                       f"pip install 'torch>={MIN_TORCH}' (see README: Installing torch)")
+                       f"pip install 'torch>={MIN_TORCH_TEXT}' (see README: Installing torch)")
     build = torch_build(torch)
-    if torch.__version__ < MIN_TORCH:
-        return Outcome("fail", f"{torch.__version__} ({build}) is older than {MIN_TORCH}",
-                       f"pip install --upgrade 'torch>={MIN_TORCH}'")
+    if release(torch.__version__) < MIN_TORCH:
+        return Outcome("fail", f"{torch.__version__} ({build}) is older than {MIN_TORCH_TEXT}",
+                       f"pip install --upgrade 'torch>={MIN_TORCH_TEXT}'")
     return Outcome("ok", f"{torch.__version__} ({build})")
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -34,30 +36,34 @@ def start_line(info: dict[str, Any]) -> str:
 class PlainReporter:
     """One line per event, no colour or cursor movement: for SLURM logs, CI and pipes."""
 
-    def __init__(self) -> None:
+    def __init__(self, stream: TextIO = sys.stdout) -> None:
+        self.stream = stream
         self.max_steps = 0
         self.started = time.perf_counter()
+
+    def _line(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
 
     def on_start(self, info: dict[str, Any]) -> None:
         self.max_steps = info["max_steps"]
         self.started = time.perf_counter()
-        print(start_line(info), flush=True)
+        self._line(start_line(info))
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
         elapsed = time.perf_counter() - self.started
         eta = elapsed / step * (self.max_steps - step)
-        fields = " ".join(f"{k}={v}" for k, v in fmt_metrics(metrics).items()).replace("grad norm", "grad_norm")
-        print(f"step {step}/{self.max_steps} {fields} eta={eta:.0f}s", flush=True)
+        fields = " ".join(f"{k.replace(' ', '_')}={v}" for k, v in fmt_metrics(metrics).items())
+        self._line(f"step {step}/{self.max_steps} {fields} eta={eta:.0f}s")
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        print(f"eval step {step} loss={metrics['eval_loss']:.4f} perplexity={metrics['eval_perplexity']:.2f}", flush=True)
+        self._line(f"eval step {step} loss={metrics['eval_loss']:.4f} perplexity={metrics['eval_perplexity']:.2f}")
 
     def on_checkpoint(self, step: int, path: Path) -> None:
-        print(f"checkpoint step {step} → {path}", flush=True)
+        self._line(f"checkpoint step {step} → {path}")
 
     def on_end(self, summary: dict[str, Any]) -> None:
-        print(f"done: {summary['steps']} steps, {summary['tokens_seen']:,} tokens in {summary['train_time_sec']:.1f}s, "
-              f"final loss {summary['final_loss']:.4f}", flush=True)
+        self._line(f"done: {summary['steps']} steps, {summary['tokens_seen']:,} tokens in {summary['train_time_sec']:.1f}s, "
+                   f"final loss {summary['final_loss']:.4f}")
 
 
 class LiveDashboard:
@@ -83,7 +89,7 @@ class LiveDashboard:
         return table
 
     def on_start(self, info: dict[str, Any]) -> None:
-        console.print(start_line(info))
+        console.print(start_line(info), markup=False, highlight=False)
         self.progress.update(self.task, total=info["max_steps"])
         self.live.start()
 
@@ -97,7 +103,7 @@ class LiveDashboard:
         self.live.update(self._render())
 
     def on_checkpoint(self, step: int, path: Path) -> None:
-        self.live.console.print(f"[dim]checkpoint step {step} → {path}[/dim]")
+        self.live.console.print(f"[dim]checkpoint step {step} → {escape(str(path))}[/dim]")
 
     def on_end(self, summary: dict[str, Any]) -> None:
         self.live.update(self._render())

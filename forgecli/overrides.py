@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from engine.errors import UserError
 
-OVERRIDE_HELP = "Overrides as --section.key=value (TOML literals: --optimizer.betas=[0.9,0.95], --train.compile_model=false)."
-
 
 def collect_overrides(args: list[str]) -> list[str]:
     overrides: list[str] = []

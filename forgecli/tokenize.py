@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -159,12 +160,12 @@ def summary_table(report: "TokenizeReport") -> Table:
     table = Table(title=title, show_header=False, expand=False)
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("directory", str(report.directory))
+    table.add_row("directory", escape(str(report.directory)))
     table.add_row("tokens", f"{m.total_tokens:,}")
     table.add_row("documents", f"{m.total_documents:,}")
     table.add_row("shards", f"{len(m.shards)} × {m.dtype}" + (f" ({report.reused_shards} reused from an interrupted run)"
                                                               if report.reused_shards and not report.already_complete else ""))
-    table.add_row("tokenizer", f"vocab {m.vocab_size:,}, eos {m.eos_token!r} = {m.eos_id}, sha256 {m.tokenizer_sha256[:16]}…")
+    table.add_row("tokenizer", escape(f"vocab {m.vocab_size:,}, eos {m.eos_token!r} = {m.eos_id}, sha256 {m.tokenizer_sha256[:16]}…"))
     if not report.already_complete:
         table.add_row("time", f"{report.seconds:.1f} s, {new_tokens(report) / max(report.seconds, 1e-9) / 1e6:.2f} M tokens/s")
     return table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -17,9 +18,11 @@ def train(
     ctx: typer.Context,
     preset: Path = typer.Argument(..., help="TOML preset (or a run's config.toml)."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where the run is written. Default: runs/<preset name>."),
-    as_json: bool = typer.Option(False, "--json", help="Print the final summary as JSON (progress goes to plain lines)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the final summary as JSON on stdout (progress lines go to stderr)."),
 ) -> None:
-    """Train a model. Overrides as --section.key=value (TOML literals).
+    """Train a model into a run directory (config, metrics, logs, checkpoints).
+
+    Overrides as --section.key=value, values as TOML literals (--optimizer.betas=[0.9,0.95]).
 
     [bold]Examples[/bold]
 
@@ -33,7 +36,10 @@ def train(
 
     cfg = load_job_config(preset, collect_overrides(ctx.args))
     run_dir = run_dir or Path("runs") / preset.stem
-    reporter = LiveDashboard() if is_interactive() and not as_json else PlainReporter()
+    if as_json:  # stdout carries only the JSON summary; progress lines go to stderr
+        reporter = PlainReporter(sys.stderr)
+    else:
+        reporter = LiveDashboard() if is_interactive() else PlainReporter()
     try:
         summary = run_training(cfg, run_dir, reporter)
     finally:
@@ -42,4 +48,4 @@ def train(
     if as_json:
         print_json(summary)
     else:
-        console.print(f"run directory: {run_dir}")
+        console.print(f"run directory: {run_dir}", markup=False, highlight=False)

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
@@ -32,12 +33,12 @@ def show_user_error(err: Exception) -> None:
         table.add_column("problem")
         table.add_column("how to fix")
         for issue in err.issues:
-            table.add_row(issue.path, issue.problem, issue.hint)
-        title = f"{len(err.issues)} configuration error(s)" + (f" in {err.source}" if err.source else "")
+            table.add_row(escape(issue.path), escape(issue.problem), escape(issue.hint))
+        title = f"{len(err.issues)} configuration error(s)" + (f" in {escape(err.source)}" if err.source else "")
         err_console.print(Panel(table, title=title, border_style="red", expand=False))
         return
     hint = getattr(err, "hint", "")
-    body = str(getattr(err, "message", err)) + (f"\n[dim]fix:[/dim] {hint}" if hint else "")
+    body = escape(str(getattr(err, "message", err))) + (f"\n[dim]fix:[/dim] {escape(hint)}" if hint else "")
     err_console.print(Panel(body, title="error", border_style="red", expand=False))
 
 

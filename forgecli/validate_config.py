@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
-from forgecli.overrides import OVERRIDE_HELP, collect_overrides
+from forgecli.overrides import collect_overrides
 from forgecli.ui import console, print_json, user_errors
 
 
@@ -21,6 +22,8 @@ def validate_config(
     as_json: bool = typer.Option(False, "--json", help="Print the resolved config and estimates as JSON."),
 ) -> None:
     """Check a preset and its overrides: every error at once, the resolved config, size and cost.
+
+    Overrides as --section.key=value, values as TOML literals (--optimizer.betas=[0.9,0.95]).
 
     [bold]Examples[/bold]
 
@@ -44,11 +47,11 @@ def validate_config(
 
 
 def config_tree(data: dict[str, Any], title: str) -> Tree:
-    tree = Tree(f"[bold]{title}[/bold]")
+    tree = Tree(f"[bold]{escape(title)}[/bold]")
     for section, fields in data.items():
         branch = tree.add(f"[cyan]\\[{section}][/cyan]")
         for key, value in fields.items():
-            branch.add(f"{key} = [magenta]{value!r}[/magenta]")
+            branch.add(f"{key} = [magenta]{escape(repr(value))}[/magenta]")
     return tree
 
 
@@ -58,8 +61,9 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table.add_column(justify="right")
     params = summary["parameters"]
     table.add_row("parameters (total)", human(params["total"]))
-    table.add_row("  embedding", human(params["embedding"]))
-    table.add_row("  non-embedding", human(params["non_embedding"]))
+    table.add_row("  embedding table", human(params["embedding"]))
+    table.add_row("  transformer blocks + final norm", human(params["blocks"]))
+    table.add_row("  output head", human(params["output_head"]) if params["output_head"] else "tied to the embedding")
     table.add_row("training FLOPs per token", human(summary["flops_per_token"], "FLOP"))
     table.add_row("tokens per step (global)", f"{summary['tokens_per_step']:,}")
     table.add_row("training FLOPs per step", human(summary["flops_per_step"], "FLOP"))

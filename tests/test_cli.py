@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,8 +20,8 @@ TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_
         "--eval.interval=3", "--eval.steps=2", "--checkpoint.interval=3", "--scheduler.warmup_steps=2"]
 
 
-def forge(*args: str, cwd: Path = REPO, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
+def forge(*args: str, cwd: Path = REPO, timeout: int = 240, **env_vars: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", **env_vars}
     return subprocess.run([*FORGE, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -51,9 +52,9 @@ def test_validate_config_never_imports_torch():
 
 
 def test_validate_config_reports_errors_as_a_table():
-    result = forge("validate-config", "presets/debug.toml", "--model.n_layrs=3", "--train.seq_len=9999")
+    result = forge("validate-config", "presets/debug.toml", "--model.n_layrs=3", "--optimizer.lr=-1")
     assert result.returncode == 2
-    assert "model.n_layrs" in result.stderr and "model.n_layers" in result.stderr
+    assert "model.n_layrs" in result.stderr and "model.n_layers" in result.stderr and "optimizer.lr" in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -118,12 +119,52 @@ def assert_user_error(result: subprocess.CompletedProcess, *needles: str) -> Non
     (["presets/debug.toml", "--model.vocab_size=1000"], ["vocab"]),
     (["presets/debug.toml", "--distributed.tp=2"], ["distributed.tp"]),
     (["presets/debug.toml", "stray"], ["stray"]),
+    (["presets/debug.toml", "--model.sdpa_backend=efficient"], ["model.sdpa_backend"]),
+    (["presets/debug.toml", "--data.dataset_path=/data/[red]x[/]", "--eval.enabled=false"], ["/data/[red]x[/]"]),
 ])
 def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, needles):
     run_dir = tmp_path / "run"
     result = forge("train", *args, "--run-dir", str(run_dir))
     assert_user_error(result, *needles)
     assert not run_dir.exists()
+
+
+def test_setup_failures_after_validation_write_nothing(tmp_path):
+    """Errors found while starting (a bad environment variable, a sink that cannot start) leave no run behind."""
+    run_dir = tmp_path / "run"
+    assert_user_error(forge("train", "presets/debug.toml", "--run-dir", str(run_dir), FORGE_PEAK_FLOPS="fast"),
+                      "FORGE_PEAK_FLOPS")
+    assert not run_dir.exists()
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert_user_error(forge("train", "presets/debug.toml", "--run-dir", str(blocker)), "is a file")
+    code = ("import sys; sys.modules['torch.utils.tensorboard'] = None; sys.argv = ['forge', *sys.argv[1:]]\n"
+            "from forgecli.app import main; main()")
+    result = subprocess.run([sys.executable, "-c", code, "train", "presets/debug.toml", "--run-dir", str(run_dir),
+                             "--metrics.enable_tensorboard=true", *TINY], cwd=REPO, capture_output=True, text=True,
+                            timeout=240, env={**os.environ, "NO_COLOR": "1"})
+    assert_user_error(result, "tensorboard")
+    assert not run_dir.exists()
+
+
+def test_json_summary_is_the_only_stdout(tmp_path):
+    result = forge("train", "presets/debug.toml", "--run-dir", str(tmp_path / "run"), *TINY, "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["steps"] == 6 and summary["final_loss"] > 0
+    assert "step 6/6" in result.stderr
+
+
+@pytest.mark.slow
+def test_debug_preset_as_the_readme_runs_it(tmp_path):
+    """The main job: presets/debug.toml on the embedded corpus, loss from ~ln(vocab) to >= 2 nats below it."""
+    result = forge("train", str(REPO / "presets" / "debug.toml"), cwd=tmp_path, timeout=600)  # run dir: runs/debug
+    assert result.returncode == 0, result.stderr
+    records = [r for r in metrics_of(tmp_path / "runs" / "debug") if "loss" in r]
+    first, last = records[0]["loss"], records[-1]["loss"]
+    assert records[-1]["step"] == 300
+    assert abs(first - math.log(4096)) < 0.3
+    assert last <= math.log(4096) - 2.0, f"loss fell only from {first:.2f} to {last:.2f}"
 
 
 def test_empty_and_corrupt_data_directories(tmp_path):

@@ -90,6 +90,8 @@ def test_overrides_are_toml_literals_and_win_over_preset(tmp_path):
     assert cfg.optimizer.lr == 5e-4 and cfg.optimizer.betas == (0.8, 0.99)
     assert cfg.train.compile_model is False and cfg.data.dataset_path == "/data/shards"
     assert cfg.metrics.wandb_run_name == "a b"
+    texts = load_job_config(None, ["--data.dataset_path=123", "--metrics.wandb_run_name=2024-01-01"])
+    assert texts.data.dataset_path == "123" and texts.metrics.wandb_run_name == "2024-01-01"
 
 
 def test_parse_literal_falls_back_to_string():
@@ -127,6 +129,9 @@ def test_missing_and_malformed_preset(tmp_path):
     ("--train.activation_checkpointing=selective", "train"),
     ("--scheduler.min_lr_ratio=2", "scheduler.min_lr_ratio"),
     ("--optimizer.lr=-1", "optimizer.lr"),
+    ("--optimizer.lr=inf", "optimizer.lr"),
+    ("--optimizer.betas=[1.5,0.9]", "optimizer.betas.0"),
+    ("--train.grad_clip_norm=nan", "train.grad_clip_norm"),
     ("--data.prefetch_factor=2", "data"),
 ])
 def test_section_rules(override, path):
@@ -162,6 +167,7 @@ def test_resolved_config_round_trips(tmp_path):
 def test_registries_cover_every_choice():
     """Every string a config Literal allows has a builder registered (and nothing else)."""
     import engine.model.mlp  # noqa: F401  (registers activations)
+    import engine.model.transformer  # noqa: F401
     import engine.model.norms  # noqa: F401
     import engine.train.losses  # noqa: F401
     import engine.train.optim  # noqa: F401
@@ -181,6 +187,7 @@ def test_registries_cover_every_choice():
     assert registry.OPTIMIZERS.names() == choices(OptimizerConfig, "name")
     assert registry.SCHEDULERS.names() == choices(SchedulerConfig, "name")
     assert registry.LOSSES.names() == choices(TrainConfig, "loss_fn")
+    assert registry.MODELS.names() == choices(ModelConfig, "model_type")
     with pytest.raises(ValueError, match="did you mean 'cosine'"):
         registry.SCHEDULERS.get("cosin")
 

@@ -27,7 +27,7 @@ def test_decay_closed_forms(name, closed_form):
     warmup, total, floor = 10, 110, 0.2
     f = lr_multiplier(SchedulerConfig(name=name, warmup_steps=warmup, min_lr_ratio=floor), max_steps=total)
     for step in (10, 35, 60, 85, 109, 110, 500):
-        progress = min((step - warmup) / (total - warmup), 1.0)
+        progress = min((step - warmup) / (total - warmup - 1), 1.0)
         assert f(step) == pytest.approx(closed_form(progress, floor))
 
 
@@ -51,4 +51,5 @@ def test_scheduler_drives_optimizer_lr():
         opt.step()
         sched.step()
     assert seen[0] == pytest.approx(0.5 / 4) and seen[3] == pytest.approx(0.5)
-    assert seen[-1] == pytest.approx(0.5 * 0.5 * (1 + math.cos(math.pi * 9 / 10)))
+    assert seen[-2] == pytest.approx(0.5 * 0.5 * (1 + math.cos(math.pi * 8 / 9)))
+    assert seen[-1] == pytest.approx(0.0)  # the last step trains at the floor

@@ -71,8 +71,10 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def prune_checkpoints(root: Path, keep_last_n: int | None) -> None:
-    """Delete all but the newest `keep_last_n` complete checkpoints."""
+    """Delete all but the newest `keep_last_n` complete checkpoints. `.metadata` goes first, so a deletion
+    cut short leaves a folder that no longer counts as a complete checkpoint."""
     if keep_last_n is None:
         return
     for _, path in step_dirs(root)[:-keep_last_n]:
+        (path / ".metadata").unlink()
         shutil.rmtree(path)

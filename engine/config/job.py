@@ -37,9 +37,6 @@ class JobConfig(Section):
             raise ConfigError(issues)
         return self
 
-    @property
-    def uses_embedded_corpus(self) -> bool:
-        return self.data.dataset_path is None
 
 
 def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
@@ -83,7 +80,4 @@ def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     for name in ("tp", "pp", "cp", "dp_replicate"):
         if getattr(d, name) > 1:
             issues.append(ConfigIssue(f"distributed.{name}", f"{name} > 1 is not supported yet", f"set distributed.{name} = 1"))
-    if world_size > 1:
-        issues.append(ConfigIssue("world_size", f"multi-process training (world size {world_size}) is not supported yet",
-                                  "train in one process"))
     return issues

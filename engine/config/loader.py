@@ -1,8 +1,9 @@
 """Reading a job: TOML preset < command-line overrides, validated into a `JobConfig`.
 
 Overrides are `--section.key=value` (or `section.key=value`); the value is parsed as a TOML literal
-(`[0.9,0.95]`, `false`, `3e-4`, `"text"`), and anything that is not a valid literal is taken as a bare
-string so paths need no quoting.
+(`[0.9,0.95]`, `false`, `3e-4`, `"text"`). For a text field, and wherever the value is not a valid
+literal, it is taken as the text itself, so paths and names need no quoting (`--data.dataset_path=123`
+stays "123", `--metrics.wandb_run_name=2024-01-01` stays a name, not a date).
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     path = key.strip().split(".")
     if len(path) != 2 or not all(path):
         raise ValueError(f"override key {key!r} must be section.key")
-    return path, parse_literal(text.strip())
+    text = text.strip()
+    if is_text_field(path):
+        value = parse_literal(text)
+        return path, value if isinstance(value, str) else text
+    return path, parse_literal(text)
 
 
 def parse_literal(text: str) -> Any:
@@ -62,6 +67,12 @@ def parse_literal(text: str) -> Any:
         return tomlkit.parse(f"v = {text}").unwrap()["v"]
     except TOMLKitError:
         return text
+
+
+def is_text_field(path: list[str]) -> bool:
+    section = JobConfig.model_fields.get(path[0])
+    field = section.annotation.model_fields.get(path[1]) if section else None
+    return field is not None and field.annotation in (str, str | None)
 
 
 def set_dotted(raw: dict[str, Any], path: list[str], value: Any, issues: list[ConfigIssue]) -> None:

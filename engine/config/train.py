@@ -14,7 +14,7 @@ class TrainConfig(Section):
     seq_len: int = Field(512, gt=0, description="tokens per sequence")
     max_steps: int = Field(1000, gt=0, description="optimizer steps to train for")
     grad_accum_steps: int = Field(1, gt=0, description="micro-steps accumulated per optimizer step")
-    grad_clip_norm: float | None = Field(1.0, ge=0, description="clip the global grad norm to this; 0 or unset = no clipping")
+    grad_clip_norm: float = Field(1.0, ge=0, description="clip the global grad norm to this; 0 = no clipping")
     seed: int = Field(42, ge=0, description="seed for weights init and every RNG")
     data_seed: int | None = Field(None, ge=0, description="seed for the data order; None = seed")
     compile_model: bool = Field(False, description="torch.compile each transformer block")

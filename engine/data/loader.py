@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from engine.config import JobConfig
-from engine.data.embedded import embedded_corpus
+from engine.data.embedded import cache_dir, embedded_corpus
 from engine.data.sampler import BatchLayout, EpochOrder, EvalBatchSampler, TrainBatchSampler
 from engine.data.shards import MANIFEST, TOKENIZER_FILE, Manifest, ShardInfo, open_shard, read_manifest
 from engine.data.tokenizer import file_sha256
@@ -35,8 +35,8 @@ class TokenWindows(Dataset[Batch]):
     worker maps the files itself.
     """
 
-    def __init__(self, arrays: Sequence[np.ndarray], paths: Sequence[Path], seq_len: int) -> None:
-        self.paths, self.window = list(paths), seq_len + 1
+    def __init__(self, arrays: Sequence[np.ndarray], paths: Sequence[Path], seq_len: int, vocab_size: int) -> None:
+        self.paths, self.window, self.vocab_size = list(paths), seq_len + 1, vocab_size
         self._arrays: list[np.ndarray] | None = list(arrays)
         self.starts = np.concatenate([[0], np.cumsum([len(a) // self.window for a in arrays])])
 
@@ -46,7 +46,12 @@ class TokenWindows(Dataset[Batch]):
     def __getitem__(self, index: int) -> Batch:
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         offset = (index - int(self.starts[shard])) * self.window
-        tokens = torch.from_numpy(self.arrays[shard][offset:offset + self.window].astype(np.int64))
+        window = self.arrays[shard][offset:offset + self.window]
+        if window.max() >= self.vocab_size:  # a shard of the right size whose bytes were damaged
+            raise DataError(f"{self.paths[shard]} holds token id {int(window.max())}, outside its tokenizer's "
+                            f"vocabulary of {self.vocab_size}: the shard is corrupt",
+                            "re-run forge tokenize for this data set")
+        tokens = torch.from_numpy(window.astype(np.int64))
         return tokens[:-1], tokens[1:]
 
     @property
@@ -140,6 +145,21 @@ def verified(directory: Path, path_field: str, pattern: str, pattern_field: str,
              cfg: JobConfig) -> tuple[Path, Manifest, Path | None, TokenWindows]:
     """Everything a data set must satisfy before training starts; each failure names the file and field.
     Returns the first four fields of a `TokenData`."""
+    try:
+        return verified_directory(directory, path_field, pattern, pattern_field, cfg)
+    except DataError as e:
+        if not is_embedded_cache(directory):
+            raise
+        raise DataError(e.message, f"delete {directory.parent} (the embedded corpus cache); "
+                                   "Forge rebuilds it on the next run") from None
+
+
+def is_embedded_cache(directory: Path) -> bool:
+    return directory.parent.parent == cache_dir() / "corpus"
+
+
+def verified_directory(directory: Path, path_field: str, pattern: str, pattern_field: str,
+                       cfg: JobConfig) -> tuple[Path, Manifest, Path | None, TokenWindows]:
     if not directory.is_dir():
         raise DataError(f"{path_field} {directory} is not a directory",
                         f"tokenize text into it first (forge tokenize INPUT… --out {directory}) or fix {path_field}")
@@ -151,7 +171,7 @@ def verified(directory: Path, path_field: str, pattern: str, pattern_field: str,
     tokenizer_file = matching_tokenizer(directory, manifest, cfg.data.tokenizer_path)
     shards = selected_shards(directory, manifest, pattern, pattern_field)
     arrays = [open_shard(directory, info, manifest.dtype) for info in shards]
-    dataset = TokenWindows(arrays, [directory / s.file for s in shards], cfg.train.seq_len)
+    dataset = TokenWindows(arrays, [directory / s.file for s in shards], cfg.train.seq_len, manifest.vocab_size)
     if len(dataset) == 0:
         longest = max(s.tokens for s in shards)
         raise DataError(f"no shard of {directory} holds train.seq_len + 1 = {cfg.train.seq_len + 1} tokens "

@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine.config.model import ModelConfig
 from engine.model.rope import apply_rope
 
+CPU_SDPA_BACKENDS = ("auto", "math", "flash")  # the kernels PyTorch has for CPU tensors
 SDPA_BACKENDS = {
     "math": SDPBackend.MATH,
     "flash": SDPBackend.FLASH_ATTENTION,

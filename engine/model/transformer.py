@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from engine.config.model import ModelConfig
+from engine.config.registry import MODELS
 from engine.model.attention import Attention
 from engine.model.mlp import GatedMLP
 from engine.model.norms import build_norm
@@ -32,6 +33,7 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+@MODELS.register("transformer")
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -10,9 +10,11 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.f
 
 
 def compute_dtype(mode: str, device: torch.device) -> torch.dtype:
-    """`auto` is bf16 on GPU and fp32 on CPU, where bf16 matmuls are far slower than fp32 on most chips."""
+    """`auto` is bf16 on a GPU that has bf16 hardware, else fp32: bf16 matmuls are far slower than fp32 on
+    most CPUs, and GPUs before Ampere (V100, T4) only emulate bf16."""
     if mode == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.bfloat16 if bf16 else torch.float32
     return COMPUTE_DTYPES[mode]
 
 

@@ -2,7 +2,8 @@
 
 Step s counts optimizer steps from 0. Warmup (when warmup_steps = W > 0) is linear: (s + 1) / (W + 1),
 so the first step already trains (at lr / (W + 1)) and step W - 1 reaches W / (W + 1). After warmup the
-decay runs over `decay_steps` (default: the remaining steps) from 1 down to `min_lr_ratio`, then stays there.
+decay runs over `decay_steps` from 1 down to `min_lr_ratio`, then stays there. By default decay_steps is
+max_steps - W - 1, so the last step (s = max_steps - 1) trains exactly at the floor.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def no_schedule(progress: float, floor: float) -> float:
 def lr_multiplier(cfg: SchedulerConfig, max_steps: int) -> Callable[[int], float]:
     decay: Decay = SCHEDULERS.get(cfg.name)
     warmup = cfg.warmup_steps
-    decay_steps = cfg.decay_steps or max(max_steps - warmup, 1)
+    decay_steps = cfg.decay_steps or max(max_steps - warmup - 1, 1)
 
     def multiplier(step: int) -> float:
         if step < warmup:

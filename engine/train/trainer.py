@@ -6,8 +6,10 @@ before it writes anything, then trains, logs, evaluates and checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import random
 import shutil
 import time
@@ -22,10 +24,12 @@ import torch
 from engine.checkpoint.dcp import prune_checkpoints, save_checkpoint, step_dirs
 from engine.config.job import JobConfig
 from engine.config.loader import dump_toml
+from engine.config.registry import MODELS
 from engine.errors import UserError
 from engine.metrics.memory import memory_stats
 from engine.metrics.mfu import mfu, peak_flops
-from engine.metrics.trackers import build_trackers
+from engine.metrics.trackers import MetricsLogger, build_trackers
+from engine.model.attention import CPU_SDPA_BACKENDS
 from engine.model.transformer import Transformer
 from engine.parallel.apply import parallelize
 from engine.train import precision
@@ -53,11 +57,31 @@ def checkpoint_root(cfg: JobConfig, run_dir: Path) -> Path:
     return run_dir / cfg.checkpoint.dir
 
 
-def refuse_existing_run(cfg: JobConfig, run_dir: Path) -> None:
-    """Never train over a run that already has checkpoints: that would mix two runs' files."""
+def check_run_dir(cfg: JobConfig, run_dir: Path) -> None:
+    """The run directory must be new or hold no run: training over a run would mix two runs' files."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} is a file", "pass --run-dir with a folder path")
     if step_dirs(checkpoint_root(cfg, run_dir)) or (run_dir / "metrics.jsonl").exists():
         raise UserError(f"run directory {run_dir} already holds a run",
-                        "pass --run-dir with a new folder, or delete the old run; resuming arrives with `forge resume`")
+                        "pass --run-dir with a new folder, or delete the old run; resuming is not supported yet")
+    parent = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot create run directory {run_dir}: {parent} is not writable",
+                        "pass --run-dir somewhere you can write")
+
+
+def check_single_process() -> None:
+    """Started by torchrun/srun with several processes, each would train alone into the same run directory."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise UserError(f"multi-process training (WORLD_SIZE={world}) is not supported yet",
+                        "run forge train as a single process")
+
+
+def check_device_support(cfg: JobConfig, device: torch.device) -> None:
+    if device.type == "cpu" and cfg.model.sdpa_backend not in CPU_SDPA_BACKENDS:
+        raise UserError(f"model.sdpa_backend = {cfg.model.sdpa_backend!r} has no CPU kernel",
+                        f"use one of {', '.join(CPU_SDPA_BACKENDS)} on CPU")
 
 
 @dataclass
@@ -75,6 +99,7 @@ class Job:
     train_data: Any
     eval_data: Any
     summary: dict[str, Any]
+    peak_flops: float | None
 
     def autocast(self) -> AbstractContextManager:
         return precision.autocast(self.device, self.dtype)
@@ -83,44 +108,55 @@ class Job:
 def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     from engine.data.loader import open_eval_data, open_train_data
 
+    check_single_process()
     cfg.validate(world_size=1)
     train_data = open_train_data(cfg, dp_rank=0, dp_size=1)
     eval_data = open_eval_data(cfg, dp_rank=0, dp_size=1)
-    refuse_existing_run(cfg, run_dir)
-
+    check_run_dir(cfg, run_dir)
     device = pick_device()
-    seed_everything(cfg.train.seed)
-    model = parallelize(Transformer(cfg.model).to(device), cfg)
-    optimizer = build_optimizer(model, cfg.optimizer)
+    check_device_support(cfg, device)
     dtype = precision.compute_dtype(cfg.train.mixed_precision, device)
+    peak = peak_flops(device, dtype)
+
+    seed_everything(cfg.train.seed)
+    model = parallelize(MODELS.get(cfg.model.model_type)(cfg.model).to(device), cfg)
+    optimizer = build_optimizer(model, cfg.optimizer)
     return Job(cfg=cfg, run_dir=run_dir, device=device, dtype=dtype, model=model, optimizer=optimizer,
                scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps),
                scaler=precision.grad_scaler(device, dtype), train_data=train_data, eval_data=eval_data,
-               summary=job_summary(cfg))
+               summary=job_summary(cfg), peak_flops=peak)
 
 
-def write_run_dir(job: Job) -> None:
-    job.run_dir.mkdir(parents=True, exist_ok=True)
-    (job.run_dir / "config.toml").write_text(dump_toml(job.cfg))
-    if job.train_data.tokenizer_file is not None:
-        shutil.copyfile(job.train_data.tokenizer_file, job.run_dir / "tokenizer.json")
-    handler = logging.FileHandler(job.run_dir / "train.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
+def open_run_dir(job: Job) -> MetricsLogger:
+    """Write the run directory and start the metric sinks. A sink that cannot start (W&B not logged in,
+    TensorBoard missing) is a user error: then whatever this call created is removed again."""
+    created = not job.run_dir.exists()
+    try:
+        job.run_dir.mkdir(parents=True, exist_ok=True)
+        (job.run_dir / "config.toml").write_text(dump_toml(job.cfg))
+        if job.train_data.tokenizer_file is not None:
+            shutil.copyfile(job.train_data.tokenizer_file, job.run_dir / "tokenizer.json")
+        return build_trackers(job.cfg, job.run_dir, job.run_dir.name)
+    except UserError:
+        if created:
+            shutil.rmtree(job.run_dir, ignore_errors=True)
+        raise
 
 
 def train(cfg: JobConfig, run_dir: Path, reporter: Reporter | None = None) -> dict[str, Any]:
     """Train `cfg` into `run_dir`; return the final summary (last loss, steps, tokens, time)."""
-    reporter = reporter or SilentReporter()
     job = build_job(cfg, run_dir)
-    write_run_dir(job)
+    trackers = open_run_dir(job)
+    handler = logging.FileHandler(job.run_dir / "train.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
     try:
-        return run_loop(job, reporter)
+        return run_loop(job, trackers, reporter or SilentReporter())
     finally:
-        for handler in list(log.handlers):
-            log.removeHandler(handler)
-            handler.close()
+        trackers.close()
+        log.removeHandler(handler)
+        handler.close()
 
 
 def train_step(job: Job, batches: Iterator, loss_fn) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -134,7 +170,7 @@ def train_step(job: Job, batches: Iterator, loss_fn) -> tuple[torch.Tensor, torc
         job.scaler.scale(loss).backward()
         loss_sum += loss.detach()
     job.scaler.unscale_(job.optimizer)
-    max_norm = job.cfg.train.grad_clip_norm or math.inf
+    max_norm = job.cfg.train.grad_clip_norm or math.inf  # 0 = no clipping; the norm is still reported
     grad_norm = torch.nn.utils.clip_grad_norm_(job.model.parameters(), max_norm, foreach=True)
     lr = job.optimizer.param_groups[0]["lr"]
     job.scaler.step(job.optimizer)
@@ -156,12 +192,31 @@ def evaluate(job: Job, loss_fn) -> dict[str, float]:
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}
 
 
-def run_loop(job: Job, reporter: Reporter) -> dict[str, Any]:
+class ThroughputWindow:
+    """Tokens/s over the steps since the last log, not counting time spent in eval or checkpoints."""
+
+    def __init__(self) -> None:
+        self.start, self.tokens, self.paused = time.perf_counter(), 0, 0.0
+
+    def rate(self) -> float:
+        return self.tokens / (time.perf_counter() - self.start - self.paused)
+
+    def reset(self) -> None:
+        self.__init__()
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        begun = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused += time.perf_counter() - begun
+
+
+def run_loop(job: Job, trackers: MetricsLogger, reporter: Reporter) -> dict[str, Any]:
     cfg, t = job.cfg, job.cfg.train
     loss_fn = build_loss(t.loss_fn)
-    trackers = build_trackers(cfg, job.run_dir, job.run_dir.name)
     ckpt_root = checkpoint_root(cfg, job.run_dir)
-    peak = peak_flops(job.device, job.dtype)
     tokens_per_step = job.summary["tokens_per_step"]
     profiler = ProfilerWindow(cfg.profiling, job.run_dir, job.device)
     info = {"run_dir": str(job.run_dir), "device": str(job.device), "dtype": str(job.dtype).removeprefix("torch."),
@@ -171,42 +226,44 @@ def run_loop(job: Job, reporter: Reporter) -> dict[str, Any]:
 
     batches = job.train_data.batches(start_step=0)
     job.model.train()
-    tokens_seen, window_start, window_tokens, started = 0, time.perf_counter(), 0, time.perf_counter()
-    last: dict[str, float] = {}
-    try:
-        for step in range(1, t.max_steps + 1):
-            with profiler.step(step):
-                loss, grad_norm, lr = train_step(job, batches, loss_fn)
-            tokens_seen += tokens_per_step
-            window_tokens += tokens_per_step
-            if step == 1 or step % cfg.metrics.log_interval == 0 or step == t.max_steps:
-                elapsed = time.perf_counter() - window_start
-                tokens_per_sec = window_tokens / elapsed
-                last = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
-                        "tokens_per_sec": tokens_per_sec, "mfu": mfu(job.summary["flops_per_token"], tokens_per_sec, peak),
-                        "tokens_seen": tokens_seen, "elapsed_sec": time.perf_counter() - started,
-                        **memory_stats(job.device)}
-                trackers.log(step, last)
-                reporter.on_log(step, last)
-                log.info("step %d loss %.4f lr %.3e grad_norm %.3f tokens/s %.0f", step, last["loss"], lr,
-                         last["grad_norm"], tokens_per_sec)
-                window_start, window_tokens = time.perf_counter(), 0
-            if job.eval_data is not None and (step % cfg.eval.interval == 0 or step == t.max_steps):
+    tokens_seen, started, window = 0, time.perf_counter(), ThroughputWindow()
+    last: dict[str, Any] = {}
+    for step in range(1, t.max_steps + 1):
+        with profiler.step(step):
+            loss, grad_norm, lr = train_step(job, batches, loss_fn)
+        tokens_seen += tokens_per_step
+        window.tokens += tokens_per_step
+        if step == 1 or step % cfg.metrics.log_interval == 0 or step == t.max_steps:
+            loss_value, norm_value = loss.item(), grad_norm.item()  # waits for the device, so the rate is true
+            last = step_metrics(job, step, loss_value, norm_value, lr, window.rate(), tokens_seen, started)
+            trackers.log(step, last)
+            reporter.on_log(step, last)
+            log.info("step %d loss %.4f lr %.3e grad_norm %.3f tokens/s %.0f", step, last["loss"], lr,
+                     last["grad_norm"], last["tokens_per_sec"])
+            window.reset()
+        if job.eval_data is not None and (step % cfg.eval.interval == 0 or step == t.max_steps):
+            with window.pause():
                 metrics = evaluate(job, loss_fn)
-                trackers.log(step, metrics)
-                reporter.on_eval(step, metrics)
-                log.info("eval step %d loss %.4f", step, metrics["eval_loss"])
-                last.update(metrics)
-            if step == t.max_steps or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0):
+            trackers.log(step, metrics)
+            reporter.on_eval(step, metrics)
+            log.info("eval step %d loss %.4f", step, metrics["eval_loss"])
+            last.update(metrics)
+        if step == t.max_steps or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0):
+            with window.pause():
                 path = save_checkpoint(ckpt_root, step, job.model, job.optimizer,
                                        {"step": step, "tokens_seen": tokens_seen, "scheduler": job.scheduler.state_dict()})
                 prune_checkpoints(ckpt_root, cfg.checkpoint.keep_last_n)
-                reporter.on_checkpoint(step, path)
-                log.info("checkpoint %s", path)
-    finally:
-        trackers.close()
+            reporter.on_checkpoint(step, path)
+            log.info("checkpoint %s", path)
     summary = {"steps": t.max_steps, "tokens_seen": tokens_seen, "train_time_sec": time.perf_counter() - started,
                "final_loss": last.get("loss"), "final_eval_loss": last.get("eval_loss"), "run_dir": str(job.run_dir)}
     reporter.on_end(summary)
     log.info("done %s", summary)
     return summary
+
+
+def step_metrics(job: Job, step: int, loss: float, grad_norm: float, lr: float,
+                 tokens_per_sec: float, tokens_seen: int, started: float) -> dict[str, Any]:
+    return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "tokens_per_sec": tokens_per_sec, "mfu": mfu(job.summary["flops_per_token"], tokens_per_sec, job.peak_flops),
+            "tokens_seen": tokens_seen, "elapsed_sec": time.perf_counter() - started, **memory_stats(job.device)}

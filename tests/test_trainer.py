@@ -1,0 +1,109 @@
+"""The training loop through the engine API: accumulation, clipping, precision, compile, checkpointing."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import load_job_config
+from engine.errors import DataError
+from engine.train.trainer import train
+
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "train.seq_len=64",
+        "model.max_seq_len=64", "train.batch_size=4", "train.max_steps=4", "metrics.log_interval=1",
+        "eval.enabled=false", "scheduler.warmup_steps=1"]
+
+
+def run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
+    cfg = load_job_config(Path(__file__).parents[1] / "presets" / "debug.toml", [*TINY, *overrides])
+    train(cfg, tmp_path / name)
+    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records]
+
+
+def test_grad_accumulation_equals_the_larger_batch(tmp_path):
+    """4 sequences in one micro-batch or 2 × 2 accumulated: same samples, same mean loss, same gradients."""
+    whole = run(tmp_path, "whole", "train.batch_size=4", "train.grad_accum_steps=1")
+    split = run(tmp_path, "split", "train.batch_size=2", "train.grad_accum_steps=2")
+    for a, b in zip(whole, split):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_gradients_are_clipped_before_the_step(tmp_path, monkeypatch):
+    seen: list[float] = []
+    original = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        seen.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    records = run(tmp_path, "clip", "train.grad_clip_norm=0.05")
+    assert all(r["grad_norm"] > 0.05 for r in records)  # the reported norm is the one before clipping
+    assert all(n == pytest.approx(0.05, rel=1e-4) for n in seen)
+    seen.clear()
+    unclipped = run(tmp_path, "noclip", "train.grad_clip_norm=0")
+    assert seen == pytest.approx([r["grad_norm"] for r in unclipped], rel=1e-4)
+
+
+def test_full_activation_checkpointing_leaves_losses_unchanged(tmp_path):
+    plain = losses(run(tmp_path, "plain"))
+    checkpointed = losses(run(tmp_path, "ac", "train.activation_checkpointing=full"))
+    assert checkpointed == pytest.approx(plain, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager(tmp_path):
+    plain = losses(run(tmp_path, "plain"))
+    compiled = losses(run(tmp_path, "compiled", "train.compile_model=true"))
+    assert compiled == pytest.approx(plain, abs=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_trains_close_to_fp32(tmp_path, precision):
+    plain = losses(run(tmp_path, "fp32", "train.mixed_precision=fp32"))
+    reduced = losses(run(tmp_path, precision, f"train.mixed_precision={precision}"))
+    assert all(math.isfinite(x) for x in reduced)
+    assert reduced == pytest.approx(plain, abs=0.05)
+
+
+def test_profiler_writes_a_trace_of_the_window(tmp_path):
+    run(tmp_path, "prof", "profiling.enable=true", "profiling.start_step=2", "profiling.end_step=3")
+    trace = tmp_path / "prof" / "profile" / "trace_steps_2-3.json"
+    assert trace.is_file() and "traceEvents" in trace.read_text()[:2000]
+
+
+def test_checkpoint_of_a_checkpointed_model_loads_into_a_plain_one(tmp_path):
+    from engine.checkpoint.dcp import load_checkpoint
+    from engine.model.transformer import Transformer
+
+    run(tmp_path, "ac", "train.activation_checkpointing=full", "checkpoint.keep_last_n=1", "checkpoint.interval=2")
+    cfg = load_job_config(tmp_path / "ac" / "config.toml")
+    assert sorted(p.name for p in (tmp_path / "ac" / "checkpoints").iterdir()) == ["step_4"]
+    state = load_checkpoint(tmp_path / "ac" / "checkpoints" / "step_4", Transformer(cfg.model))
+    assert state["step"] == 4 and state["tokens_seen"] == 4 * 4 * 64
+
+
+def test_damaged_shard_bytes_are_a_data_error(tmp_path):
+    from engine.data.loader import open_train_data
+    from tests.data_fixtures import job_config, tokenized
+
+    data = tokenized(tmp_path)
+    shard = sorted(data.glob("*.npy"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[-64:] = b"\xff" * 64  # same size, ids 65535 far outside the 400-token vocabulary
+    shard.write_bytes(bytes(raw))
+    batches = open_train_data(job_config(data, "train.batch_size=64")).batches()
+    with pytest.raises(DataError, match="corrupt"):
+        for _ in range(50):
+            next(batches)
