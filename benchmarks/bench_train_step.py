@@ -2,6 +2,8 @@
 
 Both models get the same shape, batch, sequence length, dtype and thread count, and the same loss
 function applied to their logits, so the ratio measures model + optimizer implementation only.
+`transformers` runs twice: with torch.optim.AdamW as constructed by default (the usual HF training
+step) and with the fused AdamW kernel Forge uses, so the optimizer's share of the difference is visible.
 Steps are timed in alternating rounds (ours, theirs, ours, …) so machine drift hits both alike.
 
     python benchmarks/bench_train_step.py                      # CPU, fp32, the debug-sized model
@@ -78,12 +80,15 @@ def main() -> None:
     torch.manual_seed(0)
     batch = tuple(torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), device=device) for _ in range(2))
     ours = Transformer(cfg).to(device)
-    theirs = hf_llama(cfg).to(device)
+    theirs, theirs_fused = hf_llama(cfg).to(device), hf_llama(cfg).to(device)
     assert ours.num_parameters() == theirs.num_parameters(), (ours.num_parameters(), theirs.num_parameters())
+    hf_logits = lambda m, x: m(input_ids=x).logits  # noqa: E731
+    adamw = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     timers = {
         "forge": step_timer(ours, build_optimizer(ours, OptimizerConfig()), lambda m, x: m(x), batch, device, dtype),
-        "transformers": step_timer(theirs, torch.optim.AdamW(theirs.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1),
-                                   lambda m, x: m(input_ids=x).logits, batch, device, dtype),
+        "transformers": step_timer(theirs, torch.optim.AdamW(theirs.parameters(), **adamw), hf_logits, batch, device, dtype),
+        "transformers_fused_adamw": step_timer(theirs_fused, torch.optim.AdamW(theirs_fused.parameters(), fused=True, **adamw),
+                                               hf_logits, batch, device, dtype),
     }
     for step in timers.values():
         for _ in range(args.warmup):
@@ -95,7 +100,8 @@ def main() -> None:
     tokens = args.batch_size * args.seq_len
     result = {name: {"median_step_sec": statistics.median(t), "tokens_per_sec": tokens / statistics.median(t)}
               for name, t in times.items()}
-    result["ratio_forge_over_transformers"] = result["forge"]["tokens_per_sec"] / result["transformers"]["tokens_per_sec"]
+    for name in ("transformers", "transformers_fused_adamw"):
+        result[f"ratio_forge_over_{name}"] = result["forge"]["tokens_per_sec"] / result[name]["tokens_per_sec"]
     result["setup"] = {**vars(args), "parameters": ours.num_parameters(), "threads": torch.get_num_threads(),
                        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
                        "machine": platform.machine(), "processor": platform.processor() or platform.machine(),

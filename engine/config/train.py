@@ -19,7 +19,7 @@ class TrainConfig(Section):
     data_seed: int | None = Field(None, ge=0, description="seed for the data order; None = seed")
     compile_model: bool = Field(False, description="torch.compile each transformer block")
     mixed_precision: Literal["auto", "bf16", "fp16", "fp32", "fp8"] = Field(
-        "auto", description="compute dtype; auto = bf16 on GPU, fp32 on CPU (bf16 matmuls are slow on most CPUs)"
+        "auto", description="compute dtype; auto = bf16 on a GPU with bf16 hardware, else fp32 (always fp32 on CPU)"
     )
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none", description="recompute activations in backward: full = every block"

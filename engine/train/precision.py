@@ -10,8 +10,9 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.f
 
 
 def compute_dtype(mode: str, device: torch.device) -> torch.dtype:
-    """`auto` is bf16 on a GPU that has bf16 hardware, else fp32: bf16 matmuls are far slower than fp32 on
-    most CPUs, and GPUs before Ampere (V100, T4) only emulate bf16."""
+    """`auto` is bf16 on a GPU that has bf16 hardware, else fp32. On CPU it is fp32 because bf16 speed
+    there depends on the chip (emulated, and far slower, without AVX512-BF16/AMX) and CPU runs are where
+    exact fp32 results are compared; GPUs before Ampere (V100, T4) only emulate bf16."""
     if mode == "auto":
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
         return torch.bfloat16 if bf16 else torch.float32
