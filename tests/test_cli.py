@@ -145,6 +145,11 @@ def test_setup_failures_after_validation_write_nothing(tmp_path):
                             timeout=240, env={**os.environ, "NO_COLOR": "1"})
     assert_user_error(result, "tensorboard")
     assert not run_dir.exists()
+    run_dir.mkdir()  # an existing empty folder keeps existing, and stays empty
+    result = subprocess.run(result.args, cwd=REPO, capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "NO_COLOR": "1"})
+    assert_user_error(result, "tensorboard")
+    assert list(run_dir.iterdir()) == []
 
 
 def test_json_summary_is_the_only_stdout(tmp_path):

@@ -13,7 +13,6 @@ import os
 import random
 import shutil
 import time
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -101,7 +100,7 @@ class Job:
     summary: dict[str, Any]
     peak_flops: float | None
 
-    def autocast(self) -> AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager:
         return precision.autocast(self.device, self.dtype)
 
 
@@ -131,6 +130,7 @@ def open_run_dir(job: Job) -> MetricsLogger:
     """Write the run directory and start the metric sinks. A sink that cannot start (W&B not logged in,
     TensorBoard missing) is a user error: then whatever this call created is removed again."""
     created = not job.run_dir.exists()
+    before = set() if created else set(job.run_dir.iterdir())
     try:
         job.run_dir.mkdir(parents=True, exist_ok=True)
         (job.run_dir / "config.toml").write_text(dump_toml(job.cfg))
@@ -138,8 +138,11 @@ def open_run_dir(job: Job) -> MetricsLogger:
             shutil.copyfile(job.train_data.tokenizer_file, job.run_dir / "tokenizer.json")
         return build_trackers(job.cfg, job.run_dir, job.run_dir.name)
     except UserError:
-        if created:
-            shutil.rmtree(job.run_dir, ignore_errors=True)
+        for path in [job.run_dir] if created else set(job.run_dir.iterdir()) - before:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
         raise
 
 
