@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from forgecli import doctor, tokenize, train, validate_config
+from forgecli import doctor, resume, tokenize, train, validate_config
 
 app = typer.Typer(
     name="forge",
@@ -18,6 +18,7 @@ app = typer.Typer(
 EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 app.command("train", context_settings=EXTRA_ARGS)(train.train)
+app.command("resume", context_settings=EXTRA_ARGS)(resume.resume)
 app.command("validate-config", context_settings=EXTRA_ARGS)(validate_config.validate_config)
 app.command("tokenize")(tokenize.tokenize)
 app.command("doctor")(doctor.doctor)

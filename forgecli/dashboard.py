@@ -29,8 +29,9 @@ def fmt_metrics(metrics: dict[str, Any]) -> dict[str, str]:
 
 
 def start_line(info: dict[str, Any]) -> str:
+    resumed = f", resuming after step {info['start_step']}" if info["start_step"] else ""
     return (f"training {info['parameters']['total']:,} parameters on {info['device']} ({info['dtype']}), "
-            f"{info['max_steps']} steps × {info['tokens_per_step']:,} tokens → {info['run_dir']}")
+            f"{info['max_steps']} steps × {info['tokens_per_step']:,} tokens{resumed} → {info['run_dir']}")
 
 
 class PlainReporter:
@@ -38,20 +39,20 @@ class PlainReporter:
 
     def __init__(self, stream: TextIO = sys.stdout) -> None:
         self.stream = stream
-        self.max_steps = 0
+        self.max_steps = self.start_step = 0
         self.started = time.perf_counter()
 
     def _line(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
 
     def on_start(self, info: dict[str, Any]) -> None:
-        self.max_steps = info["max_steps"]
+        self.max_steps, self.start_step = info["max_steps"], info["start_step"]
         self.started = time.perf_counter()
         self._line(start_line(info))
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
         elapsed = time.perf_counter() - self.started
-        eta = elapsed / step * (self.max_steps - step)
+        eta = elapsed / (step - self.start_step) * (self.max_steps - step)
         fields = " ".join(f"{k.replace(' ', '_')}={v}" for k, v in fmt_metrics(metrics).items())
         self._line(f"step {step}/{self.max_steps} {fields} eta={eta:.0f}s")
 
@@ -90,7 +91,7 @@ class LiveDashboard:
 
     def on_start(self, info: dict[str, Any]) -> None:
         console.print(start_line(info), markup=False, highlight=False)
-        self.progress.update(self.task, total=info["max_steps"])
+        self.progress.update(self.task, total=info["max_steps"], completed=info["start_step"])
         self.live.start()
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None:

@@ -1,16 +1,19 @@
-"""`forge train`: train a preset into a run directory."""
+"""`forge train`: train a preset into a run directory, or continue the run already there."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from forgecli.dashboard import LiveDashboard, PlainReporter
 from forgecli.overrides import collect_overrides
 from forgecli.ui import console, is_interactive, print_json, user_errors
+
+if TYPE_CHECKING:
+    from engine.config import JobConfig
 
 
 @user_errors
@@ -22,7 +25,8 @@ def train(
 ) -> None:
     """Train a model into a run directory (config, metrics, logs, checkpoints).
 
-    Overrides as --section.key=value, values as TOML literals (--optimizer.betas=[0.9,0.95]).
+    If the run directory already holds a run of this config, it resumes from its newest complete
+    checkpoint. Overrides as --section.key=value, values as TOML literals (--optimizer.betas=[0.9,0.95]).
 
     [bold]Examples[/bold]
 
@@ -32,20 +36,28 @@ def train(
 
     """
     from engine.config import load_job_config
-    from engine.train.trainer import train as run_training
 
     cfg = load_job_config(preset, collect_overrides(ctx.args))
-    run_dir = run_dir or Path("runs") / preset.stem
+    run_training(cfg, run_dir or Path("runs") / preset.stem, as_json)
+
+
+def run_training(cfg: "JobConfig", run_dir: Path, as_json: bool) -> None:
+    """Train with the console output that fits; shared by `forge train` and `forge resume`."""
+    from engine.train.trainer import train as train_job
+
     if as_json:  # stdout carries only the JSON summary; progress lines go to stderr
         reporter = PlainReporter(sys.stderr)
     else:
         reporter = LiveDashboard() if is_interactive() else PlainReporter()
     try:
-        summary = run_training(cfg, run_dir, reporter)
+        summary = train_job(cfg, run_dir, reporter)
     finally:
         if isinstance(reporter, LiveDashboard):
             reporter.stop()
     if as_json:
         print_json(summary)
+    elif summary.get("already_complete"):
+        console.print(f"run {run_dir} is already complete at step {summary['steps']}; "
+                      f"raise --train.max_steps to train further", markup=False, highlight=False)
     else:
         console.print(f"run directory: {run_dir}", markup=False, highlight=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.checkpoint.dcp import load_checkpoint, prune_checkpoints, save_checkpoint, step_dirs
+from engine.checkpoint.dcp import complete_checkpoints, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
 from engine.model.transformer import Transformer
@@ -44,7 +44,10 @@ def test_incomplete_folders_are_not_checkpoints_and_pruning_keeps_newest(tmp_pat
     model, optimizer = trained_pair(0)
     for step in (1, 2, 3):
         save_checkpoint(tmp_path, step, model, optimizer, {"step": step})
-    (tmp_path / "step_4").mkdir()  # a save killed before DCP wrote .metadata
-    assert [s for s, _ in step_dirs(tmp_path)] == [1, 2, 3]
+    (tmp_path / "step_4").mkdir()  # a save killed before it finished
+    (tmp_path / "step_4" / ".metadata").write_bytes(b"")
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [1, 2, 3]
+    assert latest_checkpoint(tmp_path)[0] == 3 and (tmp_path / "latest").read_text() == "step_3"
     prune_checkpoints(tmp_path, keep_last_n=2)
-    assert [s for s, _ in step_dirs(tmp_path)] == [2, 3]
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [2, 3]
+    assert not (tmp_path / "step_1").exists() and (tmp_path / "step_4").exists()  # never the one being written

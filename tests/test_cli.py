@@ -82,7 +82,7 @@ def test_train_writes_a_complete_run_directory(tmp_path):
     assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
     assert (run_dir / "train.log").read_text().count("step ") >= 6
     assert (run_dir / "tokenizer.json").is_file()
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_3", "step_6"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_3", "step_6"]
     # The resolved config is a preset: training from it again validates.
     again = forge("validate-config", str(run_dir / "config.toml"))
     assert again.returncode == 0, again.stderr
@@ -161,9 +161,10 @@ def test_json_summary_is_the_only_stdout(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~2 minutes alone; sharing 2 cores with the other test worker, up to twice that
 def test_debug_preset_as_the_readme_runs_it(tmp_path):
     """The main job: presets/debug.toml on the embedded corpus, loss from ~ln(vocab) to >= 2 nats below it."""
-    result = forge("train", str(REPO / "presets" / "debug.toml"), cwd=tmp_path, timeout=600)  # run dir: runs/debug
+    result = forge("train", str(REPO / "presets" / "debug.toml"), cwd=tmp_path, timeout=850)  # run dir: runs/debug
     assert result.returncode == 0, result.stderr
     records = [r for r in metrics_of(tmp_path / "runs" / "debug") if "loss" in r]
     first, last = records[0]["loss"], records[-1]["loss"]
@@ -191,10 +192,3 @@ def test_empty_and_corrupt_data_directories(tmp_path):
     assert not (tmp_path / "r2").exists()
 
 
-@pytest.mark.slow
-def test_existing_run_is_never_overwritten(tmp_path):
-    run_dir = tmp_path / "run"
-    assert forge("train", "presets/debug.toml", "--run-dir", str(run_dir), *TINY).returncode == 0
-    before = (run_dir / "metrics.jsonl").read_bytes()
-    assert_user_error(forge("train", "presets/debug.toml", "--run-dir", str(run_dir), *TINY), "already holds a run")
-    assert (run_dir / "metrics.jsonl").read_bytes() == before

@@ -165,3 +165,41 @@ def test_cuda_memory_stats_keys(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(torch.cuda, fn, lambda device=None, gib=gib: gib * 2**30)
     expected = {"mem_allocated_gib": 1.0, "mem_reserved_gib": 2.0, "mem_peak_gib": 3.0}
     assert memory_stats(torch.device("cuda")) == expected
+
+
+def test_resume_drops_the_interrupted_attempts_records(tmp_path: Path):
+    with build_trackers(job(), tmp_path) as logger:
+        for step in range(1, 6):
+            logger.log(step, {"loss": float(step)})
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 6, "lo')  # killed mid-line
+    with build_trackers(job(), tmp_path, resumed_from=3) as logger:
+        logger.log(4, {"loss": 40.0})
+    assert [(r["step"], r["loss"]) for r in records(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+
+
+def test_tensorboard_resume_purges_later_events(tmp_path: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with build_trackers(job(enable_tensorboard=True), tmp_path) as logger:
+        for step in range(1, 6):
+            logger.log(step, {"loss": float(step)})
+    with build_trackers(job(enable_tensorboard=True), tmp_path, resumed_from=2) as logger:
+        logger.log(3, {"loss": 30.0})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_wandb_resume_continues_the_same_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with build_trackers(job(enable_wandb=True), tmp_path / "run") as logger:
+        logger.log(1, {"loss": 3.0})
+        run_id = logger.wandb_run_id
+    with build_trackers(job(enable_wandb=True), tmp_path / "run", resumed_from=1, wandb_run_id=run_id) as logger:
+        logger.log(2, {"loss": 2.0})
+        assert logger.wandb_run_id == run_id
+    runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)

@@ -89,7 +89,7 @@ def test_checkpoint_of_a_checkpointed_model_loads_into_a_plain_one(tmp_path):
 
     run(tmp_path, "ac", "train.activation_checkpointing=full", "checkpoint.keep_last_n=1", "checkpoint.interval=2")
     cfg = load_job_config(tmp_path / "ac" / "config.toml")
-    assert sorted(p.name for p in (tmp_path / "ac" / "checkpoints").iterdir()) == ["step_4"]
+    assert sorted(p.name for p in (tmp_path / "ac" / "checkpoints").iterdir()) == ["latest", "step_4"]
     state = load_checkpoint(tmp_path / "ac" / "checkpoints" / "step_4", Transformer(cfg.model))
     assert state["step"] == 4 and state["tokens_seen"] == 4 * 4 * 64
 

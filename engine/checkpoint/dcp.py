@@ -1,15 +1,23 @@
 """Save and load training state with torch.distributed.checkpoint (DCP).
 
-Layout: CHECKPOINT_DIR/step_N/ holds one DCP checkpoint with the model and optimizer (through
-`get_state_dict`, so the same code works for sharded models) and the train state (step, tokens seen,
-LR scheduler). DCP writes per-rank shard files plus a `.metadata` file, and can load into a different
-parallel layout than the one that saved.
+Layout under the checkpoint folder:
+
+    step_N/            one checkpoint: DCP shard files + .metadata (model and optimizer, through
+                       `get_state_dict`, so the same code serves sharded models), train_state.json
+                       (step, tokens seen, LR scheduler, RNG states; JSON, never pickle), and COMPLETE,
+                       written last, after every other file is on disk (fsync)
+    latest             the name of the newest complete checkpoint, replaced atomically after COMPLETE
+
+A folder without COMPLETE was cut short (the job was killed while saving) and is never loaded. DCP can
+load a checkpoint into a different parallel layout than the one that saved it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
 import re
 import shutil
 import warnings
@@ -23,6 +31,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAIN_STATE = "train_state.json"
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+
+log = logging.getLogger("forge.checkpoint")
 
 
 def distributed() -> bool:
@@ -39,23 +51,41 @@ def single_process_quiet() -> Iterator[None]:
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every step_N folder under root that DCP finished (it writes .metadata last), oldest first."""
+    """(step, path) of every step_N folder under root, complete or not, oldest first."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / ".metadata").is_file()]
-    return sorted(found)
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    return [(step, path) for step, path in step_dirs(root) if (path / COMPLETE).is_file()]
+
+
+def latest_checkpoint(root: Path) -> tuple[int, Path] | None:
+    """The newest complete checkpoint; newer incomplete ones (a save that was killed) are skipped with a warning."""
+    complete = complete_checkpoints(root)
+    newest = complete[-1] if complete else None
+    for step, path in step_dirs(root):
+        if newest is None or step > newest[0]:
+            log.warning("skipping incomplete checkpoint %s (its save was interrupted)", path)
+    return newest
 
 
 def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     train_state: dict[str, Any]) -> Path:
-    """Write step_N. The JSON train state goes first and DCP's `.metadata` last, so a folder with
-    `.metadata` is complete. Train state is JSON, not pickle, so loading it can never run code."""
+    """Write step_N durably, then mark it complete, then point `latest` at it."""
     path = root / f"step_{step}"
-    path.mkdir(parents=True, exist_ok=True)
-    (path / TRAIN_STATE).write_text(json.dumps(train_state, indent=2))
+    if path.exists():  # a save of this step that was cut short by a kill
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with single_process_quiet():
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path, no_dist=not distributed())
+    (path / TRAIN_STATE).write_text(json.dumps(train_state))
+    for file in path.iterdir():
+        fsync(file)
+    write_durably(path / COMPLETE, "")
+    write_durably(root / LATEST, path.name)
     return path
 
 
@@ -71,10 +101,34 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def prune_checkpoints(root: Path, keep_last_n: int | None) -> None:
-    """Delete all but the newest `keep_last_n` complete checkpoints. `.metadata` goes first, so a deletion
-    cut short leaves a folder that no longer counts as a complete checkpoint."""
+    """Delete all but the newest `keep_last_n` complete checkpoints (and incomplete folders older than the
+    newest complete one). COMPLETE goes first, so a deletion cut short never leaves a loadable half."""
     if keep_last_n is None:
         return
-    for _, path in step_dirs(root)[:-keep_last_n]:
-        (path / ".metadata").unlink()
-        shutil.rmtree(path)
+    complete = complete_checkpoints(root)
+    keep = {path for _, path in complete[-keep_last_n:]}
+    newest = complete[-1][0] if complete else -1
+    for step, path in step_dirs(root):
+        if path not in keep and step < newest:
+            (path / COMPLETE).unlink(missing_ok=True)
+            shutil.rmtree(path)
+
+
+def fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def write_durably(path: Path, text: str) -> None:
+    """Write `text` to a temporary file, fsync it, rename it over `path`, fsync the folder."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -3,13 +3,16 @@
 Build one `MetricsLogger` in the process that reports (rank 0 of a distributed run) and call `log` at each
 logging step. A value of None means "not available" (MFU on a GPU missing from the peak table): it is
 null in the JSONL file and skipped by TensorBoard and W&B. A `step` key among the metrics is the x-axis,
-not a series.
+not a series. A resumed run (`resumed_from`) first drops what the interrupted attempt logged after the
+checkpoint it resumes from, in the JSONL file and in TensorBoard, so each step appears once, and
+continues the same W&B run.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from types import TracebackType
@@ -41,6 +44,11 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.close()
 
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The W&B run's id, saved in checkpoints so a resumed run logs into the same W&B run."""
+        return next((sink.run.id for sink in self.sinks if isinstance(sink, WandbSink)), None)
+
     def __enter__(self) -> "MetricsLogger":
         return self
 
@@ -49,20 +57,23 @@ class MetricsLogger:
         self.close()
 
 
-def build_trackers(cfg: JobConfig, run_dir: str | Path, run_name: str | None = None) -> MetricsLogger:
+def build_trackers(cfg: JobConfig, run_dir: str | Path, run_name: str | None = None,
+                   resumed_from: int | None = None, wandb_run_id: str | None = None) -> MetricsLogger:
     """The sinks `cfg.metrics` asks for, writing under `run_dir`.
 
     `run_name` names the W&B run when `metrics.wandb_run_name` is unset (default: the run directory's name).
+    `resumed_from` is the step of the checkpoint a resumed run starts from; `wandb_run_id` the W&B run
+    it logged into.
     """
     run_dir = Path(run_dir)
     m = cfg.metrics
     sinks: list[Sink] = []
     try:
-        sinks.append(JsonlSink(run_dir / METRICS_FILE))
+        sinks.append(JsonlSink(run_dir / METRICS_FILE, resumed_from))
         if m.enable_tensorboard:
-            sinks.append(TensorBoardSink(run_dir / (m.tensorboard_dir or "tensorboard")))
+            sinks.append(TensorBoardSink(run_dir / (m.tensorboard_dir or "tensorboard"), resumed_from))
         if m.enable_wandb:
-            sinks.append(WandbSink(cfg, run_dir, m.wandb_run_name or run_name or run_dir.name))
+            sinks.append(WandbSink(cfg, run_dir, m.wandb_run_name or run_name or run_dir.name, wandb_run_id))
     except BaseException:
         MetricsLogger(sinks).close()
         raise
@@ -75,8 +86,10 @@ class JsonlSink:
     Non-finite floats (a diverged loss) are written as null, keeping every line standard JSON.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, resumed_from: int | None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        if resumed_from is not None and path.exists():
+            keep_records_through(path, resumed_from)
         self.file = path.open("a", encoding="utf-8")
 
     def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
@@ -97,17 +110,36 @@ def finite_or_none(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-class TensorBoardSink:
-    """Scalars through torch's SummaryWriter."""
+def keep_records_through(path: Path, step: int) -> None:
+    """Drop records after `step` and a half-written last line (a kill mid-write). The file is rewritten to
+    a temporary and renamed over the original, so an interruption here leaves the old file or the new one."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if line.endswith("\n") and record_step(path, line) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
-    def __init__(self, log_dir: Path) -> None:
+
+def record_step(path: Path, line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{path} has a line that is not a metrics record: {line.strip()[:80]!r}",
+                        "move the file aside; the resumed run will start a new one") from None
+
+
+class TensorBoardSink:
+    """Scalars through torch's SummaryWriter; on resume, `purge_step` hides the interrupted attempt's later events."""
+
+    def __init__(self, log_dir: Path, resumed_from: int | None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise UserError("metrics.enable_tensorboard = true but tensorboard is not installed",
                             "pip install tensorboard (or 'forge-lm[tracking]'), "
                             "or set metrics.enable_tensorboard = false") from None
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        purge = resumed_from + 1 if resumed_from is not None else None
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
 
     def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
         for key, value in series(metrics).items():
@@ -123,7 +155,7 @@ class WandbSink:
     Metrics are plotted against an explicit `step` metric, the training step.
     """
 
-    def __init__(self, cfg: JobConfig, run_dir: Path, name: str) -> None:
+    def __init__(self, cfg: JobConfig, run_dir: Path, name: str, run_id: str | None) -> None:
         try:
             import wandb
         except ImportError:
@@ -132,8 +164,9 @@ class WandbSink:
                             "or set metrics.enable_wandb = false") from None
         run_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self.run = wandb.init(project=cfg.metrics.wandb_project, name=name, dir=run_dir,
-                                  config=cfg.model_dump(mode="json"))
+            self.run = wandb.init(project=cfg.metrics.wandb_project, name=name, dir=run_dir, id=run_id,
+                                  resume="allow" if run_id else None, config=cfg.model_dump(mode="json"),
+                                  allow_val_change=True)
         except wandb.errors.Error as e:
             raise UserError(f"W&B could not start a run: {e}",
                             "run `wandb login`, or set WANDB_MODE=offline to log locally, "

@@ -1,7 +1,9 @@
 """The training loop: one process, CPU or one GPU.
 
 `train(cfg, run_dir)` checks everything that can be wrong with the job (config, data, run directory)
-before it writes anything, then trains, logs, evaluates and checkpoints.
+before it writes anything, then trains, logs, evaluates and checkpoints. A run directory that already
+holds a run is resumed from its newest complete checkpoint, and the resumed run computes exactly what
+the uninterrupted one would have: same weights, optimizer state, LR schedule, RNG and data position.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from engine.checkpoint.dcp import prune_checkpoints, save_checkpoint, step_dirs
+from engine.checkpoint.dcp import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from engine.checkpoint.rng import restore_rng, rng_state
+from engine.config.changes import resume_issues
 from engine.config.job import JobConfig
-from engine.config.loader import dump_toml
+from engine.config.loader import dump_toml, load_job_config
 from engine.config.registry import MODELS
-from engine.errors import UserError
+from engine.errors import ConfigError, UserError
 from engine.metrics.memory import memory_stats
 from engine.metrics.mfu import mfu, peak_flops
 from engine.metrics.trackers import MetricsLogger, build_trackers
@@ -56,13 +60,27 @@ def checkpoint_root(cfg: JobConfig, run_dir: Path) -> Path:
     return run_dir / cfg.checkpoint.dir
 
 
-def check_run_dir(cfg: JobConfig, run_dir: Path) -> None:
-    """The run directory must be new or hold no run: training over a run would mix two runs' files."""
+RUN_CONFIG = "config.toml"
+
+
+def run_config(run_dir: Path, overrides: list[str] = ()) -> JobConfig:
+    """The saved config of an existing run, with overrides (which `train` then checks are safe)."""
+    if not (run_dir / RUN_CONFIG).is_file():
+        raise UserError(f"{run_dir} is not a Forge run directory (it has no {RUN_CONFIG})",
+                        "pass the folder `forge train` wrote, e.g. runs/debug")
+    return load_job_config(run_dir / RUN_CONFIG, overrides)
+
+
+def check_run_dir(cfg: JobConfig, run_dir: Path) -> tuple[int, Path] | None:
+    """A new run directory, or an existing run that `cfg` may continue. Returns the checkpoint to resume
+    from (None: start at step 0, which an existing run killed before its first checkpoint also does)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} is a file", "pass --run-dir with a folder path")
-    if step_dirs(checkpoint_root(cfg, run_dir)) or (run_dir / "metrics.jsonl").exists():
-        raise UserError(f"run directory {run_dir} already holds a run",
-                        "pass --run-dir with a new folder, or delete the old run; resuming is not supported yet")
+    if (run_dir / RUN_CONFIG).is_file():
+        issues = resume_issues(load_job_config(run_dir / RUN_CONFIG), cfg)
+        if issues:
+            raise ConfigError(issues, f"{run_dir} (an existing run: it resumes with its own config)")
+        return latest_checkpoint(checkpoint_root(cfg, run_dir))
     parent = next(p for p in (run_dir, *run_dir.parents) if p.exists())
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot create run directory {run_dir}: {parent} is not writable",
@@ -99,6 +117,9 @@ class Job:
     eval_data: Any
     summary: dict[str, Any]
     peak_flops: float | None
+    start_step: int = 0
+    tokens_seen: int = 0
+    wandb_run_id: str | None = None
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return precision.autocast(self.device, self.dtype)
@@ -111,7 +132,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     cfg.validate(world_size=1)
     train_data = open_train_data(cfg, dp_rank=0, dp_size=1)
     eval_data = open_eval_data(cfg, dp_rank=0, dp_size=1)
-    check_run_dir(cfg, run_dir)
+    resume_from = check_run_dir(cfg, run_dir)
     device = pick_device()
     check_device_support(cfg, device)
     dtype = precision.compute_dtype(cfg.train.mixed_precision, device)
@@ -120,10 +141,27 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     seed_everything(cfg.train.seed)
     model = parallelize(MODELS.get(cfg.model.model_type)(cfg.model).to(device), cfg)
     optimizer = build_optimizer(model, cfg.optimizer)
-    return Job(cfg=cfg, run_dir=run_dir, device=device, dtype=dtype, model=model, optimizer=optimizer,
-               scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps),
-               scaler=precision.grad_scaler(device, dtype), train_data=train_data, eval_data=eval_data,
-               summary=job_summary(cfg), peak_flops=peak)
+    job = Job(cfg=cfg, run_dir=run_dir, device=device, dtype=dtype, model=model, optimizer=optimizer,
+              scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps),
+              scaler=precision.grad_scaler(device, dtype), train_data=train_data, eval_data=eval_data,
+              summary=job_summary(cfg), peak_flops=peak)
+    if resume_from is not None:
+        restore(job, resume_from[1])
+    return job
+
+
+def restore(job: Job, path: Path) -> None:
+    """Continue from checkpoint `path`: the data position is the step, so nothing else needs saving."""
+    state = load_checkpoint(path, job.model, job.optimizer)
+    job.scheduler.load_state_dict(state["scheduler"])
+    restore_rng(state["rng"])
+    job.start_step, job.tokens_seen, job.wandb_run_id = state["step"], state["tokens_seen"], state.get("wandb_run_id")
+    log.info("resuming from %s", path)
+
+
+def train_state(job: Job, step: int, tokens_seen: int, trackers: MetricsLogger) -> dict[str, Any]:
+    return {"step": step, "tokens_seen": tokens_seen, "scheduler": job.scheduler.state_dict(), "rng": rng_state(),
+            "wandb_run_id": trackers.wandb_run_id}
 
 
 def open_run_dir(job: Job) -> MetricsLogger:
@@ -136,7 +174,8 @@ def open_run_dir(job: Job) -> MetricsLogger:
         (job.run_dir / "config.toml").write_text(dump_toml(job.cfg))
         if job.train_data.tokenizer_file is not None:
             shutil.copyfile(job.train_data.tokenizer_file, job.run_dir / "tokenizer.json")
-        return build_trackers(job.cfg, job.run_dir, job.run_dir.name)
+        resumed_from = job.start_step if (job.run_dir / "metrics.jsonl").exists() and not created else None
+        return build_trackers(job.cfg, job.run_dir, job.run_dir.name, resumed_from, job.wandb_run_id)
     except UserError:
         for path in [job.run_dir] if created else set(job.run_dir.iterdir()) - before:
             if path.is_dir():
@@ -147,8 +186,11 @@ def open_run_dir(job: Job) -> MetricsLogger:
 
 
 def train(cfg: JobConfig, run_dir: Path, reporter: Reporter | None = None) -> dict[str, Any]:
-    """Train `cfg` into `run_dir`; return the final summary (last loss, steps, tokens, time)."""
+    """Train `cfg` into `run_dir`, or continue the run there; return the final summary."""
     job = build_job(cfg, run_dir)
+    if job.start_step >= cfg.train.max_steps:
+        return {"steps": job.start_step, "tokens_seen": job.tokens_seen, "already_complete": True,
+                "run_dir": str(run_dir)}
     trackers = open_run_dir(job)
     handler = logging.FileHandler(job.run_dir / "train.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
@@ -223,20 +265,20 @@ def run_loop(job: Job, trackers: MetricsLogger, reporter: Reporter) -> dict[str,
     tokens_per_step = job.summary["tokens_per_step"]
     profiler = ProfilerWindow(cfg.profiling, job.run_dir, job.device)
     info = {"run_dir": str(job.run_dir), "device": str(job.device), "dtype": str(job.dtype).removeprefix("torch."),
-            "max_steps": t.max_steps, **job.summary}
+            "max_steps": t.max_steps, "start_step": job.start_step, **job.summary}
     reporter.on_start(info)
     log.info("start %s", info)
 
-    batches = job.train_data.batches(start_step=0)
+    batches = job.train_data.batches(start_step=job.start_step)
     job.model.train()
-    tokens_seen, started, window = 0, time.perf_counter(), ThroughputWindow()
+    tokens_seen, started, window = job.tokens_seen, time.perf_counter(), ThroughputWindow()
     last: dict[str, Any] = {}
-    for step in range(1, t.max_steps + 1):
+    for step in range(job.start_step + 1, t.max_steps + 1):
         with profiler.step(step):
             loss, grad_norm, lr = train_step(job, batches, loss_fn)
         tokens_seen += tokens_per_step
         window.tokens += tokens_per_step
-        if step == 1 or step % cfg.metrics.log_interval == 0 or step == t.max_steps:
+        if step == job.start_step + 1 or step % cfg.metrics.log_interval == 0 or step == t.max_steps:
             loss_value, norm_value = loss.item(), grad_norm.item()  # waits for the device, so the rate is true
             last = step_metrics(job, step, loss_value, norm_value, lr, window.rate(), tokens_seen, started)
             trackers.log(step, last)
@@ -254,11 +296,11 @@ def run_loop(job: Job, trackers: MetricsLogger, reporter: Reporter) -> dict[str,
         if step == t.max_steps or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0):
             with window.pause():
                 path = save_checkpoint(ckpt_root, step, job.model, job.optimizer,
-                                       {"step": step, "tokens_seen": tokens_seen, "scheduler": job.scheduler.state_dict()})
+                                       train_state(job, step, tokens_seen, trackers))
                 prune_checkpoints(ckpt_root, cfg.checkpoint.keep_last_n)
             reporter.on_checkpoint(step, path)
             log.info("checkpoint %s", path)
-    summary = {"steps": t.max_steps, "tokens_seen": tokens_seen, "train_time_sec": time.perf_counter() - started,
+    summary = {"steps": t.max_steps, "start_step": job.start_step, "tokens_seen": tokens_seen, "train_time_sec": time.perf_counter() - started,
                "final_loss": last.get("loss"), "final_eval_loss": last.get("eval_loss"), "run_dir": str(job.run_dir)}
     reporter.on_end(summary)
     log.info("done %s", summary)

@@ -1,0 +1,32 @@
+"""Which config changes a run may take when it resumes.
+
+A resumed run must continue the same computation: the model's shape, the data and its order, and the
+optimization all come from the saved config. Only fields that do not change what is computed, or that
+extend it (train.max_steps), may differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.config.job import JobConfig
+from engine.errors import ConfigIssue
+
+SAFE_ON_RESUME = (
+    "train.max_steps", "train.compile_model", "train.activation_checkpointing",
+    "data.num_workers", "data.pin_memory", "data.prefetch_factor",
+    "checkpoint.interval", "checkpoint.keep_last_n",
+    "eval.", "metrics.", "profiling.",
+)
+
+
+def flatten(cfg: JobConfig) -> dict[str, Any]:
+    return {f"{section}.{key}": value for section, fields in cfg.model_dump().items() for key, value in fields.items()}
+
+
+def resume_issues(saved: JobConfig, new: JobConfig) -> list[ConfigIssue]:
+    """One issue per field that differs from the saved run and may not change on resume."""
+    before, after = flatten(saved), flatten(new)
+    return [ConfigIssue(path, f"the run was trained with {before[path]!r}, not {after[path]!r}",
+                        "keep the run's value, or train into a new --run-dir")
+            for path in before if before[path] != after[path] and not path.startswith(SAFE_ON_RESUME)]

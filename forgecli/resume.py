@@ -1,0 +1,35 @@
+"""`forge resume`: continue a run from its newest complete checkpoint, with its saved config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from forgecli.overrides import collect_overrides
+from forgecli.train import run_training
+from forgecli.ui import user_errors
+
+
+@user_errors
+def resume(
+    ctx: typer.Context,
+    run_dir: Path = typer.Argument(..., help="A run directory written by forge train."),
+    as_json: bool = typer.Option(False, "--json", help="Print the final summary as JSON on stdout (progress lines go to stderr)."),
+) -> None:
+    """Continue a run from its newest complete checkpoint, with the config saved in it.
+
+    Overrides that keep the computation the same are allowed (train.max_steps, logging, eval,
+    checkpoint cadence, profiling, data-loader workers); ones that would change the model, the data or
+    the optimization are refused. The losses after the resume equal those of an uninterrupted run.
+
+    [bold]Examples[/bold]
+
+      forge resume runs/debug
+
+      forge resume runs/debug --train.max_steps=600
+
+    """
+    from engine.train.trainer import run_config
+
+    run_training(run_config(run_dir, collect_overrides(ctx.args)), run_dir, as_json)

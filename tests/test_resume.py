@@ -1,0 +1,139 @@
+"""Never lose a run: a run killed at any step resumes to exactly the uninterrupted result."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--train.seq_len=64",
+        "--model.max_seq_len=64", "--train.batch_size=4", "--metrics.log_interval=1", "--eval.interval=5",
+        "--eval.steps=2", "--checkpoint.interval=4", "--scheduler.warmup_steps=3"]
+ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
+
+
+def forge(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "forgecli.app", *args], cwd=REPO, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+
+
+def train_args(run_dir: Path, *extra: str) -> list[str]:
+    return ["train", "presets/debug.toml", "--run-dir", str(run_dir), *TINY, *extra]
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def losses(run_dir: Path) -> dict[int, tuple[float, float]]:
+    steps = [r["step"] for r in records(run_dir) if "loss" in r]
+    assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records(run_dir) if "loss" in r}
+
+
+def kill_after(run_dir: Path, step: int, *extra: str) -> int:
+    """Start training, SIGKILL it as soon as `step` is logged; return the last step it logged."""
+    proc = subprocess.Popen([sys.executable, "-m", "forgecli.app", *train_args(run_dir, "--train.max_steps=40", *extra)],
+                            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            logged = [r["step"] for r in records(run_dir) if "loss" in r] if (run_dir / "metrics.jsonl").exists() else []
+            if logged and logged[-1] >= step:
+                break
+            time.sleep(0.005)
+        assert proc.poll() is None, "training finished before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    return [r["step"] for r in records(run_dir) if "loss" in r][-1]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from engine.checkpoint.dcp import load_checkpoint, latest_checkpoint
+    from engine.config import load_job_config
+    from engine.model.transformer import Transformer
+
+    model = Transformer(load_job_config(run_dir / "config.toml").model)
+    step, path = latest_checkpoint(run_dir / "checkpoints")
+    assert step == 40
+    load_checkpoint(path, model)
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("resume") / "whole"
+    result = forge(*train_args(run_dir, "--train.max_steps=40"))
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accum,kills", [(1, 1), (2, 2)])
+def test_killed_runs_resume_bitwise(tmp_path, uninterrupted, accum, kills):
+    accumulate = f"--train.grad_accum_steps={accum}"
+    reference = uninterrupted
+    if accum != 1:  # accumulation changes the computation, so it needs its own uninterrupted reference
+        reference = tmp_path / "whole"
+        assert forge(*train_args(reference, "--train.max_steps=40", accumulate)).returncode == 0
+    run_dir = tmp_path / "killed"
+    rng = random.Random(accum * 100 + kills)
+    for step in sorted(rng.sample([s for s in range(5, 34) if s % 4], kills)):  # between checkpoints
+        assert kill_after(run_dir, step, accumulate) < 40
+    result = forge(*train_args(run_dir, "--train.max_steps=40", accumulate))
+    assert result.returncode == 0, result.stderr
+    assert "resuming after step" in result.stdout
+    assert losses(run_dir) == losses(reference)  # every step, bitwise: before the kill and after the resume
+    ours, theirs = final_weights(run_dir), final_weights(reference)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_resume_continues_and_refuses_unsafe_changes(tmp_path):
+    run_dir = tmp_path / "run"
+    assert forge(*train_args(run_dir, "--train.max_steps=4")).returncode == 0
+    before = (run_dir / "metrics.jsonl").read_bytes()
+
+    again = forge(*train_args(run_dir, "--train.max_steps=4"))
+    assert again.returncode == 0 and "already complete at step 4" in again.stdout
+
+    changed = forge(*train_args(run_dir, "--train.max_steps=6", "--model.dim=128", "--optimizer.lr=1.0"))
+    assert changed.returncode == 2 and "model.dim" in changed.stderr and "optimizer.lr" in changed.stderr
+    assert "Traceback" not in changed.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == before
+
+    refused = forge("resume", str(run_dir), "--train.seq_len=32")
+    assert refused.returncode == 2 and "train.seq_len" in refused.stderr
+
+    extended = forge("resume", str(run_dir), "--train.max_steps=6")
+    assert extended.returncode == 0, extended.stderr
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4, 5, 6]
+    assert "max_steps = 6" in (run_dir / "config.toml").read_text()
+
+
+def test_incomplete_newest_checkpoint_is_skipped(tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for run_dir in (whole, cut):
+        assert forge(*train_args(run_dir, "--train.max_steps=8")).returncode == 0
+    (cut / "checkpoints" / "step_8" / "COMPLETE").unlink()  # as if killed while saving step 8
+    result = forge("resume", str(cut))
+    assert result.returncode == 0, result.stderr
+    assert "incomplete checkpoint" in result.stderr and "resuming after step 4" in result.stdout
+    assert losses(cut) == losses(whole)
+
+
+def test_resume_of_something_that_is_not_a_run(tmp_path):
+    result = forge("resume", str(tmp_path))
+    assert result.returncode == 2 and "not a Forge run directory" in result.stderr
