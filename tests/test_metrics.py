@@ -202,4 +202,4 @@ def test_wandb_resume_continues_the_same_run(tmp_path: Path, monkeypatch: pytest
         logger.log(2, {"loss": 2.0})
         assert logger.wandb_run_id == run_id
     runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)
+    assert len(runs) == 2 and all(f"-{run_id}" in r.name for r in runs)  # a second dir in the same second gets "-1"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.checkpoint.dcp import latest_checkpoint
 from tests.conftest import REPO
 
 TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--train.seq_len=64",
@@ -62,7 +63,7 @@ def kill_after(run_dir: Path, step: int, *extra: str) -> int:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from engine.checkpoint.dcp import load_checkpoint, latest_checkpoint
+    from engine.checkpoint.dcp import load_checkpoint
     from engine.config import load_job_config
     from engine.model.transformer import Transformer
 
@@ -91,8 +92,12 @@ def test_killed_runs_resume_bitwise(tmp_path, uninterrupted, accum, kills):
         assert forge(*train_args(reference, "--train.max_steps=40", accumulate)).returncode == 0
     run_dir = tmp_path / "killed"
     rng = random.Random(accum * 100 + kills)
-    for step in sorted(rng.sample([s for s in range(5, 34) if s % 4], kills)):  # between checkpoints
+    kill_steps = [rng.choice([s for s in range(5 + 12 * i, 16 + 12 * i) if s % 4]) for i in range(kills)]
+    resumed_from = []
+    for step in kill_steps:  # between checkpoints, and each attempt past a new checkpoint
         assert kill_after(run_dir, step, accumulate) < 40
+        resumed_from.append(latest_checkpoint(run_dir / "checkpoints")[0])
+    assert resumed_from == sorted(set(resumed_from)) and len(resumed_from) == kills
     result = forge(*train_args(run_dir, "--train.max_steps=40", accumulate))
     assert result.returncode == 0, result.stderr
     assert "resuming after step" in result.stdout

@@ -107,3 +107,30 @@ def test_damaged_shard_bytes_are_a_data_error(tmp_path):
     with pytest.raises(DataError, match="corrupt"):
         for _ in range(50):
             next(batches)
+
+
+def test_iterating_data_leaves_the_global_rng_alone(tmp_path):
+    """A resumed run restores the RNG; the data loader must not draw from it, or the streams would differ."""
+    from engine.data.loader import open_train_data
+    from tests.data_fixtures import job_config, tokenized
+
+    batches = open_train_data(job_config(tokenized(tmp_path))).batches(start_step=3)
+    state = torch.get_rng_state()
+    next(batches)
+    assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_stop_and_resume_in_process_equals_one_run(tmp_path, precision):
+    """Train 3 steps, then continue to 6 with `forge resume` semantics: same losses as 6 steps at once,
+    including fp16's loss-scaler state, the schedule and a profiler window spanning the resume."""
+    from engine.train.trainer import run_config
+
+    common = (f"train.mixed_precision={precision}", "scheduler.decay_steps=4", "checkpoint.interval=3",
+              "profiling.enable=true", "profiling.start_step=2", "profiling.end_step=5")
+    whole = losses(run(tmp_path, "whole", "train.max_steps=6", *common))
+    run(tmp_path, "parts", "train.max_steps=3", *common)
+    train(run_config(tmp_path / "parts", ["train.max_steps=6"]), tmp_path / "parts")
+    lines = (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()
+    assert [r["loss"] for r in map(json.loads, lines) if "loss" in r] == whole
+    assert (tmp_path / "parts" / "profile" / "trace_steps_4-5.json").is_file()

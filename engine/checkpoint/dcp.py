@@ -7,6 +7,8 @@ Layout under the checkpoint folder:
                        (step, tokens seen, LR scheduler, RNG states; JSON, never pickle), and COMPLETE,
                        written last, after every other file is on disk (fsync)
     latest             the name of the newest complete checkpoint, replaced atomically after COMPLETE
+                       (for people and tools; Forge itself resumes from the newest folder with COMPLETE,
+                       which is the same one unless `latest` was lost)
 
 A folder without COMPLETE was cut short (the job was killed while saving) and is never loaded. DCP can
 load a checkpoint into a different parallel layout than the one that saved it.
@@ -119,11 +121,12 @@ def fsync(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def write_durably(path: Path, text: str) -> None:
-    """Write `text` to a temporary file, fsync it, rename it over `path`, fsync the folder."""
+def write_durably(path: Path, content: str | bytes) -> None:
+    """Write `content` to a temporary file, fsync it, rename it over `path`, fsync the folder: a kill at any
+    moment leaves the old file or the new one, never a truncated one."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(content.encode() if isinstance(content, str) else content)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -53,8 +53,8 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     if cfg.eval.enabled and cfg.eval.dataset_path is None and cfg.data.dataset_path is not None:
         issues.append(ConfigIssue("eval.dataset_path", "eval is enabled but has no data source",
                                   "set eval.dataset_path to held-out shards, or eval.enabled = false"))
-    if cfg.profiling.enable and cfg.profiling.end_step > t.max_steps:
-        issues.append(ConfigIssue("profiling.end_step", f"{cfg.profiling.end_step} is after train.max_steps ({t.max_steps})",
+    if cfg.profiling.enable and cfg.profiling.start_step > t.max_steps:
+        issues.append(ConfigIssue("profiling.start_step", f"{cfg.profiling.start_step} is after train.max_steps ({t.max_steps})",
                                   "profile a window inside the run"))
     issues += layout_issues(cfg, world_size)
     return issues

@@ -80,7 +80,10 @@ class TokenData:
         return len(self.dataset)
 
     def loader(self, batch_sampler: TrainBatchSampler | EvalBatchSampler, **extra: Any) -> DataLoader:
-        return DataLoader(self.dataset, batch_sampler=batch_sampler, **self.loader_options, **extra)
+        # Its own generator: a DataLoader otherwise draws its workers' base seed from the global torch RNG,
+        # so iterating data would shift the random stream a resumed run must reproduce.
+        return DataLoader(self.dataset, batch_sampler=batch_sampler, generator=torch.Generator(),
+                          **self.loader_options, **extra)
 
 
 @dataclass

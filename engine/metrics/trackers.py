@@ -116,7 +116,10 @@ def keep_records_through(path: Path, step: int) -> None:
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     kept = [line for line in lines if line.endswith("\n") and record_step(path, line) <= step]
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write("".join(kept))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from engine.checkpoint.dcp import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from engine.checkpoint.dcp import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint, write_durably
 from engine.checkpoint.rng import restore_rng, rng_state
 from engine.config.changes import resume_issues
 from engine.config.job import JobConfig
@@ -69,6 +69,16 @@ def run_config(run_dir: Path, overrides: list[str] = ()) -> JobConfig:
         raise UserError(f"{run_dir} is not a Forge run directory (it has no {RUN_CONFIG})",
                         "pass the folder `forge train` wrote, e.g. runs/debug")
     return load_job_config(run_dir / RUN_CONFIG, overrides)
+
+
+def with_pinned_schedule(cfg: JobConfig) -> JobConfig:
+    """The config with `scheduler.decay_steps` resolved, as the run directory records it: a run resumed
+    with a larger train.max_steps then continues the schedule it trained with (at the floor once decayed)
+    instead of stretching the decay and jumping the LR."""
+    if cfg.scheduler.decay_steps is not None:
+        return cfg
+    decay = max(cfg.train.max_steps - cfg.scheduler.warmup_steps - 1, 1)
+    return cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"decay_steps": decay})})
 
 
 def check_run_dir(cfg: JobConfig, run_dir: Path) -> tuple[int, Path] | None:
@@ -119,6 +129,7 @@ class Job:
     peak_flops: float | None
     start_step: int = 0
     tokens_seen: int = 0
+    elapsed_sec: float = 0.0  # training time of earlier attempts of this run
     wandb_run_id: str | None = None
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -129,7 +140,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     from engine.data.loader import open_eval_data, open_train_data
 
     check_single_process()
-    cfg.validate(world_size=1)
+    cfg = with_pinned_schedule(cfg.validate(world_size=1))
     train_data = open_train_data(cfg, dp_rank=0, dp_size=1)
     eval_data = open_eval_data(cfg, dp_rank=0, dp_size=1)
     resume_from = check_run_dir(cfg, run_dir)
@@ -154,13 +165,17 @@ def restore(job: Job, path: Path) -> None:
     """Continue from checkpoint `path`: the data position is the step, so nothing else needs saving."""
     state = load_checkpoint(path, job.model, job.optimizer)
     job.scheduler.load_state_dict(state["scheduler"])
+    job.scaler.load_state_dict(state["grad_scaler"])
     restore_rng(state["rng"])
-    job.start_step, job.tokens_seen, job.wandb_run_id = state["step"], state["tokens_seen"], state.get("wandb_run_id")
+    job.start_step, job.tokens_seen, job.elapsed_sec = state["step"], state["tokens_seen"], state["elapsed_sec"]
+    job.wandb_run_id = state["wandb_run_id"]
     log.info("resuming from %s", path)
 
 
-def train_state(job: Job, step: int, tokens_seen: int, trackers: MetricsLogger) -> dict[str, Any]:
-    return {"step": step, "tokens_seen": tokens_seen, "scheduler": job.scheduler.state_dict(), "rng": rng_state(),
+def train_state(job: Job, step: int, tokens_seen: int, elapsed_sec: float, trackers: MetricsLogger) -> dict[str, Any]:
+    """What a checkpoint holds beside the weights and optimizer; everything is JSON."""
+    return {"step": step, "tokens_seen": tokens_seen, "elapsed_sec": elapsed_sec,
+            "scheduler": job.scheduler.state_dict(), "grad_scaler": job.scaler.state_dict(), "rng": rng_state(),
             "wandb_run_id": trackers.wandb_run_id}
 
 
@@ -171,9 +186,9 @@ def open_run_dir(job: Job) -> MetricsLogger:
     before = set() if created else set(job.run_dir.iterdir())
     try:
         job.run_dir.mkdir(parents=True, exist_ok=True)
-        (job.run_dir / "config.toml").write_text(dump_toml(job.cfg))
+        write_if_changed(job.run_dir / RUN_CONFIG, dump_toml(job.cfg).encode())
         if job.train_data.tokenizer_file is not None:
-            shutil.copyfile(job.train_data.tokenizer_file, job.run_dir / "tokenizer.json")
+            write_if_changed(job.run_dir / "tokenizer.json", job.train_data.tokenizer_file.read_bytes())
         resumed_from = job.start_step if (job.run_dir / "metrics.jsonl").exists() and not created else None
         return build_trackers(job.cfg, job.run_dir, job.run_dir.name, resumed_from, job.wandb_run_id)
     except UserError:
@@ -183,6 +198,13 @@ def open_run_dir(job: Job) -> MetricsLogger:
             else:
                 path.unlink()
         raise
+
+
+def write_if_changed(path: Path, content: bytes) -> None:
+    """A resume rewrites nothing it need not; what it does rewrite is replaced atomically, since the run's
+    config is what a later resume reads."""
+    if not path.is_file() or path.read_bytes() != content:
+        write_durably(path, content)
 
 
 def train(cfg: JobConfig, run_dir: Path, reporter: Reporter | None = None) -> dict[str, Any]:
@@ -271,14 +293,15 @@ def run_loop(job: Job, trackers: MetricsLogger, reporter: Reporter) -> dict[str,
 
     batches = job.train_data.batches(start_step=job.start_step)
     job.model.train()
-    tokens_seen, started, window = job.tokens_seen, time.perf_counter(), ThroughputWindow()
+    tokens_seen, window = job.tokens_seen, ThroughputWindow()
+    started = time.perf_counter() - job.elapsed_sec  # elapsed time counts earlier attempts of the run too
     last: dict[str, Any] = {}
     for step in range(job.start_step + 1, t.max_steps + 1):
         with profiler.step(step):
             loss, grad_norm, lr = train_step(job, batches, loss_fn)
         tokens_seen += tokens_per_step
         window.tokens += tokens_per_step
-        if step == job.start_step + 1 or step % cfg.metrics.log_interval == 0 or step == t.max_steps:
+        if step == 1 or step % cfg.metrics.log_interval == 0 or step == t.max_steps:
             loss_value, norm_value = loss.item(), grad_norm.item()  # waits for the device, so the rate is true
             last = step_metrics(job, step, loss_value, norm_value, lr, window.rate(), tokens_seen, started)
             trackers.log(step, last)
@@ -296,10 +319,11 @@ def run_loop(job: Job, trackers: MetricsLogger, reporter: Reporter) -> dict[str,
         if step == t.max_steps or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0):
             with window.pause():
                 path = save_checkpoint(ckpt_root, step, job.model, job.optimizer,
-                                       train_state(job, step, tokens_seen, trackers))
+                                       train_state(job, step, tokens_seen, time.perf_counter() - started, trackers))
                 prune_checkpoints(ckpt_root, cfg.checkpoint.keep_last_n)
             reporter.on_checkpoint(step, path)
             log.info("checkpoint %s", path)
+    profiler.close(t.max_steps)
     summary = {"steps": t.max_steps, "start_step": job.start_step, "tokens_seen": tokens_seen, "train_time_sec": time.perf_counter() - started,
                "final_loss": last.get("loss"), "final_eval_loss": last.get("eval_loss"), "run_dir": str(job.run_dir)}
     reporter.on_end(summary)
