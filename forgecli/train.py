@@ -58,6 +58,6 @@ def run_training(cfg: "JobConfig", run_dir: Path, as_json: bool) -> None:
         print_json(summary)
     elif summary.get("already_complete"):
         console.print(f"run {run_dir} is already complete at step {summary['steps']}; "
-                      f"raise --train.max_steps to train further", markup=False, highlight=False)
+                      f"raise --train.max_steps to train further", markup=False, highlight=False, soft_wrap=True)
     else:
-        console.print(f"run directory: {run_dir}", markup=False, highlight=False)
+        console.print(f"run directory: {run_dir}", markup=False, highlight=False, soft_wrap=True)
