@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import re
 import shutil
 import warnings
@@ -30,6 +29,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from engine.durable import fsync_file, write_durably
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAIN_STATE = "train_state.json"
@@ -85,7 +86,7 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path, no_dist=not distributed())
     (path / TRAIN_STATE).write_text(json.dumps(train_state))
     for file in path.iterdir():
-        fsync(file)
+        fsync_file(file)
     write_durably(path / COMPLETE, "")
     write_durably(root / LATEST, path.name)
     return path
@@ -114,24 +115,3 @@ def prune_checkpoints(root: Path, keep_last_n: int | None) -> None:
         if path not in keep and step < newest:
             (path / COMPLETE).unlink(missing_ok=True)
             shutil.rmtree(path)
-
-
-def fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def write_durably(path: Path, content: str | bytes) -> None:
-    """Write `content` to a temporary file, fsync it, rename it over `path`, fsync the folder: a kill at any
-    moment leaves the old file or the new one, never a truncated one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(content.encode() if isinstance(content, str) else content)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -8,14 +8,14 @@ The manifest is written last: a directory with a manifest is a finished data set
 from __future__ import annotations
 
 import json
-import os
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, BinaryIO
+from typing import Any, Callable
 
 import numpy as np
 
+from engine.durable import atomic_write
 from engine.errors import DataError
 
 FORMAT = "forge-token-shards"
@@ -23,7 +23,6 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 SHARD_GLOB = "shard-*.npy"
-TMP_SUFFIX = ".tmp"
 
 
 def shard_name(index: int) -> str:
@@ -121,19 +120,6 @@ def manifest_from_json(raw: dict[str, Any]) -> Manifest:
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     atomic_write(directory / MANIFEST, lambda f: f.write(json.dumps(manifest.to_json(), indent=2).encode() + b"\n"))
-
-
-def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write `path` via a temporary sibling + fsync + os.replace, so it is either absent, old, or complete."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def open_shard(directory: Path, info: ShardInfo, dtype: str) -> np.memmap:

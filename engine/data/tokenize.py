@@ -26,8 +26,9 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from engine.data import DEFAULT_SHARD_TOKENS
-from engine.data.shards import (MANIFEST, SHARD_GLOB, TMP_SUFFIX, TOKENIZER_FILE, Manifest, ShardInfo,
-                                ShardWriter, atomic_write, open_shard, read_manifest, write_manifest)
+from engine.durable import TMP_SUFFIX, atomic_write
+from engine.data.shards import (MANIFEST, SHARD_GLOB, TOKENIZER_FILE, Manifest, ShardInfo,
+                                ShardWriter, open_shard, read_manifest, write_manifest)
 from engine.data.sources import Document, InputFile, check_text_field, find_input_files, iter_documents, total_size
 from engine.data.tokenizer import DEFAULT_EOS, Encoder, check_vocab_size
 from engine.errors import DataError

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Mapping, Protocol
 
 from engine.config.job import JobConfig
+from engine.durable import write_durably
 from engine.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
@@ -115,12 +115,7 @@ def keep_records_through(path: Path, step: int) -> None:
     a temporary and renamed over the original, so an interruption here leaves the old file or the new one."""
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     kept = [line for line in lines if line.endswith("\n") and record_step(path, line) <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write("".join(kept))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_durably(path, "".join(kept))
 
 
 def record_step(path: Path, line: str) -> int:

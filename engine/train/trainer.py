@@ -22,12 +22,13 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from engine.checkpoint.dcp import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint, write_durably
+from engine.checkpoint.dcp import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from engine.checkpoint.rng import restore_rng, rng_state
 from engine.config.changes import resume_issues
 from engine.config.job import JobConfig
 from engine.config.loader import dump_toml, load_job_config
 from engine.config.registry import MODELS
+from engine.durable import write_durably
 from engine.errors import ConfigError, UserError
 from engine.metrics.memory import memory_stats
 from engine.metrics.mfu import mfu, peak_flops

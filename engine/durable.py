@@ -1,0 +1,46 @@
+"""Writing files so that a kill at any moment leaves the old file or the new one, never a torn one.
+
+Used for everything a later run reads back: shards and manifests, checkpoint markers, the run's config,
+the rewritten metrics log.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+TMP_SUFFIX = ".tmp"
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write through `write` into a temporary sibling, fsync it, rename it over `path`, fsync the folder."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def write_durably(path: Path, content: str | bytes) -> None:
+    data = content.encode() if isinstance(content, str) else content
+    atomic_write(path, lambda f: f.write(data))
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
