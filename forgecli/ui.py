@@ -42,6 +42,11 @@ def show_user_error(err: Exception) -> None:
     err_console.print(Panel(body, title="error", border_style="red", expand=False))
 
 
+def show_run_failure(message: str) -> None:
+    """A run that stopped for a reason that is not a bug (diverged, a rank hung): a panel, no traceback."""
+    err_console.print(Panel(escape(message), title="training stopped", border_style="red", expand=False))
+
+
 def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     """Turn `engine.errors.UserError` raised by a command into a panel and exit code 2."""
 

@@ -142,3 +142,99 @@ def test_incomplete_newest_checkpoint_is_skipped(tmp_path):
 def test_resume_of_something_that_is_not_a_run(tmp_path):
     result = forge("resume", str(tmp_path))
     assert result.returncode == 2 and "not a Forge run directory" in result.stderr
+
+
+def start(args: list[str], log: Path, script: str = "forgecli.app", env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", script, *args], cwd=REPO, env=env or ENV,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(r.get("step", 0) >= step and "loss" in r for r in records(run_dir)):
+            return
+        time.sleep(0.005)
+    raise AssertionError("training ended before the step to interrupt")
+
+
+def assert_same_as(run_dir: Path, reference: Path) -> None:
+    assert losses(run_dir) == losses(reference)
+    ours, theirs = final_weights(run_dir), final_weights(reference)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_sigterm_saves_exits_for_requeue_and_resumes_exactly(tmp_path, uninterrupted):
+    run_dir, log = tmp_path / "preempted", tmp_path / "out.txt"
+    proc = start(train_args(run_dir, "--train.max_steps=40"), log)
+    try:
+        wait_for_step(proc, run_dir, 6)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)  # a second signal while it saves changes nothing
+        assert proc.wait(timeout=60) == 75, log.read_text()
+    finally:
+        proc.kill()
+    stopped_at = [r["step"] for r in records(run_dir) if "loss" in r][-1]
+    assert stopped_at < 40 and latest_checkpoint(run_dir / "checkpoints")[0] == stopped_at
+    assert f"stopped by SIGTERM at step {stopped_at}" in log.read_text()
+    assert f"forge resume {run_dir}" in log.read_text()
+    result = forge("resume", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert_same_as(run_dir, uninterrupted)
+
+
+def test_shutdown_watchdog_exits_and_the_run_still_resumes_exactly(tmp_path, uninterrupted):
+    run_dir, log = tmp_path / "stuck", tmp_path / "out.txt"
+    proc = start(train_args(run_dir, "--train.max_steps=40", "--train.shutdown_timeout_sec=0.001"), log)
+    try:
+        wait_for_step(proc, run_dir, 6)
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=60) == 76, log.read_text()
+    finally:
+        proc.kill()
+    assert "shutdown took longer than train.shutdown_timeout_sec" in (run_dir / "train.log").read_text()
+    result = forge("resume", str(run_dir), "--train.shutdown_timeout_sec=300")
+    assert result.returncode == 0, result.stderr
+    assert_same_as(run_dir, uninterrupted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_killed_at_any_moment_even_mid_save_resumes_exactly(tmp_path, uninterrupted, mode):
+    run_dir, marker = tmp_path / "crashy", tmp_path / "saves.txt"
+    marker.touch()
+    env = {**ENV, "FORGE_TEST_SAVE_MARKER": str(marker)}
+    args = train_args(run_dir, "--train.max_steps=40", f"--checkpoint.async_mode={mode}")
+    rng = random.Random(mode)
+    for attempt in range(3):
+        saves_before = len(marker.read_text().splitlines())
+        target = saves_before + rng.choice([1, 2])
+        proc = start(args, tmp_path / f"attempt{attempt}.txt", "tests.slow_saves", env)
+        try:
+            deadline = time.monotonic() + 240
+            while len(marker.read_text().splitlines()) < target and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert proc.poll() is None, "training ended before the save to interrupt"
+            time.sleep(rng.uniform(0.0, 0.35))  # inside the 0.2 s write, in the markers' fsync, or just after
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait()
+    result = forge(*args)
+    assert result.returncode == 0, result.stderr
+    assert_same_as(run_dir, uninterrupted)
+
+
+def test_resume_with_every_checkpoint_damaged_is_a_clear_error_that_deletes_nothing(tmp_path, uninterrupted):
+    import shutil
+
+    run_dir = tmp_path / "damaged"
+    shutil.copytree(uninterrupted, run_dir)
+    for metadata in (run_dir / "checkpoints").glob("step_*/.metadata"):
+        metadata.unlink()
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    result = forge("resume", str(run_dir), "--train.max_steps=44")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "no readable checkpoint" in result.stderr and "nothing was deleted" in result.stderr
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before

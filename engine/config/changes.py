@@ -13,9 +13,10 @@ from engine.config.job import JobConfig
 from engine.errors import ConfigIssue
 
 SAFE_ON_RESUME = (
-    "train.max_steps", "train.compile_model", "train.activation_checkpointing",
+    "train.max_steps", "train.compile_model", "train.activation_checkpointing", "train.shutdown_timeout_sec",
+    "train.nccl_health_check_interval", "train.max_rollbacks", "distributed.nccl_timeout_sec",
     "data.num_workers", "data.pin_memory", "data.prefetch_factor",
-    "checkpoint.interval", "checkpoint.keep_last_n",
+    "checkpoint.interval", "checkpoint.keep_last_n", "checkpoint.async_mode",
     "eval.", "metrics.", "profiling.",
 )
 

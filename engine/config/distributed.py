@@ -13,6 +13,7 @@ class DistributedConfig(Section):
     tp: int = Field(1, gt=0, description="tensor-parallel degree")
     pp: int = Field(1, gt=0, description="pipeline-parallel degree")
     cp: int = Field(1, gt=0, description="context-parallel degree")
+    nccl_timeout_sec: float = Field(300.0, gt=0, description="deadline for the collective health check (train.nccl_health_check_interval)")
 
     def resolved_dp_shard(self, world_size: int) -> int:
         """dp_shard with -1 replaced by what is left of the world size (0 if it does not divide)."""

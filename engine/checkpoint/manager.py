@@ -1,0 +1,193 @@
+"""One run's checkpoints: when to save, synchronously or in the background, what to keep, and what a
+run starts from (its own newest readable checkpoint, else `checkpoint.load_path`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from engine.checkpoint.dcp import (COMPLETE, STEP_DIR, complete_checkpoints, distributed,
+                                   finish_save, is_writer, latest_checkpoint, load_checkpoint, load_weights, new_step_dir,
+                                   prune_checkpoints, save_checkpoint, start_async_save, training_state)
+from engine.config.checkpoint import CheckpointConfig
+from engine.errors import UserError
+
+log = logging.getLogger("forge.checkpoint")
+
+# What reading a damaged or mismatched checkpoint raises; DCP wraps per-rank failures in CheckpointException,
+# which derives from BaseException.
+UNREADABLE = (Exception, CheckpointException)
+
+
+@dataclass
+class PendingSave:
+    step: int
+    path: Path
+    train_state: dict[str, Any]
+    staging: Future | None
+    upload: Future
+
+
+class Checkpointer:
+    def __init__(self, root: Path, cfg: CheckpointConfig, device: torch.device) -> None:
+        self.root, self.cfg = root, cfg
+        self.pending: PendingSave | None = None
+        self.pin_memory = cfg.async_mode == "async_with_pinned_mem" and device.type == "cuda"
+        self.group = None
+        if cfg.async_mode != "disabled" and distributed():
+            # DCP's background save runs collectives from another thread; on the training group they would
+            # interleave with the training step's and gloo aborts on the mismatch. Its own gloo group is safe.
+            self.group = torch.distributed.new_group(backend="gloo")
+
+    def due(self, step: int, max_steps: int) -> bool:
+        return step == max_steps or bool(self.cfg.interval and step % self.cfg.interval == 0)
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             train_state: dict[str, Any]) -> Path | None:
+        """Save step `step`. Synchronous: returns the complete checkpoint. Asynchronous: returns None at
+        once; `poll` or `wait` later finish it. One save at a time: a new one first finishes the last."""
+        self.wait()
+        if self.cfg.async_mode == "disabled":
+            with write_errors(step):
+                path = save_checkpoint(self.root, step, model, optimizer, train_state)
+            self.prune(step)
+            return path
+        path = new_step_dir(self.root, step)
+        with write_errors(step):
+            staging, upload = start_async_save(path, training_state(model, optimizer),
+                                               stage_in_background=self.cfg.async_mode == "async_with_pinned_mem",
+                                               pin_memory=self.pin_memory, process_group=self.group)
+        self.pending = PendingSave(step, path, train_state, staging, upload)
+        return None
+
+    def wait_for_staging(self) -> None:
+        """Block until a background save holds its own copy of the state: call before changing weights."""
+        if self.pending is not None and self.pending.staging is not None:
+            self.pending.staging.result()
+            self.pending.staging = None
+
+    def poll(self) -> tuple[int, Path] | None:
+        """Finish a background save whose files are written; (step, path) when one completed."""
+        if self.pending is not None and self.pending.upload.done():
+            return self.wait()
+        return None
+
+    def wait(self) -> tuple[int, Path] | None:
+        """Finish the background save in flight, if any (blocking); (step, path) of what completed."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        with write_errors(pending.step):  # a failed write raises here; its folder never gets COMPLETE
+            if pending.staging is not None:
+                pending.staging.result()
+            pending.upload.result()
+        if is_writer():
+            finish_save(self.root, pending.path, pending.train_state)
+        if distributed():
+            torch.distributed.barrier()  # every rank sees COMPLETE before it may look for checkpoints
+        self.prune(pending.step)
+        return pending.step, pending.path
+
+    def prune(self, saved_step: int) -> None:
+        if is_writer():
+            prune_checkpoints(self.root, self.cfg.keep_last_n, saved_step)
+
+    def has(self, step: int) -> bool:
+        return (self.root / f"step_{step}" / COMPLETE).is_file() or (
+            self.pending is not None and self.pending.step == step)
+
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Path, dict[str, Any]] | None:
+        """Load the newest complete checkpoint that reads back whole; fall back to older ones past any that
+        is damaged (truncated shard, lost metadata). None when there is none; an error when every one is
+        damaged. Nothing is ever deleted here."""
+        latest_checkpoint(self.root)  # warns about an interrupted newest save
+        failures = []
+        for step, path in reversed(complete_checkpoints(self.root)):
+            try:
+                return path, load_checkpoint(path, model, optimizer)
+            except UNREADABLE as err:  # any damage: a missing file, a short read, bad JSON, bad pickle
+                log.warning("checkpoint %s cannot be read (%s); trying the one before it", path, describe(err))
+                failures.append(f"{path.name}: {describe(err)}")
+        if failures:
+            raise UserError(f"no readable checkpoint in {self.root}: " + "; ".join(failures),
+                            "restore the checkpoint files, or train into a new --run-dir (nothing was deleted)")
+        return None
+
+    def rollback(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Path, dict[str, Any]] | None:
+        """Reload weights and optimizer state from the newest readable checkpoint; (path, its train state),
+        or None if there is none."""
+        self.wait()
+        return self.restore(model, optimizer)
+
+
+class CheckpointWriteError(RuntimeError):
+    """Writing a checkpoint failed (disk full, permissions, a lost file system)."""
+
+
+@contextlib.contextmanager
+def write_errors(step: int) -> Iterator[None]:
+    try:
+        yield
+    except UNREADABLE as err:
+        raise CheckpointWriteError(f"writing the checkpoint of step {step} failed: {describe(err)}") from err
+
+
+def describe(err: BaseException) -> str:
+    """One line about a load failure; for DCP's wrapped per-rank failures, the underlying error."""
+    if isinstance(err, CheckpointException) and err.failures:
+        failure = next(iter(err.failures.values()))  # (exception, traceback) of the first failing rank
+        err = failure[0] if isinstance(failure, tuple) else failure
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+
+
+def resolve_load_path(path: Path) -> Path:
+    """A step_N folder, a checkpoint folder (its newest complete checkpoint) or a run directory."""
+    if not path.exists():
+        raise UserError(f"checkpoint.load_path {path} does not exist", "point it at a step_N folder or a checkpoint folder")
+    if (path / COMPLETE).is_file():
+        return path
+    if STEP_DIR.match(path.name) and path.is_dir():
+        raise UserError(f"checkpoint.load_path {path} is an incomplete checkpoint (its save was interrupted)",
+                        "use an older step_N folder, or the checkpoint folder to take its newest complete one")
+    for root in (path, path / "checkpoints"):
+        newest = latest_checkpoint(root)
+        if newest is not None:
+            return newest[1]
+    raise UserError(f"checkpoint.load_path {path} holds no complete checkpoint",
+                    "point it at a step_N folder (with COMPLETE and train_state.json) or its parent folder")
+
+
+def initialize_from(path: Path, model: nn.Module, exclude: list[str]) -> list[str]:
+    """Start a new run from another run's weights (not its optimizer, schedule or step), or from a
+    Hugging Face model folder."""
+    from engine.checkpoint.hf import is_hf_folder, load_hf_weights
+
+    from_hf = is_hf_folder(path)
+    source = path if from_hf else resolve_load_path(path)
+    names = {name for name, _ in model.named_parameters()}
+    unknown = [prefix for prefix in exclude if not any(name.startswith(prefix) for name in names)]
+    if unknown:
+        raise UserError(f"checkpoint.exclude_from_loading has prefixes that match no parameter: {', '.join(unknown)}",
+                        "use parameter-name prefixes such as 'output.' or 'layers.3.'")
+    try:
+        loaded = load_hf_weights(model, source, exclude) if from_hf else load_weights(source, model, exclude)
+    except UserError:
+        raise
+    except UNREADABLE as err:
+        raise UserError(f"checkpoint.load_path {source} does not fit this model: {describe(err)}",
+                        "load a checkpoint of the same shape, or list the differing parameters in "
+                        "checkpoint.exclude_from_loading") from None
+    log.info("initialised %d tensors from %s (excluded: %s)", len(loaded), source, exclude or "none")
+    return loaded
+
+
+

@@ -1,0 +1,227 @@
+"""Bad-step detection, the preemption signal handler and its watchdog, the collective health check."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+
+import pytest
+
+from engine.config.train import TrainConfig
+from engine.resilience.anomaly import StepGuard, TrainingDiverged
+from engine.resilience.signals import SHUTDOWN_TIMEOUT_EXIT, StopRequest
+from tests.torchrun import torchrun
+
+
+def guard(**fields) -> StepGuard:
+    return StepGuard(TrainConfig(**fields))
+
+
+def test_non_finite_steps_are_problems_unless_the_grad_scaler_owns_them():
+    g = guard()
+    assert "non-finite loss" in g.problem(math.nan, 1.0)
+    assert "non-finite loss" in g.problem(math.inf, 1.0)
+    assert "non-finite gradient norm" in g.problem(2.0, math.inf)
+    assert g.problem(2.0, math.inf, scaler_handles_overflow=True) is None  # fp16: the scaler skips and rescales
+    assert g.problem(2.0, 1.0) is None
+
+
+def test_spike_rule_waits_for_half_a_window_then_uses_mean_plus_sigma_std():
+    g = guard(spike_window=8, spike_sigma=3.0)
+    losses = [4.0, 4.2, 3.8, 4.1]
+    for i, loss in enumerate(losses[:3]):
+        assert g.problem(100.0, 1.0) is None, "fewer than half a window: never a spike"
+        g.accept(loss)
+    g.accept(losses[3])
+    mean = sum(losses) / 4
+    std = math.sqrt(sum((x - mean) ** 2 for x in losses) / 4)
+    assert g.problem(mean + 3.0 * std - 1e-9, 1.0) is None
+    assert "loss spike" in g.problem(mean + 3.0 * std + 1e-6, 1.0)
+    assert guard(spike_window=8, spike_sigma=0.0).problem(1e9, 1.0) is None  # 0 = off
+
+
+def test_rollback_after_max_bad_steps_and_stop_after_max_rollbacks():
+    g = guard(max_bad_steps=3, max_rollbacks=1)
+    assert [g.reject() for _ in range(3)] == [False, False, True]
+    g.rolled_back("3 bad steps in a row", {"guard": {"history": [2.0, 2.5]}})
+    assert g.metrics() == {"skipped_steps": 3, "rollbacks": 1} and g.consecutive_bad == 0
+    assert list(g.history) == [2.0, 2.5], "the loss history is the restored checkpoint's"
+    g.reject()
+    g.accept(1.0)  # a good step resets the run of bad ones
+    assert [g.reject() for _ in range(3)] == [False, False, True]
+    with pytest.raises(TrainingDiverged, match="3 bad steps in a row after 1 rollback.*max_rollbacks = 1"):
+        g.rolled_back("3 bad steps in a row", None)
+
+
+def test_guard_state_round_trips_through_json():
+    g = guard(spike_window=4)
+    for loss in (3.0, 2.5, 2.25):
+        g.accept(loss)
+    g.reject()
+    restored = guard(spike_window=4)
+    restored.load_state_dict(json.loads(json.dumps(g.state_dict())))
+    assert restored.state_dict() == g.state_dict()
+    assert restored.problem(9.0, 1.0) == g.problem(9.0, 1.0)
+
+
+def test_signal_sets_the_flag_and_a_second_one_is_ignored():
+    stop = StopRequest(shutdown_timeout_sec=60)
+    before = signal.getsignal(signal.SIGTERM)
+    with stop.installed():
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert stop.requested and stop.signal_name == "SIGUSR1"
+        watchdog = stop.watchdog
+        os.kill(os.getpid(), signal.SIGTERM)  # while "saving": recorded nowhere, interrupts nothing
+        time.sleep(0.05)
+        assert stop.signal_name == "SIGUSR1" and stop.watchdog is watchdog
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert not watchdog.is_alive(), "leaving the block disarms the watchdog"
+
+
+def test_watchdog_forces_exit_when_shutdown_takes_too_long():
+    exits: list[int] = []
+    stop = StopRequest(shutdown_timeout_sec=0.05, force_exit=exits.append)
+    with stop.installed():
+        stop.handle(signal.SIGTERM)
+        time.sleep(0.3)
+    assert exits == [SHUTDOWN_TIMEOUT_EXIT]
+
+
+HEALTH_SCRIPT = """
+import sys, time, torch, torch.distributed as dist
+from engine.resilience.health import CollectiveTimeout, check_collectives
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+monitor = dist.new_group(backend="gloo")
+check_collectives(5.0, torch.device("cpu"), monitor)  # healthy: passes on both ranks
+print(f"rank {rank} healthy", flush=True)
+if rank == 1:
+    time.sleep(6)  # a hung rank: misses the next check
+    sys.exit(0)
+try:
+    check_collectives(1.0, torch.device("cpu"), monitor)
+except CollectiveTimeout as err:
+    print(f"STOPPED {err}", flush=True)
+    sys.exit(3)
+"""
+
+
+def test_health_check_passes_then_names_the_rank_when_one_hangs(tmp_path):
+    script = tmp_path / "health.py"
+    script.write_text(HEALTH_SCRIPT)
+    result = torchrun(script, 2, timeout=120)
+    assert "rank 0 healthy" in result.stdout and "rank 1 healthy" in result.stdout
+    stopped = [line for line in result.stdout.splitlines() if "STOPPED" in line]
+    assert stopped and stopped[0].startswith("STOPPED rank 0:"), result.stdout[-3000:]
+    assert "Ranks 1 failed to pass monitoredBarrier" in stopped[0], "rank 0 names the rank that hung"
+
+
+# --- the training loop under injected faults ----------------------------------------------------------------
+
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from engine.checkpoint.dcp import complete_checkpoints, load_checkpoint  # noqa: E402
+from engine.config import load_job_config  # noqa: E402
+from engine.model.transformer import Transformer  # noqa: E402
+from engine.train.hooks import TrainHooks  # noqa: E402
+from engine.train.trainer import train  # noqa: E402
+
+TINY = ["model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2", "train.seq_len=32",
+        "model.max_seq_len=32", "train.batch_size=2", "metrics.log_interval=1", "eval.enabled=false",
+        "scheduler.warmup_steps=1", "train.spike_window=6", "checkpoint.interval=4",
+        "checkpoint.keep_last_n=10"]
+
+
+class Faults(TrainHooks):
+    """NaN gradients at `nan_grad_steps`, logits × `spike_scale` at `spike_steps`, NaN weights at `nan_weight_steps`."""
+
+    def __init__(self, nan_grad_steps=(), spike_steps=(), nan_weight_steps=(), spike_scale=30.0) -> None:
+        self.nan_grad_steps, self.spike_steps, self.nan_weight_steps = set(nan_grad_steps), set(spike_steps), set(nan_weight_steps)
+        self.spike_scale, self.handle = spike_scale, None
+
+    def before_step(self, step, job) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        if step in self.spike_steps:
+            self.handle = job.model.output.register_forward_hook(lambda m, i, out: out * self.spike_scale)
+
+    def after_backward(self, step, job) -> None:
+        if step in self.nan_grad_steps:
+            next(job.model.parameters()).grad.fill_(float("nan"))
+        if step in self.nan_weight_steps:
+            with torch.no_grad():
+                job.model.norm.weight.fill_(float("nan"))
+
+
+def faulty_run(tmp_path: Path, faults: Faults, *overrides: str) -> tuple[dict, list[dict]]:
+    cfg = load_job_config(Path(__file__).parents[1] / "presets" / "debug.toml", [*TINY, *overrides])
+    summary = train(cfg, tmp_path / "run", hooks=faults)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    return summary, [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def checkpoints_are_finite(root: Path) -> list[int]:
+    steps = []
+    for step, path in complete_checkpoints(root):
+        model = Transformer(load_job_config(root.parent / "config.toml").model)
+        load_checkpoint(path, model)
+        assert all(torch.isfinite(p).all() for p in model.parameters()), path
+        steps.append(step)
+    return steps
+
+
+def test_nan_gradient_and_loss_spike_are_skipped_without_touching_weights(tmp_path):
+    summary, records = faulty_run(tmp_path, Faults(nan_grad_steps=[6], spike_steps=[9]), "train.max_steps=12")
+    assert summary["skipped_steps"] == 2 and summary["rollbacks"] == 0
+    by_step = {r["step"]: r for r in records}
+    assert by_step[6]["grad_norm"] is None and by_step[6]["skipped_steps"] == 1  # NaN is written as null
+    assert by_step[9]["loss"] > by_step[8]["loss"] + 1 and by_step[9]["skipped_steps"] == 2
+    assert by_step[12]["skipped_steps"] == 2 and math.isfinite(by_step[12]["loss"])
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "step 6 skipped: non-finite gradient norm" in log and "step 9 skipped: loss spike" in log
+    assert checkpoints_are_finite(tmp_path / "run" / "checkpoints") == [4, 8, 12]
+
+
+def test_consecutive_bad_steps_roll_back_to_the_last_checkpoint_and_the_run_completes(tmp_path):
+    seen = {}
+
+    class Watch(Faults):
+        def before_step(self, step, job):
+            super().before_step(step, job)
+            seen[step] = job.model.norm.weight.detach().clone()
+
+    summary, records = faulty_run(tmp_path, Watch(nan_grad_steps=[6, 7]), "train.max_steps=10", "train.max_bad_steps=2")
+    assert summary["skipped_steps"] == 2 and summary["rollbacks"] == 1 and summary["steps"] == 10
+    restored = Transformer(load_job_config(tmp_path / "run" / "config.toml").model)
+    load_checkpoint(tmp_path / "run" / "checkpoints" / "step_4", restored)
+    assert torch.equal(seen[8], restored.norm.weight), "step 8 starts from the weights of checkpoint 4"
+    assert not torch.equal(seen[6], restored.norm.weight)
+    lrs = [r["lr"] for r in records[1:]]  # after the 1-step warmup the cosine only falls: the schedule kept its place
+    assert lrs == sorted(lrs, reverse=True) and lrs[0] > lrs[-1]
+    assert records[-1]["rollbacks"] == 1 and "rolled back to" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path):
+    summary, _ = faulty_run(tmp_path, Faults(nan_weight_steps=[8]), "train.max_steps=10")
+    assert summary["rollbacks"] == 1
+    # step 8's checkpoint is written after the rollback, with step 4's weights
+    assert checkpoints_are_finite(tmp_path / "run" / "checkpoints") == [4, 8, 10]
+    assert "non-finite weights; rolling back instead of saving them" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_a_run_that_keeps_diverging_stops_with_a_clear_message(tmp_path):
+    with pytest.raises(TrainingDiverged, match="after 1 rollback"):
+        faulty_run(tmp_path, Faults(nan_grad_steps=range(6, 40)), "train.max_steps=40", "train.max_bad_steps=2",
+                   "train.max_rollbacks=1")
+    # step 8 came during a run of bad steps: its checkpoint would only have repeated step 4's weights
+    assert checkpoints_are_finite(tmp_path / "run" / "checkpoints") == [4]
+    with pytest.raises(TrainingDiverged, match="before the first checkpoint"):
+        faulty_run(tmp_path / "early", Faults(nan_grad_steps=[1, 2]), "train.max_steps=4", "train.max_bad_steps=2")

@@ -1,0 +1,42 @@
+"""Run a test script under torchrun on CPU (gloo), bounded in time, leaving no processes behind.
+
+Tests call `torchrun(script, nproc)` with a Python file (usually written into tmp_path) that does its own
+`torch.distributed.init_process_group("gloo")` and writes what the test checks into files.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(script: Path, nproc: int = 2, *args: str, timeout: float = 180,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `script` on `nproc` local processes; kill the whole process group if it outlives `timeout`."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun {script.name} timed out after {timeout}s:\n{out[-4000:]}") from None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(command, proc.returncode, out, "")
