@@ -13,8 +13,6 @@ Steps are timed in alternating rounds (ours, theirs, ours, …) so machine drift
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import statistics
 import time
@@ -27,6 +25,7 @@ from engine.config.optimizer import OptimizerConfig
 from engine.model.transformer import Transformer
 from engine.train.losses import cross_entropy
 from engine.train.optim import build_optimizer
+from bench_args import emit, model_config, model_parser
 from engine.train.precision import COMPUTE_DTYPES, autocast
 
 
@@ -58,25 +57,10 @@ def step_timer(model, optimizer, logits_of, batch, device, dtype):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dim", type=int, default=192)
-    p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--n-heads", type=int, default=6)
-    p.add_argument("--n-kv-heads", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=list(COMPUTE_DTYPES), default="fp32")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=8, help="timed steps per round")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", help="write the result as JSON here")
-    args = p.parse_args()
+    args = model_parser(__doc__, batch_size=16, warmup=3, steps=8).parse_args()
 
     device, dtype = torch.device(args.device), COMPUTE_DTYPES[args.dtype]
-    cfg = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                      vocab_size=args.vocab_size, max_seq_len=args.seq_len)
+    cfg = model_config(args)
     torch.manual_seed(0)
     batch = tuple(torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), device=device) for _ in range(2))
     ours = Transformer(cfg).to(device)
@@ -106,10 +90,7 @@ def main() -> None:
                        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
                        "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
                        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"}
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

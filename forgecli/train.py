@@ -10,7 +10,7 @@ import typer
 
 from forgecli.dashboard import LiveDashboard, PlainReporter
 from forgecli.overrides import collect_overrides
-from forgecli.ui import console, is_interactive, print_json, user_errors
+from forgecli.ui import console, err_console, is_interactive, print_json, show_run_failure, user_errors
 
 if TYPE_CHECKING:
     from engine.config import JobConfig
@@ -49,8 +49,21 @@ def run_training(cfg: "JobConfig", run_dir: Path, as_json: bool) -> None:
         reporter = PlainReporter(sys.stderr)
     else:
         reporter = LiveDashboard() if is_interactive() else PlainReporter()
+    from engine.checkpoint.manager import CheckpointWriteError
+    from engine.resilience.anomaly import TrainingDiverged
+    from engine.resilience.health import CollectiveTimeout
+    from engine.resilience.signals import PREEMPTED_EXIT, Preempted
+
     try:
         summary = train_job(cfg, run_dir, reporter)
+    except Preempted as stopped:
+        err_console.print(f"stopped by {stopped.signal_name} at step {stopped.step}; checkpoint: "
+                          f"{stopped.checkpoint or 'none (the run resumes from its previous one)'}. "
+                          f"Continue with: forge resume {run_dir}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(PREEMPTED_EXIT) from None
+    except (TrainingDiverged, CollectiveTimeout, CheckpointWriteError) as err:
+        show_run_failure(str(err))
+        raise typer.Exit(1) from None
     finally:
         if isinstance(reporter, LiveDashboard):
             reporter.stop()

@@ -6,8 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.console import Group
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 from rich.tree import Tree
 
 from forgecli.overrides import collect_overrides
@@ -39,10 +41,11 @@ def validate_config(
     cfg = load_job_config(preset, overrides).validate(world_size)
     summary = job_summary(cfg, world_size)
     if as_json:
-        print_json({"config": cfg.model_dump(mode="json"), **summary})
+        print_json({"config": cfg.model_dump(mode="json"), **summary, "lr_schedule": lr_schedule(cfg)})
         return
     console.print(config_tree(cfg.model_dump(mode="json"), str(preset)))
     console.print(summary_table(summary))
+    console.print(lr_curve(cfg))
     console.print("[green]✓ config is valid[/green]" + (f" for world size {world_size}" if world_size > 1 else ""))
 
 
@@ -69,6 +72,45 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table.add_row("training FLOPs per step", human(summary["flops_per_step"], "FLOP"))
     table.add_row("total tokens", f"{summary['total_tokens']:,}")
     return table
+
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def lr_schedule(cfg: Any) -> list[dict[str, float]]:
+    """The learning rate at the steps where the schedule changes phase (steps counted from 1, as in the
+    metrics)."""
+    from engine.train.schedules import key_steps, learning_rate
+
+    return [{"step": s + 1, "lr": learning_rate(cfg, s)} for s in key_steps(cfg)]
+
+
+def sparkline(cfg: Any, width: int = 64) -> str:
+    """The whole run's learning rate as one line of block characters, scaled to optimizer.lr."""
+    from engine.train.schedules import learning_rate
+
+    last = cfg.train.max_steps - 1
+    width = min(width, last + 1)
+    steps = [round(i * last / max(width - 1, 1)) for i in range(width)]
+    levels = [learning_rate(cfg, s) / cfg.optimizer.lr for s in steps]
+    return "".join(SPARK[min(round(level * (len(SPARK) - 1)), len(SPARK) - 1)] for level in levels)
+
+
+def lr_curve(cfg: Any) -> Group:
+    """A sparkline of the whole run over a table of the learning rate where its phases change."""
+    line = sparkline(cfg)
+    last = f"{cfg.train.max_steps:,}"
+    table = Table(show_header=True, header_style="bold", expand=False)
+    table.add_column("step", justify="right")
+    table.add_column("lr", justify="right")
+    for point in lr_schedule(cfg):
+        table.add_row(f"{point['step']:,}", f"{point['lr']:.3e}")
+    return Group(
+        Text(f"Learning rate ({cfg.scheduler.name} schedule, {cfg.optimizer.name}): 0 … {cfg.optimizer.lr:g}", style="bold"),
+        Text(line, style="cyan"),
+        Text("step 1" + last.rjust(max(len(line) - len("step 1"), len(last) + 1))),
+        table,
+    )
 
 
 def human(n: float, unit: str = "") -> str:

@@ -11,6 +11,7 @@ from engine.config.distributed import DistributedConfig
 from engine.config.eval import EvalConfig
 from engine.config.metrics import MetricsConfig
 from engine.config.model import ModelConfig
+from engine.config import optimizer as optimizer_fields, scheduler as scheduler_fields
 from engine.config.optimizer import OptimizerConfig
 from engine.config.profiling import ProfilingConfig
 from engine.config.scheduler import SchedulerConfig
@@ -56,8 +57,40 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     if cfg.profiling.enable and cfg.profiling.start_step > t.max_steps:
         issues.append(ConfigIssue("profiling.start_step", f"{cfg.profiling.start_step} is after train.max_steps ({t.max_steps})",
                                   "profile a window inside the run"))
+    issues += optimization_issues(cfg)
     issues += layout_issues(cfg, world_size)
     return issues
+
+
+def optimization_issues(cfg: JobConfig) -> list[ConfigIssue]:
+    """Optimizer, schedule and loss fields that the chosen components would not read, and combinations
+    that do not work together."""
+    o, s, t = cfg.optimizer, cfg.scheduler, cfg.train
+    issues = unread_field_issues("optimizer", o, o.name, optimizer_fields.READ_BY)
+    issues += unread_field_issues("scheduler", s, s.name, scheduler_fields.READ_BY)
+    issues += unread_field_issues("train", t, t.loss_fn, {"ce_chunk_size": ("chunked_cross_entropy",)})
+    if o.name == "schedule_free_adamw" and s.name not in ("constant", "none"):
+        issues.append(ConfigIssue("scheduler.name", f"schedule_free_adamw replaces the LR schedule; {s.name!r} would fight it",
+                                  "set scheduler.name = 'constant' or 'none' (warm up with "
+                                  "optimizer.schedule_free_warmup_steps)"))
+    if o.name == "schedule_free_adamw" and o.betas[0] == 0:
+        issues.append(ConfigIssue("optimizer.betas", "schedule_free_adamw needs betas[0] > 0 (it interpolates between "
+                                  "its averaged and its gradient sequence with it)", "use e.g. betas = [0.9, 0.999]"))
+    if s.name == "wsd" and s.stable_steps and s.decay_steps is None:
+        to_end = t.max_steps - s.warmup_steps - s.stable_steps - 1
+        issues.append(ConfigIssue("scheduler.decay_steps", "wsd with stable_steps needs the length of its decay",
+                                  f"set scheduler.decay_steps (= {to_end} ends the decay on the last step)" if to_end > 0
+                                  else "set scheduler.decay_steps, and train longer than warmup + stable steps"))
+    return issues
+
+
+def unread_field_issues(section: str, values: Section, chosen: str, read_by: dict[str, tuple[str, ...]]) -> list[ConfigIssue]:
+    """One issue per field set away from its default although `chosen` does not read it."""
+    defaults = type(values).model_fields
+    return [ConfigIssue(f"{section}.{field}", f"is set, but {chosen!r} does not use it (only {', '.join(readers)} do)",
+                        f"remove it, or choose one of {', '.join(readers)}")
+            for field, readers in read_by.items()
+            if chosen not in readers and getattr(values, field) != defaults[field].default]
 
 
 def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:

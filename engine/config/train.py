@@ -24,7 +24,25 @@ class TrainConfig(Section):
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none", description="recompute activations in backward: full = every block"
     )
-    loss_fn: Literal["cross_entropy"] = "cross_entropy"
+    loss_fn: Literal["cross_entropy", "chunked_cross_entropy"] = Field(
+        "cross_entropy", description="chunked_cross_entropy never holds the full [tokens, vocab] logits (same loss)"
+    )
+    z_loss_weight: float = Field(0.0, ge=0, description="adds weight · mean(logsumexp(logits)²) to the loss; 0 = off")
+    ce_chunk_size: int = Field(1024, gt=0, description="chunked_cross_entropy: tokens per chunk through the output head")
+    shutdown_timeout_sec: float = Field(
+        300.0, gt=0, description="after SIGTERM/SIGUSR1, force the process to exit if the emergency save takes longer"
+    )
+    nccl_health_check_interval: int = Field(
+        0, ge=0, description="every N steps time a small all-reduce across ranks and stop if it hangs; 0 = off"
+    )
+    spike_sigma: float = Field(
+        6.0, ge=0, description="skip a step whose loss is this many standard deviations above the recent mean; 0 = off"
+    )
+    spike_window: int = Field(128, ge=2, description="accepted steps the loss mean and deviation are taken over")
+    max_bad_steps: int = Field(
+        5, gt=0, description="consecutive skipped steps (non-finite or spike) before rolling back to the last checkpoint"
+    )
+    max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed before the run stops as diverged")
 
     @model_validator(mode="after")
     def _supported(self) -> "TrainConfig":

@@ -1,18 +1,124 @@
-"""Training losses, chosen by `train.loss_fn`. Computed in fp32 whatever the compute dtype."""
+"""Training losses, chosen by `train.loss_fn`. Computed in fp32 whatever the compute dtype.
+
+A registered loss is built from `[train]` and called as `loss(model, tokens, labels)`: it runs the model
+itself, because chunked cross-entropy needs the hidden states before the output head, not the logits.
+Both losses are the mean next-token cross-entropy plus, with `train.z_loss_weight` = w > 0, the z-loss
+w · mean(logsumexp(logits)²) (PaLM, Chowdhery et al. 2022), which keeps the softmax normaliser near 1
+and the logits from drifting. Evaluation calls them with `z_loss=False`, so eval loss is plain CE.
+"""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from engine.config.registry import LOSSES
+from engine.config.train import TrainConfig
+
+
+class ModelLoss(Protocol):
+    def __call__(self, model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *,
+                 z_loss: bool = True) -> torch.Tensor: ...
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float = 0.0) -> torch.Tensor:
+    """Mean next-token cross-entropy (+ z-loss); logits [batch, seq, vocab], labels [batch, seq]."""
+    logits = logits.flatten(0, 1).float()
+    loss = F.cross_entropy(logits, labels.flatten())
+    if z_loss_weight:
+        loss = loss + z_loss_weight * torch.logsumexp(logits, dim=-1).square().mean()
+    return loss
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                          z_loss_weight: float = 0.0) -> torch.Tensor:
+    """`cross_entropy(hidden @ weightᵀ, labels, z_loss_weight)` without ever holding all the logits.
+
+    hidden [batch, seq, dim] (the final-normed states), weight [vocab, dim] (the output head). The logits
+    of `chunk_size` tokens at a time are computed, reduced to their loss and dropped; backward recomputes
+    them chunk by chunk. Peak extra memory is a few [chunk_size, vocab] fp32 buffers instead of several
+    [tokens, vocab] ones. Under autocast the matmuls run in the autocast dtype, as the output Linear's would.
+    """
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    return ChunkedCrossEntropy.apply(hidden.flatten(0, 1), weight, labels.flatten(), chunk_size, z_loss_weight, dtype)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Forward keeps only each token's logsumexp; backward recomputes a chunk's logits and turns them into
+    d loss / d logits = (softmax · (1 + 2w·lse) − onehot(label)) / tokens, then into the gradients of
+    the hidden states and of the head."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                z_loss_weight: float, dtype: torch.dtype) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            head = weight.to(dtype)
+            lse = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
+            nll = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            for chunk in chunks(labels.numel(), chunk_size):
+                logits = (hidden[chunk].to(dtype) @ head.T).float()
+                lse[chunk] = torch.logsumexp(logits, dim=-1)
+                nll += (lse[chunk] - logits.gather(1, labels[chunk, None]).squeeze(1)).sum()
+            loss = (nll + z_loss_weight * lse.square().sum()) / labels.numel()
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk_size, ctx.z_loss_weight, ctx.dtype = chunk_size, z_loss_weight, dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        dtype, tokens = ctx.dtype, labels.numel()
+        with torch.autocast(hidden.device.type, enabled=False):
+            head = weight.to(dtype)
+            grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+            grad_head = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+            scale = grad_loss.float() / tokens
+            for chunk in chunks(tokens, ctx.chunk_size):
+                h = hidden[chunk].to(dtype)
+                grad_logits = (h @ head.T).float().sub_(lse[chunk, None]).exp_()  # softmax
+                if ctx.z_loss_weight:
+                    grad_logits.mul_(1 + 2 * ctx.z_loss_weight * lse[chunk, None])
+                rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
+                grad_logits[rows, labels[chunk]] -= 1
+                grad_logits = grad_logits.mul_(scale).to(dtype)
+                if grad_hidden is not None:
+                    grad_hidden[chunk] = grad_logits @ head
+                if grad_head is not None:
+                    accumulate_product(grad_head, grad_logits.T, h)
+        grad_weight = grad_head.to(weight.dtype) if grad_head is not None else None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def accumulate_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total += a @ b, in place when the dtypes allow (fp32), else through one product in a's dtype."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+    else:
+        total.add_(a @ b)
+
+
+def chunks(total: int, size: int) -> list[slice]:
+    return [slice(start, min(start + size, total)) for start in range(0, total, size)]
 
 
 @LOSSES.register("cross_entropy")
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; logits [batch, seq, vocab], labels [batch, seq]."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+def full_logits_loss(cfg: TrainConfig) -> ModelLoss:
+    def loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, z_loss: bool = True) -> torch.Tensor:
+        return cross_entropy(model(tokens), labels, cfg.z_loss_weight if z_loss else 0.0)
+    return loss
 
 
-def build_loss(name: str):
-    return LOSSES.get(name)
+@LOSSES.register("chunked_cross_entropy")
+def chunked_loss(cfg: TrainConfig) -> ModelLoss:
+    def loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, z_loss: bool = True) -> torch.Tensor:
+        hidden = model(tokens, return_hidden=True)
+        return chunked_cross_entropy(hidden, model.output.weight, labels, cfg.ce_chunk_size,
+                                     cfg.z_loss_weight if z_loss else 0.0)
+    return loss
+
+
+def build_loss(cfg: TrainConfig) -> ModelLoss:
+    return LOSSES.get(cfg.loss_fn)(cfg)

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from engine.checkpoint.dcp import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from engine.checkpoint.manager import Checkpointer, initialize_from
 from engine.checkpoint.rng import restore_rng, rng_state
 from engine.config.changes import resume_issues
 from engine.config.job import JobConfig
@@ -36,12 +36,17 @@ from engine.metrics.trackers import MetricsLogger, build_trackers
 from engine.model.attention import CPU_SDPA_BACKENDS
 from engine.model.transformer import Transformer
 from engine.parallel.apply import parallelize
+from engine.resilience.anomaly import StepGuard, TrainingDiverged
+from engine.resilience.collectives import any_rank, distributed
+from engine.resilience.health import check_collectives
+from engine.resilience.signals import Preempted, StopRequest
 from engine.train import precision
-from engine.train.losses import build_loss
-from engine.train.optim import build_optimizer
+from engine.train.hooks import TrainHooks
+from engine.train.losses import ModelLoss, build_loss
+from engine.train.optim import build_optimizer, eval_mode
 from engine.train.profiling import ProfilerWindow
 from engine.train.reporting import Reporter, SilentReporter
-from engine.train.schedules import build_scheduler
+from engine.train.schedules import build_scheduler, default_decay_steps
 from engine.train.summary import job_summary
 
 log = logging.getLogger("forge.train")
@@ -78,24 +83,25 @@ def with_pinned_schedule(cfg: JobConfig) -> JobConfig:
     instead of stretching the decay and jumping the LR."""
     if cfg.scheduler.decay_steps is not None:
         return cfg
-    decay = max(cfg.train.max_steps - cfg.scheduler.warmup_steps - 1, 1)
+    decay = default_decay_steps(cfg.scheduler, cfg.train.max_steps)
     return cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"decay_steps": decay})})
 
 
-def check_run_dir(cfg: JobConfig, run_dir: Path) -> tuple[int, Path] | None:
-    """A new run directory, or an existing run that `cfg` may continue. Returns the checkpoint to resume
-    from (None: start at step 0, which an existing run killed before its first checkpoint also does)."""
+def check_run_dir(cfg: JobConfig, run_dir: Path) -> bool:
+    """A new run directory (False), or an existing run that `cfg` may continue (True; it resumes from its
+    newest readable checkpoint, or from step 0 if it was killed before its first one)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} is a file", "pass --run-dir with a folder path")
     if (run_dir / RUN_CONFIG).is_file():
         issues = resume_issues(load_job_config(run_dir / RUN_CONFIG), cfg)
         if issues:
             raise ConfigError(issues, f"{run_dir} (an existing run: it resumes with its own config)")
-        return latest_checkpoint(checkpoint_root(cfg, run_dir))
+        return True
     parent = next(p for p in (run_dir, *run_dir.parents) if p.exists())
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot create run directory {run_dir}: {parent} is not writable",
                         "pass --run-dir somewhere you can write")
+    return False
 
 
 def check_single_process() -> None:
@@ -128,6 +134,8 @@ class Job:
     eval_data: Any
     summary: dict[str, Any]
     peak_flops: float | None
+    checkpointer: Checkpointer
+    guard: StepGuard
     start_step: int = 0
     tokens_seen: int = 0
     elapsed_sec: float = 0.0  # training time of earlier attempts of this run
@@ -144,7 +152,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     cfg = with_pinned_schedule(cfg.validate(world_size=1))
     train_data = open_train_data(cfg, dp_rank=0, dp_size=1)
     eval_data = open_eval_data(cfg, dp_rank=0, dp_size=1)
-    resume_from = check_run_dir(cfg, run_dir)
+    resuming = check_run_dir(cfg, run_dir)
     device = pick_device()
     check_device_support(cfg, device)
     dtype = precision.compute_dtype(cfg.train.mixed_precision, device)
@@ -156,15 +164,21 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     job = Job(cfg=cfg, run_dir=run_dir, device=device, dtype=dtype, model=model, optimizer=optimizer,
               scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps),
               scaler=precision.grad_scaler(device, dtype), train_data=train_data, eval_data=eval_data,
-              summary=job_summary(cfg), peak_flops=peak)
-    if resume_from is not None:
-        restore(job, resume_from[1])
+              summary=job_summary(cfg), peak_flops=peak,
+              checkpointer=Checkpointer(checkpoint_root(cfg, run_dir), cfg.checkpoint, device), guard=StepGuard(cfg.train))
+    restored = job.checkpointer.restore(model, optimizer) if resuming else None
+    if restored is not None:
+        restore(job, *restored)
+    elif cfg.checkpoint.load_path is not None:
+        initialize_from(Path(cfg.checkpoint.load_path), model, cfg.checkpoint.exclude_from_loading)
     return job
 
 
-def restore(job: Job, path: Path) -> None:
-    """Continue from checkpoint `path`: the data position is the step, so nothing else needs saving."""
-    state = load_checkpoint(path, job.model, job.optimizer)
+def restore(job: Job, path: Path, state: dict[str, Any]) -> None:
+    """Continue from checkpoint `path` (weights and optimizer already loaded, `state` its train state): the
+    data position is the step, so nothing else needs saving."""
+    if "guard" in state:  # checkpoints written before the bad-step detector existed have none
+        job.guard.load_state_dict(state["guard"])
     job.scheduler.load_state_dict(state["scheduler"])
     job.scaler.load_state_dict(state["grad_scaler"])
     restore_rng(state["rng"])
@@ -177,7 +191,7 @@ def train_state(job: Job, step: int, tokens_seen: int, elapsed_sec: float, track
     """What a checkpoint holds beside the weights and optimizer; everything is JSON."""
     return {"step": step, "tokens_seen": tokens_seen, "elapsed_sec": elapsed_sec,
             "scheduler": job.scheduler.state_dict(), "grad_scaler": job.scaler.state_dict(), "rng": rng_state(),
-            "wandb_run_id": trackers.wandb_run_id}
+            "wandb_run_id": trackers.wandb_run_id, "guard": job.guard.state_dict()}
 
 
 def open_run_dir(job: Job) -> MetricsLogger:
@@ -208,53 +222,102 @@ def write_if_changed(path: Path, content: bytes) -> None:
         write_durably(path, content)
 
 
-def train(cfg: JobConfig, run_dir: Path, reporter: Reporter | None = None) -> dict[str, Any]:
-    """Train `cfg` into `run_dir`, or continue the run there; return the final summary."""
-    job = build_job(cfg, run_dir)
-    if job.start_step >= cfg.train.max_steps:
-        return {"steps": job.start_step, "tokens_seen": job.tokens_seen, "already_complete": True,
-                "run_dir": str(run_dir)}
-    trackers = open_run_dir(job)
-    handler = logging.FileHandler(job.run_dir / "train.log")
+def train(cfg: JobConfig, run_dir: Path, reporter: Reporter | None = None,
+          hooks: TrainHooks | None = None) -> dict[str, Any]:
+    """Train `cfg` into `run_dir`, or continue the run there; return the final summary.
+
+    Raises `Preempted` after an emergency checkpoint when SIGTERM/SIGUSR1 arrives, `TrainingDiverged`
+    when rollbacks cannot recover the loss, `CollectiveTimeout` when a rank stops answering,
+    `CheckpointWriteError` when a checkpoint cannot be written."""
+    with StopRequest(cfg.train.shutdown_timeout_sec).installed() as stop:  # a signal during setup counts too
+        job = build_job(cfg, run_dir)
+        if job.start_step >= cfg.train.max_steps:
+            return {"steps": job.start_step, "tokens_seen": job.tokens_seen, "already_complete": True,
+                    "run_dir": str(run_dir)}
+        trackers = open_run_dir(job)
+        with logging_to(job.run_dir / "train.log"):
+            try:
+                return run_loop(job, trackers, reporter or SilentReporter(), hooks or TrainHooks(), stop)
+            except BaseException:
+                finish_pending_save(job)
+                raise
+            finally:
+                trackers.close()
+
+
+@contextlib.contextmanager
+def logging_to(path: Path) -> Iterator[None]:
+    """Forge's log lines (training, checkpoints, resilience) also go to the run's train.log."""
+    handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    forge_log = logging.getLogger("forge")
+    forge_log.addHandler(handler)
+    forge_log.setLevel(logging.INFO)
     try:
-        return run_loop(job, trackers, reporter or SilentReporter())
+        yield
     finally:
-        trackers.close()
-        log.removeHandler(handler)
+        forge_log.removeHandler(handler)
         handler.close()
 
 
-def train_step(job: Job, batches: Iterator, loss_fn) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One optimizer step over grad_accum_steps micro-batches; returns (mean loss, grad norm, lr used)."""
+def finish_pending_save(job: "Job") -> None:
+    """A run stopping on an error still completes the background save in flight: it holds good weights."""
+    try:
+        job.checkpointer.wait()
+    except Exception as err:  # the original error is the one to report
+        log.error("the checkpoint being written could not be finished: %s", err)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    problem: str | None  # why the update was skipped; None when it was applied
+
+
+def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHooks) -> StepResult:
+    """One optimizer step over grad_accum_steps micro-batches, or none when the step is bad (non-finite,
+    or a loss spike): its batches are then consumed without an update, on every rank alike."""
     accum = job.cfg.train.grad_accum_steps
+    hooks.before_step(step, job)
     loss_sum = torch.zeros((), device=job.device)
     for _ in range(accum):
         inputs, labels = (t.to(job.device, non_blocking=True) for t in next(batches))
         with job.autocast():
-            loss = loss_fn(job.model(inputs), labels) / accum
+            loss = loss_fn(job.model, inputs, labels) / accum
         job.scaler.scale(loss).backward()
         loss_sum += loss.detach()
+    hooks.after_backward(step, job)
     job.scaler.unscale_(job.optimizer)
     max_norm = job.cfg.train.grad_clip_norm or math.inf  # 0 = no clipping; the norm is still reported
     grad_norm = torch.nn.utils.clip_grad_norm_(job.model.parameters(), max_norm, foreach=True)
     lr = job.optimizer.param_groups[0]["lr"]
-    job.scaler.step(job.optimizer)
-    job.scaler.update()
+    loss_value, norm_value = torch.stack([loss_sum, grad_norm.float()]).tolist()  # the one sync per step
+    problem = job.guard.problem(loss_value, norm_value, scaler_handles_overflow=job.scaler.is_enabled())
+    if any_rank(problem is not None, job.device):
+        problem = problem or "a bad step on another rank"
+        if job.scaler.is_enabled():
+            job.scaler.update()  # closes the unscale_ above without stepping
+    else:
+        job.checkpointer.wait_for_staging()  # a background save must hold its copy before weights change
+        job.scaler.step(job.optimizer)
+        job.scaler.update()
+        job.guard.accept(loss_value)
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
-    return loss_sum, grad_norm, lr
+    return StepResult(loss_value, norm_value, lr, problem)
 
 
 @torch.no_grad()
-def evaluate(job: Job, loss_fn) -> dict[str, float]:
+def evaluate(job: Job, loss_fn: ModelLoss) -> dict[str, float]:
+    """Plain cross-entropy (no z-loss) on the held-out batches, at the optimizer's evaluation weights."""
     job.model.eval()
     losses = []
-    for inputs, labels in job.eval_data.batches():
-        with job.autocast():
-            losses.append(loss_fn(job.model(inputs.to(job.device)), labels.to(job.device)).item())
+    with eval_mode(job.optimizer):
+        for inputs, labels in job.eval_data.batches():
+            with job.autocast():
+                losses.append(loss_fn(job.model, inputs.to(job.device), labels.to(job.device), z_loss=False).item())
     job.model.train()
     loss = sum(losses) / len(losses)
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}
@@ -281,33 +344,51 @@ class ThroughputWindow:
             self.paused += time.perf_counter() - begun
 
 
-def run_loop(job: Job, trackers: MetricsLogger, reporter: Reporter) -> dict[str, Any]:
+def run_loop(job: Job, trackers: MetricsLogger, reporter: Reporter, hooks: TrainHooks, stop: StopRequest) -> dict[str, Any]:
     cfg, t = job.cfg, job.cfg.train
-    loss_fn = build_loss(t.loss_fn)
-    ckpt_root = checkpoint_root(cfg, job.run_dir)
+    loss_fn = build_loss(t)
     tokens_per_step = job.summary["tokens_per_step"]
     profiler = ProfilerWindow(cfg.profiling, job.run_dir, job.device)
     info = {"run_dir": str(job.run_dir), "device": str(job.device), "dtype": str(job.dtype).removeprefix("torch."),
             "max_steps": t.max_steps, "start_step": job.start_step, **job.summary}
     reporter.on_start(info)
     log.info("start %s", info)
+    monitor = torch.distributed.new_group(backend="gloo") if t.nccl_health_check_interval and distributed() else None
 
     batches = job.train_data.batches(start_step=job.start_step)
     job.model.train()
     tokens_seen, window = job.tokens_seen, ThroughputWindow()
     started = time.perf_counter() - job.elapsed_sec  # elapsed time counts earlier attempts of the run too
+
+    def checkpoint_done(done: tuple[int, Path] | None) -> None:
+        if done is not None:
+            reporter.on_checkpoint(*done)
+            log.info("checkpoint %s", done[1])
+
+    def save(step: int) -> None:
+        with window.pause():
+            state = train_state(job, step, tokens_seen, time.perf_counter() - started, trackers)
+            path = job.checkpointer.save(step, job.model, job.optimizer, state)  # None: finishes in the background
+        if path is not None:
+            checkpoint_done((step, path))
+
     last: dict[str, Any] = {}
     for step in range(job.start_step + 1, t.max_steps + 1):
         with profiler.step(step):
-            loss, grad_norm, lr = train_step(job, batches, loss_fn)
+            result = train_step(job, step, batches, loss_fn, hooks)
         tokens_seen += tokens_per_step
         window.tokens += tokens_per_step
+        checkpoint_done(job.checkpointer.poll())
+        if result.problem is not None:
+            log.warning("step %d skipped: %s", step, result.problem)
+            if job.guard.reject():
+                with window.pause():
+                    roll_back(job, step, f"{t.max_bad_steps} bad steps in a row")
         if step == 1 or step % cfg.metrics.log_interval == 0 or step == t.max_steps:
-            loss_value, norm_value = loss.item(), grad_norm.item()  # waits for the device, so the rate is true
-            last = step_metrics(job, step, loss_value, norm_value, lr, window.rate(), tokens_seen, started)
+            last = step_metrics(job, step, result, window.rate(), tokens_seen, started)
             trackers.log(step, last)
             reporter.on_log(step, last)
-            log.info("step %d loss %.4f lr %.3e grad_norm %.3f tokens/s %.0f", step, last["loss"], lr,
+            log.info("step %d loss %.4f lr %.3e grad_norm %.3f tokens/s %.0f", step, last["loss"], result.lr,
                      last["grad_norm"], last["tokens_per_sec"])
             window.reset()
         if job.eval_data is not None and (step % cfg.eval.interval == 0 or step == t.max_steps):
@@ -317,23 +398,58 @@ def run_loop(job: Job, trackers: MetricsLogger, reporter: Reporter) -> dict[str,
             reporter.on_eval(step, metrics)
             log.info("eval step %d loss %.4f", step, metrics["eval_loss"])
             last.update(metrics)
-        if step == t.max_steps or (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0):
-            with window.pause():
-                path = save_checkpoint(ckpt_root, step, job.model, job.optimizer,
-                                       train_state(job, step, tokens_seen, time.perf_counter() - started, trackers))
-                prune_checkpoints(ckpt_root, cfg.checkpoint.keep_last_n)
-            reporter.on_checkpoint(step, path)
-            log.info("checkpoint %s", path)
+        if t.nccl_health_check_interval and monitor is not None and step % t.nccl_health_check_interval == 0:
+            check_collectives(cfg.distributed.nccl_timeout_sec, job.device, monitor)
+        preempted = any_rank(stop.requested, job.device) and step < t.max_steps  # the last step just finishes
+        if job.checkpointer.due(step, t.max_steps) or (preempted and not job.checkpointer.has(step)):
+            if any_rank(not weights_finite(job.model), job.device):  # never checkpoint non-finite weights
+                log.error("step %d: non-finite weights; rolling back instead of saving them", step)
+                with window.pause():
+                    roll_back(job, step, "non-finite weights")
+            if job.guard.consecutive_bad and step < t.max_steps and not preempted:
+                # Skipped steps leave the weights as they were, so this checkpoint would repeat the last
+                # good one and make the next rollback a no-op: wait for a good step.
+                log.warning("step %d: checkpoint postponed during a run of bad steps", step)
+            else:
+                save(step)
+        if preempted:
+            checkpoint_done(job.checkpointer.wait())
+            path = job.checkpointer.root / f"step_{step}"
+            raise Preempted(stop.signal_name or "a signal on another rank", step, str(path) if path.exists() else None)
+    checkpoint_done(job.checkpointer.wait())
     profiler.close(t.max_steps)
     summary = {"steps": t.max_steps, "start_step": job.start_step, "tokens_seen": tokens_seen, "train_time_sec": time.perf_counter() - started,
-               "final_loss": last.get("loss"), "final_eval_loss": last.get("eval_loss"), "run_dir": str(job.run_dir)}
+               "final_loss": last.get("loss"), "final_eval_loss": last.get("eval_loss"), **job.guard.metrics(),
+               "run_dir": str(job.run_dir)}
     reporter.on_end(summary)
     log.info("done %s", summary)
     return summary
 
 
-def step_metrics(job: Job, step: int, loss: float, grad_norm: float, lr: float,
-                 tokens_per_sec: float, tokens_seen: int, started: float) -> dict[str, Any]:
-    return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+def weights_finite(model: torch.nn.Module) -> bool:
+    return bool(torch.stack([p.detach().isfinite().all() for p in model.parameters()]).all())
+
+
+def roll_back(job: Job, step: int, reason: str) -> None:
+    """Reload the last checkpoint's weights and optimizer state and go on with the next batches. The LR
+    schedule keeps its place (the optimizer's restored LR is put back)."""
+    lrs = [group["lr"] for group in job.optimizer.param_groups]
+    if job.guard.rollbacks >= job.cfg.train.max_rollbacks:
+        job.guard.rolled_back(reason, None)  # raises TrainingDiverged
+    restored = job.checkpointer.rollback(job.model, job.optimizer)
+    if restored is None:
+        raise TrainingDiverged(f"{reason} at step {step}, before the first checkpoint, so there is nothing to "
+                               "roll back to; lower optimizer.lr or check the data")
+    job.guard.rolled_back(reason, restored[1])
+    for group, lr in zip(job.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    log.warning("step %d: %s; rolled back to %s (rollback %d of at most %d)", step, reason, restored[0],
+                job.guard.rollbacks, job.cfg.train.max_rollbacks)
+
+
+def step_metrics(job: Job, step: int, result: StepResult, tokens_per_sec: float, tokens_seen: int,
+                 started: float) -> dict[str, Any]:
+    return {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
             "tokens_per_sec": tokens_per_sec, "mfu": mfu(job.summary["flops_per_token"], tokens_per_sec, job.peak_flops),
-            "tokens_seen": tokens_seen, "elapsed_sec": time.perf_counter() - started, **memory_stats(job.device)}
+            "tokens_seen": tokens_seen, "elapsed_sec": time.perf_counter() - started, **job.guard.metrics(),
+            **memory_stats(job.device)}

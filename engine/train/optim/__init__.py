@@ -1,0 +1,49 @@
+"""Optimizers, chosen by `optimizer.name` through the registry; one module each.
+
+Weight decay applies to matrices only (not norms, biases, embeddings) in all of them. Their state is
+tensors and Python numbers, and their param groups may carry extra keys, all of which go through
+`torch.distributed.checkpoint.state_dict.get_state_dict` / `set_state_dict` like AdamW's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from engine.config.optimizer import OptimizerConfig
+from engine.config.registry import OPTIMIZERS
+from engine.train.optim import adamw, lion, muon, schedule_free  # noqa: F401  (register the builders)
+from engine.train.optim.groups import hidden_matrices, param_groups
+from engine.train.optim.schedule_free import ScheduleFreeAdamW
+
+__all__ = ["build_optimizer", "eval_mode", "hidden_matrices", "param_groups"]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    return OPTIMIZERS.get(cfg.name)(model, cfg)
+
+
+@contextlib.contextmanager
+def eval_mode(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside: the parameters hold the weights to evaluate; after: exactly the ones to train again.
+
+    Only schedule-free AdamW tells them apart (it trains at y but its answer is the average x), so use
+    this around evaluation; for the other optimizers it does nothing. Switching back by interpolation
+    would not return y bit for bit, so y is copied aside and put back: evaluating never changes training.
+    """
+    if not isinstance(optimizer, ScheduleFreeAdamW):
+        yield
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    training_weights = [p.detach().clone() for p in params]
+    optimizer.eval()
+    try:
+        yield
+    finally:
+        optimizer.train()
+        with torch.no_grad():
+            for p, y in zip(params, training_weights):
+                p.copy_(y)

@@ -1,0 +1,109 @@
+"""Chunked cross-entropy equals plain cross-entropy (loss and gradients), z-loss is PaLM's, and the
+chunked loss never holds the [tokens, vocab] logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine.config.train import TrainConfig
+from engine.train.losses import build_loss, chunked_cross_entropy, cross_entropy
+
+BATCH, SEQ, DIM, VOCAB = 3, 13, 16, 97  # 39 tokens: chunks of 8 leave a short last one
+
+
+def inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(BATCH, SEQ, DIM, generator=g, requires_grad=True)
+    weight = (torch.randn(VOCAB, DIM, generator=g) * 0.5).requires_grad_()
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return hidden, weight, labels
+
+
+def loss_and_grads(loss_of, z: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden, weight, labels = inputs()
+    loss = loss_of(hidden, weight, labels, z)
+    (loss * 1.7).backward()  # a non-unit upstream gradient
+    return loss.detach(), hidden.grad, weight.grad
+
+
+def plain(hidden, weight, labels, z):
+    return cross_entropy(hidden @ weight.T, labels, z)
+
+
+def test_plain_cross_entropy_and_z_loss_formulas():
+    hidden, weight, labels = inputs()
+    logits = (hidden @ weight.T).flatten(0, 1)
+    expected = F.cross_entropy(logits, labels.flatten()) + 1e-2 * (torch.logsumexp(logits, -1) ** 2).mean()
+    torch.testing.assert_close(plain(hidden, weight, labels, 1e-2), expected)
+
+
+@pytest.mark.parametrize("z", [0.0, 1e-2])
+@pytest.mark.parametrize("chunk", [8, 39, 1000])
+def test_chunked_equals_plain(z, chunk):
+    expected = loss_and_grads(plain, z)
+    got = loss_and_grads(lambda h, w, y, z: chunked_cross_entropy(h, w, y, chunk, z), z)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_chunked_under_bf16_autocast_is_close_to_plain():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = loss_and_grads(plain, 1e-3)
+        got = loss_and_grads(lambda h, w, y, z: chunked_cross_entropy(h, w, y, 8, z), 1e-3)
+    assert got[0].dtype == torch.float32
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_chunked_never_holds_all_logits():
+    hidden, weight, labels = inputs()
+    with LargestTensor() as seen:
+        chunked_cross_entropy(hidden, weight, labels, 8, 1e-2).backward()
+    assert seen.largest <= max(8 * VOCAB, weight.numel(), hidden.numel())
+    with LargestTensor() as plain_seen:
+        plain(*inputs(), 1e-2).backward()
+    assert plain_seen.largest == BATCH * SEQ * VOCAB  # the check above would see them
+
+
+def test_model_losses_agree_and_eval_drops_z_loss():
+    from engine.config.model import ModelConfig
+    from engine.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=2, vocab_size=97, max_seq_len=16))
+    tokens = torch.randint(0, 97, (2, 16))
+    results = []
+    for name in ("cross_entropy", "chunked_cross_entropy"):
+        cfg = TrainConfig(loss_fn=name, z_loss_weight=1e-2, **({"ce_chunk_size": 5} if "chunked" in name else {}))
+        loss_fn = build_loss(cfg)
+        model.zero_grad()
+        loss = loss_fn(model, tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()],
+                        loss_fn(model, tokens[:, :-1], tokens[:, 1:], z_loss=False).detach()))
+    (plain_loss, plain_grads, plain_ce), (chunked_loss, chunked_grads, chunked_ce) = results
+    torch.testing.assert_close(chunked_loss, plain_loss, rtol=0, atol=1e-6)
+    for a, b in zip(chunked_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    expected_ce = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    torch.testing.assert_close(plain_ce, expected_ce.detach())
+    torch.testing.assert_close(chunked_ce, expected_ce.detach(), rtol=0, atol=1e-6)
+    assert plain_loss > plain_ce
