@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from forgecli import doctor, resume, tokenize, train, validate_config
+from forgecli import convert, doctor, generate, resume, tokenize, train, validate_config
 
 app = typer.Typer(
     name="forge",
@@ -22,6 +22,8 @@ app.command("resume", context_settings=EXTRA_ARGS)(resume.resume)
 app.command("validate-config", context_settings=EXTRA_ARGS)(validate_config.validate_config)
 app.command("tokenize")(tokenize.tokenize)
 app.command("doctor")(doctor.doctor)
+app.add_typer(convert.app, name="convert")
+app.command("generate")(generate.generate)
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.config.model import ModelConfig
+from engine.model.kv_cache import LayerKV
 from engine.model.rope import apply_rope
 
 CPU_SDPA_BACKENDS = ("auto", "math", "flash")  # the kernels PyTorch has for CPU tensors
@@ -34,7 +35,9 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.sdpa_backend = cfg.sdpa_backend
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
+        """cos/sin are the RoPE tables of x's positions. With a cache (inference), x's keys and values are
+        appended to it and x's queries attend over every cached position."""
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
@@ -43,8 +46,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        causal, mask = True, None
+        if cache is not None:
+            k, v = cache.append(k, v)
+            causal, mask = cache.start == 0, cache.mask(seq)
         with self._kernel():
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                 enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _kernel(self) -> contextlib.AbstractContextManager:

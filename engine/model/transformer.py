@@ -15,6 +15,7 @@ from torch import nn
 from engine.config.model import ModelConfig
 from engine.config.registry import MODELS
 from engine.model.attention import Attention
+from engine.model.kv_cache import KVCache, LayerKV
 from engine.model.mlp import GatedMLP
 from engine.model.norms import build_norm
 from engine.model.rope import rope_tables
@@ -28,8 +29,8 @@ class Block(nn.Module):
         self.ffn_norm = build_norm(cfg.norm_type, cfg.dim, cfg.norm_eps)
         self.feed_forward = GatedMLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -51,14 +52,26 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [batch, seq] → logits [batch, seq, vocab]."""
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, return_hidden: bool = False) -> torch.Tensor:
+        """tokens [batch, seq] → logits [batch, seq, vocab]. Without a cache (training) the tokens are
+        positions 0 … seq-1; with one (inference) they continue the cached positions, and are added to it.
+        With return_hidden, the final-normed hidden states [batch, seq, dim] instead of logits, for losses that
+        project them through `output.weight` chunk by chunk (engine.train.losses.chunked_cross_entropy)."""
         seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        start = 0 if cache is None else cache.length
+        cos, sin = self.rope_cos[start:start + seq], self.rope_sin[start:start + seq]
         h = self.tok_embeddings(tokens)
-        for block in self.layers.values():
-            h = block(h, cos, sin)
-        return self.output(self.norm(h))
+        for name, block in self.layers.items():
+            h = block(h, cos, sin, None if cache is None else cache.layer(name, seq))
+        if cache is not None:
+            cache.length += seq
+        h = self.norm(h)
+        return h if return_hidden else self.output(h)
+
+    def new_kv_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty cache for `batch` sequences of up to `capacity` positions, on the model's device and dtype."""
+        weight = self.tok_embeddings.weight
+        return KVCache(self.cfg, list(self.layers), batch, capacity, weight.device, weight.dtype)
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -1,0 +1,383 @@
+"""Hugging Face interoperability: export a Forge checkpoint as a `transformers` model folder, import one
+as a Forge checkpoint, and load one's weights straight into a model.
+
+An exported folder holds config.json (LlamaForCausalLM, or Qwen3ForCausalLM for qk_norm models; see
+`hf_mapping`), the weights as model.safetensors (or model-0000i-of-0000n.safetensors + an index above
+`max_shard_bytes`), generation_config.json, and the run's tokenizer as tokenizer.json +
+tokenizer_config.json, so `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained(folder)` work offline.
+
+An imported checkpoint is a checkpoint folder like the one a run writes, so anything that takes a Forge
+checkpoint takes it:
+
+    OUT/step_0/      the weights in DCP format (model only, no optimizer), train_state.json, COMPLETE
+    OUT/latest       "step_0"
+    OUT/model.toml   the [model] section that matches the weights (copy it into a preset)
+    OUT/tokenizer.json   the HF folder's tokenizer (and its tokenizer_config.json), when it has one
+
+Both directions stream: export reads the checkpoint one output file's worth of tensors at a time, and
+import holds the weights once (never a model plus a copy). Output goes to a hidden temporary folder next
+to OUT that is renamed to OUT only when complete, so a failure or a kill never leaves a partial OUT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from engine.checkpoint.dcp import COMPLETE, LATEST, TRAIN_STATE, SafeFileSystemReader, read_state, single_process_quiet
+from engine.checkpoint.hf_mapping import (check_same_architecture, expected_shapes, hf_architecture, hf_config,
+                                          model_config_from_hf, weight_names)
+from engine.checkpoint.locate import MODEL_CONFIG, TOKENIZER, find_checkpoint
+from engine.config.model import ModelConfig
+from engine.data.tokenizer import Encoder
+from engine.durable import fsync_dir, fsync_file
+from engine.errors import UserError
+
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' own default shard size ("5GB")
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# Buffers some older Llama checkpoints store; they are derived from the config, not learned.
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class ConvertProgress:
+    """Reported after every tensor: parameters (weights) converted so far, of the total."""
+
+    done: int
+    total: int
+    tensor: str
+
+
+ProgressFn = Callable[[ConvertProgress], None]
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    source: Path               # the checkpoint or HF folder read
+    out: Path
+    architecture: str          # the HF class on the HF side
+    model: ModelConfig
+    parameters: int
+    bytes: int                 # weight bytes written
+    files: list[str] = field(default_factory=list)
+
+
+def is_hf_folder(path: Path) -> bool:
+    """A Hugging Face model folder (config.json inside), as opposed to a Forge checkpoint."""
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+# ---------------------------------------------------------------- Forge → Hugging Face
+
+
+def export_to_hf(source: Path, out: Path, dtype: str = "float32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 progress: ProgressFn | None = None) -> ConvertReport:
+    """Write the newest complete checkpoint of `source` (run directory, checkpoint folder or step_N) as a
+    Hugging Face model folder `out`, weights cast to `dtype`. Everything is checked before anything is written."""
+    torch_dtype = export_dtype(dtype)
+    ckpt = find_checkpoint(source)
+    cfg = ckpt.model
+    architecture = hf_architecture(cfg)
+    names = weight_names(cfg)
+    saved = saved_tensors(ckpt.path, cfg, names)
+    encoder = Encoder.from_file(ckpt.tokenizer) if ckpt.tokenizer else None
+    check_out(out)
+    shards = plan_shards(names, saved, torch_dtype.itemsize, max_shard_bytes)
+    parameters = sum(saved[n].size.numel() for n in names)
+    with staging(out) as tmp:
+        files = write_safetensors(tmp, ckpt.path, names, saved, shards, torch_dtype, progress)
+        eos_id = encoder.eos_id if encoder else None
+        write_json(tmp / "config.json", hf_config(cfg, torch_dtype, eos_id))
+        write_json(tmp / "generation_config.json", {"eos_token_id": eos_id} if eos_id is not None else {})
+        if encoder is not None:
+            write_tokenizer(tmp, encoder, cfg.max_seq_len)
+    return ConvertReport(ckpt.path, out, architecture, cfg, parameters, parameters * torch_dtype.itemsize, files)
+
+
+def export_dtype(name: str) -> torch.dtype:
+    if name not in EXPORT_DTYPES:
+        raise UserError(f"--dtype {name!r} is not an export dtype", f"use one of {', '.join(EXPORT_DTYPES)}")
+    return EXPORT_DTYPES[name]
+
+
+def saved_tensors(step: Path, cfg: ModelConfig, names: dict[str, str]) -> dict[str, TensorStorageMetadata]:
+    """The checkpoint's model tensors (from DCP's metadata, no weights read), checked against its config."""
+    try:
+        metadata = SafeFileSystemReader(step).read_metadata().state_dict_metadata
+    except (OSError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        raise UserError(f"cannot read checkpoint {step} ({e})", "is it a folder written by forge train?") from None
+    shapes = expected_shapes(cfg)
+    saved = {}
+    for name in names:
+        meta = metadata.get(f"model.{name}")
+        if not isinstance(meta, TensorStorageMetadata):
+            raise UserError(f"checkpoint {step} has no tensor model.{name}, which its [model] config needs",
+                            "the config beside the checkpoint does not describe it; was it edited?")
+        if meta.size != shapes[name]:
+            raise UserError(f"checkpoint {step}: model.{name} has shape {list(meta.size)}, its [model] config "
+                            f"says {list(shapes[name])}", "the config beside the checkpoint does not describe it")
+        saved[name] = meta
+    return saved
+
+
+def plan_shards(names: dict[str, str], saved: dict[str, TensorStorageMetadata], itemsize: int,
+                max_shard_bytes: int) -> list[list[str]]:
+    """Forge FQNs grouped into files of at most max_shard_bytes (a larger tensor gets a file of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = saved[name].size.numel() * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def write_safetensors(out: Path, step: Path, names: dict[str, str], saved: dict[str, TensorStorageMetadata],
+                      shards: list[list[str]], dtype: torch.dtype, progress: ProgressFn | None) -> list[str]:
+    """Read each file's tensors from the checkpoint (DCP reassembles any sharded layout), cast, write."""
+    files = [SINGLE_FILE] if len(shards) == 1 else [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                                                    for i in range(1, len(shards) + 1)]
+    total = sum(saved[name].size.numel() for name in names)
+    weight_map, done = {}, 0
+    for file, shard in zip(files, shards):
+        tensors = read_checkpoint_tensors(step, {name: saved[name] for name in shard})
+        converted = {}
+        for name in shard:
+            converted[names[name]] = tensors.pop(name).to(dtype).contiguous()
+            weight_map[names[name]] = file
+            done += converted[names[name]].numel()
+            if progress:
+                progress(ConvertProgress(done, total, names[name]))
+        save_file(converted, out / file, metadata={"format": "pt"})
+        del converted
+    if len(files) > 1:
+        write_json(out / INDEX_FILE, {"metadata": {"total_size": total * dtype.itemsize}, "weight_map": weight_map})
+        files.append(INDEX_FILE)
+    return files
+
+
+def read_checkpoint_tensors(step: Path, wanted: dict[str, TensorStorageMetadata]) -> dict[str, torch.Tensor]:
+    """Just these model tensors of a DCP checkpoint, whole, in their saved dtype, in this process."""
+    tensors = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in wanted.items()}
+    try:
+        read_state(step, {"model": tensors})
+    except (CheckpointException, OSError) as e:  # a shard file missing or cut short
+        cause = next(iter(e.failures.values()), e) if isinstance(e, CheckpointException) else e
+        raise UserError(f"cannot read checkpoint {step} ({type(cause).__name__}: {str(cause).strip()[:200]})",
+                        "its files are damaged or incomplete; use another step_N folder") from None
+    return tensors
+
+
+def write_tokenizer(out: Path, encoder: Encoder, max_seq_len: int) -> None:
+    """tokenizer.json as trained, plus the tokenizer_config.json that lets AutoTokenizer load it."""
+    (out / TOKENIZER).write_bytes(encoder.json_bytes)
+    write_json(out / TOKENIZER_CONFIG, {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": encoder.eos_token,
+        "model_max_length": max_seq_len,
+        "clean_up_tokenization_spaces": False,
+    })
+
+
+# ---------------------------------------------------------------- Hugging Face → Forge
+
+
+def import_from_hf(hf_dir: Path, out: Path, progress: ProgressFn | None = None) -> ConvertReport:
+    """Write the weights of a local HF Llama/Qwen3 folder as a Forge checkpoint folder `out` (layout in
+    the module docstring). Everything is checked before anything is written."""
+    cfg = read_hf_model_config(hf_dir)
+    architecture = hf_architecture(cfg)
+    files = safetensors_files(hf_dir)
+    names = check_hf_tensors(hf_dir, files, cfg)
+    check_out(out)
+    total = sum(expected_shapes(cfg)[name].numel() for name in names.values())
+    has_tokenizer = (hf_dir / TOKENIZER).is_file()
+    tokenizer_files = [name for name in (TOKENIZER, TOKENIZER_CONFIG) if has_tokenizer and (hf_dir / name).is_file()]
+    with staging(out) as tmp:
+        state, done, weight_bytes = {}, 0, 0
+        for name, tensor in hf_tensors(hf_dir, files, names):
+            state[names[name]] = tensor
+            done, weight_bytes = done + tensor.numel(), weight_bytes + tensor.nbytes
+            if progress:
+                progress(ConvertProgress(done, total, name))
+        if cfg.tie_embeddings:
+            state["output.weight"] = state["tok_embeddings.weight"]  # what a tied model's state dict holds
+        write_forge_checkpoint(tmp, state, cfg, hf_dir)
+        for name in tokenizer_files:  # the config beside tokenizer.json names its end-of-text token
+            shutil.copyfile(hf_dir / name, tmp / name)
+    return ConvertReport(hf_dir, out, architecture, cfg, total, weight_bytes,
+                         ["step_0", LATEST, MODEL_CONFIG, *tokenizer_files])
+
+
+def read_hf_model_config(hf_dir: Path) -> ModelConfig:
+    if not hf_dir.is_dir():
+        raise UserError(f"{hf_dir} is not a folder", "pass a local Hugging Face model folder (config.json + *.safetensors)")
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise UserError(f"{hf_dir} has no config.json, so it is not a Hugging Face model folder",
+                        "pass the folder that save_pretrained wrote (config.json + *.safetensors)")
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e})", "restore the file from the model's source") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} is not a JSON object", "restore the file from the model's source")
+    return model_config_from_hf(config, str(hf_dir))
+
+
+def safetensors_files(hf_dir: Path) -> list[Path]:
+    """The weight files of an HF folder: model.safetensors, or every file its index names."""
+    index = hf_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{index} is not a valid safetensors index ({e})", "restore the file") from None
+        files = [hf_dir / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise UserError(f"{hf_dir} is missing weight files named in {INDEX_FILE}: {', '.join(missing)}",
+                            "download the complete model folder")
+        return files
+    if (hf_dir / SINGLE_FILE).is_file():
+        return [hf_dir / SINGLE_FILE]
+    if any(hf_dir.glob("*.bin")) or any(hf_dir.glob("*.pth")):
+        raise UserError(f"{hf_dir} holds its weights as pickled .bin/.pth files, which Forge does not read",
+                        "re-save the model with safe_serialization=True (the default of save_pretrained)")
+    raise UserError(f"{hf_dir} has no {SINGLE_FILE} or {INDEX_FILE}", "download the model's *.safetensors files too")
+
+
+def check_hf_tensors(hf_dir: Path, files: list[Path], cfg: ModelConfig) -> dict[str, str]:
+    """HF name → Forge FQN, after checking from the file headers alone (no weights read) that the folder
+    holds every tensor `cfg` needs with the right shape, and nothing Forge's model has no place for."""
+    wanted = {theirs: ours for ours, theirs in weight_names(cfg).items()}
+    shapes = expected_shapes(cfg)
+    found = set()
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    if name in wanted:
+                        shape = list(f.get_slice(name).get_shape())
+                        if shape != list(shapes[wanted[name]]):
+                            raise UserError(f"{file.name}: {name} has shape {shape}, config.json implies "
+                                            f"{list(shapes[wanted[name]])}", "the weights do not match config.json")
+                        found.add(name)
+                    elif not (name.endswith(IGNORED_HF_SUFFIXES) or (cfg.tie_embeddings and name == "lm_head.weight")):
+                        raise UserError(f"{file.name} holds {name}, which a {hf_architecture(cfg)} of this config "
+                                        "has no place for", "is config.json the one these weights were saved with?")
+        except SafetensorError as e:
+            raise UserError(f"{file} is not a readable safetensors file ({e})", "download it again") from None
+    missing = [name for name in wanted if name not in found]
+    if missing:
+        raise UserError(f"{hf_dir} lacks {len(missing)} weight(s) its config.json needs, e.g. {missing[0]}",
+                        "download the complete model folder")
+    return wanted
+
+
+def hf_tensors(hf_dir: Path, files: list[Path], names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every mapped tensor, one file open at a time."""
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name in names:
+                    yield name, f.get_tensor(name)
+
+
+def write_forge_checkpoint(root: Path, state: dict[str, torch.Tensor], cfg: ModelConfig, hf_dir: Path) -> None:
+    """step_0 in the layout `engine.checkpoint.dcp` writes (model only), latest, and model.toml."""
+    step = root / "step_0"
+    step.mkdir()
+    with single_process_quiet():
+        dcp.save({"model": state}, checkpoint_id=step, no_dist=True)
+    write_json(step / TRAIN_STATE, {"step": 0, "converted_from": str(hf_dir.resolve())})
+    (step / COMPLETE).write_text("")
+    (root / LATEST).write_text(step.name)
+    (root / MODEL_CONFIG).write_text(model_toml(cfg))
+
+
+def model_toml(cfg: ModelConfig) -> str:
+    """The [model] section of a preset for these weights (a file that is itself a valid preset)."""
+    import tomlkit
+
+    doc = tomlkit.document()
+    doc.add(tomlkit.comment("[model] section matching weights converted from Hugging Face; copy it into a preset."))
+    doc.add("model", cfg.model_dump(mode="json", exclude_none=True))
+    return tomlkit.dumps(doc)
+
+
+def load_hf_weights(model: nn.Module, hf_dir: Path, exclude: Sequence[str] = ()) -> list[str]:
+    """Copy the weights of an HF folder into `model` in place, one safetensors file at a time; `model` may
+    be plain or sharded (FSDP2: each rank keeps its shard of the full tensors it is given). The folder's
+    config must describe the same architecture as `model.cfg` (a UserError names the first difference).
+    Forge names under an `exclude` prefix keep their values. Returns the Forge names loaded."""
+    hf_cfg = read_hf_model_config(hf_dir)
+    check_same_architecture(model.cfg, hf_cfg, str(hf_dir))
+    files = safetensors_files(hf_dir)
+    names = check_hf_tensors(hf_dir, files, hf_cfg)
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    loaded: list[str] = []
+    for file in files:
+        tensors = {names[name]: tensor for name, tensor in hf_tensors(hf_dir, [file], names)
+                   if not names[name].startswith(tuple(exclude))}
+        loaded += tensors  # before the call: set_model_state_dict adds entries to the dict it is given
+        set_model_state_dict(model, tensors, options=options)
+    return sorted(loaded)
+
+
+# ---------------------------------------------------------------- output folders
+
+
+def check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} already exists", "pass a new folder (or remove the old one first)")
+
+
+@contextlib.contextmanager
+def staging(out: Path) -> Iterator[Path]:
+    """A temporary folder beside `out` to write into; renamed to `out` (durably) only if the block succeeds."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        yield tmp
+        umask = current_umask()
+        for path in sorted(tmp.rglob("*")):
+            if path.is_file():
+                path.chmod(0o666 & ~umask)  # safetensors writes owner-only files; make all read like the rest
+                fsync_file(path)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes the folder owner-only too
+        os.rename(tmp, out)  # also replaces an empty `out` folder
+        fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def current_umask() -> int:
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

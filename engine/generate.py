@@ -1,0 +1,160 @@
+"""Sampling text from a trained model on one device, with a KV cache.
+
+`load_model` reads a Forge checkpoint (or a Hugging Face folder) and its tokenizer; `prompt_ids` encodes a
+prompt the way training documents began; `generate` yields token ids one at a time so a caller can stream
+them; `TextStream` turns the ids back into text piece by piece without ever splitting a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from engine.checkpoint.dcp import load_checkpoint
+from engine.checkpoint.hf import is_hf_folder, load_hf_weights, read_hf_model_config
+from engine.checkpoint.locate import TOKENIZER, find_checkpoint
+from engine.data.tokenizer import Encoder
+from engine.errors import UserError
+from engine.model.transformer import Transformer
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_model(target: Path, device: torch.device) -> tuple[Transformer, Encoder]:
+    """The model of a run directory / checkpoint folder / step_N (its newest complete checkpoint), or of a
+    Hugging Face folder, in eval mode on `device`, with the tokenizer.json that goes with it."""
+    if is_hf_folder(target):
+        cfg, tokenizer = read_hf_model_config(target), target / TOKENIZER
+        load_weights = partial(load_hf_weights, hf_dir=target)
+    else:
+        ckpt = find_checkpoint(target)
+        cfg, tokenizer = ckpt.model, ckpt.tokenizer
+        load_weights = partial(load_checkpoint, ckpt.path)
+    if tokenizer is None or not tokenizer.is_file():  # checked before the (possibly large) weights are read
+        raise UserError(f"{target} has no {TOKENIZER} to turn text into tokens and back",
+                        f"copy the tokenizer the model was trained with there as {TOKENIZER}")
+    encoder = Encoder.from_file(tokenizer)
+    with torch.device(device):
+        model = Transformer(cfg)
+    load_weights(model)
+    return model.eval(), encoder
+
+
+def prompt_ids(encoder: Encoder, text: str) -> list[int]:
+    """The prompt as the start of a document: after the tokenizer's own start tokens if it adds any (e.g.
+    a Llama BOS), else after the end-of-text token, which is what precedes every document in Forge's data."""
+    plain = encoder.tokenizer.encode(text, add_special_tokens=False).ids
+    with_specials = encoder.tokenizer.encode(text, add_special_tokens=True).ids
+    return with_specials if with_specials != plain else [encoder.eos_id, *plain]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn from the logits. temperature 0 is greedy (argmax); otherwise the
+    logits are divided by the temperature, cut to the `top_k` most likely tokens (0: no cut) and to the
+    smallest set whose probability reaches `top_p` (1: no cut), and one token is drawn from what is left.
+    `seed` makes the draws reproducible (None: a fresh random seed)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise UserError(f"--temperature {self.temperature} is negative", "use 0 for greedy decoding, or a value > 0")
+        if self.top_k < 0:
+            raise UserError(f"--top-k {self.top_k} is negative", "use 0 to sample from every token")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p {self.top_p} must be in (0, 1]", "e.g. --top-p 0.9; 1 disables the cut")
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        generator = torch.Generator(device=device)
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+        return generator
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling,
+             stop_ids: Sequence[int] = (), generator: torch.Generator | None = None) -> Iterator[int]:
+    """Yield up to `max_new_tokens` ids that continue `prompt`, stopping early after one of `stop_ids`.
+
+    The prompt is run once to fill the cache; each further step feeds only the newest token. Pass a
+    `generator` to continue one random stream across several calls (an interactive session), else one is
+    made from `sampling.seed`.
+    """
+    check_lengths(model, len(prompt), max_new_tokens)
+    device = model.tok_embeddings.weight.device
+    generator = generator or sampling.generator(device)
+    cache = model.new_kv_cache(batch=1, capacity=len(prompt) + max_new_tokens)
+    tokens = torch.tensor([list(prompt)], device=device)
+    for _ in range(max_new_tokens):
+        logits = model(tokens, cache)[0, -1].float()
+        token = next_token(logits, sampling, generator)
+        yield token
+        if token in stop_ids:
+            return
+        tokens = torch.tensor([[token]], device=device)
+
+
+def check_lengths(model: Transformer, prompt_len: int, max_new_tokens: int) -> None:
+    """The model has RoPE positions for max_seq_len tokens; prompt and continuation must fit in them."""
+    limit = model.cfg.max_seq_len
+    if prompt_len == 0:
+        raise UserError("the prompt is empty", "pass at least one token")
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+    if prompt_len + max_new_tokens > limit:
+        room = limit - prompt_len
+        raise UserError(f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new_tokens} exceed the model's "
+                        f"context of {limit} tokens (model.max_seq_len)",
+                        f"use --max-new-tokens {room} or less" if room > 0 else "shorten the prompt")
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """One id drawn from fp32 logits [vocab] according to `sampling`."""
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / sampling.temperature
+    if 0 < sampling.top_k < logits.numel():
+        kth = torch.topk(logits, sampling.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1:
+        logits = nucleus(logits, sampling.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the most likely tokens until their probability reaches top_p (always at least one)."""
+    sorted_logits, order = torch.sort(logits, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    enough_before = probs.cumsum(dim=-1) - probs >= top_p  # the more likely tokens already reach top_p
+    drop = torch.zeros_like(enough_before).scatter(0, order, enough_before)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+class TextStream:
+    """Incremental detokenization: feed ids, get the text they add once it is complete (a byte-level BPE
+    token can end in the middle of a UTF-8 character; that text waits for the next token). The prompt is
+    fed first, unprinted, so the first new piece decodes in context (e.g. its leading space)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(skip_special_tokens=True)
+        for token in prompt:
+            self.stream.step(tokenizer, token)
+
+    def add(self, token: int) -> str:
+        return self.stream.step(self.tokenizer, token) or ""

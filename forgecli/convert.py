@@ -1,0 +1,150 @@
+"""`forge convert`: Forge checkpoints ↔ Hugging Face model folders. The work is in `engine.checkpoint.hf`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from forgecli.ui import console, err_console, print_json, user_errors
+
+if TYPE_CHECKING:  # the engine is imported when a command runs, not when `forge --help` loads the app
+    from engine.checkpoint.hf import ConvertProgress, ConvertReport
+
+PLAIN_INTERVAL_S = 10.0
+
+app = typer.Typer(
+    name="convert",
+    help="Convert checkpoints: Forge → Hugging Face (to-hf) and Hugging Face → Forge (from-hf).",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+)
+
+
+@app.command("to-hf")
+@user_errors
+def to_hf(
+    source: Path = typer.Argument(..., metavar="RUN_DIR|CKPT", help=(
+        "A run directory (its newest complete checkpoint), a checkpoint folder, or one step_N folder.")),
+    out: Path = typer.Option(..., "--out", "-o", help="The Hugging Face model folder to write; must not exist yet."),
+    dtype: str = typer.Option("float32", "--dtype", help="Weight dtype of the export: float32, bfloat16 or float16."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON; progress goes to stderr."),
+) -> None:
+    """Export a Forge checkpoint as a Hugging Face `transformers` model folder.
+
+    Writes config.json (LlamaForCausalLM; Qwen3ForCausalLM for qk_norm models), model.safetensors
+    (sharded with an index above 5 GB), generation_config.json and the run's tokenizer, so that
+    AutoModelForCausalLM / AutoTokenizer.from_pretrained(OUT) work offline. A checkpoint saved under any
+    parallel layout converts the same way. Nothing is written unless the whole export succeeds.
+
+    [bold]Examples[/bold]
+
+      forge convert to-hf runs/debug --out exports/debug-hf
+
+      forge convert to-hf runs/big/checkpoints/step_20000 --out exports/big-hf --dtype bfloat16
+
+    """
+    from engine.checkpoint.hf import export_to_hf
+
+    with progress_view(err_console if as_json else console, "exporting") as view:
+        report = export_to_hf(source, out, dtype=dtype, progress=view.update)
+    show(report, as_json, "exported to Hugging Face")
+
+
+@app.command("from-hf")
+@user_errors
+def from_hf(
+    hf_dir: Path = typer.Argument(..., metavar="HF_DIR", help="A local Hugging Face Llama or Qwen3 model folder."),
+    out: Path = typer.Option(..., "--out", "-o", help="The Forge checkpoint folder to write; must not exist yet."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON; progress goes to stderr."),
+) -> None:
+    """Import a Hugging Face Llama/Qwen3 model folder as a Forge checkpoint folder.
+
+    OUT gets step_0/ (the weights in DCP format), latest, model.toml (the [model] section that matches
+    the weights: copy it into your preset) and the folder's tokenizer.json. Models Forge cannot
+    reproduce exactly (other architectures, biases, RoPE scaling, sliding windows) are refused.
+
+    [bold]Examples[/bold]
+
+      forge convert from-hf ~/models/TinyLlama-1.1B --out checkpoints/tinyllama
+
+      forge generate checkpoints/tinyllama --prompt "Once upon a time"
+
+    """
+    from engine.checkpoint.hf import import_from_hf, model_toml
+
+    with progress_view(err_console if as_json else console, "importing") as view:
+        report = import_from_hf(hf_dir, out, progress=view.update)
+    show(report, as_json, "imported from Hugging Face")
+    if not as_json:
+        console.print(f"\n{out / 'model.toml'}:", markup=False, highlight=False, soft_wrap=True)
+        console.print(model_toml(report.model), markup=False, highlight=False, soft_wrap=True)
+
+
+def show(report: "ConvertReport", as_json: bool, title: str) -> None:
+    if as_json:
+        print_json({"source": str(report.source), "out": str(report.out), "architecture": report.architecture,
+                    "parameters": report.parameters, "bytes": report.bytes, "files": report.files,
+                    "model": report.model.model_dump(mode="json", exclude_none=True)})
+        return
+    table = Table(title=title, show_header=False, expand=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("from", escape(str(report.source)))
+    table.add_row("to", escape(str(report.out)))
+    table.add_row("architecture", report.architecture)
+    table.add_row("parameters", f"{report.parameters:,} ({report.bytes / 1e6:,.1f} MB)")
+    table.add_row("files", escape(", ".join(report.files)))
+    console.print(table)
+
+
+def progress_view(target: Console, what: str) -> "RichProgressView | PlainProgressView":
+    if target.is_terminal and not target.is_dumb_terminal:
+        return RichProgressView(target, what)
+    return PlainProgressView(target, what)
+
+
+class RichProgressView:
+    """A live bar over the parameters converted so far."""
+
+    def __init__(self, target: Console, what: str) -> None:
+        self.bar = Progress(TextColumn(what), BarColumn(), TaskProgressColumn(), TextColumn("{task.fields[tensor]}"),
+                            TimeRemainingColumn(), console=target, transient=True)
+        self.task = self.bar.add_task(what, total=None, tensor="")
+
+    def __enter__(self) -> "RichProgressView":
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+    def update(self, p: "ConvertProgress") -> None:
+        self.bar.update(self.task, completed=p.done, total=p.total, tensor=escape(p.tensor))
+
+
+class PlainProgressView:
+    """For logs: one line every 10 s, none for a conversion quicker than that."""
+
+    def __init__(self, target: Console, what: str) -> None:
+        self.target, self.what = target, what
+        self.last = time.perf_counter()
+
+    def __enter__(self) -> "PlainProgressView":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, p: "ConvertProgress") -> None:
+        now = time.perf_counter()
+        if now - self.last >= PLAIN_INTERVAL_S:
+            self.last = now
+            self.target.print(f"{self.what}: {100 * p.done / max(p.total, 1):.0f}% of {p.total:,} parameters",
+                              markup=False, highlight=False, soft_wrap=True)

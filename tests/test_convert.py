@@ -1,0 +1,397 @@
+"""`forge convert` against a reference nobody here wrote: Hugging Face `transformers` must compute the same
+logits and greedy tokens from an export; the round trip is bitwise; a checkpoint saved under FSDP exports
+like the single-process model; bad input exits 2 and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from engine.checkpoint.dcp import load_checkpoint, save_checkpoint
+from engine.checkpoint.hf import export_to_hf, import_from_hf, is_hf_folder, load_hf_weights
+from engine.config import JobConfig, dump_toml
+from engine.config.model import ModelConfig
+from engine.errors import UserError
+from engine.generate import Sampling, generate
+from engine.model.transformer import Transformer
+from forgecli.app import app
+from tests.data_fixtures import tokenizer_file
+from tests.torchrun import torchrun
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {
+    "mha": dict(dim=64, n_layers=2, n_heads=4),
+    "gqa-tied": dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, tie_embeddings=True, norm_eps=1e-6,
+                     rope_theta=500000.0),
+    "mqa-ffn": dict(dim=48, n_layers=2, n_heads=4, n_kv_heads=1, ffn_hidden_dim=100, norm_eps=1e-5, rope_theta=50000.0),
+    "qk_norm": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, qk_norm=True, norm_eps=1e-6),
+    "qk_norm-tied": dict(dim=32, n_layers=1, n_heads=2, qk_norm=True, tie_embeddings=True, rope_theta=1e6),
+}
+VOCAB = 151
+
+
+def model_config(**shape) -> ModelConfig:
+    return ModelConfig(vocab_size=VOCAB, max_seq_len=64, **shape)
+
+
+def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """Weights scaled up from the init (sharp distributions, so greedy decoding has no near-ties) and
+    norm weights away from 1, so every tensor's mapping matters."""
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.mul_(8)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def make_run(root: Path, model: Transformer, with_tokenizer: bool = False) -> Path:
+    """A run directory as forge train leaves it: config.toml, a checkpoint, optionally tokenizer.json."""
+    root.mkdir(parents=True)
+    (root / "config.toml").write_text(dump_toml(JobConfig(model=model.cfg)))
+    if with_tokenizer:
+        tokenizer_file(root)
+    save_checkpoint(root / "checkpoints", 5, model, torch.optim.AdamW(model.parameters()), {"step": 5})
+    return root
+
+
+def hf_model(folder: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def no_leftovers(out: Path) -> bool:
+    """Neither the output folder nor a temporary sibling of it exists."""
+    return not out.exists() and not list(out.parent.glob(f".{out.name}.*"))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_transformers_computes_the_same_logits_and_greedy_tokens(tmp_path, name):
+    model = random_model(model_config(**CONFIGS[name])).eval()
+    export_to_hf(make_run(tmp_path / "run", model), tmp_path / "hf")
+    hf = hf_model(tmp_path / "hf")
+    assert type(hf).__name__ == ("Qwen3ForCausalLM" if model.cfg.qk_norm else "LlamaForCausalLM")
+    tokens = torch.randint(0, VOCAB, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=1e-6)
+    prompt = tokens[:1, :8]
+    theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)[0, 8:].tolist()
+    ours = list(generate(model, prompt[0].tolist(), 24, Sampling(temperature=0)))
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("name", ["mha", "qk_norm-tied"])
+def test_round_trip_is_bitwise_and_trains_identically(tmp_path, name):
+    cfg = model_config(**CONFIGS[name])
+    model = random_model(cfg)
+    export_to_hf(make_run(tmp_path / "run", model), tmp_path / "hf", max_shard_bytes=40_000)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # the small threshold split the weights into files
+    import_from_hf(tmp_path / "hf", tmp_path / "back")
+
+    back = Transformer(cfg)
+    load_checkpoint(tmp_path / "back" / "step_0", back)
+    for (key, a), b in zip(model.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), key
+    assert (back.output.weight is back.tok_embeddings.weight) == cfg.tie_embeddings
+    tokens = torch.randint(0, VOCAB, (4, 33))
+    assert one_step_then_loss(model, tokens) == one_step_then_loss(back, tokens)
+
+
+def one_step_then_loss(model: Transformer, tokens: torch.Tensor) -> float:
+    def loss() -> torch.Tensor:
+        logits = model(tokens[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss().backward()
+    optimizer.step()
+    with torch.no_grad():
+        return loss().item()
+
+
+def test_from_hf_writes_a_checkpoint_folder_and_its_model_section(tmp_path):
+    cfg = model_config(**CONFIGS["gqa-tied"])
+    export_to_hf(make_run(tmp_path / "run", random_model(cfg), with_tokenizer=True), tmp_path / "hf")
+    result = forge("convert", "from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"))
+    assert result.exit_code == 0, result.output
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "latest").read_text() == "step_0" and (ckpt / "step_0" / "COMPLETE").is_file()
+    assert (ckpt / "tokenizer.json").read_bytes() == (tmp_path / "run" / "tokenizer.json").read_bytes()
+    assert "[model]" in result.stdout and "n_kv_heads = 2" in result.stdout
+    from engine.config import load_job_config
+
+    imported = load_job_config(ckpt / "model.toml").model
+    for field in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_dim", "norm_eps", "rope_theta",
+                  "tie_embeddings", "qk_norm", "max_seq_len"):
+        assert getattr(imported, field) == getattr(cfg, field), field
+    # ... and it is a checkpoint like any other: it exports again, identically.
+    export_to_hf(ckpt, tmp_path / "hf2")
+    assert (tmp_path / "hf2" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
+
+
+def test_export_casts_to_the_requested_dtype_and_ships_the_tokenizer(tmp_path):
+    model = random_model(model_config(**CONFIGS["mha"]))
+    run = make_run(tmp_path / "run", model, with_tokenizer=True)
+    result = forge("convert", "to-hf", str(run), "--out", str(tmp_path / "hf"), "--dtype", "bfloat16", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["architecture"] == "LlamaForCausalLM" and report["parameters"] == model.num_parameters()
+    with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        assert torch.equal(f.get_tensor("model.embed_tokens.weight"), model.tok_embeddings.weight.bfloat16())
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16"
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    from engine.data.tokenizer import Encoder
+
+    ours = Encoder.from_file(run / "tokenizer.json")
+    text = "To be, or not to be: that is the question."
+    assert tokenizer(text).input_ids == ours.tokenizer.encode(text, add_special_tokens=False).ids
+    assert tokenizer.eos_token == ours.eos_token and config["eos_token_id"] == ours.eos_id
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == ours.eos_id
+
+
+def test_load_hf_weights_fills_a_model_and_checks_its_architecture(tmp_path):
+    cfg = model_config(**CONFIGS["qk_norm"])
+    model = random_model(cfg)
+    export_to_hf(make_run(tmp_path / "run", model), tmp_path / "hf", max_shard_bytes=40_000)
+    assert is_hf_folder(tmp_path / "hf") and not is_hf_folder(tmp_path / "run")
+    fresh = Transformer(cfg)
+    load_hf_weights(fresh, tmp_path / "hf")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    with pytest.raises(UserError, match="model.rope_theta"):
+        load_hf_weights(Transformer(cfg.model_copy(update={"rope_theta": 1234.0})), tmp_path / "hf")
+
+
+@pytest.mark.parametrize("field, value", [("norm_type", "layernorm"), ("activation", "gelu")])
+def test_models_transformers_cannot_express_are_refused(tmp_path, field, value):
+    model = random_model(model_config(**CONFIGS["mha"], **{field: value}))
+    result = forge("convert", "to-hf", str(make_run(tmp_path / "run", model)), "--out", str(tmp_path / "hf"))
+    assert result.exit_code == 2 and f"model.{field}" in said(result)
+    assert no_leftovers(tmp_path / "hf")
+
+
+def test_a_checkpoint_saved_under_fsdp_exports_like_the_single_process_model(tmp_path):
+    """2 gloo ranks: load HF weights into an FSDP2 model (each rank keeps its shard), check its logits,
+    save a sharded DCP checkpoint; that checkpoint then exports to the same model as the unsharded one."""
+    cfg = model_config(**CONFIGS["gqa-tied"])
+    reference = random_model(cfg).eval()
+    export_to_hf(make_run(tmp_path / "single", reference), tmp_path / "hf-single")
+    tokens = torch.randint(0, VOCAB, (2, 24))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    run = tmp_path / "fsdp"
+    run.mkdir()
+    (run / "config.toml").write_text(dump_toml(JobConfig(model=cfg)))
+    script = tmp_path / "fsdp_save.py"
+    script.write_text(FSDP_SCRIPT)
+    result = torchrun(script, 2, str(tmp_path), json.dumps(CONFIGS["gqa-tied"]), str(VOCAB), timeout=120)
+    assert result.returncode == 0, result.stdout[-4000:]
+
+    with torch.no_grad():
+        expected = reference(tokens)
+        torch.testing.assert_close(torch.load(tmp_path / "fsdp_logits.pt"), expected, rtol=1e-5, atol=1e-5)
+        assert len(list((run / "checkpoints" / "step_1").glob("*.distcp"))) == 2  # really sharded
+        export_to_hf(run, tmp_path / "hf-fsdp")
+        torch.testing.assert_close(hf_model(tmp_path / "hf-fsdp")(tokens).logits, expected, rtol=1e-5, atol=1e-6)
+
+
+FSDP_SCRIPT = textwrap.dedent('''
+    import json, sys
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from engine.checkpoint.dcp import COMPLETE, TRAIN_STATE
+    from engine.checkpoint.hf import load_hf_weights
+    from engine.config.model import ModelConfig
+    from engine.model.transformer import Transformer
+
+    tmp, shape, vocab = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+    dist.init_process_group("gloo")
+    torch.manual_seed(123)  # other weights than the reference: every value must come from the HF folder
+    model = Transformer(ModelConfig(vocab_size=vocab, max_seq_len=64, **shape))
+    for block in model.layers.values():
+        fully_shard(block)
+    fully_shard(model)
+    load_hf_weights(model, tmp / "hf-single")
+    assert model.tok_embeddings.weight.to_local().shape[0] < vocab  # each rank holds a shard
+    with torch.no_grad():
+        logits = model(torch.load(tmp / "tokens.pt"))
+    model.reshard()  # the root keeps its parameters gathered after forward (for backward); shard them again
+    if dist.get_rank() == 0:
+        torch.save(logits, tmp / "fsdp_logits.pt")
+    # What save_checkpoint writes, with the folder made by one rank only: save_checkpoint itself creates
+    # it on every rank, which races with two processes (multi-rank saving is issue 4's).
+    step = tmp / "fsdp" / "checkpoints" / "step_1"
+    if dist.get_rank() == 0:
+        step.mkdir(parents=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, torch.optim.AdamW(model.parameters()))
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=step)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (step / TRAIN_STATE).write_text(json.dumps({"step": 1}))
+        (step / COMPLETE).write_text("")
+    dist.destroy_process_group()
+''')
+
+
+# ------------------------------------------------------------------ bad input through the CLI
+
+
+def said(result) -> str:
+    """The error panel's text on one line (Rich wraps long messages inside the box)."""
+    return " ".join(re.sub("[│╭╮╰╯─]", " ", result.stderr).split())
+
+
+def forge(*args: str):
+    return CliRunner().invoke(app, list(args), env={"NO_COLOR": "1", "COLUMNS": "200"})
+
+
+def llama_config(**changes) -> dict:
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 50}
+    return {**config, **changes}
+
+
+def hf_folder(path: Path, config: dict) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_to_hf_bad_input_exits_2_and_writes_nothing(tmp_path):
+    model = random_model(model_config(**CONFIGS["mha"]))
+    run = make_run(tmp_path / "run", model)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("x")
+    incomplete = run / "checkpoints" / "step_9"
+    incomplete.mkdir()
+    corrupt = tmp_path / "corrupt" / "step_1"
+    corrupt.mkdir(parents=True)
+    (corrupt.parent / "model.toml").write_text((run / "config.toml").read_text())
+    (corrupt / "COMPLETE").write_text("")
+    (corrupt / ".metadata").write_bytes(b"garbage")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run, damaged)
+    next((damaged / "checkpoints" / "step_5").glob("*.distcp")).write_bytes(b"cut short")
+    cases = [
+        ([str(tmp_path / "nowhere")], "does not exist"),
+        ([str(tmp_path / "empty")], "not a Forge run directory"),
+        ([str(hf_folder(tmp_path / "llama", llama_config()))], "forge convert from-hf"),
+        ([str(incomplete)], "incomplete"),
+        ([str(corrupt)], "cannot read checkpoint"),
+        ([str(damaged)], "its files are damaged or incomplete"),
+        ([str(run), "--dtype", "float8"], "--dtype 'float8'"),
+        ([str(run), "--dtype", "bf16"], "float32, bfloat16, float16"),
+    ]
+    for args, needle in cases:
+        out = tmp_path / "out"
+        result = forge("convert", "to-hf", *args, "--out", str(out))
+        assert result.exit_code == 2, (args, result.output)
+        assert needle in said(result) and "Traceback" not in result.output, (args, result.stderr)
+        assert no_leftovers(out), args
+    result = forge("convert", "to-hf", str(run), "--out", str(tmp_path / "taken"))
+    assert result.exit_code == 2 and "already exists" in said(result)
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["file"]
+
+
+def test_from_hf_bad_input_exits_2_and_writes_nothing(tmp_path):
+    gpt2 = hf_folder(tmp_path / "gpt2", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 32})
+    (gpt2 / "model.safetensors").write_bytes(b"")
+    no_weights = hf_folder(tmp_path / "no-weights", llama_config())
+    pickled = hf_folder(tmp_path / "pickled", llama_config())
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80")
+    scaled = hf_folder(tmp_path / "scaled", llama_config(rope_scaling={"rope_type": "llama3", "factor": 8.0}))
+    biased = hf_folder(tmp_path / "biased", llama_config(attention_bias=True))
+    sharded = hf_folder(tmp_path / "sharded", llama_config())
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    corrupt = hf_folder(tmp_path / "corrupt", llama_config())
+    (corrupt / "model.safetensors").write_bytes(b"not safetensors")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    cases = [
+        (tmp_path / "nowhere", "not a folder"),
+        (tmp_path, "no config.json"),
+        (gpt2, "'gpt2' (GPT2LMHeadModel)"),
+        (no_weights, "no model.safetensors"),
+        (pickled, "pickled"),
+        (scaled, "RoPE scaling 'llama3'"),
+        (biased, "attention_bias"),
+        (sharded, "model-00001-of-00002.safetensors"),
+        (corrupt, "not a readable safetensors file"),
+        (broken, "not valid JSON"),
+    ]
+    for folder, needle in cases:
+        out = tmp_path / "out"
+        result = forge("convert", "from-hf", str(folder), "--out", str(out))
+        assert result.exit_code == 2, (folder, result.output)
+        assert needle in said(result) and "Traceback" not in result.output, (folder, result.stderr)
+        assert no_leftovers(out), folder
+
+
+def test_from_hf_refuses_weights_that_do_not_match_the_config(tmp_path):
+    model = random_model(model_config(**CONFIGS["mha"]))
+    export_to_hf(make_run(tmp_path / "run", model), tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    result = forge("convert", "from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2 and "mlp.down_proj.weight has shape [64, 256], config.json implies [64, 128]" in said(result)
+    assert no_leftovers(tmp_path / "out")
+
+
+def test_a_failure_while_writing_leaves_no_partial_output(tmp_path, monkeypatch):
+    import engine.checkpoint.hf as hf
+
+    model = random_model(model_config(**CONFIGS["mha"]))
+    run = make_run(tmp_path / "run", model)
+    written = []
+
+    def failing_save(tensors, path, metadata=None):
+        written.append(path)
+        if len(written) == 3:
+            raise OSError("disk full")
+        return save(tensors, path, metadata=metadata)
+
+    save = hf.save_file
+    monkeypatch.setattr(hf, "save_file", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        export_to_hf(run, tmp_path / "hf", max_shard_bytes=40_000)
+    assert no_leftovers(tmp_path / "hf") and len(written) == 3
+
+
+def test_checkpoint_load_path_may_name_a_hugging_face_folder(tmp_path):
+    from engine.checkpoint.manager import initialize_from
+
+    cfg = model_config(**CONFIGS["qk_norm"])
+    model = random_model(cfg)
+    export_to_hf(make_run(tmp_path / "run", model), tmp_path / "hf")
+    torch.manual_seed(3)
+    fresh = Transformer(cfg)
+    kept = fresh.output.weight.detach().clone()
+    loaded = initialize_from(tmp_path / "hf", fresh, ["output."])
+    assert "output.weight" not in loaded and torch.equal(fresh.output.weight, kept)
+    for name, value in model.state_dict().items():
+        if not name.startswith("output."):
+            assert torch.equal(fresh.state_dict()[name], value), name
