@@ -19,6 +19,7 @@ from tokenizers.decoders import DecodeStream
 from engine.checkpoint.dcp import load_checkpoint
 from engine.checkpoint.hf import is_hf_folder, load_hf_weights, read_hf_model_config
 from engine.checkpoint.locate import TOKENIZER, find_checkpoint
+from engine.checkpoint.manager import UNREADABLE, describe
 from engine.data.tokenizer import Encoder
 from engine.errors import UserError
 from engine.model.transformer import Transformer
@@ -42,9 +43,16 @@ def load_model(target: Path, device: torch.device) -> tuple[Transformer, Encoder
         raise UserError(f"{target} has no {TOKENIZER} to turn text into tokens and back",
                         f"copy the tokenizer the model was trained with there as {TOKENIZER}")
     encoder = Encoder.from_file(tokenizer)
+    # Sampling runs in fp32: a kernel the run pinned for training (flash needs bf16/fp16) may not apply.
     with torch.device(device):
-        model = Transformer(cfg)
-    load_weights(model)
+        model = Transformer(cfg.model_copy(update={"sdpa_backend": "auto"}))
+    try:
+        load_weights(model)
+    except UserError:
+        raise
+    except UNREADABLE as err:
+        raise UserError(f"cannot load the weights of {target} ({describe(err)})",
+                        "its files are damaged, or config.toml no longer matches them") from None
     return model.eval(), encoder
 
 

@@ -301,6 +301,7 @@ def test_to_hf_bad_input_exits_2_and_writes_nothing(tmp_path):
         ([str(incomplete)], "incomplete"),
         ([str(corrupt)], "cannot read checkpoint"),
         ([str(damaged)], "its files are damaged or incomplete"),
+        ([str(damaged)], "EOFError"),  # the cause itself, not DCP's wrapper
         ([str(run), "--dtype", "float8"], "--dtype 'float8'"),
         ([str(run), "--dtype", "bf16"], "float32, bfloat16, float16"),
     ]
@@ -313,6 +314,10 @@ def test_to_hf_bad_input_exits_2_and_writes_nothing(tmp_path):
     result = forge("convert", "to-hf", str(run), "--out", str(tmp_path / "taken"))
     assert result.exit_code == 2 and "already exists" in said(result)
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["file"]
+    result = forge("convert", "to-hf", str(run), "--out", str(tmp_path / "taken" / "file" / "out"))
+    assert result.exit_code == 2 and "cannot write into" in said(result)
+    with open(next((tmp_path / "run" / "checkpoints" / "step_5").glob("*.distcp")), "rb") as f:
+        assert f.read(1)  # the good run is untouched
 
 
 def test_from_hf_bad_input_exits_2_and_writes_nothing(tmp_path):

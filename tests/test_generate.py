@@ -189,3 +189,15 @@ def test_forge_generate_needs_a_checkpoint_and_its_tokenizer(tmp_path, tiny_run)
     (tmp_path / "run" / "tokenizer.json").unlink()
     result = forge("generate", str(tmp_path / "run"))
     assert result.exit_code == 2 and "has no tokenizer.json" in said(result)
+
+
+def test_forge_generate_on_a_damaged_checkpoint_exits_2(tiny_run, tmp_path):
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_run, damaged)
+    for shard in damaged.glob("checkpoints/step_*/*.distcp"):
+        shard.write_bytes(b"cut short")
+    result = forge("generate", str(damaged), "--prompt", "The", "-n", "3")
+    assert result.exit_code == 2 and "cannot load the weights" in said(result), result.output
+    assert "Traceback" not in result.output

@@ -44,6 +44,7 @@ from engine.checkpoint.dcp import COMPLETE, LATEST, TRAIN_STATE, SafeFileSystemR
 from engine.checkpoint.hf_mapping import (check_same_architecture, expected_shapes, hf_architecture, hf_config,
                                           model_config_from_hf, weight_names)
 from engine.checkpoint.locate import MODEL_CONFIG, TOKENIZER, find_checkpoint
+from engine.checkpoint.manager import describe
 from engine.config.model import ModelConfig
 from engine.data.tokenizer import Encoder
 from engine.durable import fsync_dir, fsync_file
@@ -106,7 +107,8 @@ def export_to_hf(source: Path, out: Path, dtype: str = "float32", max_shard_byte
         files = write_safetensors(tmp, ckpt.path, names, saved, shards, torch_dtype, progress)
         eos_id = encoder.eos_id if encoder else None
         write_json(tmp / "config.json", hf_config(cfg, torch_dtype, eos_id))
-        write_json(tmp / "generation_config.json", {"eos_token_id": eos_id} if eos_id is not None else {})
+        write_json(tmp / "generation_config.json",
+                   {"bos_token_id": eos_id, "eos_token_id": eos_id} if eos_id is not None else {"bos_token_id": None})
         if encoder is not None:
             write_tokenizer(tmp, encoder, cfg.max_seq_len)
     return ConvertReport(ckpt.path, out, architecture, cfg, parameters, parameters * torch_dtype.itemsize, files)
@@ -183,8 +185,7 @@ def read_checkpoint_tensors(step: Path, wanted: dict[str, TensorStorageMetadata]
     try:
         read_state(step, {"model": tensors})
     except (CheckpointException, OSError) as e:  # a shard file missing or cut short
-        cause = next(iter(e.failures.values()), e) if isinstance(e, CheckpointException) else e
-        raise UserError(f"cannot read checkpoint {step} ({type(cause).__name__}: {str(cause).strip()[:200]})",
+        raise UserError(f"cannot read checkpoint {step} ({describe(e)})",
                         "its files are damaged or incomplete; use another step_N folder") from None
     return tensors
 
@@ -357,8 +358,12 @@ def check_out(out: Path) -> None:
 @contextlib.contextmanager
 def staging(out: Path) -> Iterator[Path]:
     """A temporary folder beside `out` to write into; renamed to `out` (durably) only if the block succeeds."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    except OSError as e:
+        raise UserError(f"cannot write into {out.parent} ({e.strerror or e})",
+                        "pass --out in a folder you can write") from None
     try:
         yield tmp
         umask = current_umask()

@@ -84,6 +84,9 @@ def hf_config(cfg: ModelConfig, torch_dtype: torch.dtype, eos_id: int | None) ->
         config["mlp_bias"] = False
     else:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    # Forge trains each document right after an end-of-text token, which so also starts one; without an
+    # explicit value transformers would take its default start token, an arbitrary id in our vocabulary.
+    config["bos_token_id"] = eos_id
     if eos_id is not None:
         config["eos_token_id"] = eos_id
     return config
