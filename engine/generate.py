@@ -18,7 +18,7 @@ from tokenizers.decoders import DecodeStream
 
 from engine.checkpoint.dcp import load_checkpoint
 from engine.checkpoint.hf import is_hf_folder, load_hf_weights, read_hf_model_config
-from engine.checkpoint.locate import TOKENIZER, find_checkpoint
+from engine.checkpoint.locate import TOKENIZER, ForgeCheckpoint, averaged, find_checkpoint
 from engine.checkpoint.manager import UNREADABLE, describe
 from engine.data.tokenizer import Encoder
 from engine.errors import UserError
@@ -38,7 +38,7 @@ def load_model(target: Path, device: torch.device) -> tuple[Transformer, Encoder
     else:
         ckpt = find_checkpoint(target)
         cfg, tokenizer = ckpt.model, ckpt.tokenizer
-        load_weights = partial(load_checkpoint, ckpt.path)
+        load_weights = partial(load_forge_weights, ckpt=ckpt)
     if tokenizer is None or not tokenizer.is_file():  # checked before the (possibly large) weights are read
         raise UserError(f"{target} has no {TOKENIZER} to turn text into tokens and back",
                         f"copy the tokenizer the model was trained with there as {TOKENIZER}")
@@ -54,6 +54,12 @@ def load_model(target: Path, device: torch.device) -> tuple[Transformer, Encoder
         raise UserError(f"cannot load the weights of {target} ({describe(err)})",
                         "its files are damaged, or config.toml no longer matches them") from None
     return model.eval(), encoder
+
+
+def load_forge_weights(model: Transformer, ckpt: ForgeCheckpoint) -> None:
+    """The checkpoint's weights, averaged for a schedule-free run (what its eval loss was measured on)."""
+    load_checkpoint(ckpt.path, model)
+    averaged(ckpt, {name: param.data for name, param in model.named_parameters()})
 
 
 def prompt_ids(encoder: Encoder, text: str) -> list[int]:

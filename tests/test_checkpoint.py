@@ -143,8 +143,6 @@ def poison_bytes_value(step_dir, value) -> None:
     records offsets, so the entry is appended and the metadata pointed at it)."""
     import io
 
-    from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: F401  (the metadata's class)
-
     metadata = pickle.loads((step_dir / ".metadata").read_bytes())
     index = next(i for i in metadata.storage_data if i.fqn.endswith(".lr"))
     info = metadata.storage_data[index]

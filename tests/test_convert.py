@@ -400,3 +400,36 @@ def test_checkpoint_load_path_may_name_a_hugging_face_folder(tmp_path):
     for name, value in model.state_dict().items():
         if not name.startswith("output."):
             assert torch.equal(fresh.state_dict()[name], value), name
+
+
+def test_schedule_free_runs_export_and_sample_their_averaged_weights(tmp_path):
+    """Schedule-free AdamW checkpoints hold y (for exact resume); export and generate use x, the average."""
+    from engine.config.optimizer import OptimizerConfig
+    from engine.generate import load_model
+    from engine.train.optim import build_optimizer, eval_mode
+
+    cfg = model_config(**CONFIGS["gqa-tied"])
+    model = random_model(cfg)
+    opt_cfg = OptimizerConfig(name="schedule_free_adamw", lr=1e-2, betas=(0.9, 0.999))
+    optimizer = build_optimizer(model, opt_cfg)
+    for seed in range(3):
+        tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
+        torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with eval_mode(optimizer):
+        x = {name: p.detach().clone() for name, p in model.named_parameters()}
+    y = {name: p.detach().clone() for name, p in model.named_parameters()}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(dump_toml(JobConfig(model=cfg, optimizer=opt_cfg)))
+    tokenizer_file(run)
+    save_checkpoint(run / "checkpoints", 3, model, optimizer, {"step": 3})
+
+    loaded, _ = load_model(run, torch.device("cpu"))
+    for name, param in loaded.named_parameters():
+        torch.testing.assert_close(param.detach(), x[name], rtol=0, atol=1e-6)
+        assert not torch.equal(param.detach(), y[name]), name
+    export_to_hf(run, tmp_path / "hf")
+    with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
+        torch.testing.assert_close(f.get_tensor("model.embed_tokens.weight"), x["tok_embeddings.weight"], rtol=0, atol=1e-6)

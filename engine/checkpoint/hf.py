@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from engine.checkpoint.dcp import COMPLETE, LATEST, TRAIN_STATE, SafeFileSystemReader, read_state, single_process_quiet
 from engine.checkpoint.hf_mapping import (check_same_architecture, expected_shapes, hf_architecture, hf_config,
                                           model_config_from_hf, weight_names)
-from engine.checkpoint.locate import MODEL_CONFIG, TOKENIZER, find_checkpoint
+from engine.checkpoint.locate import MODEL_CONFIG, TOKENIZER, ForgeCheckpoint, averaged, find_checkpoint
 from engine.checkpoint.manager import describe
 from engine.config.model import ModelConfig
 from engine.data.tokenizer import Encoder
@@ -104,7 +104,7 @@ def export_to_hf(source: Path, out: Path, dtype: str = "float32", max_shard_byte
     shards = plan_shards(names, saved, torch_dtype.itemsize, max_shard_bytes)
     parameters = sum(saved[n].size.numel() for n in names)
     with staging(out) as tmp:
-        files = write_safetensors(tmp, ckpt.path, names, saved, shards, torch_dtype, progress)
+        files = write_safetensors(tmp, ckpt, names, saved, shards, torch_dtype, progress)
         eos_id = encoder.eos_id if encoder else None
         write_json(tmp / "config.json", hf_config(cfg, torch_dtype, eos_id))
         write_json(tmp / "generation_config.json",
@@ -155,15 +155,16 @@ def plan_shards(names: dict[str, str], saved: dict[str, TensorStorageMetadata], 
     return shards
 
 
-def write_safetensors(out: Path, step: Path, names: dict[str, str], saved: dict[str, TensorStorageMetadata],
+def write_safetensors(out: Path, ckpt: ForgeCheckpoint, names: dict[str, str], saved: dict[str, TensorStorageMetadata],
                       shards: list[list[str]], dtype: torch.dtype, progress: ProgressFn | None) -> list[str]:
-    """Read each file's tensors from the checkpoint (DCP reassembles any sharded layout), cast, write."""
+    """Read each file's tensors from the checkpoint (DCP reassembles any sharded layout), cast, write. A
+    schedule-free run ships its averaged weights."""
     files = [SINGLE_FILE] if len(shards) == 1 else [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
                                                     for i in range(1, len(shards) + 1)]
     total = sum(saved[name].size.numel() for name in names)
     weight_map, done = {}, 0
     for file, shard in zip(files, shards):
-        tensors = read_checkpoint_tensors(step, {name: saved[name] for name in shard})
+        tensors = read_checkpoint_tensors(ckpt, {name: saved[name] for name in shard})
         converted = {}
         for name in shard:
             converted[names[name]] = tensors.pop(name).to(dtype).contiguous()
@@ -179,11 +180,13 @@ def write_safetensors(out: Path, step: Path, names: dict[str, str], saved: dict[
     return files
 
 
-def read_checkpoint_tensors(step: Path, wanted: dict[str, TensorStorageMetadata]) -> dict[str, torch.Tensor]:
+def read_checkpoint_tensors(ckpt: ForgeCheckpoint, wanted: dict[str, TensorStorageMetadata]) -> dict[str, torch.Tensor]:
     """Just these model tensors of a DCP checkpoint, whole, in their saved dtype, in this process."""
+    step = ckpt.path
     tensors = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in wanted.items()}
     try:
         read_state(step, {"model": tensors})
+        averaged(ckpt, tensors)
     except (CheckpointException, OSError) as e:  # a shard file missing or cut short
         raise UserError(f"cannot read checkpoint {step} ({describe(e)})",
                         "its files are damaged or incomplete; use another step_N folder") from None

@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.checkpoint.dcp import COMPLETE, STEP_DIR, latest_checkpoint, step_dirs
+import torch
+
+from engine.checkpoint.dcp import COMPLETE, STEP_DIR, latest_checkpoint, read_state, step_dirs
+from engine.config.job import JobConfig
 from engine.config.loader import load_job_config
 from engine.config.model import ModelConfig
 from engine.errors import UserError
@@ -26,6 +29,26 @@ class ForgeCheckpoint:
     path: Path                # the step_N folder
     model: ModelConfig
     tokenizer: Path | None    # a tokenizer.json, when the run had one
+    averaging_beta1: float | None = None  # schedule-free AdamW's β1: the model to use is its average x
+
+
+def run_checkpoint(step: Path, cfg: JobConfig, run_dir: Path) -> ForgeCheckpoint:
+    schedule_free = cfg.optimizer.name == "schedule_free_adamw"
+    return ForgeCheckpoint(step, cfg.model, tokenizer_in(run_dir), cfg.optimizer.betas[0] if schedule_free else None)
+
+
+def averaged(ckpt: ForgeCheckpoint, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights to evaluate and ship. Schedule-free AdamW trains at y, saved as the model's weights, while
+    what it has learnt is the average x = (y - (1 - β1)·z) / β1, with z from the saved optimizer state
+    (the formula of the optimizer's eval mode). Other optimizers: `tensors` as they are. In place."""
+    beta1 = ckpt.averaging_beta1
+    if beta1 is None:
+        return tensors
+    z = {name: torch.empty_like(value) for name, value in tensors.items()}
+    read_state(ckpt.path, {"optimizer": {"state": {name: {"z": value} for name, value in z.items()}}})
+    for name, value in tensors.items():
+        value.lerp_(z[name].to(value.dtype), 1 - 1 / beta1)
+    return tensors
 
 
 def find_checkpoint(target: Path) -> ForgeCheckpoint:
@@ -38,7 +61,7 @@ def find_checkpoint(target: Path) -> ForgeCheckpoint:
     if (target / RUN_CONFIG).is_file():
         cfg = load_job_config(target / RUN_CONFIG)
         step = newest_complete(target / cfg.checkpoint.dir, f"run {target}")
-        return ForgeCheckpoint(step, cfg.model, tokenizer_in(target))
+        return run_checkpoint(step, cfg, target)
     if STEP_DIR.match(target.name):
         if not (target / COMPLETE).is_file():
             raise UserError(f"checkpoint {target} is incomplete (its save was interrupted)",
@@ -70,7 +93,7 @@ def with_config(step: Path, root: Path) -> ForgeCheckpoint:
     if run_dir is not None:
         cfg = load_job_config(run_dir / RUN_CONFIG)
         if (run_dir / cfg.checkpoint.dir).resolve() == root.resolve():
-            return ForgeCheckpoint(step, cfg.model, tokenizer_in(run_dir))
+            return run_checkpoint(step, cfg, run_dir)
     raise UserError(f"cannot find the model config of checkpoint {step} (no {MODEL_CONFIG} in {root} and no run "
                     f"directory above it whose {RUN_CONFIG} saves checkpoints there)",
                     "pass the run directory instead")
