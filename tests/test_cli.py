@@ -82,6 +82,7 @@ def test_train_writes_a_complete_run_directory(tmp_path):
     assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
     assert (run_dir / "train.log").read_text().count("step ") >= 6
     assert (run_dir / "tokenizer.json").is_file()
+    assert json.loads((run_dir / "tokenizer_config.json").read_text()) == {"eos_token": "<|endoftext|>"}
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_3", "step_6"]
     # The resolved config is a preset: training from it again validates.
     again = forge("validate-config", str(run_dir / "config.toml"))

@@ -9,6 +9,7 @@ the uninterrupted one would have: same weights, optimizer state, LR schedule, RN
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -204,6 +205,10 @@ def open_run_dir(job: Job) -> MetricsLogger:
         write_if_changed(job.run_dir / RUN_CONFIG, dump_toml(job.cfg).encode())
         if job.train_data.tokenizer_file is not None:
             write_if_changed(job.run_dir / "tokenizer.json", job.train_data.tokenizer_file.read_bytes())
+            # The end-of-text token the shards were made with, where Hugging Face tools (and our export and
+            # generate) look for it: a vocabulary can hold several candidates.
+            eos = json.dumps({"eos_token": job.train_data.manifest.eos_token}, indent=2) + "\n"
+            write_if_changed(job.run_dir / "tokenizer_config.json", eos.encode())
         resumed_from = job.start_step if (job.run_dir / "metrics.jsonl").exists() and not created else None
         return build_trackers(job.cfg, job.run_dir, job.run_dir.name, resumed_from, job.wandb_run_id)
     except UserError:
