@@ -449,3 +449,18 @@ def test_validate_config_draws_the_lr_curve():
     # warmup 20 (preset): step 1 = lr/21, peak from step 21, decay from step 121 to 0 at step 221
     assert lines == {"1": "9.524e-05", "20": "1.905e-03", "21": "2.000e-03", "121": "2.000e-03", "221": "0.000e+00",
                      "300": "0.000e+00"}
+
+
+def test_reported_lr_includes_schedule_free_warmup():
+    from engine.train.optim import current_lr
+
+    ps = [torch.nn.Parameter(p) for p in random_params()]
+    optimizer = ScheduleFreeAdamW(ps, lr=0.01, warmup_steps=4)
+    seen = []
+    for step in range(6):
+        seen.append(current_lr(optimizer))
+        for p, g in zip(ps, random_grads(step)):
+            p.grad = g
+        optimizer.step()
+    assert seen == pytest.approx([0.0025, 0.005, 0.0075, 0.01, 0.01, 0.01])
+    assert current_lr(Lion(ps, lr=0.003)) == 0.003

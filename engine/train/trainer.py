@@ -44,7 +44,7 @@ from engine.resilience.signals import Preempted, StopRequest
 from engine.train import precision
 from engine.train.hooks import TrainHooks
 from engine.train.losses import ModelLoss, build_loss
-from engine.train.optim import build_optimizer, eval_mode
+from engine.train.optim import build_optimizer, current_lr, eval_mode
 from engine.train.profiling import ProfilerWindow
 from engine.train.reporting import Reporter, SilentReporter
 from engine.train.schedules import build_scheduler, default_decay_steps
@@ -297,7 +297,7 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
     job.scaler.unscale_(job.optimizer)
     max_norm = job.cfg.train.grad_clip_norm or math.inf  # 0 = no clipping; the norm is still reported
     grad_norm = torch.nn.utils.clip_grad_norm_(job.model.parameters(), max_norm, foreach=True)
-    lr = job.optimizer.param_groups[0]["lr"]
+    lr = current_lr(job.optimizer)
     loss_value, norm_value = torch.stack([loss_sum, grad_norm.float()]).tolist()  # the one sync per step
     problem = job.guard.problem(loss_value, norm_value, scaler_handles_overflow=job.scaler.is_enabled())
     if any_rank(problem is not None, job.device):

@@ -19,11 +19,17 @@ from engine.train.optim import adamw, lion, muon, schedule_free  # noqa: F401  (
 from engine.train.optim.groups import hidden_matrices, param_groups
 from engine.train.optim.schedule_free import ScheduleFreeAdamW
 
-__all__ = ["build_optimizer", "eval_mode", "hidden_matrices", "param_groups"]
+__all__ = ["build_optimizer", "current_lr", "eval_mode", "hidden_matrices", "param_groups"]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return OPTIMIZERS.get(cfg.name)(model, cfg)
+
+
+def current_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The lr the next step takes (first param group), as metrics should report it."""
+    group = optimizer.param_groups[0]
+    return ScheduleFreeAdamW.step_lr(group) if isinstance(optimizer, ScheduleFreeAdamW) else group["lr"]
 
 
 @contextlib.contextmanager

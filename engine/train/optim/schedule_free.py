@@ -70,9 +70,14 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
             self._update(group)
         return loss
 
+    @staticmethod
+    def step_lr(group: dict) -> float:
+        """The lr the next step of `group` takes: the scheduled lr times the optimizer's own warmup."""
+        return group["lr"] * schedule_free_warmup(group["warmup_steps"], group["k"])
+
     def _update(self, group: dict) -> None:
         (beta1, beta2), k = group["betas"], group["k"]
-        lr = group["lr"] * schedule_free_warmup(group["warmup_steps"], k)
+        lr = self.step_lr(group)
         group["lr_max"] = lr_max = max(lr, group["lr_max"])
         weight = lr_max**2
         group["weight_sum"] += weight
