@@ -18,7 +18,7 @@ from forgecli.ui import console
 def fmt_metrics(metrics: dict[str, Any]) -> dict[str, str]:
     mfu = metrics.get("mfu")
     memory = metrics.get("mem_peak_gib")
-    return {
+    shown = {
         "loss": f"{metrics['loss']:.4f}",
         "lr": f"{metrics['lr']:.3e}",
         "grad norm": f"{metrics['grad_norm']:.3f}",
@@ -26,11 +26,16 @@ def fmt_metrics(metrics: dict[str, Any]) -> dict[str, str]:
         "MFU": f"{100 * mfu:.1f}%" if mfu is not None else "n/a",
         "memory": f"{memory:.2f} GiB" if memory is not None else "n/a",
     }
+    if "moe/imbalance" in metrics:  # MoE: the worst layer's max/mean tokens per expert (1 = balanced)
+        shown["expert imbalance"] = f"{metrics['moe/imbalance']:.2f}"
+    return shown
 
 
 def start_line(info: dict[str, Any]) -> str:
     resumed = f", resuming after step {info['start_step']}" if info["start_step"] else ""
-    return (f"training {info['parameters']['total']:,} parameters on {info['device']} ({info['dtype']}), "
+    params = info["parameters"]
+    active = f" ({params['active']:,} active per token)" if params.get("active", params["total"]) != params["total"] else ""
+    return (f"training {params['total']:,} parameters{active} on {info['device']} ({info['dtype']}), "
             f"{info['max_steps']} steps × {info['tokens_per_step']:,} tokens{resumed} → {info['run_dir']}")
 
 

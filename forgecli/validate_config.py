@@ -64,10 +64,13 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table.add_column(justify="right")
     params = summary["parameters"]
     table.add_row("parameters (total)", human(params["total"]))
+    if params["active"] != params["total"]:
+        table.add_row("parameters (active per token)", human(params["active"]))
     table.add_row("  embedding table", human(params["embedding"]))
     table.add_row("  transformer blocks + final norm", human(params["blocks"]))
     table.add_row("  output head", human(params["output_head"]) if params["output_head"] else "tied to the embedding")
-    table.add_row("training FLOPs per token", human(summary["flops_per_token"], "FLOP"))
+    moe = " (active)" if params["active"] != params["total"] else ""
+    table.add_row(f"training FLOPs per token{moe}", human(summary["flops_per_token"], "FLOP"))
     table.add_row("tokens per step (global)", f"{summary['tokens_per_step']:,}")
     table.add_row("training FLOPs per step", human(summary["flops_per_step"], "FLOP"))
     table.add_row("total tokens", f"{summary['total_tokens']:,}")

@@ -188,6 +188,7 @@ def test_registries_cover_every_choice():
     assert registry.SCHEDULERS.names() == choices(SchedulerConfig, "name")
     assert registry.LOSSES.names() == choices(TrainConfig, "loss_fn")
     assert registry.MODELS.names() == choices(ModelConfig, "model_type")
+    assert registry.ROUTERS.names() == choices(ModelConfig, "moe_router")
     with pytest.raises(ValueError, match="did you mean 'cosine'"):
         registry.SCHEDULERS.get("cosin")
 

@@ -44,6 +44,9 @@ ARCHITECTURE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "
 
 def hf_architecture(cfg: ModelConfig) -> str:
     """The `transformers` class that computes exactly what `cfg` does, or a UserError naming the field."""
+    if cfg.num_experts:
+        raise UserError(f"model.num_experts = {cfg.num_experts}: mixture-of-experts models do not export to Hugging "
+                        "Face yet", "only dense models (model.num_experts = 0) export to Hugging Face")
     if cfg.norm_type != "rmsnorm":
         raise UserError(f"model.norm_type = {cfg.norm_type!r} has no equivalent in transformers' Llama/Qwen3 models "
                         "(they use RMSNorm)", "only models trained with norm_type = \"rmsnorm\" export to Hugging Face")

@@ -58,7 +58,31 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
         issues.append(ConfigIssue("profiling.start_step", f"{cfg.profiling.start_step} is after train.max_steps ({t.max_steps})",
                                   "profile a window inside the run"))
     issues += optimization_issues(cfg)
+    issues += moe_issues(cfg)
     issues += layout_issues(cfg, world_size)
+    return issues
+
+
+MOE_FIELDS = ("moe_top_k", "moe_frequency", "moe_router", "moe_shared_experts", "moe_aux_loss_weight",
+              "moe_capacity_factor", "moe_sequence_aux_loss_weight", "moe_gradient_scale", "moe_bias_schedule",
+              "moe_packed_experts", "moe_expert_ffn_multiplier", "moe_router_z_loss_weight")
+
+
+def moe_issues(cfg: JobConfig) -> list[ConfigIssue]:
+    """MoE fields only when the model has experts, and routing that can work."""
+    m = cfg.model
+    defaults = type(m).model_fields
+    if not m.is_moe:
+        return [ConfigIssue(f"model.{field}", "is set, but the model is dense (model.num_experts = 0)",
+                            "set model.num_experts > 0 for a mixture of experts, or remove it")
+                for field in MOE_FIELDS if getattr(m, field) != defaults[field].get_default(call_default_factory=True)]
+    issues = unread_field_issues("model", m, m.moe_router, {"moe_bias_schedule": ("sigmoid_topk",)})
+    if m.moe_top_k > m.num_experts:
+        issues.append(ConfigIssue("model.moe_top_k", f"{m.moe_top_k} exceeds model.num_experts ({m.num_experts})",
+                                  "route each token to at most num_experts experts"))
+    if m.moe_frequency > m.n_layers:
+        issues.append(ConfigIssue("model.moe_frequency", f"{m.moe_frequency} > model.n_layers ({m.n_layers}) leaves "
+                                  "no MoE block", "use a frequency <= n_layers (1 = every block)"))
     return issues
 
 
@@ -90,7 +114,7 @@ def unread_field_issues(section: str, values: Section, chosen: str, read_by: dic
     return [ConfigIssue(f"{section}.{field}", f"is set, but {chosen!r} does not use it (only {', '.join(readers)} do)",
                         f"remove it, or choose one of {', '.join(readers)}")
             for field, readers in read_by.items()
-            if chosen not in readers and getattr(values, field) != defaults[field].default]
+            if chosen not in readers and getattr(values, field) != defaults[field].get_default(call_default_factory=True)]
 
 
 def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:

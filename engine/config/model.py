@@ -33,6 +33,39 @@ class ModelConfig(Section):
         "auto", description="restrict scaled_dot_product_attention to one kernel; auto lets PyTorch choose"
     )
 
+    # Mixture of experts (engine/model/moe.py). The defaults give a dense model; every other MoE field is
+    # read only when num_experts > 0 (config validation rejects them otherwise).
+    num_experts: int = Field(0, ge=0, description="routed experts per MoE block; 0 = dense model")
+    moe_top_k: int = Field(2, gt=0, description="experts each token is routed to")
+    moe_frequency: int = Field(
+        1, gt=0, description="MoE in every N-th block: block i (from 0) is MoE when (i + 1) % N == 0; 1 = all, 2 = every other"
+    )
+    moe_router: Literal["softmax_topk", "sigmoid_topk"] = Field(
+        "softmax_topk", description="softmax_topk: top-k of softmax probabilities; sigmoid_topk: DeepSeek-V3 sigmoid "
+        "scores, top-k of score + balancing bias, weights = selected scores renormalised"
+    )
+    moe_shared_experts: int = Field(0, ge=0, description="experts (of the routed experts' width) that process every token")
+    moe_aux_loss_weight: float = Field(0.01, ge=0, description="Switch-style load-balance loss weight (over the micro-batch)")
+    moe_capacity_factor: float | None = Field(
+        None, gt=0, description="expert capacity = ceil(factor · tokens · top_k / num_experts); assignments beyond it "
+        "are dropped (counted); None = no capacity limit"
+    )
+    moe_sequence_aux_loss_weight: float = Field(0.0, ge=0, description="sequence-level balance loss weight (DeepSeek-V3); 0 = off")
+    moe_gradient_scale: bool = Field(
+        False, description="divide each expert's weight gradient by its token count relative to the mean load, so "
+        "rarely chosen experts get updates of the same size as popular ones"
+    )
+    moe_bias_schedule: list[tuple[int, float]] = Field(
+        default_factory=lambda: [(0, 1e-3)],
+        description="sigmoid_topk balancing-bias update rate as [[from_update, rate], …]: after each training "
+        "forward, bias += rate · sign(mean load − expert load); updates are counted per forward (micro-batch)",
+    )
+    moe_packed_experts: bool = Field(True, description="store each projection of all experts as one [experts, …] tensor")
+    moe_expert_ffn_multiplier: float = Field(
+        1.0, gt=0, description="expert width = round(ffn_dim · multiplier); < 1 gives fine-grained experts"
+    )
+    moe_router_z_loss_weight: float = Field(0.0, ge=0, description="router z-loss weight: mean logsumexp(router logits)²")
+
     @model_validator(mode="after")
     def _shapes(self) -> "ModelConfig":
         if self.dim % self.n_heads:
@@ -41,7 +74,29 @@ class ModelConfig(Section):
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
+        steps = [start for start, _ in self.moe_bias_schedule]
+        if not steps or steps[0] != 0 or any(b <= a for a, b in zip(steps, steps[1:])):
+            raise ValueError(f"moe_bias_schedule must start at update 0 with strictly increasing updates, got {steps}")
+        if any(rate < 0 for _, rate in self.moe_bias_schedule):
+            raise ValueError("moe_bias_schedule rates must be >= 0")
         return self
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Block `layer` (0-based) has an MoE feed-forward: with moe_frequency = N, blocks N-1, 2N-1, …"""
+        return self.is_moe and (layer + 1) % self.moe_frequency == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        """Width of one routed (and one shared) expert."""
+        return max(1, round(self.ffn_dim * self.moe_expert_ffn_multiplier))
 
     @property
     def kv_heads(self) -> int:

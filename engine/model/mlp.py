@@ -15,12 +15,23 @@ ACTIVATIONS.register("relu")(F.relu)
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """`hidden` defaults to `cfg.ffn_dim`; MoE shared experts pass their own width."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        hidden = hidden or cfg.ffn_dim
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
         self.act = ACTIVATIONS.get(cfg.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.act(self.w1(x)) * self.w3(x))
+
+    def input_weights(self) -> list[torch.Tensor]:
+        """Weights that read the residual stream (initialised with init_std)."""
+        return [self.w1.weight, self.w3.weight]
+
+    def output_weights(self) -> list[torch.Tensor]:
+        """Weights that write into the residual stream (initialised with the depth-scaled std)."""
+        return [self.w2.weight]

@@ -1,6 +1,9 @@
 """The decoder-only transformer, written for one device.
 
 token embedding → n_layers × [x + attn(norm(x)); x + mlp(norm(x))] → norm → output head.
+With `model.num_experts > 0` the mlp of every `moe_frequency`-th block is a mixture of experts
+(engine/model/moe.py): such a block also returns its routing statistics, which the transformer keeps from
+the last forward (`moe_loss()` for the training loss, `moe_stats()` for metrics).
 Parallelism (FSDP, TP, PP) is applied to this module from outside by `engine.parallel`; nothing here
 knows about sharding.
 """
@@ -17,21 +20,29 @@ from engine.config.registry import MODELS
 from engine.model.attention import Attention
 from engine.model.kv_cache import KVCache, LayerKV
 from engine.model.mlp import GatedMLP
+from engine.model.moe import MoE, MoEStats
 from engine.model.norms import build_norm
 from engine.model.rope import rope_tables
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.attention_norm = build_norm(cfg.norm_type, cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = build_norm(cfg.norm_type, cfg.dim, cfg.norm_eps)
-        self.feed_forward = GatedMLP(cfg)
+        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer) else GatedMLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerKV | None = None) -> tuple[torch.Tensor, MoEStats | None]:
+        """→ (output, the MoE layer's routing stats or None for a dense block). The stats are returned, not
+        stored, so that compile and activation checkpointing (which reruns this in backward) see no side
+        effects."""
         x = x + self.attention(self.attention_norm(x), cos, sin, cache)
-        return x + self.feed_forward(self.ffn_norm(x))
+        if isinstance(self.feed_forward, MoE):
+            out, stats = self.feed_forward(self.ffn_norm(x))
+            return x + out, stats
+        return x + self.feed_forward(self.ffn_norm(x)), None
 
 
 @MODELS.register("transformer")
@@ -41,7 +52,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed by layer index keeps parameter names stable when pipeline stages drop layers.
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = build_norm(cfg.norm_type, cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -50,6 +61,7 @@ class Transformer(nn.Module):
         # Not persistent: derived from the config, so checkpoints hold only learned weights.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.last_moe_stats: dict[str, MoEStats] = {}  # layer name → routing stats of the last forward
         self.init_weights()
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, return_hidden: bool = False) -> torch.Tensor:
@@ -60,13 +72,70 @@ class Transformer(nn.Module):
         seq = tokens.shape[1]
         start = 0 if cache is None else cache.length
         cos, sin = self.rope_cos[start:start + seq], self.rope_sin[start:start + seq]
+        training = self.training and torch.is_grad_enabled()
+        if training:
+            self.apply_router_bias_updates()
         h = self.tok_embeddings(tokens)
+        moe_stats = {}
         for name, block in self.layers.items():
-            h = block(h, cos, sin, None if cache is None else cache.layer(name, seq))
+            h, stats = block(h, cos, sin, None if cache is None else cache.layer(name, seq))
+            if stats is not None:
+                moe_stats[name] = stats
+        if moe_stats:
+            self.record_moe_stats(moe_stats, training)
         if cache is not None:
             cache.length += seq
         h = self.norm(h)
         return h if return_hidden else self.output(h)
+
+    def moe_routers(self) -> dict[str, nn.Module]:
+        """Layer name → router of every MoE block (empty for a dense model)."""
+        return {name: block.feed_forward.router for name, block in self.layers.items()
+                if isinstance(block.feed_forward, MoE)}
+
+    def record_moe_stats(self, stats: dict[str, MoEStats], training: bool) -> None:
+        """Keep the stats of this forward; a training forward's load also feeds the balancing bias."""
+        self.last_moe_stats = stats
+        for name, router in self.moe_routers().items():
+            if training and hasattr(router, "record_load"):
+                router.record_load(stats[name].load)
+
+    def apply_router_bias_updates(self) -> None:
+        """Balancing-bias routers (sigmoid_topk) apply the load of the previous training forward now, after
+        its backward has finished, so a recomputed forward (activation checkpointing) routes as it did."""
+        for router in self.moe_routers().values():
+            if hasattr(router, "apply_bias_update"):
+                router.apply_bias_update()
+
+    def moe_loss(self) -> torch.Tensor | None:
+        """The weighted auxiliary losses of the last forward, summed over MoE blocks (None when dense)."""
+        if not self.last_moe_stats:
+            return None
+        return torch.stack([s.loss for s in self.last_moe_stats.values()]).sum()
+
+    def moe_stats(self) -> dict[str, float]:
+        """Flat metrics of the last forward's routing, per MoE layer (`moe/{layer}/…`) and
+        overall: tokens per expert as imbalance = max/mean load, dropped assignments, the unweighted aux
+        losses, and the sigmoid router's bias (min/max). One host sync for all of them."""
+        if not self.last_moe_stats:
+            return {}
+        routers = self.moe_routers()
+        keys, values = [], []
+        for name, stats in self.last_moe_stats.items():
+            load = stats.load.float()
+            row = {"imbalance": load.max() / load.mean().clamp(min=1e-9), "dropped": stats.dropped,
+                   "balance_loss": stats.balance_loss, "sequence_balance_loss": stats.sequence_balance_loss,
+                   "z_loss": stats.z_loss}
+            bias = getattr(routers[name], "bias", None)
+            if bias is not None:
+                row.update(bias_min=bias.min(), bias_max=bias.max())
+            keys += [f"moe/{name}/{key}" for key in row]
+            values += [v.detach().float().reshape(()) for v in row.values()]
+        flat = dict(zip(keys, torch.stack(values).tolist()))
+        layers = list(self.last_moe_stats)
+        flat["moe/imbalance"] = max(flat[f"moe/{n}/imbalance"] for n in layers)
+        flat["moe/dropped"] = sum(flat[f"moe/{n}/dropped"] for n in layers)
+        return flat
 
     def new_kv_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty cache for `batch` sequences of up to `capacity` positions, on the model's device and dtype."""
@@ -81,10 +150,12 @@ class Transformer(nn.Module):
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         for block in self.layers.values():
-            for linear in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1, block.feed_forward.w3):
-                nn.init.normal_(linear.weight, std=std)
-            nn.init.normal_(block.attention.wo.weight, std=out_std)
-            nn.init.normal_(block.feed_forward.w2.weight, std=out_std)
+            attention, feed_forward = block.attention, block.feed_forward
+            for weight in (attention.wq.weight, attention.wk.weight, attention.wv.weight, *feed_forward.input_weights()):
+                nn.init.normal_(weight, std=std)
+            nn.init.normal_(attention.wo.weight, std=out_std)
+            for weight in feed_forward.output_weights():
+                nn.init.normal_(weight, std=out_std)
         if not self.cfg.tie_embeddings:
             nn.init.normal_(self.output.weight, std=std)
         for module in self.modules():

@@ -4,7 +4,9 @@ A registered loss is built from `[train]` and called as `loss(model, tokens, lab
 itself, because chunked cross-entropy needs the hidden states before the output head, not the logits.
 Both losses are the mean next-token cross-entropy plus, with `train.z_loss_weight` = w > 0, the z-loss
 w · mean(logsumexp(logits)²) (PaLM, Chowdhery et al. 2022), which keeps the softmax normaliser near 1
-and the logits from drifting. Evaluation calls them with `z_loss=False`, so eval loss is plain CE.
+and the logits from drifting. A mixture-of-experts model adds the weighted auxiliary losses of its
+routers (balance, sequence balance, router z-loss; `Transformer.moe_loss()`) of the same forward.
+Evaluation calls them with `z_loss=False`, so eval loss is plain CE: neither z-loss nor MoE losses.
 """
 
 from __future__ import annotations
@@ -104,10 +106,17 @@ def chunks(total: int, size: int) -> list[slice]:
     return [slice(start, min(start + size, total)) for start in range(0, total, size)]
 
 
+def with_moe_loss(model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """`loss` plus the MoE auxiliary losses of the forward that produced it (none for a dense model)."""
+    moe_loss = model.moe_loss() if hasattr(model, "moe_loss") else None
+    return loss if moe_loss is None else loss + moe_loss
+
+
 @LOSSES.register("cross_entropy")
 def full_logits_loss(cfg: TrainConfig) -> ModelLoss:
     def loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, z_loss: bool = True) -> torch.Tensor:
-        return cross_entropy(model(tokens), labels, cfg.z_loss_weight if z_loss else 0.0)
+        value = cross_entropy(model(tokens), labels, cfg.z_loss_weight if z_loss else 0.0)
+        return with_moe_loss(model, value) if z_loss else value
     return loss
 
 
@@ -115,8 +124,9 @@ def full_logits_loss(cfg: TrainConfig) -> ModelLoss:
 def chunked_loss(cfg: TrainConfig) -> ModelLoss:
     def loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, z_loss: bool = True) -> torch.Tensor:
         hidden = model(tokens, return_hidden=True)
-        return chunked_cross_entropy(hidden, model.output.weight, labels, cfg.ce_chunk_size,
-                                     cfg.z_loss_weight if z_loss else 0.0)
+        value = chunked_cross_entropy(hidden, model.output.weight, labels, cfg.ce_chunk_size,
+                                      cfg.z_loss_weight if z_loss else 0.0)
+        return with_moe_loss(model, value) if z_loss else value
     return loss
 
 

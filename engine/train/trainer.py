@@ -457,4 +457,4 @@ def step_metrics(job: Job, step: int, result: StepResult, tokens_per_sec: float,
     return {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
             "tokens_per_sec": tokens_per_sec, "mfu": mfu(job.summary["flops_per_token"], tokens_per_sec, job.peak_flops),
             "tokens_seen": tokens_seen, "elapsed_sec": time.perf_counter() - started, **job.guard.metrics(),
-            **memory_stats(job.device)}
+            **memory_stats(job.device), **job.model.moe_stats()}

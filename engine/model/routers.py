@@ -1,0 +1,129 @@
+"""MoE routers, chosen by `model.moe_router`, and the balance losses computed from their outputs.
+
+A router maps token states [tokens, dim] to a `Routing`: the top-k experts of each token, the weights that
+mix their outputs, and the per-expert probabilities the balance losses use. Router logits are computed in
+fp32 whatever the compute dtype, because top-k selection is sensitive to rounding.
+
+- `softmax_topk` (Switch / GShard / Mixtral family): probabilities = softmax(logits); each token goes to
+  its k most probable experts with their probabilities as weights (not renormalised, so top-1 routing
+  still passes a gradient to the router).
+- `sigmoid_topk` (DeepSeek-V3): scores = sigmoid(logits); the k experts are chosen by score + bias, where
+  the per-expert bias is not learned by gradient but nudged after each training forward toward balance
+  (auxiliary-loss-free balancing, `model.moe_bias_schedule`); weights are the chosen scores (without
+  the bias) renormalised to sum to 1.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config.model import ModelConfig
+from engine.config.registry import ROUTERS
+
+
+class Routing(NamedTuple):
+    experts: torch.Tensor  # [tokens, k] int64: the chosen experts of each token
+    weights: torch.Tensor  # [tokens, k] fp32: how much each chosen expert's output counts
+    probs: torch.Tensor  # [tokens, experts] fp32: the distribution the balance losses see (sums to 1 per token)
+    logits: torch.Tensor  # [tokens, experts] fp32: raw router logits (z-loss)
+
+
+@ROUTERS.register("softmax_topk")
+class SoftmaxTopK(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.moe_top_k
+        self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        logits = F.linear(x.float(), self.gate.weight.float())
+        probs = logits.softmax(dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        return Routing(experts, weights, probs, logits)
+
+
+@ROUTERS.register("sigmoid_topk")
+class SigmoidTopK(nn.Module):
+    """The balancing state lives in persistent buffers, so checkpoints hold it and a resumed run routes
+    exactly as the uninterrupted one: `bias` (added to scores for selection only), `pending_load` (tokens
+    per expert of the last training forward, not yet applied) and `updates` (bias updates so far, which
+    picks the rate from `moe_bias_schedule`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.moe_top_k
+        self.schedule = cfg.moe_bias_schedule
+        self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
+        self.register_buffer("bias", torch.zeros(cfg.num_experts))
+        self.register_buffer("pending_load", torch.zeros(cfg.num_experts))
+        self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.sigmoid()
+        experts = (scores + self.bias).topk(self.top_k, dim=-1).indices
+        chosen = scores.gather(-1, experts)
+        weights = chosen / chosen.sum(dim=-1, keepdim=True)
+        return Routing(experts, weights, scores / scores.sum(dim=-1, keepdim=True), logits)
+
+    def rate(self, update: int) -> float:
+        return [rate for start, rate in self.schedule if start <= update][-1]
+
+    @torch.no_grad()
+    def record_load(self, load: torch.Tensor) -> None:
+        """Remember a training forward's tokens per expert; `apply_bias_update` uses it before the next one.
+
+        Applying it only then (not right away) keeps routing identical between a forward and the
+        recomputation of that forward in backward under activation checkpointing."""
+        self.pending_load.copy_(load)
+
+    @torch.no_grad()
+    def apply_bias_update(self) -> None:
+        """bias += rate · sign(mean load − load): underloaded experts become likelier picks, overloaded ones
+        less likely. No-op when no load is pending (the first forward, or after evaluation-only use)."""
+        if not bool(self.pending_load.any()):
+            return
+        load = self.pending_load
+        self.bias.add_(self.rate(int(self.updates)) * torch.sign(load.mean() - load))
+        self.pending_load.zero_()
+        self.updates.add_(1)
+
+
+def build_router(cfg: ModelConfig) -> nn.Module:
+    return ROUTERS.get(cfg.moe_router)(cfg)
+
+
+def tokens_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[num_experts] fp32 count of (token, expert) assignments in `experts` [..., k]."""
+    return torch.bincount(experts.flatten(), minlength=num_experts).float()
+
+
+def balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Switch Transformer load-balance loss, E · Σₑ fₑ · Pₑ, with fₑ the fraction of the k·tokens
+    assignments that went to expert e (no gradient) and Pₑ the mean probability of e. 1 when balanced.
+
+    probs [tokens, E], experts [tokens, k]."""
+    num_experts = probs.shape[-1]
+    fraction = tokens_per_expert(experts, num_experts) / experts.numel()
+    return num_experts * (fraction * probs.mean(dim=0)).sum()
+
+
+def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor, batch: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss: `balance_loss` within each of the `batch` sequences (the
+    tokens are [batch · seq] in order), averaged over sequences. Keeps any one sequence from piling onto
+    a few experts even when the micro-batch as a whole is balanced."""
+    num_experts, k = probs.shape[-1], experts.shape[-1]
+    probs, experts = probs.view(batch, -1, num_experts), experts.view(batch, -1, k)
+    counts = torch.zeros(batch, num_experts, device=probs.device).scatter_add_(
+        1, experts.flatten(1), torch.ones(experts.flatten(1).shape, device=probs.device))
+    fraction = counts / experts[0].numel()
+    return num_experts * (fraction * probs.mean(dim=1)).sum(dim=1).mean()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)², which keeps router logits small."""
+    return torch.logsumexp(logits, dim=-1).square().mean()

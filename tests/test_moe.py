@@ -1,0 +1,393 @@
+"""Mixture of experts: grouped experts against the per-expert loop, routers and losses against direct
+computations, the balancing bias, config rules, counts, and MoE through the trainer."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.config import load_job_config
+from engine.config.model import ModelConfig
+from engine.errors import ConfigError
+from engine.model.estimate import param_counts, training_flops_per_token
+from engine.model.moe import GROUPED_MM, MoE, grouped_experts, looped_experts, within_capacity
+from engine.model.routers import SigmoidTopK, SoftmaxTopK, balance_loss, router_z_loss, sequence_balance_loss
+from engine.model.transformer import Transformer
+from engine.parallel.apply import apply_activation_checkpointing
+
+REPO = Path(__file__).resolve().parents[1]
+needs_grouped_mm = pytest.mark.skipif(GROUPED_MM is None, reason="this torch has no grouped_mm")
+
+
+def moe_config(**fields) -> ModelConfig:
+    base = dict(dim=32, n_layers=2, n_heads=4, vocab_size=97, max_seq_len=32, num_experts=4, moe_top_k=2)
+    return ModelConfig(**{**base, **fields})
+
+
+def expert_weights(experts: int, dim: int, hidden: int) -> list[torch.Tensor]:
+    shapes = [(experts, dim, hidden), (experts, dim, hidden), (experts, hidden, dim)]
+    return [(torch.randn(shape, dtype=torch.float64) * 0.3).float().requires_grad_() for shape in shapes]
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("experts,k,empty", [(4, 2, []), (8, 2, [0, 5]), (6, 1, [1, 2, 3]), (3, 3, [])])
+def test_grouped_experts_equal_the_loop(experts, k, empty):
+    """Forward and every gradient, for random routings where some experts receive no token at all."""
+    torch.manual_seed(experts * 10 + k)
+    tokens, dim, hidden = 37, 16, 24
+    allowed = torch.tensor([e for e in range(experts) if e not in empty])
+    choice = torch.rand(tokens, len(allowed)).argsort(dim=-1)[:, :k]  # k distinct experts per token
+    routed = allowed[choice]
+    x = torch.randn(tokens, dim, requires_grad=True)
+    weights = torch.rand(tokens, k, requires_grad=True)
+    params = expert_weights(experts, dim, hidden)
+    results = []
+    for compute in (grouped_experts, looped_experts):
+        out = compute(x, routed, weights, *params, F.silu)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), *(t.grad.clone() for t in (x, weights, *params))))
+        for t in (x, weights, *params):
+            t.grad = None
+    for grouped, looped in zip(*results):
+        torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-5)
+    for e in empty:  # an expert with no tokens gets exactly zero gradient
+        assert all(results[0][3 + i][e].abs().max() == 0 for i in range(3))
+
+
+@needs_grouped_mm
+def test_grouped_path_takes_a_stride_zero_gradient():
+    """`.sum()` sends an expanded (stride-0) gradient; grouped_mm's backward would reject it."""
+    x = torch.randn(10, 8)
+    params = expert_weights(3, 8, 8)
+    grouped_experts(x, torch.randint(0, 3, (10, 1)), torch.ones(10, 1), *params, F.silu).sum().backward()
+    assert params[0].grad is not None
+
+
+def test_softmax_router_against_a_direct_computation():
+    router = SoftmaxTopK(moe_config(num_experts=6, moe_top_k=2))
+    x = torch.randn(20, 32)
+    routing = router(x)
+    probs = torch.softmax(x @ router.gate.weight.T, dim=-1)
+    for t in range(20):
+        best = sorted(range(6), key=lambda e: -probs[t, e].item())[:2]
+        assert routing.experts[t].tolist() == best
+        torch.testing.assert_close(routing.weights[t], probs[t, best])
+    torch.testing.assert_close(routing.probs, probs)
+
+
+def test_sigmoid_router_selects_by_biased_scores_and_weighs_by_unbiased_ones():
+    router = SigmoidTopK(moe_config(num_experts=5, moe_top_k=2, moe_router="sigmoid_topk"))
+    router.bias.copy_(torch.tensor([0.0, 0.5, -0.5, 0.0, 0.2]))
+    x = torch.randn(16, 32)
+    routing = router(x)
+    scores = torch.sigmoid(x @ router.gate.weight.T)
+    for t in range(16):
+        best = sorted(range(5), key=lambda e: -(scores[t, e] + router.bias[e]).item())[:2]
+        assert routing.experts[t].tolist() == best
+        torch.testing.assert_close(routing.weights[t], scores[t, best] / scores[t, best].sum())
+
+
+def test_sigmoid_bias_moves_load_toward_balance_without_touching_gradients():
+    """A skewed input (every token leans to expert 0) becomes balanced by the bias alone; the bias is a
+    buffer (saved in the state dict), never a parameter, and gets no gradient."""
+    cfg = moe_config(num_experts=4, moe_top_k=1, moe_router="sigmoid_topk", moe_bias_schedule=[(0, 0.02)])
+    router = SigmoidTopK(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.gate.weight.normal_(0, 0.1)
+        router.gate.weight[0, 0] = 3.0
+    x = torch.randn(256, 32)
+    x[:, 0] = 1.0
+
+    def imbalance() -> float:
+        load = torch.bincount(router(x).experts.flatten(), minlength=4).float()
+        return (load.max() / load.mean()).item()
+
+    start = imbalance()
+    for _ in range(60):
+        routing = router(x)
+        routing.weights.sum().backward()
+        router.record_load(torch.bincount(routing.experts.flatten(), minlength=4).float())
+        grad = router.gate.weight.grad.clone()
+        router.apply_bias_update()
+        assert torch.equal(router.gate.weight.grad, grad)  # the update leaves gradients alone
+        router.gate.weight.grad = None
+    assert start == 4.0 and imbalance() < 1.25
+    assert router.bias.grad is None and "bias" not in dict(router.named_parameters())
+    assert {"bias", "pending_load", "updates"} <= set(router.state_dict())
+    assert int(router.updates) == 60
+
+
+def test_bias_schedule_picks_the_rate_by_update_count():
+    router = SigmoidTopK(moe_config(moe_router="sigmoid_topk", moe_bias_schedule=[(0, 0.1), (2, 0.0)]))
+    router.record_load(torch.tensor([8.0, 0.0, 0.0, 0.0]))
+    router.apply_bias_update()
+    torch.testing.assert_close(router.bias, torch.tensor([-0.1, 0.1, 0.1, 0.1]))
+    router.apply_bias_update()  # nothing pending: no update, no count
+    assert int(router.updates) == 1
+    for _ in range(2):
+        router.record_load(torch.tensor([8.0, 0.0, 0.0, 0.0]))
+        router.apply_bias_update()
+    torch.testing.assert_close(router.bias, torch.tensor([-0.2, 0.2, 0.2, 0.2]))  # the third used rate 0
+
+
+def test_losses_equal_their_formulas_on_hand_made_inputs():
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.6, 0.3, 0.1], [0.1, 0.1, 0.8], [0.5, 0.25, 0.25]])
+    experts = torch.tensor([[0], [0], [2], [1]])
+    # f = [2/4, 1/4, 1/4], P = column means = [0.475, 0.2125, 0.3125]; loss = 3 · Σ f·P
+    expected = 3 * (0.5 * 0.475 + 0.25 * 0.2125 + 0.25 * 0.3125)
+    assert balance_loss(probs, experts).item() == pytest.approx(expected)
+    # two sequences of two tokens: per sequence f and P, then the mean
+    first = 3 * (1.0 * 0.65)
+    second = 3 * (0.5 * 0.175 + 0.5 * 0.525)  # experts 2 and 1; P = [0.3, 0.175, 0.525]
+    assert sequence_balance_loss(probs, experts, batch=2).item() == pytest.approx((first + second) / 2)
+    logits = torch.tensor([[0.0, 0.0], [1.0, 2.0]])
+    lse = torch.tensor([torch.log(torch.tensor(2.0)), torch.log(torch.exp(torch.tensor(1.0)) + torch.exp(torch.tensor(2.0)))])
+    assert router_z_loss(logits).item() == pytest.approx(lse.square().mean().item())
+    uniform = torch.full((8, 4), 0.25)
+    assert balance_loss(uniform, torch.arange(8).view(8, 1) % 4).item() == pytest.approx(1.0)  # balanced → 1
+
+
+def test_capacity_drops_assignments_beyond_it_in_token_order():
+    experts = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])
+    kept = within_capacity(experts, 4, capacity=2)
+    assert kept.tolist() == [[True, True], [True, True], [False, True], [True, False]]
+    moe = MoE(moe_config(moe_capacity_factor=0.5))  # capacity = ceil(0.5 · 8 · 2 / 4) = 2
+    _, stats = moe(torch.randn(1, 8, 32))
+    assert stats.load.sum() + stats.dropped == 16 and stats.load.max() <= 2
+
+
+def test_gradient_scale_normalises_each_experts_gradient_by_its_load():
+    torch.manual_seed(1)
+    x = torch.randn(2, 12, 32)
+    grads, loads = [], []
+    for scale in (False, True):
+        moe = MoE(moe_config(moe_gradient_scale=scale, moe_aux_loss_weight=0.0))
+        torch.manual_seed(2)
+        for p in moe.parameters():
+            p.data.normal_(0, 0.2)
+        out, stats = moe(x)
+        out.square().sum().backward()
+        grads.append(moe.experts.w1.grad.clone())
+        loads.append(stats.load)
+    factor = loads[1].mean() / loads[1].clamp(min=1)
+    torch.testing.assert_close(grads[1], grads[0] * factor.view(-1, 1, 1))
+
+
+@pytest.mark.parametrize("fields", [
+    dict(num_experts=4, moe_top_k=2),
+    dict(num_experts=8, moe_top_k=2, moe_frequency=2, moe_shared_experts=2, moe_expert_ffn_multiplier=0.25),
+    dict(num_experts=3, moe_top_k=1, moe_packed_experts=False, moe_router="sigmoid_topk", tie_embeddings=True),
+])
+def test_parameter_counts_total_and_active(fields):
+    cfg = moe_config(n_layers=3, **fields)
+    counts = param_counts(cfg)
+    model = Transformer(cfg)
+    assert model.num_parameters() == counts["total"]
+    per_expert = 3 * cfg.dim * cfg.expert_ffn_dim
+    inactive = cfg.moe_layers * (cfg.num_experts - cfg.moe_top_k) * per_expert
+    assert counts["active"] == counts["total"] - inactive
+    dense = ModelConfig(**{k: v for k, v in cfg.model_dump().items() if not k.startswith(("moe_", "num_experts"))})
+    # active FLOPs: the dense model's, with each MoE block's MLP swapped for router + top_k + shared experts
+    mlp_delta = cfg.moe_layers * (cfg.num_experts * cfg.dim + (cfg.moe_top_k + cfg.moe_shared_experts) * per_expert
+                                  - 3 * cfg.dim * cfg.ffn_dim)
+    assert training_flops_per_token(cfg, 16) == training_flops_per_token(dense, 16) + 6 * mlp_delta
+
+
+def test_moe_frequency_places_moe_in_every_nth_block():
+    model = Transformer(moe_config(n_layers=4, moe_frequency=2))
+    assert [isinstance(b.feed_forward, MoE) for b in model.layers.values()] == [False, True, False, True]
+
+
+def test_a_dense_model_is_unchanged():
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=97)
+    model = Transformer(cfg)
+    assert not any("expert" in k or "router" in k for k in model.state_dict())
+    model(torch.randint(0, 97, (1, 5)))
+    assert model.moe_loss() is None and model.moe_stats() == {}
+
+
+def train_steps(model: Transformer, tokens: torch.Tensor, steps: int) -> list[float]:
+    from engine.train.losses import build_loss
+    from engine.config.train import TrainConfig
+
+    loss_fn = build_loss(TrainConfig())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        loss = loss_fn(model, tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid_topk"])
+def test_activation_checkpointing_gives_the_same_losses(router):
+    """The recomputation in backward must route as the forward did and must not count aux losses twice."""
+    cfg = moe_config(moe_router=router, moe_sequence_aux_loss_weight=0.01, moe_router_z_loss_weight=0.01,
+                     moe_bias_schedule=[(0, 0.05)] if router == "sigmoid_topk" else [(0, 1e-3)])
+    torch.manual_seed(0)
+    plain = Transformer(cfg)
+    checkpointed = copy.deepcopy(plain)
+    apply_activation_checkpointing(checkpointed, "full")
+    tokens = torch.randint(0, 97, (2, 17))
+    expected = train_steps(plain, tokens, 4)
+    assert train_steps(checkpointed, tokens, 4) == pytest.approx(expected, abs=1e-6)
+    torch.testing.assert_close(checkpointed.state_dict(), plain.state_dict())
+
+
+def test_training_loss_adds_the_aux_losses_and_eval_loss_does_not():
+    from engine.config.train import TrainConfig
+    from engine.train.losses import build_loss, cross_entropy
+
+    model = Transformer(moe_config(moe_aux_loss_weight=0.5, moe_router_z_loss_weight=0.1))
+    tokens = torch.randint(0, 97, (2, 9))
+    loss_fn = build_loss(TrainConfig())
+    train_loss = loss_fn(model, tokens[:, :-1], tokens[:, 1:])
+    stats = model.last_moe_stats.values()
+    aux = sum(0.5 * s.balance_loss + 0.1 * s.z_loss for s in stats)
+    ce = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    assert train_loss.item() == pytest.approx((ce + aux).item(), rel=1e-6)
+    assert loss_fn(model, tokens[:, :-1], tokens[:, 1:], z_loss=False).item() == pytest.approx(ce.item(), rel=1e-6)
+
+
+def test_router_state_survives_a_state_dict_round_trip():
+    cfg = moe_config(moe_router="sigmoid_topk", moe_bias_schedule=[(0, 0.05)])
+    model = Transformer(cfg)
+    train_steps(model, torch.randint(0, 97, (2, 17)), 3)
+    restored = Transformer(cfg)
+    restored.load_state_dict(model.state_dict())
+    for name in ("bias", "pending_load", "updates"):
+        assert torch.equal(getattr(restored.layers["1"].feed_forward.router, name),
+                           getattr(model.layers["1"].feed_forward.router, name))
+    assert model.layers["1"].feed_forward.router.bias.abs().sum() > 0
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["model.moe_top_k=1"], "model.moe_top_k"),
+    (["model.moe_shared_experts=1"], "model.moe_shared_experts"),
+    (["model.num_experts=2", "model.moe_top_k=3"], "model.moe_top_k"),
+    (["model.num_experts=4", "model.moe_bias_schedule=[[0,0.01]]"], "model.moe_bias_schedule"),
+    (["model.num_experts=4", "model.moe_frequency=9"], "model.moe_frequency"),
+])
+def test_config_rejects_moe_fields_that_would_do_nothing_or_cannot_work(overrides, field):
+    with pytest.raises(ConfigError) as err:
+        load_job_config(REPO / "presets" / "debug.toml", overrides).validate()
+    assert field in str(err.value)
+
+
+def test_bias_schedule_must_start_at_zero_and_increase():
+    for schedule in ([(5, 0.1)], [(0, 0.1), (0, 0.0)], [(0, -1.0)]):
+        with pytest.raises(ValueError, match="moe_bias_schedule"):
+            moe_config(moe_router="sigmoid_topk", moe_bias_schedule=schedule)
+
+
+def test_moe_fields_may_not_change_on_resume():
+    from engine.config.changes import resume_issues
+
+    preset = REPO / "presets" / "debug_moe.toml"
+    saved = load_job_config(preset)
+    changed = load_job_config(preset, ["model.moe_aux_loss_weight=0.5", "model.moe_top_k=1"])
+    assert {issue.path for issue in resume_issues(saved, changed)} == {"model.moe_aux_loss_weight", "model.moe_top_k"}
+
+
+TINY_MOE = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "train.seq_len=32",
+            "model.max_seq_len=64", "train.batch_size=4", "train.max_steps=4", "metrics.log_interval=1",
+            "eval.enabled=false", "scheduler.warmup_steps=1", "checkpoint.interval=2", "scheduler.decay_steps=3",
+            "model.moe_bias_schedule=[[0,0.01]]"]
+
+
+def test_trainer_logs_expert_load_resumes_exactly_and_matches_under_activation_checkpointing(tmp_path):
+    from engine.train.trainer import train
+
+    def run(name: str, *extra: str) -> list[dict]:
+        cfg = load_job_config(REPO / "presets" / "debug_moe.toml", [*TINY_MOE, *extra])
+        train(cfg, tmp_path / name)
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if "loss" in r]
+
+    plain = run("plain")
+    assert all(r["moe/imbalance"] >= 1.0 and "moe/1/balance_loss" in r and "moe/1/bias_max" in r for r in plain)
+    assert plain[-1]["moe/1/bias_max"] > 0  # the balancing bias moved
+    checkpointed = run("ac", "train.activation_checkpointing=full")
+    assert [r["loss"] for r in checkpointed] == pytest.approx([r["loss"] for r in plain], abs=1e-6)
+    run("resumed", "train.max_steps=2")
+    resumed = run("resumed")  # continues from the step-2 checkpoint: router bias and load come back with it
+    assert [(r["loss"], r["moe/1/bias_max"]) for r in resumed if r["step"] > 2] == \
+        [(r["loss"], r["moe/1/bias_max"]) for r in plain if r["step"] > 2]
+
+
+def forge_train(tmp_path: Path, *args: str):
+    from tests.test_cli import forge
+
+    run_dir = tmp_path / "run"
+    result = forge("train", *args, "--run-dir", str(run_dir), "--train.max_steps=4", "--metrics.log_interval=1",
+                   "--eval.enabled=false", "--scheduler.warmup_steps=1", "--train.batch_size=2", "--train.seq_len=64")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return result.stdout, [r for r in records if "loss" in r]
+
+
+@pytest.mark.slow
+def test_debug_moe_preset_trains_through_the_cli(tmp_path):
+    stdout, records = forge_train(tmp_path, "presets/debug_moe.toml", "--model.n_layers=2")
+    assert "active per token" in stdout and "expert_imbalance=" in stdout
+    assert len(records) == 4 and all("moe/imbalance" in r and "moe/0/bias_max" in r for r in records)
+
+
+@pytest.mark.slow
+def test_dense_preset_becomes_moe_by_one_field_on_the_command_line(tmp_path):
+    stdout, records = forge_train(tmp_path, "presets/debug.toml", "--model.num_experts=8", "--model.moe_top_k=2",
+                                  "--model.n_layers=2")
+    assert "expert_imbalance=" in stdout and "moe/1/balance_loss" in records[-1]
+
+
+def test_hugging_face_export_refuses_moe_and_names_the_field(tmp_path):
+    from engine.checkpoint.hf import export_to_hf
+    from engine.errors import UserError
+    from tests.test_convert import make_run
+
+    run = make_run(tmp_path / "run", Transformer(moe_config(vocab_size=97)))
+    with pytest.raises(UserError, match="model.num_experts"):
+        export_to_hf(run, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_compiling_an_moe_model_needs_bf16():
+    from engine.errors import UserError
+    from engine.parallel.apply import parallelize
+
+    cfg = load_job_config(REPO / "presets" / "debug_moe.toml", ["train.compile_model=true", "train.mixed_precision=fp32"])
+    with pytest.raises(UserError, match="train.compile_model"):
+        parallelize(Transformer(moe_config()), cfg)
+
+
+def test_validate_config_reports_total_and_active_parameters():
+    from tests.test_cli import forge
+
+    report = json.loads(forge("validate-config", "presets/debug_moe.toml", "--json").stdout)
+    cfg = load_job_config(REPO / "presets" / "debug_moe.toml")
+    assert report["parameters"] == param_counts(cfg.model) and report["parameters"]["active"] < report["parameters"]["total"]
+    assert report["flops_per_token"] == training_flops_per_token(cfg.model, cfg.train.seq_len)
+    table = forge("validate-config", "presets/debug_moe.toml").stdout
+    assert "parameters (active per token)" in table and "training FLOPs per token (active)" in table
+
+
+@pytest.mark.slow
+def test_compiled_moe_blocks_match_eager_under_bf16(tmp_path):
+    from engine.train.trainer import train
+
+    def losses(name: str, *extra: str) -> list[float]:
+        cfg = load_job_config(REPO / "presets" / "debug_moe.toml", [*TINY_MOE, "train.mixed_precision=bf16", *extra])
+        train(cfg, tmp_path / name)
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+    assert losses("compiled", "train.compile_model=true") == pytest.approx(losses("eager"), abs=0.05)
