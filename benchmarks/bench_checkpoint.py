@@ -61,13 +61,15 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/forge-bench-ckpt"))
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="where the model and optimizer live (cuda: staging copies to host)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.dim // 64, vocab_size=args.vocab, max_seq_len=128)
-    model = Transformer(cfg)
+    device = torch.device(args.device)
+    model = Transformer(cfg).to(device)
     optimizer = build_optimizer(model, OptimizerConfig(lr=1e-4))
-    tokens = torch.randint(0, args.vocab, (1, 128))
+    tokens = torch.randint(0, args.vocab, (1, 128), device=device)
     forward_backward(model, tokens)
     optimizer.step()
     optimizer.zero_grad()
@@ -82,11 +84,13 @@ def main() -> None:
     for _ in range(args.repeats):
         for mode in results:
             step += 1
-            ckpt = Checkpointer(args.dir / mode, CheckpointConfig(async_mode=mode, keep_last_n=1), torch.device("cpu"))
+            ckpt = Checkpointer(args.dir / mode, CheckpointConfig(async_mode=mode, keep_last_n=1), device)
             start = time.perf_counter()
             ckpt.save(step, model, optimizer, {"step": step})
             stall = time.perf_counter() - start
             forward_backward(model, tokens)  # the next step's compute, beside the background work
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             waited = time.perf_counter()
             ckpt.wait_for_staging()
             stall += time.perf_counter() - waited
@@ -98,7 +102,8 @@ def main() -> None:
     disk = max(disk_write_speed(args.dir, size) for _ in range(args.repeats))  # the disk at its best, as for saves
 
     sync = min(results["disabled"])  # best of the repeats, for every mode alike
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus; torch {torch.__version__}")
+    gpu = f"; {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus{gpu}; torch {torch.__version__}")
     print(f"model: {params / 1e6:.1f}M parameters; checkpoint {size / 2**30:.2f} GiB (weights + AdamW moments)")
     print(f"disk sequential write + fsync (best of {args.repeats}): {disk / 2**20:.0f} MiB/s")
     print(f"sync save: {sync:.2f} s = {size / sync / 2**20:.0f} MiB/s ({size / sync / disk:.2f}× the disk)")
