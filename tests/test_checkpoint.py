@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from engine.checkpoint.dcp import complete_checkpoints, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
@@ -210,8 +212,10 @@ def test_load_path_mistakes_are_user_errors(tmp_path):
 
 
 ASYNC_SCRIPT = """
-import sys, torch, torch.distributed as dist
+import sys, threading, time, torch, torch.distributed as dist
+from concurrent.futures import Future
 from pathlib import Path
+import engine.checkpoint.manager as manager
 from engine.checkpoint.manager import Checkpointer
 from engine.config.checkpoint import CheckpointConfig
 from engine.config.model import ModelConfig
@@ -221,11 +225,27 @@ from engine.train.optim import build_optimizer
 
 dist.init_process_group("gloo")
 root, mode = Path(sys.argv[1]), sys.argv[2]
+
+
+def finishing_late(start):
+    # Rank 1's upload completes 0.5 s after rank 0's: the ranks must still finish the save at the same step.
+    def start_late(*args, **kwargs):
+        staging, upload = start(*args, **kwargs)
+        late = Future()
+        upload.add_done_callback(lambda done: threading.Timer(0.5, late.set_result, [done.result()]).start())
+        return staging, late
+    return start_late
+
+
+if dist.get_rank() == 1:
+    manager.start_async_save = finishing_late(manager.start_async_save)
 torch.manual_seed(0)
 model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16))
 optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2))
 ckpt = Checkpointer(root, CheckpointConfig(async_mode=mode), torch.device("cpu"))
-for step in range(1, 7):
+finished = []
+for step in range(1, 21):
+    time.sleep(0.1)
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
     torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
     for p in model.parameters():  # what data parallelism does: every rank applies the mean gradient
@@ -235,12 +255,13 @@ for step in range(1, 7):
     optimizer.zero_grad()
     if step == 3:
         torch.save(model.state_dict(), root.parent / f"expected_rank{dist.get_rank()}.pt")
-        ckpt.save(3, model, optimizer, {"step": 3})  # returns at once; steps 4-6 run while it writes
-    ckpt.poll()
-ckpt.wait()
+        ckpt.save(3, model, optimizer, {"step": 3})  # returns at once; the next steps run while it writes
+    if ckpt.poll():
+        finished.append(step)
+assert ckpt.wait() is None and len(finished) == 1, finished
 dist.barrier()
 dist.destroy_process_group()
-print("done", flush=True)
+print("done at step", finished[0], flush=True)
 """
 
 
@@ -250,8 +271,10 @@ def test_async_save_with_two_ranks_uses_its_own_gloo_group_and_holds_its_step(tm
 
     script = tmp_path / "save.py"
     script.write_text(ASYNC_SCRIPT)
-    result = torchrun(script, 2, str(tmp_path / "ckpt"), mode, timeout=180)
-    assert result.returncode == 0 and result.stdout.count("done") == 2, result.stdout[-3000:]
+    result = torchrun(script, 2, str(tmp_path / "ckpt"), mode, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    finished = re.findall(r"done at step (\d+)", result.stdout)
+    assert len(finished) == 2 and finished[0] == finished[1], result.stdout[-3000:]
     model, _ = trained_pair(5)
     assert load_checkpoint(tmp_path / "ckpt" / "step_3", model) == {"step": 3}
     expected = torch.load(tmp_path / "expected_rank0.pt", weights_only=True)

@@ -6,6 +6,7 @@ Tests call `torchrun(script, nproc)` with a Python file (usually written into tm
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -22,9 +23,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`. torchrun starts its workers in sessions of their own, so killing its
+    process group leaves them running, holding the output pipe open."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def torchrun(script: Path, nproc: int = 2, *args: str, timeout: float = 180,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run `script` on `nproc` local processes; kill the whole process group if it outlives `timeout`."""
+    """Run `script` on `nproc` local processes; kill every process it started if it outlives `timeout`."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
@@ -33,10 +60,13 @@ def torchrun(script: Path, nproc: int = 2, *args: str, timeout: float = 180,
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        kill_tree(proc)
+        try:
+            out, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            out = "(no output: the pipe stayed open after the kill)"
         raise AssertionError(f"torchrun {script.name} timed out after {timeout}s:\n{out[-4000:]}") from None
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc)
     return subprocess.CompletedProcess(command, proc.returncode, out, "")

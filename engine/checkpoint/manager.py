@@ -19,6 +19,7 @@ from engine.checkpoint.dcp import (COMPLETE, STEP_DIR, complete_checkpoints, dis
                                    prune_checkpoints, save_checkpoint, start_async_save, training_state)
 from engine.config.checkpoint import CheckpointConfig
 from engine.errors import UserError
+from engine.resilience.collectives import every_rank
 
 log = logging.getLogger("forge.checkpoint")
 
@@ -41,11 +42,14 @@ class Checkpointer:
         self.root, self.cfg = root, cfg
         self.pending: PendingSave | None = None
         self.pin_memory = cfg.async_mode == "async_with_pinned_mem" and device.type == "cuda"
-        self.group = None
+        self.group = self.control = None
         if cfg.async_mode != "disabled" and distributed():
             # DCP's background save runs collectives from another thread; on the training group they would
             # interleave with the training step's and gloo aborts on the mismatch. Its own gloo group is safe.
             self.group = torch.distributed.new_group(backend="gloo")
+            # `poll` asks every rank whether its upload is done, from the training thread: neither the
+            # training group (a device sync each step) nor the upload's group (busy in another thread).
+            self.control = torch.distributed.new_group(backend="gloo")
 
     def due(self, step: int, max_steps: int) -> bool:
         return step == max_steps or bool(self.cfg.interval and step % self.cfg.interval == 0)
@@ -75,8 +79,12 @@ class Checkpointer:
             self.pending.staging = None
 
     def poll(self) -> tuple[int, Path] | None:
-        """Finish a background save whose files are written; (step, path) when one completed."""
-        if self.pending is not None and self.pending.upload.done():
+        """Finish a background save whose files are written on every rank; (step, path) when one completed.
+        Ranks decide together: one that finished alone would wait in `wait`'s barrier while the others
+        run the next step's collectives, and the run would hang."""
+        if self.pending is None:
+            return None
+        if every_rank(self.pending.upload.done(), torch.device("cpu"), self.control):
             return self.wait()
         return None
 
