@@ -22,6 +22,8 @@ def train(
     preset: Path = typer.Argument(..., help="TOML preset (or a run's config.toml)."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where the run is written. Default: runs/<preset name>."),
     as_json: bool = typer.Option(False, "--json", help="Print the final summary as JSON on stdout (progress lines go to stderr)."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1,
+                                       help="Processes on this node (one per GPU), started by PyTorch's elastic launcher."),
 ) -> None:
     """Train a model into a run directory (config, metrics, logs, checkpoints).
 
@@ -34,18 +36,55 @@ def train(
 
       forge train presets/debug.toml --train.max_steps=50 --optimizer.lr=1e-3 --run-dir runs/lr1e-3
 
+      forge train presets/debug.toml --nproc-per-node 2
+
     """
     from engine.config import load_job_config
 
     cfg = load_job_config(preset, collect_overrides(ctx.args))
+    if nproc_per_node > 1:
+        launch(cfg, nproc_per_node)
     run_training(cfg, run_dir or Path("runs") / preset.stem, as_json)
+
+
+def launch(cfg: "JobConfig", nproc: int) -> None:
+    """Check the layout for `nproc` processes here (a bad one exits 2 before anything starts), then run
+    this same command line once per process and exit with the run's exit code."""
+    import os
+
+    from engine.errors import UserError
+    from engine.parallel.launch import launch_local_workers
+
+    if "WORLD_SIZE" in os.environ:
+        raise UserError("--nproc-per-node is for starting a run, but this process is already one of "
+                        f"{os.environ['WORLD_SIZE']} (started by torchrun or srun)", "drop --nproc-per-node")
+    cfg.validate(world_size=nproc)
+    raise typer.Exit(launch_local_workers(nproc, worker_argv(sys.argv[1:])))
+
+
+def worker_argv(argv: list[str]) -> list[str]:
+    """The command line without --nproc-per-node (each worker is one process)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            out.append(arg)
+    return out
 
 
 def run_training(cfg: "JobConfig", run_dir: Path, as_json: bool) -> None:
     """Train with the console output that fits; shared by `forge train` and `forge resume`."""
     from engine.train.trainer import train as train_job
 
-    if as_json:  # stdout carries only the JSON summary; progress lines go to stderr
+    from engine.parallel.launch import process_place
+
+    main_rank = process_place().rank == 0  # the other ranks of a multi-process run print nothing
+    if not main_rank:
+        reporter = None
+    elif as_json:  # stdout carries only the JSON summary; progress lines go to stderr
         reporter = PlainReporter(sys.stderr)
     else:
         reporter = LiveDashboard() if is_interactive() else PlainReporter()
@@ -57,6 +96,8 @@ def run_training(cfg: "JobConfig", run_dir: Path, as_json: bool) -> None:
     try:
         summary = train_job(cfg, run_dir, reporter)
     except Preempted as stopped:
+        if not main_rank:
+            raise typer.Exit(PREEMPTED_EXIT) from None
         err_console.print(f"stopped by {stopped.signal_name} at step {stopped.step}; checkpoint: "
                           f"{stopped.checkpoint or 'none (the run resumes from its previous one)'}. "
                           f"Continue with: forge resume {run_dir}", markup=False, highlight=False, soft_wrap=True)
@@ -67,6 +108,8 @@ def run_training(cfg: "JobConfig", run_dir: Path, as_json: bool) -> None:
     finally:
         if isinstance(reporter, LiveDashboard):
             reporter.stop()
+    if not main_rank:
+        return
     if as_json:
         print_json(summary)
     elif summary.get("already_complete"):

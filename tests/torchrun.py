@@ -70,3 +70,19 @@ def torchrun(script: Path, nproc: int = 2, *args: str, timeout: float = 180,
         if proc.poll() is None:
             kill_tree(proc)
     return subprocess.CompletedProcess(command, proc.returncode, out, "")
+
+
+def run_bounded(command: list[str], timeout: float, **popen: object) -> subprocess.CompletedProcess:
+    """Run `command` (e.g. `forge train --nproc-per-node 2`, which starts workers of its own) to completion,
+    killing it and everything it started if it outlives `timeout`."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        raise AssertionError(f"{' '.join(command)} timed out after {timeout}s") from None
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)

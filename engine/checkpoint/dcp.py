@@ -138,7 +138,11 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     path = new_step_dir(root, step)
     with single_process_quiet():
         dcp.save(training_state(model, optimizer), storage_writer=storage_writer(path), no_dist=not distributed())
-    return finish_save(root, path, train_state) if is_writer() else path
+    if is_writer():
+        finish_save(root, path, train_state)
+    if distributed():
+        torch.distributed.barrier()  # every rank sees COMPLETE before it may look for checkpoints
+    return path
 
 
 def start_async_save(path: Path, state: dict[str, Any], *, stage_in_background: bool, pin_memory: bool,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, field_validator
 
 from engine.config.base import Section
 
@@ -13,7 +15,21 @@ class DistributedConfig(Section):
     tp: int = Field(1, gt=0, description="tensor-parallel degree")
     pp: int = Field(1, gt=0, description="pipeline-parallel degree")
     cp: int = Field(1, gt=0, description="context-parallel degree")
-    nccl_timeout_sec: float = Field(300.0, gt=0, description="deadline for the collective health check (train.nccl_health_check_interval)")
+    pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
+        "1f1b", description="pipeline schedule when pp > 1; interleaved_1f1b runs two stages per rank")
+    nccl_timeout_sec: float = Field(
+        300.0, gt=0, description="deadline of every collective (the process group's timeout) and of the health check")
+    backend: str = Field("cpu:gloo,cuda:nccl", description="torch.distributed backend per device type")
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        parts = [part.strip() for part in value.split(",")]
+        for part in parts:
+            device, _, name = part.rpartition(":")
+            if name not in ("gloo", "nccl", "mpi", "ucc", "xccl") or device not in ("", "cpu", "cuda", "xpu"):
+                raise ValueError(f"unknown backend {part!r}; use e.g. 'cpu:gloo,cuda:nccl', 'gloo' or 'nccl'")
+        return ",".join(parts)
 
     def resolved_dp_shard(self, world_size: int) -> int:
         """dp_shard with -1 replaced by what is left of the world size (0 if it does not divide)."""

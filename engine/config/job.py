@@ -134,7 +134,7 @@ def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
         issues.append(ConfigIssue("distributed.tp", f"n_heads ({m.n_heads}) and n_kv_heads ({m.kv_heads}) must be divisible by tp ({d.tp})"))
     if d.pp > m.n_layers:
         issues.append(ConfigIssue("distributed.pp", f"pp ({d.pp}) exceeds model.n_layers ({m.n_layers})"))
-    for name in ("tp", "pp", "cp", "dp_replicate"):
+    for name in ("tp", "pp", "cp"):
         if getattr(d, name) > 1:
             issues.append(ConfigIssue(f"distributed.{name}", f"{name} > 1 is not supported yet", f"set distributed.{name} = 1"))
     return issues

@@ -1,19 +1,24 @@
 """Apply training transformations to a single-device `Transformer`, in a fixed order.
 
-The full order is TP → EP → FP8 → activation checkpointing → compile → FSDP2. Only the stages a single
-process needs exist so far; the others are rejected by config validation until they do.
-Activation checkpointing wraps each block *before* compile so that the compiled graph contains the
-recomputation instead of the checkpoint wrapper breaking the graph.
+The full order is TP → EP → FP8 → activation checkpointing → compile → FSDP2, one function per stage:
+- tensor parallelism first, because every later stage must see the sharded (DTensor) linears;
+- activation checkpointing wraps each block *before* compile so that the compiled graph contains the
+  recomputation instead of the checkpoint wrapper breaking the graph;
+- FSDP2 last: `fully_shard` shards whatever parameters the earlier stages left (TP's DTensors become 2-D,
+  FP8's linears gather in fp8), and per block, so its all-gathers overlap the neighbouring blocks' compute.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from engine.config.job import JobConfig
 from engine.errors import UserError
 from engine.model.transformer import Transformer
+from engine.parallel.mesh import ParallelMesh
 from engine.train import precision
 
 
@@ -43,9 +48,33 @@ def check_compilable(model: Transformer, cfg: JobConfig) -> None:
                         "set train.mixed_precision = \"bf16\", or train.compile_model = false")
 
 
-def parallelize(model: Transformer, cfg: JobConfig) -> Transformer:
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype, *, pipelined: bool = False) -> None:
+    """FSDP2 over `mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP), each block its own unit, then the rest.
+
+    Parameters live sharded in fp32; forward and backward all-gather them in `param_dtype` (the compute
+    dtype, so no autocast is needed) and gradients are reduce-scattered in fp32. Reshard after forward:
+    every block frees its gathered weights after its forward and gathers them again in backward (memory
+    over communication), except the last block, whose backward follows at once. Under pipeline
+    parallelism nothing reshards: every micro-batch would gather each block again.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    blocks = list(model.layers.values())
+    for index, block in enumerate(blocks):
+        fully_shard(block, mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=not pipelined and index < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=not pipelined)
+
+
+def parallelize(model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None = None, *,
+                pipelined: bool = False) -> Transformer:
+    """The model (or one pipeline stage of it) ready to train on this rank's part of the mesh.
+
+    The order matters and is pinned by tests/test_parallel_apply.py: see the module docstring."""
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile_model:
         check_compilable(model, cfg)
         apply_compile(model)
+    if mesh is not None and mesh.fsdp is not None:
+        device = model.rope_cos.device
+        apply_fsdp(model, mesh.fsdp, precision.compute_dtype(cfg.train.mixed_precision, device), pipelined=pipelined)
     return model

@@ -1,7 +1,10 @@
-"""The training loop: one process, CPU or one GPU.
+"""The training loop: one process, or one of many (torchrun, srun, `forge train --nproc-per-node`).
 
 `train(cfg, run_dir)` checks everything that can be wrong with the job (config, data, run directory)
-before it writes anything, then trains, logs, evaluates and checkpoints. A run directory that already
+before it writes anything, then trains, logs, evaluates and checkpoints. In a multi-process run every
+rank runs this same loop on its part of the mesh (`engine.parallel`); rank 0 alone writes the run
+directory, metrics and the checkpoint's train state, and decisions (skip a step, stop, save) are agreed
+across ranks. A run directory that already
 holds a run is resumed from its newest complete checkpoint, and the resumed run computes exactly what
 the uninterrupted one would have: same weights, optimizer state, LR schedule, RNG and data position.
 """
@@ -22,7 +25,9 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
+from engine.checkpoint.dcp import complete_checkpoints
 from engine.checkpoint.manager import Checkpointer, initialize_from
 from engine.checkpoint.rng import restore_rng, rng_state
 from engine.config.changes import resume_issues
@@ -37,6 +42,8 @@ from engine.metrics.trackers import MetricsLogger, build_trackers
 from engine.model.attention import CPU_SDPA_BACKENDS
 from engine.model.transformer import Transformer
 from engine.parallel.apply import parallelize
+from engine.parallel.launch import ProcessPlace, device_for, join_process_group, leave_process_group, process_place
+from engine.parallel.mesh import ParallelDims, ParallelMesh, build_mesh
 from engine.resilience.anomaly import StepGuard, TrainingDiverged
 from engine.resilience.collectives import any_rank, distributed
 from engine.resilience.health import check_collectives
@@ -51,10 +58,6 @@ from engine.train.schedules import build_scheduler, default_decay_steps
 from engine.train.summary import job_summary
 
 log = logging.getLogger("forge.train")
-
-
-def pick_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def seed_everything(seed: int) -> None:
@@ -105,14 +108,6 @@ def check_run_dir(cfg: JobConfig, run_dir: Path) -> bool:
     return False
 
 
-def check_single_process() -> None:
-    """Started by torchrun/srun with several processes, each would train alone into the same run directory."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise UserError(f"multi-process training (WORLD_SIZE={world}) is not supported yet",
-                        "run forge train as a single process")
-
-
 def check_device_support(cfg: JobConfig, device: torch.device) -> None:
     if device.type == "cpu" and cfg.model.sdpa_backend not in CPU_SDPA_BACKENDS:
         raise UserError(f"model.sdpa_backend = {cfg.model.sdpa_backend!r} has no CPU kernel",
@@ -137,47 +132,78 @@ class Job:
     peak_flops: float | None
     checkpointer: Checkpointer
     guard: StepGuard
+    place: ProcessPlace = ProcessPlace(0, 0, 1)
+    mesh: ParallelMesh | None = None
     start_step: int = 0
     tokens_seen: int = 0
     elapsed_sec: float = 0.0  # training time of earlier attempts of this run
     wandb_run_id: str | None = None
 
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that writes the run directory and reports."""
+        return self.place.rank == 0
+
     def autocast(self) -> contextlib.AbstractContextManager:
+        if self.mesh is not None and self.mesh.fsdp is not None:
+            return contextlib.nullcontext()  # FSDP gathers the weights in the compute dtype itself
         return precision.autocast(self.device, self.dtype)
 
 
+def data_parallel_rank(dims: ParallelDims, rank: int) -> int:
+    """This rank's index among the ranks that read different data, from the mesh's dimension order
+    (pp, dp_replicate, dp_shard, cp, tp; tp innermost): known before any process group exists, so the
+    data is checked before a process group starts."""
+    return rank // (dims.cp * dims.tp) % dims.dp
+
+
 def build_job(cfg: JobConfig, run_dir: Path) -> Job:
+    """Everything checkable is checked before the process group starts and before anything is written."""
     from engine.data.loader import open_eval_data, open_train_data
 
-    check_single_process()
-    cfg = with_pinned_schedule(cfg.validate(world_size=1))
-    train_data = open_train_data(cfg, dp_rank=0, dp_size=1)
-    eval_data = open_eval_data(cfg, dp_rank=0, dp_size=1)
+    place = process_place()
+    cfg = with_pinned_schedule(cfg.validate(world_size=place.world_size))
+    dims = ParallelDims.from_config(cfg.distributed, place.world_size)
+    dp_rank = data_parallel_rank(dims, place.rank)
+    train_data = open_train_data(cfg, dp_rank=dp_rank, dp_size=dims.dp)
+    eval_data = open_eval_data(cfg, dp_rank=dp_rank, dp_size=dims.dp)
     resuming = check_run_dir(cfg, run_dir)
-    device = pick_device()
+    device = device_for(place)
     check_device_support(cfg, device)
     dtype = precision.compute_dtype(cfg.train.mixed_precision, device)
-    peak = peak_flops(device, dtype)
 
-    seed_everything(cfg.train.seed)
-    model = parallelize(MODELS.get(cfg.model.model_type)(cfg.model).to(device), cfg)
+    mesh = None
+    if place.world_size > 1:
+        join_process_group(cfg.distributed.backend, cfg.distributed.nccl_timeout_sec, device)
+        mesh = build_mesh(dims, device.type)
+        assert mesh.dp_rank == dp_rank, "data_parallel_rank disagrees with the mesh"
+    seed_everything(cfg.train.seed)  # the same initial weights on every rank, and as in one process
+    model = MODELS.get(cfg.model.model_type)(cfg.model).to(device)
+    starts_fresh = not (resuming and complete_checkpoints(checkpoint_root(cfg, run_dir)))
+    if starts_fresh and cfg.checkpoint.load_path is not None:  # into the whole model, before it is sharded
+        initialize_from(Path(cfg.checkpoint.load_path), model, cfg.checkpoint.exclude_from_loading)
+    model = parallelize(model, cfg, mesh)
     optimizer = build_optimizer(model, cfg.optimizer)
     job = Job(cfg=cfg, run_dir=run_dir, device=device, dtype=dtype, model=model, optimizer=optimizer,
               scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps),
               scaler=precision.grad_scaler(device, dtype), train_data=train_data, eval_data=eval_data,
-              summary=job_summary(cfg), peak_flops=peak,
-              checkpointer=Checkpointer(checkpoint_root(cfg, run_dir), cfg.checkpoint, device), guard=StepGuard(cfg.train))
+              summary=job_summary(cfg, place.world_size), peak_flops=peak_flops(device, dtype),
+              checkpointer=Checkpointer(checkpoint_root(cfg, run_dir), cfg.checkpoint, device),
+              guard=StepGuard(cfg.train), place=place, mesh=mesh)
     restored = job.checkpointer.restore(model, optimizer) if resuming else None
     if restored is not None:
         restore(job, *restored)
-    elif cfg.checkpoint.load_path is not None:
-        initialize_from(Path(cfg.checkpoint.load_path), model, cfg.checkpoint.exclude_from_loading)
     return job
 
 
 def restore(job: Job, path: Path, state: dict[str, Any]) -> None:
     """Continue from checkpoint `path` (weights and optimizer already loaded, `state` its train state): the
     data position is the step, so nothing else needs saving."""
+    tokens_per_step = job.summary["tokens_per_step"]
+    if state.get("tokens_per_step", tokens_per_step) != tokens_per_step:
+        raise UserError(f"{path} was trained with {state['tokens_per_step']} tokens per step, but this layout "
+                        f"gives {tokens_per_step} (train.batch_size × grad_accum_steps × data-parallel ranks × seq_len)",
+                        "keep the global batch: e.g. halve train.batch_size when doubling the data-parallel ranks")
     if "guard" in state:  # checkpoints written before the bad-step detector existed have none
         job.guard.load_state_dict(state["guard"])
     job.scheduler.load_state_dict(state["scheduler"])
@@ -191,6 +217,7 @@ def restore(job: Job, path: Path, state: dict[str, Any]) -> None:
 def train_state(job: Job, step: int, tokens_seen: int, elapsed_sec: float, trackers: MetricsLogger) -> dict[str, Any]:
     """What a checkpoint holds beside the weights and optimizer; everything is JSON."""
     return {"step": step, "tokens_seen": tokens_seen, "elapsed_sec": elapsed_sec,
+            "tokens_per_step": job.summary["tokens_per_step"],
             "scheduler": job.scheduler.state_dict(), "grad_scaler": job.scaler.state_dict(), "rng": rng_state(),
             "wandb_run_id": trackers.wandb_run_id, "guard": job.guard.state_dict()}
 
@@ -234,20 +261,45 @@ def train(cfg: JobConfig, run_dir: Path, reporter: Reporter | None = None,
     Raises `Preempted` after an emergency checkpoint when SIGTERM/SIGUSR1 arrives, `TrainingDiverged`
     when rollbacks cannot recover the loss, `CollectiveTimeout` when a rank stops answering,
     `CheckpointWriteError` when a checkpoint cannot be written."""
-    with StopRequest(cfg.train.shutdown_timeout_sec).installed() as stop:  # a signal during setup counts too
-        job = build_job(cfg, run_dir)
+    with StopRequest(cfg.train.shutdown_timeout_sec).installed() as stop, process_group_released():
+        job = build_job(cfg, run_dir)  # a signal during setup counts too
         if job.start_step >= cfg.train.max_steps:
             return {"steps": job.start_step, "tokens_seen": job.tokens_seen, "already_complete": True,
                     "run_dir": str(run_dir)}
-        trackers = open_run_dir(job)
-        with logging_to(job.run_dir / "train.log"):
+        trackers = open_run_dir_on_main(job)
+        with logging_to(job.run_dir / "train.log") if job.is_main else contextlib.nullcontext():
             try:
-                return run_loop(job, trackers, reporter or SilentReporter(), hooks or TrainHooks(), stop)
+                return run_loop(job, trackers, (reporter or SilentReporter()) if job.is_main else SilentReporter(),
+                                hooks or TrainHooks(), stop)
             except BaseException:
                 finish_pending_save(job)
                 raise
             finally:
                 trackers.close()
+
+
+@contextlib.contextmanager
+def process_group_released() -> Iterator[None]:
+    try:
+        yield
+    finally:
+        leave_process_group()
+
+
+def open_run_dir_on_main(job: Job) -> MetricsLogger:
+    """Rank 0 writes the run directory; the others log nothing. If rank 0 cannot (W&B not logged in), every
+    rank stops, instead of the others waiting in the first collective until the timeout."""
+    if job.place.world_size == 1:
+        return open_run_dir(job)
+    trackers, failure = MetricsLogger([]), None
+    if job.is_main:
+        try:
+            trackers = open_run_dir(job)
+        except UserError as err:
+            failure = err
+    if any_rank(failure is not None, job.device):
+        raise failure or UserError("rank 0 could not open the run directory; see its error", "")
+    return trackers
 
 
 @contextlib.contextmanager
@@ -296,9 +348,9 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
     hooks.after_backward(step, job)
     job.scaler.unscale_(job.optimizer)
     max_norm = job.cfg.train.grad_clip_norm or math.inf  # 0 = no clipping; the norm is still reported
-    grad_norm = torch.nn.utils.clip_grad_norm_(job.model.parameters(), max_norm, foreach=True)
+    grad_norm = clip_gradients(list(job.model.parameters()), max_norm)
     lr = current_lr(job.optimizer)
-    loss_value, norm_value = torch.stack([loss_sum, grad_norm.float()]).tolist()  # the one sync per step
+    loss_value, norm_value = torch.stack([mean_over_ranks(loss_sum), grad_norm.float()]).tolist()  # the one sync per step
     problem = job.guard.problem(loss_value, norm_value, scaler_handles_overflow=job.scaler.is_enabled())
     if any_rank(problem is not None, job.device):
         problem = problem or "a bad step on another rank"
@@ -314,6 +366,27 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
     return StepResult(loss_value, norm_value, lr, problem)
 
 
+def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients so their global norm is at most `max_norm`; return that norm before scaling.
+    Sharded gradients (DTensors) count whole: their norm is reduced over the mesh."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
+    return norm
+
+
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a per-rank loss over all ranks: the data-parallel mean (tensor-parallel ranks hold equal
+    copies, which does not change a mean)."""
+    if not distributed():
+        return value
+    value = value.detach().clone()
+    torch.distributed.all_reduce(value)  # a sum: gloo has no average
+    return value / torch.distributed.get_world_size()
+
+
 @torch.no_grad()
 def evaluate(job: Job, loss_fn: ModelLoss) -> dict[str, float]:
     """Plain cross-entropy (no z-loss) on the held-out batches, at the optimizer's evaluation weights."""
@@ -322,9 +395,9 @@ def evaluate(job: Job, loss_fn: ModelLoss) -> dict[str, float]:
     with eval_mode(job.optimizer):
         for inputs, labels in job.eval_data.batches():
             with job.autocast():
-                losses.append(loss_fn(job.model, inputs.to(job.device), labels.to(job.device), z_loss=False).item())
+                losses.append(loss_fn(job.model, inputs.to(job.device), labels.to(job.device), z_loss=False))
     job.model.train()
-    loss = sum(losses) / len(losses)
+    loss = mean_over_ranks(torch.stack(losses).mean()).item()
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}
 
 
@@ -432,7 +505,9 @@ def run_loop(job: Job, trackers: MetricsLogger, reporter: Reporter, hooks: Train
 
 
 def weights_finite(model: torch.nn.Module) -> bool:
-    return bool(torch.stack([p.detach().isfinite().all() for p in model.parameters()]).all())
+    """This rank's shards only: callers agree over ranks."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return bool(torch.stack([p.detach().isfinite().all() for p in local]).all())
 
 
 def roll_back(job: Job, step: int, reason: str) -> None:
@@ -454,7 +529,23 @@ def roll_back(job: Job, step: int, reason: str) -> None:
 
 def step_metrics(job: Job, step: int, result: StepResult, tokens_per_sec: float, tokens_seen: int,
                  started: float) -> dict[str, Any]:
+    world = job.place.world_size
+    peak = None if job.peak_flops is None else job.peak_flops * world  # tokens/s is the whole job's
     return {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-            "tokens_per_sec": tokens_per_sec, "mfu": mfu(job.summary["flops_per_token"], tokens_per_sec, job.peak_flops),
+            "tokens_per_sec": tokens_per_sec, "mfu": mfu(job.summary["flops_per_token"], tokens_per_sec, peak),
             "tokens_seen": tokens_seen, "elapsed_sec": time.perf_counter() - started, **job.guard.metrics(),
-            **memory_stats(job.device), **job.model.moe_stats()}
+            **memory_per_rank(job.device), **job.model.moe_stats()}
+
+
+def memory_per_rank(device: torch.device) -> dict[str, float]:
+    """This rank's memory figures; in a multi-process run, `mem_peak_gib` is the largest rank's peak and
+    `mem_peak_gib/rank{r}` each rank's (every rank calls this at the same steps)."""
+    stats = memory_stats(device)
+    if not distributed():
+        return stats
+    world = torch.distributed.get_world_size()
+    peaks = torch.zeros(world, dtype=torch.float64, device=device)
+    peaks[torch.distributed.get_rank()] = stats["mem_peak_gib"]
+    torch.distributed.all_reduce(peaks)  # a gather by sum: each rank fills its own slot
+    per_rank = peaks.tolist()
+    return {**stats, "mem_peak_gib": max(per_rank), **{f"mem_peak_gib/rank{r}": v for r, v in enumerate(per_rank)}}

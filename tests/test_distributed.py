@@ -1,0 +1,113 @@
+"""Multi-process training as a user starts it (`forge train --nproc-per-node 2`, gloo on CPU): every layout
+computes what one process computes on the same global batch, and a run moves between layouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.checkpoint.dcp import latest_checkpoint, load_checkpoint
+from engine.config import load_job_config
+from engine.model.transformer import Transformer
+from tests.conftest import REPO
+from tests.torchrun import run_bounded
+
+pytestmark = pytest.mark.slow
+
+GLOBAL_BATCH = 4
+TINY = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.vocab_size=4096",
+        "--train.seq_len=32", "--model.max_seq_len=32", "--metrics.log_interval=1", "--eval.interval=3",
+        "--eval.steps=2", "--checkpoint.interval=3", "--scheduler.warmup_steps=2", "--scheduler.decay_steps=10",
+        "--train.max_steps=6"]
+ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def forge(run_dir: Path, *extra: str, nproc: int = 1, command: str = "train") -> "subprocess.CompletedProcess":
+    args = ["presets/debug.toml"] if command == "train" else []
+    launch = [f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    batch = [f"--train.batch_size={GLOBAL_BATCH // max(nproc, 1)}"] if command == "train" else []
+    return run_bounded([sys.executable, "-m", "forgecli.app", command, *args, "--run-dir", str(run_dir), *TINY,
+                        *batch, *launch, *extra], timeout=240, cwd=REPO, env=ENV)
+
+
+def records(run_dir: Path, key: str = "loss") -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if key in r}
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    model = Transformer(load_job_config(run_dir / "config.toml").model)
+    load_checkpoint(latest_checkpoint(run_dir / "checkpoints")[1], model)
+    return model.state_dict()
+
+
+def assert_same_run(run_dir: Path, reference: Path, tol: float = 1e-5) -> None:
+    ours, ref = records(run_dir), records(reference)
+    assert sorted(ours) == list(range(1, 7)), ours.keys()
+    for step, record in ours.items():
+        assert record["loss"] == pytest.approx(ref[step]["loss"], abs=tol), step
+        assert record["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=100 * tol), step
+    assert records(run_dir, "eval_loss")[6]["eval_loss"] == pytest.approx(records(reference, "eval_loss")[6]["eval_loss"], abs=tol)
+    expected = weights(reference)
+    for name, value in weights(run_dir).items():
+        torch.testing.assert_close(value, expected[name], atol=tol, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("layouts") / "single"
+    result = forge(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.parametrize("layout", [[], ["--distributed.dp_replicate=2", "--distributed.dp_shard=1"]],
+                         ids=["fsdp", "hsdp"])
+def test_data_parallel_layouts_match_one_process(tmp_path, one_process, layout):
+    result = forge(tmp_path / "run", *layout, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(tmp_path / "run", one_process)
+    metrics = records(tmp_path / "run")[6]
+    assert {"mem_peak_gib/rank0", "mem_peak_gib/rank1"} <= metrics.keys()
+    assert metrics["mem_peak_gib"] == max(metrics["mem_peak_gib/rank0"], metrics["mem_peak_gib/rank1"])
+    assert "step 6/6" in result.stdout and result.stdout.count("run directory:") == 1  # rank 0 alone reports
+
+
+def test_a_sharded_run_resumes_in_one_process_and_back(tmp_path, one_process):
+    """FSDP 2 → one process, and one process → FSDP 2: the next step's loss is the uninterrupted run's."""
+    reference = tmp_path / "longer"
+    assert forge(reference, "--train.max_steps=8").returncode == 0
+    sharded = tmp_path / "sharded"
+    assert forge(sharded, nproc=2).returncode == 0
+    result = forge(sharded, "--train.max_steps=7")  # the same global batch, now on one process
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = forge(sharded, "--train.max_steps=8", nproc=2)  # and back to two
+    assert result.returncode == 0, result.stderr[-3000:]
+    for step in (7, 8):
+        assert records(sharded)[step]["loss"] == pytest.approx(records(reference)[step]["loss"], abs=1e-5)
+
+
+def test_resuming_with_another_global_batch_is_refused(tmp_path, one_process):
+    run_dir = tmp_path / "run"
+    shutil.copytree(one_process, run_dir)
+    result = forge(run_dir, "--train.max_steps=7", "--train.batch_size=8")  # 8 sequences a step, not 4
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "tokens per step" in result.stderr and "train.batch_size" in result.stderr
+    assert sorted(records(run_dir)) == list(range(1, 7))
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    (["--distributed.dp_shard=4"], "does not multiply to the world size 2"),
+    (["--distributed.tp=2", "--distributed.dp_shard=1", "--model.n_kv_heads=1"], "divisible by tp"),
+])
+def test_bad_layouts_exit_2_before_any_process_starts(tmp_path, layout, message):
+    result = forge(tmp_path / "run", *layout, nproc=2)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert message in result.stdout + result.stderr
+    assert not (tmp_path / "run").exists()
