@@ -38,10 +38,13 @@ def to_hf(
 ) -> None:
     """Export a Forge checkpoint as a Hugging Face `transformers` model folder.
 
-    Writes config.json (LlamaForCausalLM; Qwen3ForCausalLM for qk_norm models), model.safetensors
-    (sharded with an index above 5 GB), generation_config.json and the run's tokenizer, so that
-    AutoModelForCausalLM / AutoTokenizer.from_pretrained(OUT) work offline. A checkpoint saved under any
-    parallel layout converts the same way. Nothing is written unless the whole export succeeds.
+    Writes config.json, model.safetensors (sharded with an index above 5 GB), generation_config.json
+    and the run's tokenizer, so that AutoModelForCausalLM / AutoTokenizer.from_pretrained(OUT) work
+    offline. Dense models become LlamaForCausalLM (Qwen3ForCausalLM with qk_norm); MoE models
+    Qwen2MoeForCausalLM / Qwen3MoeForCausalLM (softmax_topk router, without / with qk_norm) or
+    Glm4MoeForCausalLM (sigmoid_topk router). A model no transformers class computes exactly is
+    refused with the field that prevents it. A checkpoint saved under any parallel layout converts the
+    same way. Nothing is written unless the whole export succeeds.
 
     [bold]Examples[/bold]
 
@@ -60,15 +63,17 @@ def to_hf(
 @app.command("from-hf")
 @user_errors
 def from_hf(
-    hf_dir: Path = typer.Argument(..., metavar="HF_DIR", help="A local Hugging Face Llama or Qwen3 model folder."),
+    hf_dir: Path = typer.Argument(..., metavar="HF_DIR", help=(
+        "A local Hugging Face Llama, Qwen3, Qwen2-MoE, Qwen3-MoE or GLM-4-MoE model folder.")),
     out: Path = typer.Option(..., "--out", "-o", help="The Forge checkpoint folder to write; must not exist yet."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON; progress goes to stderr."),
 ) -> None:
-    """Import a Hugging Face Llama/Qwen3 model folder as a Forge checkpoint folder.
+    """Import a Hugging Face Llama/Qwen3 (or Qwen2-MoE/Qwen3-MoE/GLM-4-MoE) model folder as a Forge checkpoint.
 
     OUT gets step_0/ (the weights in DCP format), latest, model.toml (the [model] section that matches
     the weights: copy it into your preset) and the folder's tokenizer.json. Models Forge cannot
-    reproduce exactly (other architectures, biases, RoPE scaling, sliding windows) are refused.
+    reproduce exactly (other architectures, biases, RoPE scaling, sliding windows, other MoE routing)
+    are refused.
 
     [bold]Examples[/bold]
 

@@ -433,3 +433,152 @@ def test_schedule_free_runs_export_and_sample_their_averaged_weights(tmp_path):
     export_to_hf(run, tmp_path / "hf")
     with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
         torch.testing.assert_close(f.get_tensor("model.embed_tokens.weight"), x["tok_embeddings.weight"], rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------ mixture of experts
+
+MOE = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, num_experts=4, moe_top_k=2)
+# name → (the [model] fields, the transformers class that must compute the same logits)
+MOE_CONFIGS = {
+    "softmax": (dict(MOE), "Qwen2MoeForCausalLM"),
+    "softmax-every2nd-unpacked": (dict(MOE, moe_frequency=2, moe_packed_experts=False, moe_expert_ffn_multiplier=0.25),
+                                  "Qwen2MoeForCausalLM"),
+    "softmax-qk_norm-tied": (dict(MOE, qk_norm=True, tie_embeddings=True, moe_top_k=1), "Qwen3MoeForCausalLM"),
+    "softmax-qk_norm-every2nd-unpacked": (dict(MOE, qk_norm=True, moe_frequency=2, moe_packed_experts=False),
+                                          "Qwen3MoeForCausalLM"),
+    "sigmoid-shared": (dict(MOE, moe_router="sigmoid_topk", moe_shared_experts=1, moe_expert_ffn_multiplier=0.5),
+                       "Glm4MoeForCausalLM"),
+    "sigmoid-2shared-qk_norm-unpacked": (dict(MOE, moe_router="sigmoid_topk", moe_shared_experts=2, qk_norm=True,
+                                              moe_packed_experts=False, moe_top_k=3), "Glm4MoeForCausalLM"),
+    "sigmoid-last-block-only": (dict(MOE, moe_router="sigmoid_topk", moe_frequency=2), "Glm4MoeForCausalLM"),
+    "sigmoid-dropless-capacity": (dict(MOE, moe_router="sigmoid_topk", moe_shared_experts=1, moe_capacity_factor=2.0),
+                                  "Glm4MoeForCausalLM"),
+}
+
+
+def random_moe_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """`random_model`, plus a balancing bias as training leaves it (it changes which experts are chosen)."""
+    model = random_model(cfg, seed)
+    with torch.no_grad():
+        for router in model.moe_routers().values():
+            if hasattr(router, "bias"):
+                router.bias.copy_(torch.randn(router.bias.shape) * 0.3)
+                router.updates.fill_(7)
+    return model
+
+
+@pytest.mark.parametrize("name", list(MOE_CONFIGS))
+def test_transformers_computes_the_same_moe_logits_and_greedy_tokens(tmp_path, name):
+    fields, architecture = MOE_CONFIGS[name]
+    model = random_moe_model(model_config(**fields)).eval()
+    result = forge("convert", "to-hf", str(make_run(tmp_path / "run", model)), "--out", str(tmp_path / "hf"), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["architecture"] == architecture
+    hf = hf_model(tmp_path / "hf")
+    assert type(hf).__name__ == architecture
+    # Nothing extra that computes (Qwen2-MoE's gate of the zero-width shared expert multiplies 0).
+    assert sum(p.numel() for n, p in hf.named_parameters() if "shared_expert_gate" not in n) == model.num_parameters()
+    tokens = torch.randint(0, VOCAB, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
+    prompt = tokens[:1, :6]
+    theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)[0, 6:].tolist()
+    assert list(generate(model, prompt[0].tolist(), 16, Sampling(temperature=0))) == theirs
+
+
+@pytest.mark.parametrize("name", ["softmax-qk_norm-every2nd-unpacked", "sigmoid-shared"])
+def test_moe_round_trip_through_hugging_face(tmp_path, name):
+    """Forge → HF → Forge: the imported checkpoint has the same [model] routing and computes the same logits
+    (bitwise: the same weights, stacked into packed experts); loading the HF folder into a model with
+    either expert layout gives the same weights."""
+    cfg = model_config(**MOE_CONFIGS[name][0])
+    model = random_moe_model(cfg).eval()
+    export_to_hf(make_run(tmp_path / "run", model), tmp_path / "hf", max_shard_bytes=20_000)
+    result = forge("convert", "from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"))
+    assert result.exit_code == 0, result.output
+    from engine.config import load_job_config
+
+    imported = load_job_config(tmp_path / "back" / "model.toml").model
+    for field in ("num_experts", "moe_top_k", "moe_frequency", "moe_router", "moe_shared_experts", "expert_ffn_dim",
+                  "qk_norm", "dim", "ffn_dim"):
+        assert getattr(imported, field) == getattr(cfg, field), field
+    assert imported.moe_packed_experts
+    back = Transformer(imported).eval()
+    load_checkpoint(tmp_path / "back" / "step_0", back)
+    tokens = torch.randint(0, VOCAB, (2, 20))
+    with torch.no_grad():
+        assert torch.equal(back(tokens), model(tokens))
+    for packed in (True, False):
+        fresh = Transformer(cfg.model_copy(update={"moe_packed_experts": packed})).eval()
+        load_hf_weights(fresh, tmp_path / "hf")
+        with torch.no_grad():
+            assert torch.equal(fresh(tokens), model(tokens)), packed
+    export_to_hf(tmp_path / "back", tmp_path / "hf2", max_shard_bytes=20_000)  # and it exports identically
+    first, second = hf_state(tmp_path / "hf"), hf_state(tmp_path / "hf2")
+    assert list(first) == list(second) and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def hf_state(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF folder, whichever file holds it."""
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            state.update({name: f.get_tensor(name) for name in f.keys()})
+    return dict(sorted(state.items()))
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(MOE, moe_shared_experts=1), "model.moe_shared_experts = 1 with moe_router = \"softmax_topk\""),
+    (dict(MOE, moe_capacity_factor=1.25), "model.moe_capacity_factor = 1.25"),
+    (dict(MOE, n_layers=4, moe_router="sigmoid_topk", moe_frequency=2), "model.moe_frequency = 2"),
+    (dict(MOE, moe_router="sigmoid_topk", num_experts=1, moe_top_k=1), "model.num_experts = 1"),
+])
+def test_moe_models_transformers_cannot_express_are_refused(tmp_path, fields, needle):
+    model = random_model(model_config(**fields))
+    result = forge("convert", "to-hf", str(make_run(tmp_path / "run", model)), "--out", str(tmp_path / "hf"))
+    assert result.exit_code == 2 and needle in said(result), said(result)
+    assert no_leftovers(tmp_path / "hf")
+
+
+def moe_config(model_type: str, **changes) -> dict:
+    config = llama_config(model_type=model_type, architectures=[], num_experts_per_tok=2, moe_intermediate_size=32)
+    if model_type == "glm4_moe":
+        config.update(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, partial_rotary_factor=1.0,
+                      num_nextn_predict_layers=0)
+    else:
+        config.update(num_experts=4, qkv_bias=False, shared_expert_intermediate_size=0)
+    return {**config, **changes}
+
+
+def test_from_hf_refuses_moe_routing_forge_does_not_compute(tmp_path):
+    cases = [
+        (moe_config("qwen3_moe", norm_topk_prob=True), "norm_topk_prob = true"),
+        (moe_config("qwen2_moe", shared_expert_intermediate_size=64), "shared_expert_intermediate_size = 64"),
+        (moe_config("qwen2_moe", qkv_bias=True), "qkv_bias = true"),
+        (moe_config("qwen3_moe", mlp_only_layers=[0]), "mlp_only_layers = [0]"),
+        (moe_config("glm4_moe", n_group=2), "n_group = 2"),
+        (moe_config("glm4_moe", routed_scaling_factor=2.5), "routed_scaling_factor = 2.5"),
+        (moe_config("glm4_moe", partial_rotary_factor=0.5), "partial_rotary_factor = 0.5"),
+        (moe_config("glm4_moe", num_hidden_layers=4, first_k_dense_replace=1), "first_k_dense_replace = 1"),
+        (moe_config("mixtral"), "'mixtral'"),
+    ]
+    for i, (config, needle) in enumerate(cases):
+        folder = hf_folder(tmp_path / f"hf{i}", config)
+        result = forge("convert", "from-hf", str(folder), "--out", str(tmp_path / "out"))
+        assert result.exit_code == 2 and needle in said(result), (needle, said(result))
+        assert no_leftovers(tmp_path / "out")
+
+
+def test_a_bfloat16_moe_export_keeps_the_balancing_bias_in_fp32(tmp_path):
+    """The bias only picks experts, where rounding it would change the choice; transformers keeps it fp32."""
+    model = random_moe_model(model_config(**MOE_CONFIGS["sigmoid-shared"][0]))
+    run = make_run(tmp_path / "run", model)
+    report = export_to_hf(run, tmp_path / "hf", dtype="bfloat16")
+    state = hf_state(tmp_path / "hf")
+    bias = "model.layers.0.mlp.gate.e_score_correction_bias"
+    assert state[bias].dtype == torch.float32 and torch.equal(state[bias], model.layers["0"].feed_forward.router.bias)
+    assert {t.dtype for name, t in state.items() if name != bias and "e_score" not in name} == {torch.bfloat16}
+    assert report.bytes == sum(t.nbytes for t in state.values())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    assert torch.equal(hf.model.layers[0].mlp.gate.e_score_correction_bias, state[bias])

@@ -1,10 +1,10 @@
 """Hugging Face interoperability: export a Forge checkpoint as a `transformers` model folder, import one
 as a Forge checkpoint, and load one's weights straight into a model.
 
-An exported folder holds config.json (LlamaForCausalLM, or Qwen3ForCausalLM for qk_norm models; see
-`hf_mapping`), the weights as model.safetensors (or model-0000i-of-0000n.safetensors + an index above
-`max_shard_bytes`), generation_config.json, and the run's tokenizer as tokenizer.json +
-tokenizer_config.json, so `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained(folder)` work offline.
+An exported folder holds config.json (LlamaForCausalLM, or Qwen3ForCausalLM for qk_norm models; MoE
+models as Qwen2-MoE, Qwen3-MoE or GLM-4-MoE; see `hf_mapping`), the weights as model.safetensors (or
+model-0000i-of-0000n.safetensors + an index above `max_shard_bytes`), generation_config.json, and the
+run's tokenizer as tokenizer.json + tokenizer_config.json, so `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained(folder)` work offline.
 
 An imported checkpoint is a checkpoint folder like the one a run writes, so anything that takes a Forge
 checkpoint takes it:
@@ -27,6 +27,7 @@ import os
 import pickle
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -41,8 +42,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from engine.checkpoint.dcp import COMPLETE, LATEST, TRAIN_STATE, SafeFileSystemReader, read_state, single_process_quiet
-from engine.checkpoint.hf_mapping import (check_same_architecture, expected_shapes, hf_architecture, hf_config,
-                                          model_config_from_hf, weight_names)
+from engine.checkpoint.hf_mapping import (Piece, check_same_architecture, expected_state, forge_sources,
+                                          hf_architecture, hf_config, hf_layout, hf_shapes, model_config_from_hf,
+                                          to_hf)
 from engine.checkpoint.locate import MODEL_CONFIG, TOKENIZER, ForgeCheckpoint, averaged, find_checkpoint
 from engine.checkpoint.manager import describe
 from engine.config.model import ModelConfig
@@ -56,6 +58,8 @@ SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # Buffers some older Llama checkpoints store; they are derived from the config, not learned.
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+# Router buffers that HF folders do not hold (training state of the balancing bias); imported as zeros.
+ROUTER_STATE = ("router.pending_load", "router.updates")
 
 
 @dataclass(frozen=True)
@@ -97,21 +101,22 @@ def export_to_hf(source: Path, out: Path, dtype: str = "float32", max_shard_byte
     ckpt = find_checkpoint(source)
     cfg = ckpt.model
     architecture = hf_architecture(cfg)
-    names = weight_names(cfg)
+    layout = hf_layout(cfg)
+    names = forge_sources(layout)
     saved = saved_tensors(ckpt.path, cfg, names)
     encoder = Encoder.from_file(ckpt.tokenizer) if ckpt.tokenizer else None
     check_out(out)
     shards = plan_shards(names, saved, torch_dtype.itemsize, max_shard_bytes)
     parameters = sum(saved[n].size.numel() for n in names)
     with staging(out) as tmp:
-        files = write_safetensors(tmp, ckpt, names, saved, shards, torch_dtype, progress)
+        files, weight_bytes = write_safetensors(tmp, ckpt, layout, saved, shards, torch_dtype, progress)
         eos_id = encoder.eos_id if encoder else None
         write_json(tmp / "config.json", hf_config(cfg, torch_dtype, eos_id))
         write_json(tmp / "generation_config.json",
                    {"bos_token_id": eos_id, "eos_token_id": eos_id} if eos_id is not None else {"bos_token_id": None})
         if encoder is not None:
             write_tokenizer(tmp, encoder, cfg.max_seq_len)
-    return ConvertReport(ckpt.path, out, architecture, cfg, parameters, parameters * torch_dtype.itemsize, files)
+    return ConvertReport(ckpt.path, out, architecture, cfg, parameters, weight_bytes, files)
 
 
 def export_dtype(name: str) -> torch.dtype:
@@ -120,13 +125,13 @@ def export_dtype(name: str) -> torch.dtype:
     return EXPORT_DTYPES[name]
 
 
-def saved_tensors(step: Path, cfg: ModelConfig, names: dict[str, str]) -> dict[str, TensorStorageMetadata]:
+def saved_tensors(step: Path, cfg: ModelConfig, names: list[str]) -> dict[str, TensorStorageMetadata]:
     """The checkpoint's model tensors (from DCP's metadata, no weights read), checked against its config."""
     try:
         metadata = SafeFileSystemReader(step).read_metadata().state_dict_metadata
     except (OSError, ValueError, EOFError, pickle.UnpicklingError) as e:
         raise UserError(f"cannot read checkpoint {step} ({e})", "is it a folder written by forge train?") from None
-    shapes = expected_shapes(cfg)
+    shapes = {name: tensor.shape for name, tensor in expected_state(cfg).items()}
     saved = {}
     for name in names:
         meta = metadata.get(f"model.{name}")
@@ -140,7 +145,7 @@ def saved_tensors(step: Path, cfg: ModelConfig, names: dict[str, str]) -> dict[s
     return saved
 
 
-def plan_shards(names: dict[str, str], saved: dict[str, TensorStorageMetadata], itemsize: int,
+def plan_shards(names: list[str], saved: dict[str, TensorStorageMetadata], itemsize: int,
                 max_shard_bytes: int) -> list[list[str]]:
     """Forge FQNs grouped into files of at most max_shard_bytes (a larger tensor gets a file of its own)."""
     shards: list[list[str]] = [[]]
@@ -155,29 +160,46 @@ def plan_shards(names: dict[str, str], saved: dict[str, TensorStorageMetadata], 
     return shards
 
 
-def write_safetensors(out: Path, ckpt: ForgeCheckpoint, names: dict[str, str], saved: dict[str, TensorStorageMetadata],
-                      shards: list[list[str]], dtype: torch.dtype, progress: ProgressFn | None) -> list[str]:
-    """Read each file's tensors from the checkpoint (DCP reassembles any sharded layout), cast, write. A
-    schedule-free run ships its averaged weights."""
+def write_safetensors(out: Path, ckpt: ForgeCheckpoint, layout: dict[str, Piece],
+                      saved: dict[str, TensorStorageMetadata], shards: list[list[str]], dtype: torch.dtype,
+                      progress: ProgressFn | None) -> tuple[list[str], int]:
+    """Read each file's Forge tensors from the checkpoint (DCP reassembles any sharded layout), turn them
+    into their HF tensors (one per expert for packed experts), cast, write. A schedule-free run ships its
+    averaged weights. Returns the files and the weight bytes written."""
     files = [SINGLE_FILE] if len(shards) == 1 else [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
                                                     for i in range(1, len(shards) + 1)]
-    total = sum(saved[name].size.numel() for name in names)
-    weight_map, done = {}, 0
-    for file, shard in zip(files, shards):
+    file_of = hf_files(layout, shards)
+    total = sum(saved[name].size.numel() for shard in shards for name in shard)
+    weight_map, done, total_bytes = {}, 0, 0
+    for index, (file, shard) in enumerate(zip(files, shards)):
         tensors = read_checkpoint_tensors(ckpt, {name: saved[name] for name in shard})
         converted = {}
-        for name in shard:
-            converted[names[name]] = tensors.pop(name).to(dtype).contiguous()
-            weight_map[names[name]] = file
-            done += converted[names[name]].numel()
+        for hf_name, piece in layout.items():
+            if file_of[hf_name] != index:
+                continue
+            converted[hf_name] = to_hf(piece, None if piece.source is None else tensors[piece.source], dtype)
+            weight_map[hf_name] = file
+            done += converted[hf_name].numel() if piece.source is not None else 0
+            total_bytes += converted[hf_name].nbytes
             if progress:
-                progress(ConvertProgress(done, total, names[name]))
+                progress(ConvertProgress(done, total, hf_name))
+        del tensors
         save_file(converted, out / file, metadata={"format": "pt"})
         del converted
     if len(files) > 1:
-        write_json(out / INDEX_FILE, {"metadata": {"total_size": total * dtype.itemsize}, "weight_map": weight_map})
+        write_json(out / INDEX_FILE, {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
         files.append(INDEX_FILE)
-    return files
+    return files, total_bytes
+
+
+def hf_files(layout: dict[str, Piece], shards: list[list[str]]) -> dict[str, int]:
+    """HF name → index of the file it goes to: that of its Forge source (zeros go with the tensor before them)."""
+    shard_of = {name: i for i, shard in enumerate(shards) for name in shard}
+    file_of, last = {}, 0
+    for hf_name, piece in layout.items():
+        last = shard_of[piece.source] if piece.source is not None else last
+        file_of[hf_name] = last
+    return file_of
 
 
 def read_checkpoint_tensors(ckpt: ForgeCheckpoint, wanted: dict[str, TensorStorageMetadata]) -> dict[str, torch.Tensor]:
@@ -208,25 +230,31 @@ def write_tokenizer(out: Path, encoder: Encoder, max_seq_len: int) -> None:
 
 
 def import_from_hf(hf_dir: Path, out: Path, progress: ProgressFn | None = None) -> ConvertReport:
-    """Write the weights of a local HF Llama/Qwen3 folder as a Forge checkpoint folder `out` (layout in
-    the module docstring). Everything is checked before anything is written."""
+    """Write the weights of a local HF folder of an architecture `hf_mapping` reads (Llama, Qwen3, and
+    the MoE ones) as a Forge checkpoint folder `out` (layout in the module docstring). Everything is
+    checked before anything is written."""
     cfg = read_hf_model_config(hf_dir)
     architecture = hf_architecture(cfg)
     files = safetensors_files(hf_dir)
-    names = check_hf_tensors(hf_dir, files, cfg)
+    layout = check_hf_tensors(hf_dir, files, cfg)
     check_out(out)
-    total = sum(expected_shapes(cfg)[name].numel() for name in names.values())
+    meta = expected_state(cfg)
+    total = sum(meta[name].numel() for name in forge_sources(layout))
     has_tokenizer = (hf_dir / TOKENIZER).is_file()
     tokenizer_files = [name for name in (TOKENIZER, TOKENIZER_CONFIG) if has_tokenizer and (hf_dir / name).is_file()]
     with staging(out) as tmp:
         state, done, weight_bytes = {}, 0, 0
-        for name, tensor in hf_tensors(hf_dir, files, names):
-            state[names[name]] = tensor
-            done, weight_bytes = done + tensor.numel(), weight_bytes + tensor.nbytes
-            if progress:
-                progress(ConvertProgress(done, total, name))
+        for tensors in forge_tensors(hf_dir, files, layout):
+            for name, tensor in tensors.items():
+                state[name] = tensor
+                done, weight_bytes = done + tensor.numel(), weight_bytes + tensor.nbytes
+                if progress:
+                    progress(ConvertProgress(done, total, name))
         if cfg.tie_embeddings:
             state["output.weight"] = state["tok_embeddings.weight"]  # what a tied model's state dict holds
+        for name, tensor in meta.items():  # a sigmoid router's balancing state: no update pending, none made
+            if name not in state and name.endswith(ROUTER_STATE):
+                state[name] = torch.zeros(tensor.shape, dtype=tensor.dtype)
         write_forge_checkpoint(tmp, state, cfg, hf_dir)
         for name in tokenizer_files:  # the config beside tokenizer.json names its end-of-text token
             shutil.copyfile(hf_dir / name, tmp / name)
@@ -272,11 +300,12 @@ def safetensors_files(hf_dir: Path) -> list[Path]:
     raise UserError(f"{hf_dir} has no {SINGLE_FILE} or {INDEX_FILE}", "download the model's *.safetensors files too")
 
 
-def check_hf_tensors(hf_dir: Path, files: list[Path], cfg: ModelConfig) -> dict[str, str]:
-    """HF name → Forge FQN, after checking from the file headers alone (no weights read) that the folder
-    holds every tensor `cfg` needs with the right shape, and nothing Forge's model has no place for."""
-    wanted = {theirs: ours for ours, theirs in weight_names(cfg).items()}
-    shapes = expected_shapes(cfg)
+def check_hf_tensors(hf_dir: Path, files: list[Path], cfg: ModelConfig) -> dict[str, Piece]:
+    """HF name → how it makes part of the Forge state dict (`hf_layout`), after checking from the file
+    headers alone (no weights read) that the folder holds every tensor `cfg` needs with the right shape,
+    and nothing Forge's model has no place for."""
+    wanted = hf_layout(cfg)
+    shapes = hf_shapes(cfg, wanted)
     found = set()
     for file in files:
         try:
@@ -284,9 +313,9 @@ def check_hf_tensors(hf_dir: Path, files: list[Path], cfg: ModelConfig) -> dict[
                 for name in f.keys():
                     if name in wanted:
                         shape = list(f.get_slice(name).get_shape())
-                        if shape != list(shapes[wanted[name]]):
+                        if shape != list(shapes[name]):
                             raise UserError(f"{file.name}: {name} has shape {shape}, config.json implies "
-                                            f"{list(shapes[wanted[name]])}", "the weights do not match config.json")
+                                            f"{list(shapes[name])}", "the weights do not match config.json")
                         found.add(name)
                     elif not (name.endswith(IGNORED_HF_SUFFIXES) or (cfg.tie_embeddings and name == "lm_head.weight")):
                         raise UserError(f"{file.name} holds {name}, which a {hf_architecture(cfg)} of this config "
@@ -300,13 +329,30 @@ def check_hf_tensors(hf_dir: Path, files: list[Path], cfg: ModelConfig) -> dict[
     return wanted
 
 
-def hf_tensors(hf_dir: Path, files: list[Path], names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every mapped tensor, one file open at a time."""
+def forge_tensors(hf_dir: Path, files: list[Path], layout: dict[str, Piece]) -> Iterator[dict[str, torch.Tensor]]:
+    """For each weight file in turn, the Forge tensors completed by reading it: most come from one HF
+    tensor, a packed expert tensor from one per expert (stacked once all are read, in whichever files)."""
+    experts = Counter(piece.source for piece in layout.values() if piece.expert is not None)
+    pending: dict[str, dict[int, torch.Tensor]] = {}
     for file in files:
+        done = {}
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if name in names:
-                    yield name, f.get_tensor(name)
+                piece = layout.get(name)
+                if piece is None or piece.source is None:
+                    continue
+                tensor = f.get_tensor(name)
+                tensor = tensor.T.contiguous() if piece.transpose else tensor
+                if piece.expert is None:
+                    done[piece.source] = tensor
+                    continue
+                parts = pending.setdefault(piece.source, {})
+                parts[piece.expert] = tensor
+                if len(parts) == experts[piece.source]:
+                    done[piece.source] = torch.stack([parts[e] for e in range(len(parts))])
+                    del pending[piece.source]
+        yield done
+    assert not pending, f"incomplete expert tensors {list(pending)}"  # check_hf_tensors saw every piece
 
 
 def write_forge_checkpoint(root: Path, state: dict[str, torch.Tensor], cfg: ModelConfig, hf_dir: Path) -> None:
@@ -339,12 +385,14 @@ def load_hf_weights(model: nn.Module, hf_dir: Path, exclude: Sequence[str] = ())
     hf_cfg = read_hf_model_config(hf_dir)
     check_same_architecture(model.cfg, hf_cfg, str(hf_dir))
     files = safetensors_files(hf_dir)
-    names = check_hf_tensors(hf_dir, files, hf_cfg)
+    # In the model's own expert layout (packed or not); hf_cfg, not model.cfg, whose training-only settings
+    # (a capacity limit) would refuse an export but do not matter for loading.
+    layout = check_hf_tensors(hf_dir, files,
+                              hf_cfg.model_copy(update={"moe_packed_experts": model.cfg.moe_packed_experts}))
     options = StateDictOptions(full_state_dict=True, strict=False)
     loaded: list[str] = []
-    for file in files:
-        tensors = {names[name]: tensor for name, tensor in hf_tensors(hf_dir, [file], names)
-                   if not names[name].startswith(tuple(exclude))}
+    for completed in forge_tensors(hf_dir, files, layout):
+        tensors = {name: tensor for name, tensor in completed.items() if not name.startswith(tuple(exclude))}
         loaded += tensors  # before the call: set_model_state_dict adds entries to the dict it is given
         set_model_state_dict(model, tensors, options=options)
     return sorted(loaded)
