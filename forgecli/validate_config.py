@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import typer
 from rich.console import Group
@@ -22,6 +22,8 @@ def validate_config(
     preset: Path = typer.Argument(..., help="TOML preset to check."),
     world_size: int = typer.Option(1, "--world-size", help="Number of processes the layout must fit."),
     as_json: bool = typer.Option(False, "--json", help="Print the resolved config and estimates as JSON."),
+    gpu_memory_gib: Optional[float] = typer.Option(
+        None, "--gpu-memory-gib", min=0.0, help="Memory of one GPU: says whether each pipeline stage fits in it."),
 ) -> None:
     """Check a preset and its overrides: every error at once, the resolved config, size and cost.
 
@@ -33,18 +35,26 @@ def validate_config(
 
       forge validate-config presets/debug.toml --model.n_layers=8 --world-size 1 --json
 
+      forge validate-config presets/debug.toml --world-size 8 --distributed.tp=2 --gpu-memory-gib 80
+
     """
     from engine.config import load_job_config
+    from engine.parallel.memory import estimate_memory
     from engine.train.summary import job_summary
 
     overrides = collect_overrides(ctx.args)
     cfg = load_job_config(preset, overrides).validate(world_size)
     summary = job_summary(cfg, world_size)
+    stages = estimate_memory(cfg, world_size)
     if as_json:
-        print_json({"config": cfg.model_dump(mode="json"), **summary, "lr_schedule": lr_schedule(cfg)})
+        memory = {"stages": [stage.as_dict() for stage in stages], "gpu_memory_gib": gpu_memory_gib}
+        if gpu_memory_gib is not None:
+            memory["fits"] = all(stage.total <= gpu_memory_gib * GIB for stage in stages)
+        print_json({"config": cfg.model_dump(mode="json"), **summary, "memory": memory, "lr_schedule": lr_schedule(cfg)})
         return
     console.print(config_tree(cfg.model_dump(mode="json"), str(preset)))
     console.print(summary_table(summary))
+    console.print(memory_table(stages, cfg, world_size, gpu_memory_gib))
     console.print(lr_curve(cfg))
     console.print("[green]✓ config is valid[/green]" + (f" for world size {world_size}" if world_size > 1 else ""))
 
@@ -74,6 +84,36 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table.add_row("tokens per step (global)", f"{summary['tokens_per_step']:,}")
     table.add_row("training FLOPs per step", human(summary["flops_per_step"], "FLOP"))
     table.add_row("total tokens", f"{summary['total_tokens']:,}")
+    return table
+
+
+GIB = 2**30
+
+
+def layout(cfg: Any, world_size: int) -> str:
+    d = cfg.distributed
+    return (f"dp_replicate={d.dp_replicate} × dp_shard={d.resolved_dp_shard(world_size)} × tp={d.tp} × pp={d.pp} "
+            f"× cp={d.cp} = {world_size}")
+
+
+def memory_table(stages: list[Any], cfg: Any, world_size: int, gpu_memory_gib: float | None) -> Table:
+    """Estimated GiB per rank, one row per pipeline rank (engine.parallel.memory explains each column); "in
+    flight" is the number of micro-batch forwards whose activations the rank holds at its peak."""
+    precision = cfg.train.mixed_precision
+    dtype = "bf16 (auto, as on a bf16 GPU)" if precision == "auto" else precision
+    table = Table(title=f"Estimated memory per rank, GiB ({layout(cfg, world_size)})", expand=False,
+                  caption=f"analytic; total = estimated peak; compute in {dtype}, weights and optimizer state fp32; "
+                  "keep ~10-15 % headroom for the CUDA context, fragmentation and communication buffers")
+    for name in ("pp rank", "blocks", "in flight", "params", "grads", "optimizer", "activations", "buffers", "total"):
+        table.add_column(name, justify="right")
+    if gpu_memory_gib is not None:
+        table.add_column(f"fits {gpu_memory_gib:g} GiB")
+    for s in stages:
+        row = [str(s.pp_rank), ", ".join(f"{first}-{last}" for first, last in s.blocks), str(s.microbatches_in_flight),
+               *(f"{value / GIB:.2f}" for value in (s.params, s.grads, s.optimizer, s.activations, s.buffers, s.total))]
+        if gpu_memory_gib is not None:
+            row.append("[green]yes[/green]" if s.total <= gpu_memory_gib * GIB else "[red]no[/red]")
+        table.add_row(*row)
     return table
 
 

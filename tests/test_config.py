@@ -125,8 +125,6 @@ def test_missing_and_malformed_preset(tmp_path):
 @pytest.mark.parametrize("override,path", [
     ("--model.dim=100", "model"),                     # not divisible by n_heads
     ("--model.n_kv_heads=3", "model"),                # n_heads not divisible
-    ("--train.mixed_precision=fp8", "train"),         # not supported yet
-    ("--train.activation_checkpointing=selective", "train"),
     ("--scheduler.min_lr_ratio=2", "scheduler.min_lr_ratio"),
     ("--optimizer.lr=-1", "optimizer.lr"),
     ("--optimizer.lr=inf", "optimizer.lr"),
@@ -203,3 +201,23 @@ def test_configuration_doc_lists_every_field():
         assert f"## `[{section}]`" in doc
         for field in info.annotation.model_fields:
             assert f"| `{field}` |" in doc, f"docs/configuration.md misses {section}.{field}"
+
+
+@pytest.mark.parametrize("overrides,world,expected", [
+    (["--distributed.cp=2"], 2, {"distributed.cp"}),  # not supported yet
+    (["--distributed.tp=2", "--model.ffn_hidden_dim=129"], 2, {"distributed.tp"}),
+    (["--distributed.tp=2", "--train.seq_len=63", "--model.max_seq_len=64"], 2, {"train.seq_len"}),
+    (["--distributed.tp=2", "--model.num_experts=4"], 2, {"distributed.tp"}),
+    (["--distributed.tp=2", "--train.mixed_precision=fp8"], 2, {"train.mixed_precision"}),
+    (["--distributed.dp_replicate=2", "--distributed.dp_shard=2"], 2, {"distributed"}),
+])
+def test_layout_rules(overrides, world, expected):
+    cfg = load_job_config(None, overrides)
+    with pytest.raises(ConfigError) as info:
+        cfg.validate(world)
+    assert set(paths(info.value)) == expected
+
+
+def test_valid_layouts_pass():
+    for overrides, world in [(["--distributed.tp=2"], 4), (["--distributed.dp_replicate=2"], 4), ([], 8)]:
+        load_job_config(None, overrides).validate(world)

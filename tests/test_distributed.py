@@ -28,12 +28,13 @@ TINY = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_
 ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def forge(run_dir: Path, *extra: str, nproc: int = 1, command: str = "train") -> "subprocess.CompletedProcess":
-    args = ["presets/debug.toml"] if command == "train" else []
+def forge(run_dir: Path, *extra: str, nproc: int = 1, dp: int | None = None) -> "subprocess.CompletedProcess":
+    """`forge train` of the tiny model; the per-device batch keeps the global batch at GLOBAL_BATCH over
+    `dp` data-parallel ranks (all `nproc` unless said otherwise)."""
     launch = [f"--nproc-per-node={nproc}"] if nproc > 1 else []
-    batch = [f"--train.batch_size={GLOBAL_BATCH // max(nproc, 1)}"] if command == "train" else []
-    return run_bounded([sys.executable, "-m", "forgecli.app", command, *args, "--run-dir", str(run_dir), *TINY,
-                        *batch, *launch, *extra], timeout=240, cwd=REPO, env=ENV)
+    batch = f"--train.batch_size={GLOBAL_BATCH // (dp or nproc)}"
+    return run_bounded([sys.executable, "-m", "forgecli.app", "train", "presets/debug.toml", "--run-dir", str(run_dir),
+                        *TINY, batch, *launch, *extra], timeout=240, cwd=REPO, env=ENV)
 
 
 def records(run_dir: Path, key: str = "loss") -> dict[int, dict]:
@@ -67,10 +68,19 @@ def one_process(tmp_path_factory) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("layout", [[], ["--distributed.dp_replicate=2", "--distributed.dp_shard=1"]],
-                         ids=["fsdp", "hsdp"])
-def test_data_parallel_layouts_match_one_process(tmp_path, one_process, layout):
-    result = forge(tmp_path / "run", *layout, nproc=2)
+LAYOUTS = {
+    "fsdp": ([], 2),
+    "hsdp": (["--distributed.dp_replicate=2", "--distributed.dp_shard=1"], 2),
+    "tp": (["--distributed.tp=2", "--distributed.dp_shard=1"], 1),
+    "tp_chunked_ce_full_ac": (["--distributed.tp=2", "--distributed.dp_shard=1", "--train.loss_fn=chunked_cross_entropy",
+                               "--train.ce_chunk_size=48", "--train.activation_checkpointing=full"], 1),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_match_one_process(tmp_path, one_process, layout):
+    args, dp = LAYOUTS[layout]
+    result = forge(tmp_path / "run", *args, nproc=2, dp=dp)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(tmp_path / "run", one_process)
     metrics = records(tmp_path / "run")[6]

@@ -349,17 +349,6 @@ def test_dense_preset_becomes_moe_by_one_field_on_the_command_line(tmp_path):
     assert "expert_imbalance=" in stdout and "moe/1/balance_loss" in records[-1]
 
 
-def test_hugging_face_export_refuses_moe_and_names_the_field(tmp_path):
-    from engine.checkpoint.hf import export_to_hf
-    from engine.errors import UserError
-    from tests.test_convert import make_run
-
-    run = make_run(tmp_path / "run", Transformer(moe_config(vocab_size=97)))
-    with pytest.raises(UserError, match="model.num_experts"):
-        export_to_hf(run, tmp_path / "hf")
-    assert not (tmp_path / "hf").exists()
-
-
 def test_compiling_an_moe_model_needs_bf16():
     from engine.errors import UserError
     from engine.parallel.apply import parallelize

@@ -93,6 +93,7 @@ def optimization_issues(cfg: JobConfig) -> list[ConfigIssue]:
     issues = unread_field_issues("optimizer", o, o.name, optimizer_fields.READ_BY)
     issues += unread_field_issues("scheduler", s, s.name, scheduler_fields.READ_BY)
     issues += unread_field_issues("train", t, t.loss_fn, {"ce_chunk_size": ("chunked_cross_entropy",)})
+    issues += unread_field_issues("train", t, t.mixed_precision, {"fp8_recipe": ("fp8",)})
     if o.name == "schedule_free_adamw" and s.name not in ("constant", "none"):
         issues.append(ConfigIssue("scheduler.name", f"schedule_free_adamw replaces the LR schedule; {s.name!r} would fight it",
                                   "set scheduler.name = 'constant' or 'none' (warm up with "
@@ -134,7 +135,32 @@ def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
         issues.append(ConfigIssue("distributed.tp", f"n_heads ({m.n_heads}) and n_kv_heads ({m.kv_heads}) must be divisible by tp ({d.tp})"))
     if d.pp > m.n_layers:
         issues.append(ConfigIssue("distributed.pp", f"pp ({d.pp}) exceeds model.n_layers ({m.n_layers})"))
-    for name in ("tp", "pp", "cp"):
+    if d.tp > 1:
+        issues += tensor_parallel_issues(cfg)
+    for name in ("pp", "cp"):
         if getattr(d, name) > 1:
             issues.append(ConfigIssue(f"distributed.{name}", f"{name} > 1 is not supported yet", f"set distributed.{name} = 1"))
+    return issues
+
+
+def tensor_parallel_issues(cfg: JobConfig) -> list[ConfigIssue]:
+    """What tensor parallelism (with sequence parallelism) needs of the model and the run."""
+    m, t, tp = cfg.model, cfg.train, cfg.distributed.tp
+    issues = []
+    if m.ffn_dim % tp:
+        issues.append(ConfigIssue("distributed.tp", f"the FFN width ({m.ffn_dim}) must be divisible by tp ({tp})",
+                                  "set model.ffn_hidden_dim to a multiple of tp, or change tp"))
+    if t.seq_len % tp:
+        issues.append(ConfigIssue("train.seq_len", f"{t.seq_len} must be divisible by distributed.tp ({tp}): "
+                                  "sequence parallelism splits the positions over the tensor-parallel ranks"))
+    if m.is_moe:
+        issues.append(ConfigIssue("distributed.tp", f"tensor parallelism of MoE models (model.num_experts = "
+                                  f"{m.num_experts}) is not supported yet", "set distributed.tp = 1 (shard with "
+                                  "dp_shard, and the experts with distributed.ep)"))
+    if cfg.distributed.pp > 1:
+        issues.append(ConfigIssue("distributed.tp", "tensor parallelism together with pipeline parallelism is not "
+                                  "supported yet", "use one of them, with dp_shard for the rest"))
+    if t.mixed_precision == "fp8":
+        issues.append(ConfigIssue("train.mixed_precision", "fp8 with distributed.tp > 1 is not supported yet "
+                                  "(tensor-parallel float8 layers are not wired in)", "use bf16 with tensor parallelism"))
     return issues

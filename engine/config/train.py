@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from engine.config.base import Section
 
@@ -19,10 +19,16 @@ class TrainConfig(Section):
     data_seed: int | None = Field(None, ge=0, description="seed for the data order; None = seed")
     compile_model: bool = Field(False, description="torch.compile each transformer block")
     mixed_precision: Literal["auto", "bf16", "fp16", "fp32", "fp8"] = Field(
-        "auto", description="compute dtype; auto = bf16 on a GPU with bf16 hardware, else fp32 (always fp32 on CPU)"
+        "auto", description="compute dtype; auto = bf16 on a GPU with bf16 hardware, else fp32 (always fp32 on CPU); "
+        "fp8 = bf16 compute with the linear layers' matmuls in float8 (torchao)"
+    )
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise", description="float8 scaling, used only with mixed_precision = \"fp8\": tensorwise = one scale "
+        "per tensor (fastest, float8 FSDP all-gather), rowwise = one per row (more accurate)"
     )
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
-        "none", description="recompute activations in backward: full = every block"
+        "none", description="recompute activations in backward: full = each whole block, selective = keep matmul "
+        "and attention outputs, recompute the pointwise ops (norms, activations, RoPE)"
     )
     loss_fn: Literal["cross_entropy", "chunked_cross_entropy"] = Field(
         "cross_entropy", description="chunked_cross_entropy never holds the full [tokens, vocab] logits (same loss)"
@@ -43,14 +49,6 @@ class TrainConfig(Section):
         5, gt=0, description="consecutive skipped steps (non-finite or spike) before rolling back to the last checkpoint"
     )
     max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed before the run stops as diverged")
-
-    @model_validator(mode="after")
-    def _supported(self) -> "TrainConfig":
-        if self.mixed_precision == "fp8":
-            raise ValueError("mixed_precision = 'fp8' is not supported yet; use bf16, fp16, fp32 or auto")
-        if self.activation_checkpointing == "selective":
-            raise ValueError("activation_checkpointing = 'selective' is not supported yet; use 'none' or 'full'")
-        return self
 
     @property
     def effective_data_seed(self) -> int:

@@ -39,9 +39,11 @@ class Attention(nn.Module):
         """cos/sin are the RoPE tables of x's positions. With a cache (inference), x's keys and values are
         appended to it and x's queries attend over every cached position."""
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        # Head counts come from the projections' outputs, not the config: under tensor parallelism each rank
+        # holds n_heads/tp query and n_kv_heads/tp key/value heads (engine.parallel.tp).
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -52,7 +54,7 @@ class Attention(nn.Module):
             causal, mask = cache.start == 0, cache.mask(seq)
         with self._kernel():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                 enable_gqa=self.n_kv_heads != self.n_heads)
+                                                 enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _kernel(self) -> contextlib.AbstractContextManager:

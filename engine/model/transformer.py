@@ -5,7 +5,9 @@ With `model.num_experts > 0` the mlp of every `moe_frequency`-th block is a mixt
 (engine/model/moe.py): such a block also returns its routing statistics, which the transformer keeps from
 the last forward (`moe_loss()` for the training loss, `moe_stats()` for metrics).
 Parallelism (FSDP, TP, PP) is applied to this module from outside by `engine.parallel`; nothing here
-knows about sharding.
+knows about sharding. A pipeline stage (engine/parallel/pipeline.py) is a copy of this module with the layers
+it does not own deleted and `tok_embeddings` (all but the first stage) or `norm`/`output` (all but the last)
+set to None: forward then takes or returns hidden states, and parameter names stay those of the full model.
 """
 
 from __future__ import annotations
@@ -50,11 +52,12 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # Embedding, norm and head become None on pipeline stages that do not own them.
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed by layer index keeps parameter names stable when pipeline stages drop layers.
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
-        self.norm = build_norm(cfg.norm_type, cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.norm: nn.Module | None = build_norm(cfg.norm_type, cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
@@ -68,14 +71,16 @@ class Transformer(nn.Module):
         """tokens [batch, seq] → logits [batch, seq, vocab]. Without a cache (training) the tokens are
         positions 0 … seq-1; with one (inference) they continue the cached positions, and are added to it.
         With return_hidden, the final-normed hidden states [batch, seq, dim] instead of logits, for losses that
-        project them through `output.weight` chunk by chunk (engine.train.losses.chunked_cross_entropy)."""
+        project them through `output.weight` chunk by chunk (engine.train.losses.chunked_cross_entropy).
+        A pipeline stage without `tok_embeddings` takes the previous stage's hidden states [batch, seq, dim]
+        as `tokens`; one without `output` returns its last block's hidden states (not normed)."""
         seq = tokens.shape[1]
         start = 0 if cache is None else cache.length
         cos, sin = self.rope_cos[start:start + seq], self.rope_sin[start:start + seq]
         training = self.training and torch.is_grad_enabled()
         if training:
             self.apply_router_bias_updates()
-        h = self.tok_embeddings(tokens)
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         moe_stats = {}
         for name, block in self.layers.items():
             h, stats = block(h, cos, sin, None if cache is None else cache.layer(name, seq))
@@ -85,6 +90,8 @@ class Transformer(nn.Module):
             self.record_moe_stats(moe_stats, training)
         if cache is not None:
             cache.length += seq
+        if self.output is None:
+            return h
         h = self.norm(h)
         return h if return_hidden else self.output(h)
 
@@ -148,7 +155,8 @@ class Transformer(nn.Module):
         wo, MLP w2) get init_std / sqrt(2 · n_layers) so the residual's variance does not grow with depth."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        if self.tok_embeddings is not None:  # None on a pipeline stage after the first
+            nn.init.normal_(self.tok_embeddings.weight, std=std)
         for block in self.layers.values():
             attention, feed_forward = block.attention, block.feed_forward
             for weight in (attention.wq.weight, attention.wk.weight, attention.wv.weight, *feed_forward.input_weights()):
@@ -156,7 +164,7 @@ class Transformer(nn.Module):
             nn.init.normal_(attention.wo.weight, std=out_std)
             for weight in feed_forward.output_weights():
                 nn.init.normal_(weight, std=out_std)
-        if not self.cfg.tie_embeddings:
+        if self.output is not None and not self.cfg.tie_embeddings:
             nn.init.normal_(self.output.weight, std=std)
         for module in self.modules():
             if isinstance(module, (nn.RMSNorm, nn.LayerNorm)):

@@ -11,24 +11,17 @@ The full order is TP → EP → FP8 → activation checkpointing → compile →
 from __future__ import annotations
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from engine.config.job import JobConfig
 from engine.errors import UserError
 from engine.model.transformer import Transformer
+from engine.parallel.activation_checkpoint import apply_activation_checkpointing
+from engine.parallel.float8 import convert_to_float8
 from engine.parallel.mesh import ParallelMesh
+from engine.parallel.tp import apply_tensor_parallel, uses_loss_parallel
 from engine.train import precision
-
-
-def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
-    """`full`: every block's activations are recomputed in backward; only block inputs are kept."""
-    if mode == "none":
-        return
-    assert mode == "full", f"activation_checkpointing={mode!r} should have been rejected by config validation"
-    for name, block in model.layers.named_children():
-        model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
 def apply_compile(model: Transformer) -> None:
@@ -65,16 +58,27 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype, *
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=not pipelined)
 
 
+def float8_all_gather(cfg: JobConfig, mesh: ParallelMesh | None, device: torch.device) -> bool:
+    """FSDP all-gathers float8 weights (half the bytes of bf16) with the tensorwise recipe on GPUs."""
+    return (cfg.train.mixed_precision == "fp8" and cfg.train.fp8_recipe == "tensorwise" and device.type == "cuda"
+            and mesh is not None and mesh.fsdp is not None)
+
+
 def parallelize(model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None = None, *,
                 pipelined: bool = False) -> Transformer:
     """The model (or one pipeline stage of it) ready to train on this rank's part of the mesh.
 
     The order matters and is pinned by tests/test_parallel_apply.py: see the module docstring."""
+    device = model.rope_cos.device
+    tp_mesh = mesh.get("tp") if mesh is not None else None
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh, loss_parallel=uses_loss_parallel(tp_mesh.size(), cfg.train.loss_fn))
+    if cfg.train.mixed_precision == "fp8":
+        convert_to_float8(model, cfg.train.fp8_recipe, fsdp_float8_all_gather=float8_all_gather(cfg, mesh, device))
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile_model:
         check_compilable(model, cfg)
         apply_compile(model)
     if mesh is not None and mesh.fsdp is not None:
-        device = model.rope_cos.device
         apply_fsdp(model, mesh.fsdp, precision.compute_dtype(cfg.train.mixed_precision, device), pipelined=pipelined)
     return model

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from engine.config.registry import LOSSES
 from engine.config.train import TrainConfig
@@ -30,8 +31,16 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: flo
     logits = logits.flatten(0, 1).float()
     loss = F.cross_entropy(logits, labels.flatten())
     if z_loss_weight:
-        loss = loss + z_loss_weight * torch.logsumexp(logits, dim=-1).square().mean()
+        loss = loss + z_loss_weight * logsumexp(logits).square().mean()
     return loss
+
+
+def logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dim from max, exp, sum and log: under loss parallelism (vocabulary-sharded
+    logits) each of these reduces shard-locally plus one small all-reduce, where torch.logsumexp would
+    first gather all the logits."""
+    peak = logits.detach().amax(dim=-1, keepdim=True)
+    return (logits - peak).exp().sum(dim=-1).log() + peak.squeeze(-1)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
@@ -123,9 +132,11 @@ def full_logits_loss(cfg: TrainConfig) -> ModelLoss:
 @LOSSES.register("chunked_cross_entropy")
 def chunked_loss(cfg: TrainConfig) -> ModelLoss:
     def loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, z_loss: bool = True) -> torch.Tensor:
-        hidden = model(tokens, return_hidden=True)
-        value = chunked_cross_entropy(hidden, model.output.weight, labels, cfg.ce_chunk_size,
-                                      cfg.z_loss_weight if z_loss else 0.0)
+        hidden, weight = model(tokens, return_hidden=True), model.output.weight
+        # Under tensor parallelism both are DTensors (sequence-sharded states, vocabulary-sharded head): the
+        # chunks then go through the whole head on every rank, as on one device.
+        hidden, weight = (t.full_tensor() if isinstance(t, DTensor) else t for t in (hidden, weight))
+        value = chunked_cross_entropy(hidden, weight, labels, cfg.ce_chunk_size, cfg.z_loss_weight if z_loss else 0.0)
         return with_moe_loss(model, value) if z_loss else value
     return loss
 

@@ -1,4 +1,9 @@
-"""Mixed precision: parameters and optimizer state stay fp32; matmuls run in the compute dtype under autocast."""
+"""Mixed precision: parameters and optimizer state stay fp32; matmuls run in the compute dtype under autocast.
+
+`fp8` computes in bf16 like `bf16`: the float8 part is the linear layers, which engine.parallel.float8 swaps
+for torchao's Float8Linear (their matmuls cast bf16 operands to float8 with dynamic scales); everything else
+(attention, norms, the output head, MoE experts) runs in bf16.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import contextlib
 
 import torch
 
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
 
 
 def compute_dtype(mode: str, device: torch.device) -> torch.dtype:

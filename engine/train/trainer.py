@@ -41,9 +41,10 @@ from engine.metrics.mfu import mfu, peak_flops
 from engine.metrics.trackers import MetricsLogger, build_trackers
 from engine.model.attention import CPU_SDPA_BACKENDS
 from engine.model.transformer import Transformer
-from engine.parallel.apply import parallelize
+from engine.parallel.apply import float8_all_gather, parallelize
 from engine.parallel.launch import ProcessPlace, device_for, join_process_group, leave_process_group, process_place
 from engine.parallel.mesh import ParallelDims, ParallelMesh, build_mesh
+from engine.parallel.tp import loss_context, uses_loss_parallel
 from engine.resilience.anomaly import StepGuard, TrainingDiverged
 from engine.resilience.collectives import any_rank, distributed
 from engine.resilience.health import check_collectives
@@ -134,6 +135,8 @@ class Job:
     guard: StepGuard
     place: ProcessPlace = ProcessPlace(0, 0, 1)
     mesh: ParallelMesh | None = None
+    float8_all_gather: bool = False  # FSDP gathers float8 weights: their scales are computed after each update
+    loss_parallel: bool = False  # the logits stay vocabulary-sharded over the tensor-parallel ranks
     start_step: int = 0
     tokens_seen: int = 0
     elapsed_sec: float = 0.0  # training time of earlier attempts of this run
@@ -148,6 +151,10 @@ class Job:
         if self.mesh is not None and self.mesh.fsdp is not None:
             return contextlib.nullcontext()  # FSDP gathers the weights in the compute dtype itself
         return precision.autocast(self.device, self.dtype)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Around forward, loss and backward: cross-entropy on vocabulary-sharded logits under loss parallel."""
+        return loss_context(self.loss_parallel)
 
 
 def data_parallel_rank(dims: ParallelDims, rank: int) -> int:
@@ -189,7 +196,8 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
               scaler=precision.grad_scaler(device, dtype), train_data=train_data, eval_data=eval_data,
               summary=job_summary(cfg, place.world_size), peak_flops=peak_flops(device, dtype),
               checkpointer=Checkpointer(checkpoint_root(cfg, run_dir), cfg.checkpoint, device),
-              guard=StepGuard(cfg.train), place=place, mesh=mesh)
+              guard=StepGuard(cfg.train), place=place, mesh=mesh, float8_all_gather=float8_all_gather(cfg, mesh, device),
+              loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn))
     restored = job.checkpointer.restore(model, optimizer) if resuming else None
     if restored is not None:
         restore(job, *restored)
@@ -341,10 +349,11 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
     loss_sum = torch.zeros((), device=job.device)
     for _ in range(accum):
         inputs, labels = (t.to(job.device, non_blocking=True) for t in next(batches))
-        with job.autocast():
-            loss = loss_fn(job.model, inputs, labels) / accum
-        job.scaler.scale(loss).backward()
-        loss_sum += loss.detach()
+        with job.loss_context():
+            with job.autocast():
+                loss = loss_fn(job.model, inputs, labels) / accum
+            job.scaler.scale(loss).backward()
+        loss_sum += local_value(loss.detach())
     hooks.after_backward(step, job)
     job.scaler.unscale_(job.optimizer)
     max_norm = job.cfg.train.grad_clip_norm or math.inf  # 0 = no clipping; the norm is still reported
@@ -360,10 +369,19 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
         job.checkpointer.wait_for_staging()  # a background save must hold its copy before weights change
         job.scaler.step(job.optimizer)
         job.scaler.update()
+        if job.float8_all_gather:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(job.model)
         job.guard.accept(loss_value)
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
     return StepResult(loss_value, norm_value, lr, problem)
+
+
+def local_value(value: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (under loss parallel it is a replicated DTensor)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -394,8 +412,9 @@ def evaluate(job: Job, loss_fn: ModelLoss) -> dict[str, float]:
     losses = []
     with eval_mode(job.optimizer):
         for inputs, labels in job.eval_data.batches():
-            with job.autocast():
-                losses.append(loss_fn(job.model, inputs.to(job.device), labels.to(job.device), z_loss=False))
+            with job.loss_context(), job.autocast():
+                loss = loss_fn(job.model, inputs.to(job.device), labels.to(job.device), z_loss=False)
+            losses.append(local_value(loss))
     job.model.train()
     loss = mean_over_ranks(torch.stack(losses).mean()).item()
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}

@@ -1,0 +1,421 @@
+"""Per-rank memory of a training layout, from the config alone: no torch, no model (70B answers instantly).
+
+`forge validate-config --world-size N` prints this so a user sees whether a layout fits before submitting.
+One row per pipeline rank, since ranks differ by stage (the first stage holds the embedding, the last the
+final norm, the output head and the logits, and earlier stages hold more microbatches in flight); all
+the ranks of one pipeline rank (across dp, tp, cp) hold the same amount.
+
+What is counted, per rank (bytes):
+
+- params: fp32 master weights. Each tensor is first divided by tp along the dimension tensor parallelism
+  shards (attention wq/wk/wv and MLP w1/w3 by rows, wo/w2 by columns, the embedding and the output head
+  by vocabulary rows; norms, routers and experts stay whole), then FSDP2 shards dim 0 over dp_shard × cp
+  ranks, padding it to a multiple (ceil(rows / shards) rows per rank). Tied embeddings count once.
+- grads: the same shapes in fp32 (FSDP2 reduce-scatters in fp32, the sharded gradients match the params).
+- optimizer: the state tensors of the chosen optimizer, each the shape of its parameter, fp32:
+  adamw exp_avg + exp_avg_sq (+ a 4-byte `step` tensor per parameter); lion exp_avg; muon a momentum buffer
+  for the 2-D matrices inside the blocks and exp_avg + exp_avg_sq for the rest (its `step` is a Python
+  int); schedule_free_adamw z + exp_avg_sq.
+- activations: what autograd keeps from forward to backward (see `layer_activation_bytes`), for the
+  micro-batches a rank has in flight (`forward_chunks`): one without pipelining (accumulation steps run one
+  after another); with pp, as many as the pipeline schedule holds before its first backward.
+- buffers: transient memory at the peak: FSDP2's unsharded copies (see `buffer_bytes`), autocast's
+  low-precision weight copies when nothing is sharded, the loss's [tokens, vocab] gradients, and Muon's
+  full-matrix orthogonalization.
+
+The total (`StageMemory.total`) is params + optimizer + buffers + activations + grads, except that with one
+micro-batch per step only the larger of activations and grads counts (backward frees the one as it makes
+the other). On an H100 (torch 2.11; a 0.49B model, 8 blocks of dim 2048, batch 4 × 2048 tokens, one GPU)
+it came within −3 … +8 % of torch.cuda.max_memory_allocated() over bf16/fp32, no/full activation
+checkpointing, accumulation, AdamW/Muon, QK-norm, MoE, and FSDP2 on one rank. It ignores the CUDA context
+(~0.5–1 GiB), the caching allocator's fragmentation and NCCL buffers: leave ~10–15 % headroom.
+Assumptions, as engine.parallel builds a run: with data parallelism (dp_replicate × dp_shard > 1), FSDP2 with
+MixedPrecisionPolicy(param_dtype=compute dtype, reduce_dtype=fp32) and no autocast; without it, autocast
+over fp32 weights (the residual stream stays fp32); sequence parallelism with tp; "auto" precision
+estimated as bf16 (a GPU run).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from engine.config.job import JobConfig
+from engine.config.model import ModelConfig
+from engine.model.estimate import param_counts
+
+FP32 = 4
+INT64 = 8
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "auto": 2}
+"""Bytes per element of matmul inputs/outputs under each `train.mixed_precision` (fp8 keeps bf16 activations;
+auto = bf16, as on the GPUs a layout is planned for)."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter tensor of the model: its name in `named_parameters()`, full shape, owner
+    ("embedding", "head", "norm" or the block index) and the dimension tensor parallelism shards (None
+    = replicated over tp)."""
+
+    name: str
+    shape: tuple[int, ...]
+    owner: str | int
+    tp_dim: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes one rank of pipeline rank `pp_rank` holds. It runs pipeline `stages` (two with interleaved_1f1b),
+    whose blocks are `blocks` (first, last) inclusive, one pair per stage; `microbatches_in_flight` is the
+    most stage forwards whose activations it holds at once."""
+
+    pp_rank: int
+    stages: tuple[int, ...]
+    blocks: tuple[tuple[int, int], ...]
+    microbatches_in_flight: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    grads_persist: bool
+    """Whether gradients live through the forward passes (accumulated over micro-batches, or pipelined)."""
+
+    @property
+    def total(self) -> int:
+        """The estimated peak: gradients and activations add up only when gradients persist; with one
+        micro-batch per step, backward frees activations as it creates gradients, so the larger counts."""
+        live = self.grads + self.activations if self.grads_persist else max(self.grads, self.activations)
+        return self.params + self.optimizer + live + self.buffers
+
+    def as_dict(self) -> dict[str, object]:
+        return {**asdict(self), "total": self.total}
+
+
+def norm_specs(cfg: ModelConfig, prefix: str, width: int, owner: str | int) -> list[ParamSpec]:
+    specs = [ParamSpec(f"{prefix}.weight", (width,), owner)]
+    if cfg.norm_type == "layernorm":
+        specs.append(ParamSpec(f"{prefix}.bias", (width,), owner))
+    return specs
+
+
+def mlp_specs(prefix: str, dim: int, hidden: int, owner: int, tp: bool) -> list[ParamSpec]:
+    """A gated MLP: w1/w3 [hidden, dim] (column parallel: rows), w2 [dim, hidden] (row parallel: columns)."""
+    return [ParamSpec(f"{prefix}.w1.weight", (hidden, dim), owner, 0 if tp else None),
+            ParamSpec(f"{prefix}.w3.weight", (hidden, dim), owner, 0 if tp else None),
+            ParamSpec(f"{prefix}.w2.weight", (dim, hidden), owner, 1 if tp else None)]
+
+
+def moe_specs(cfg: ModelConfig, prefix: str, layer: int) -> list[ParamSpec]:
+    """Router gate, routed experts (packed [E, …] tensors or one module per expert), shared experts. None of
+    them is tensor parallel."""
+    d, h, e = cfg.dim, cfg.expert_ffn_dim, cfg.num_experts
+    specs = [ParamSpec(f"{prefix}.router.gate.weight", (e, d), layer)]
+    if cfg.moe_packed_experts:
+        specs += [ParamSpec(f"{prefix}.experts.w1", (e, d, h), layer), ParamSpec(f"{prefix}.experts.w3", (e, d, h), layer),
+                  ParamSpec(f"{prefix}.experts.w2", (e, h, d), layer)]
+    else:
+        for i in range(e):
+            specs += [ParamSpec(f"{prefix}.experts.{i}.w1", (d, h), layer), ParamSpec(f"{prefix}.experts.{i}.w3", (d, h), layer),
+                      ParamSpec(f"{prefix}.experts.{i}.w2", (h, d), layer)]
+    if cfg.moe_shared_experts:
+        specs += mlp_specs(f"{prefix}.shared", d, cfg.moe_shared_experts * h, layer, tp=False)
+    return specs
+
+
+def block_specs(cfg: ModelConfig, layer: int) -> list[ParamSpec]:
+    p, d, q, kv = f"layers.{layer}", cfg.dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    specs = norm_specs(cfg, f"{p}.attention_norm", d, layer)
+    specs += [ParamSpec(f"{p}.attention.wq.weight", (q, d), layer, 0), ParamSpec(f"{p}.attention.wk.weight", (kv, d), layer, 0),
+              ParamSpec(f"{p}.attention.wv.weight", (kv, d), layer, 0), ParamSpec(f"{p}.attention.wo.weight", (d, q), layer, 1)]
+    if cfg.qk_norm:
+        specs += [ParamSpec(f"{p}.attention.q_norm.weight", (cfg.head_dim,), layer),
+                  ParamSpec(f"{p}.attention.k_norm.weight", (cfg.head_dim,), layer)]
+    specs += norm_specs(cfg, f"{p}.ffn_norm", d, layer)
+    if cfg.is_moe_layer(layer):
+        return specs + moe_specs(cfg, f"{p}.feed_forward", layer)
+    return specs + mlp_specs(f"{p}.feed_forward", d, cfg.ffn_dim, layer, tp=True)
+
+
+def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
+    """Every parameter tensor of `Transformer(cfg)`, in registration order (a tied head is the embedding)."""
+    specs = [ParamSpec("tok_embeddings.weight", (cfg.vocab_size, cfg.dim), "embedding", 0)]
+    for layer in range(cfg.n_layers):
+        specs += block_specs(cfg, layer)
+    specs += norm_specs(cfg, "norm", cfg.dim, "norm")
+    if not cfg.tie_embeddings:
+        specs.append(ParamSpec("output.weight", (cfg.vocab_size, cfg.dim), "head", 0))
+    assert sum(s.numel for s in specs) == param_counts(cfg)["total"], "param_specs out of step with estimate.py"
+    return specs
+
+
+def local_numel(spec: ParamSpec, tp: int, fsdp: int) -> int:
+    """Elements the fullest rank holds: divided by tp along `tp_dim` (ceil, as DTensor's Shard gives the
+    first ranks the remainder), then dim 0 split over `fsdp` ranks with FSDP2's padding (every rank gets
+    ceil(rows / fsdp) rows)."""
+    shape = list(spec.shape)
+    if spec.tp_dim is not None:
+        shape[spec.tp_dim] = math.ceil(shape[spec.tp_dim] / tp)  # the vocabulary may shard unevenly
+    shape[0] = math.ceil(shape[0] / fsdp)
+    return math.prod(shape)
+
+
+def optimizer_state_bytes(cfg: JobConfig, spec: ParamSpec, local: int) -> int:
+    """Bytes of the optimizer's state for one parameter holding `local` elements on this rank."""
+    name = cfg.optimizer.name
+    if name == "adamw":
+        return 2 * FP32 * local + FP32  # exp_avg, exp_avg_sq, and the scalar `step` tensor
+    if name == "lion":
+        return FP32 * local
+    if name == "muon" and len(spec.shape) == 2 and spec.name.startswith("layers."):
+        return FP32 * local  # momentum buffer of a hidden matrix (engine.train.optim.groups.hidden_matrices)
+    assert name in ("muon", "schedule_free_adamw"), f"unknown optimizer {name!r}"
+    return 2 * FP32 * local  # muon's AdamW fallback (exp_avg, exp_avg_sq) or schedule-free z, exp_avg_sq
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Blocks of each pipeline stage, by the rule of `engine.parallel.pipeline.stage_layer_counts` (kept
+    torch-free here, and held equal to it by a test): every stage gets one block, then each further block
+    goes to the stage of lowest cost (blocks, + 1 for the embedding on the first, + 1 for the head on the
+    last), ties to the stage with fewer blocks, then the earlier one."""
+    counts, extra = [1] * n_stages, [0] * n_stages
+    extra[0] += 1
+    extra[-1] += 1
+    for _ in range(n_layers - n_stages):
+        cheapest = min(range(n_stages), key=lambda i: (counts[i] + extra[i], counts[i], i))
+        counts[cheapest] += 1
+    starts = [sum(counts[:i]) for i in range(n_stages)]
+    return [range(start, start + count) for start, count in zip(starts, counts)]
+
+
+def stages_per_rank(schedule: str, pp: int) -> int:
+    """interleaved_1f1b runs two stages on each rank (stages r and r + pp); otherwise one."""
+    return 2 if pp > 1 and schedule == "interleaved_1f1b" else 1
+
+
+def forward_chunks(cfg: JobConfig, pp_rank: int) -> list[int]:
+    """The local stage (0 or 1) of each stage forward whose activations rank `pp_rank` holds at its peak,
+    as torch.distributed.pipelining schedules them with grad_accum_steps microbatches: none without
+    pipelining but the one micro-batch running; gpipe every microbatch; 1F1B the min(microbatches,
+    pp − rank) of its warm-up; interleaved 1F1B its warm-up (pp·(2 − 1) + 2·(pp − 1 − rank) forwards,
+    capped at 2·microbatches) plus one, going through its stages in rounds of pp microbatches."""
+    d, accum = cfg.distributed, cfg.train.grad_accum_steps
+    if d.pp == 1:
+        return [0]
+    if d.pp_schedule == "gpipe":
+        return [0] * accum
+    if d.pp_schedule == "1f1b":
+        return [0] * min(accum, d.pp - pp_rank)
+    per_round = accum // max(1, accum // d.pp)
+    warmup = min(per_round + 2 * (d.pp - 1 - pp_rank), 2 * accum)
+    return [(i // per_round) % 2 for i in range(min(warmup + 1, 2 * accum))]
+
+
+def uses_fsdp(cfg: JobConfig) -> bool:
+    """FSDP2 is applied whenever there is data parallelism (engine.parallel.mesh: HSDP with dp_replicate);
+    it gathers the weights in the compute dtype, and the trainer then runs without autocast."""
+    return cfg.distributed.dp_replicate * cfg.distributed.dp_shard > 1
+
+
+def residual_bytes(cfg: JobConfig) -> int:
+    """Bytes per element of the residual stream: fp32 under autocast (fp32 weights, fp32 embedding), the
+    compute dtype under FSDP2 (the weights themselves are gathered in it)."""
+    return COMPUTE_BYTES[cfg.train.mixed_precision] if uses_fsdp(cfg) else FP32
+
+
+def norm_bytes(cfg: JobConfig) -> int:
+    """Saved per token by one norm: CUDA's fused RMSNorm keeps its input and 1/rms (fp32), LayerNorm its
+    input, mean and 1/std. (On CPU torch decomposes RMSNorm and also keeps the normalized input.)"""
+    h, r = cfg.model.dim, residual_bytes(cfg)
+    return r * h + FP32 if cfg.model.norm_type == "rmsnorm" else r * h + 2 * FP32
+
+
+def math_attention(cfg: JobConfig) -> bool:
+    """Whether SDPA runs its math kernel, which keeps the [heads, seq, seq] attention weights: when pinned to
+    it, or on auto in fp32 with GQA (CUDA's flash kernel has no fp32, its memory-efficient one no GQA; seen on
+    an H100 with torch 2.11)."""
+    m = cfg.model
+    if m.sdpa_backend != "auto":
+        return m.sdpa_backend == "math"
+    return COMPUTE_BYTES[cfg.train.mixed_precision] == FP32 and m.kv_heads < m.n_heads
+
+
+def layer_activation_bytes(cfg: JobConfig, layer: int, tokens: int) -> int:
+    """Bytes autograd saves for one block over `tokens` tokens on one rank, without activation checkpointing.
+
+    Counted per token, with h = dim, kv = kv_heads·head_dim, f = ffn width, c = compute bytes (matmul
+    inputs/outputs), ρ = residual-stream bytes (`residual_bytes`: fp32 under autocast); this is what
+    the saved-tensor hooks of the real block record (tests/test_memory_estimate.py), and on an H100 what the
+    allocator holds after forward (dense blocks within 1 %, QK-norm and MoE within 4 %), i.e. the
+    Korthikanti et al. (2022) count sbh(34 + 5as/h) redone for this block: no dropout, SwiGLU, GQA, and
+    flash-style SDPA, which keeps its output and logsumexp instead of the s² attention matrix:
+      norms ×2:        ρ·h + 4 each for RMSNorm (input, 1/rms), ρ·h + 8 for LayerNorm (`norm_bytes`)
+      attention:       c·r·h (the normed input as the projections read it) + c·(h + 2kv + h) (q, k, v after
+                       RoPE, SDPA's output, which wo reads without a copy) + 4·heads (logsumexp); when SDPA
+                       runs its math kernel (`math_attention`) c·(r·h + h) + 4·(3h + heads·seq_len)
+                       (q, k and v repeated to all heads, and the attention weights, in fp32)
+      dense MLP:       c·r'·h (normed input) + c·4f (w1 out, act(w1 out), w3 out, their product)
+      MoE MLP:         4·(h + 2E) (router input, logits/probs) + c·k·(2h + 4f_e + 1) (each of the top-k
+                       assignments: gathered input, the expert's SwiGLU, its weighted output) + 16k
+                       (indices) + shared experts c·(r'·h + 4f_s)
+      QK-norm:         (c + 4)·(h + kv) + 4·(heads + kv_heads)
+    r = r' = 1, except under autocast (compute below fp32 and no FSDP): r = 3, r' = 2, as autocast casts the
+    fp32 norm output separately for each projection that reads it (wq, wk, wv; w1, w3) and each keeps its
+    own copy. Tensor parallelism (with sequence parallelism) divides everything by tp except the
+    projections' inputs, which are all-gathered over the sequence before wq/wk/wv and w1/w3, and autograd
+    keeps the gathered tensor; MoE blocks are not tensor parallel.
+    """
+    m, tp = cfg.model, cfg.distributed.tp
+    h, kv, c = m.dim, m.kv_heads * m.head_dim, COMPUTE_BYTES[cfg.train.mixed_precision]
+    casts = c < FP32 and not uses_fsdp(cfg)  # autocast: one cast of the norm's output per projection reading it
+    if math_attention(cfg):  # q and k, v repeated to every head, the weights, in fp32; wo reads a copy of the output
+        gathered, split = c * (3 if casts else 1) * h, c * h + FP32 * (3 * h + m.n_heads * cfg.train.seq_len)
+    else:
+        gathered, split = c * (3 if casts else 1) * h, c * (2 * h + 2 * kv) + FP32 * m.n_heads
+    if m.qk_norm:
+        split += (c + FP32) * (h + kv) + FP32 * (m.n_heads + m.kv_heads)
+    split += 2 * norm_bytes(cfg)
+    gated = 2 if casts else 1
+    if m.is_moe_layer(layer):
+        k, shared = m.moe_top_k, m.moe_shared_experts * m.expert_ffn_dim
+        moe = FP32 * (h + 2 * m.num_experts) + c * k * (2 * h + 4 * m.expert_ffn_dim + 1) + 2 * INT64 * k
+        moe += c * (gated * h + 4 * shared) if shared else 0
+        return tokens * (gathered + split // tp) + tokens * moe
+    gathered += c * gated * h
+    split += c * 4 * m.ffn_dim
+    return tokens * gathered + tokens * split // tp
+
+
+def checkpointed_layer_bytes(cfg: JobConfig, layer: int, tokens: int) -> int:
+    """Saved bytes per block and rank under activation checkpointing. full: only the block's input (the
+    residual stream, sequence parallel under tp). selective (assumed policy: keep the outputs of every
+    matmul and of SDPA, recompute norms, RoPE and the activation function): the input plus q, k, v, SDPA's
+    output and logsumexp, and the outputs of wo, w1, w3 and w2."""
+    m, tp = cfg.model, cfg.distributed.tp
+    h, c, r = m.dim, COMPUTE_BYTES[cfg.train.mixed_precision], residual_bytes(cfg)
+    if cfg.train.activation_checkpointing == "full":
+        return tokens * r * h // tp
+    kv, f = m.kv_heads * m.head_dim, m.ffn_dim if not m.is_moe_layer(layer) else m.moe_top_k * m.expert_ffn_dim
+    return tokens * (r * h + c * (4 * h + 2 * kv + 2 * f) + FP32 * m.n_heads) // tp
+
+
+def loss_activation_bytes(cfg: JobConfig, tokens: int) -> int:
+    """Saved by the final norm, the head and the loss on one rank. The final norm is sequence parallel
+    (÷ tp); the head reads the whole sequence. cross_entropy keeps the fp32 log-probabilities
+    [tokens, vocab/tp] (vocabulary-parallel head), and the fp32 logits too with z-loss;
+    chunked_cross_entropy keeps the hidden states and one logsumexp per token."""
+    m, t, tp = cfg.model, cfg.train, cfg.distributed.tp
+    saved = tokens * norm_bytes(cfg) // tp + INT64 * tokens  # and the labels
+    if t.loss_fn == "chunked_cross_entropy":
+        return saved + tokens * (residual_bytes(cfg) * m.dim + FP32)
+    logits = FP32 * tokens * math.ceil(m.vocab_size / tp) * (2 if t.z_loss_weight else 1)
+    return saved + COMPUTE_BYTES[t.mixed_precision] * tokens * m.dim + logits
+
+
+def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: bool) -> int:
+    """Transient memory at the peak, beyond the saved activations.
+
+    - FSDP2 (`uses_fsdp`, engine.parallel.apply.apply_fsdp): the compute-dtype copies of two gathered blocks
+      (the one running and the one prefetched; the last block stays gathered into backward), a block's
+      unsharded gradients in the compute dtype and in fp32 for the reduce-scatter, and the root's weights
+      (embedding, final norm, head), gathered through all of forward and of backward. Under pipeline
+      parallelism nothing is resharded: all of the stage's weights stay gathered through the step.
+    - no FSDP, compute dtype below fp32: autocast's low-precision copies of the matmul weights, which
+      autograd keeps until backward (with activation checkpointing, only the recomputed block's and the head's).
+    - the loss's gradients in backward: two fp32 [tokens, vocab/tp] tensors for cross_entropy, two
+      [ce_chunk_size, vocab] chunks plus an fp32 head gradient for chunked_cross_entropy.
+    - muon: the full fp32 matrix it orthogonalizes (gathered from its shards), its iterate and the result.
+    """
+    d, t, m = cfg.distributed, cfg.train, cfg.model
+    c = COMPUTE_BYTES[t.mixed_precision]
+    tp_local = {s.name: local_numel(s, d.tp, 1) for s in stage}
+    blocks: dict[int, int] = {}
+    matrices: dict[int, int] = {}  # what autocast casts, per block
+    for s in stage:
+        if isinstance(s.owner, int):
+            blocks[s.owner] = blocks.get(s.owner, 0) + tp_local[s.name]
+            matrices[s.owner] = matrices.get(s.owner, 0) + (tp_local[s.name] if len(s.shape) >= 2 else 0)
+    largest = sorted(blocks.values(), reverse=True)[:2] or [0]
+    total = 0
+    if uses_fsdp(cfg):
+        ends = sum(tp_local[s.name] for s in stage if not isinstance(s.owner, int))
+        gathered = sum(blocks.values()) if d.pp > 1 else sum(largest)
+        total += c * (gathered + ends) + (c + FP32) * largest[0]
+    elif c < FP32:
+        head = sum(tp_local[s.name] for s in stage if s.owner == "head")
+        if has_head and m.tie_embeddings:  # the head is the embedding, which autocast does not cast for the lookup
+            head += math.ceil(m.vocab_size / d.tp) * m.dim
+        kept = sum(matrices.values()) if t.activation_checkpointing == "none" else max(matrices.values(), default=0)
+        total += c * (kept + head)
+    if has_head and t.loss_fn == "chunked_cross_entropy":
+        total += 2 * FP32 * min(t.ce_chunk_size, tokens) * m.vocab_size + FP32 * m.vocab_size * m.dim
+    elif has_head:
+        total += 2 * FP32 * tokens * math.ceil(m.vocab_size / d.tp)
+    hidden = [s.numel for s in stage if len(s.shape) == 2 and s.name.startswith("layers.")]
+    if cfg.optimizer.name == "muon" and hidden:
+        total += 3 * FP32 * max(hidden)
+    return total
+
+
+def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
+    """Per-rank memory of each pipeline rank for `cfg`'s layout on `world_size` processes.
+
+    Pure arithmetic on the config; call it on a validated config (`cfg.validate(world_size)`), whose
+    degrees multiply to the world size.
+    """
+    dp_shard = cfg.distributed.resolved_dp_shard(world_size)
+    if dp_shard < 1:
+        raise ValueError(f"the parallel degrees do not divide the world size {world_size}; validate the config first")
+    cfg = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"dp_shard": dp_shard})})
+    d, t, m = cfg.distributed, cfg.train, cfg.model
+    specs = param_specs(m)
+    per_rank = stages_per_rank(d.pp_schedule, d.pp)
+    n_stages = d.pp * per_rank
+    if n_stages > m.n_layers:
+        raise ValueError(f"{n_stages} pipeline stages cannot split {m.n_layers} blocks; validate the config first")
+    layers = stage_layers(m.n_layers, n_stages)
+    tokens = t.batch_size * t.seq_len // d.cp  # one micro-batch on one rank, before sequence parallelism
+    rows = []
+    for rank in range(d.pp):
+        stages = [rank + k * d.pp for k in range(per_rank)]
+        owned = [s for stage in stages for s in stage_specs(specs, layers[stage], stage == 0, stage == n_stages - 1)]
+        local = {s.name: local_numel(s, d.tp, d.dp_shard * d.cp) for s in owned}
+        params = FP32 * sum(local.values())
+        chunk = [stage_activation_bytes(cfg, layers[s], tokens, s == 0, s == n_stages - 1) for s in stages]
+        chunks = forward_chunks(cfg, rank)
+        blocks = [i for s in stages for i in layers[s]]
+        rows.append(StageMemory(
+            pp_rank=rank, stages=tuple(stages), blocks=tuple((layers[s].start, layers[s].stop - 1) for s in stages),
+            microbatches_in_flight=len(chunks), params=params, grads=params,
+            optimizer=sum(optimizer_state_bytes(cfg, s, local[s.name]) for s in owned),
+            activations=sum(chunk[local] for local in chunks) + recompute_bytes(cfg, blocks, tokens),
+            buffers=buffer_bytes(cfg, owned, tokens, has_head=n_stages - 1 in stages),
+            grads_persist=t.grad_accum_steps > 1 or d.pp > 1))
+    return rows
+
+
+def stage_specs(specs: list[ParamSpec], layers: range, first: bool, last: bool) -> list[ParamSpec]:
+    """The parameters a stage owns: its blocks, the embedding on the first, the final norm and head on the last."""
+    return [s for s in specs if s.owner in layers or (first and s.owner == "embedding")
+            or (last and s.owner in ("norm", "head"))]
+
+
+def stage_activation_bytes(cfg: JobConfig, layers: range, tokens: int, first: bool, last: bool) -> int:
+    """Saved bytes of one micro-batch through one stage on one rank."""
+    per_layer = layer_activation_bytes if cfg.train.activation_checkpointing == "none" else checkpointed_layer_bytes
+    total = sum(per_layer(cfg, layer, tokens) for layer in layers)
+    total += INT64 * tokens if first else 0  # the embedding's token ids
+    total += loss_activation_bytes(cfg, tokens) if last else 0
+    return total
+
+
+def recompute_bytes(cfg: JobConfig, layers: list[int], tokens: int) -> int:
+    """With activation checkpointing, backward recomputes one block at a time: the largest block's full
+    activations exist once on top of the checkpoints."""
+    if cfg.train.activation_checkpointing == "none":
+        return 0
+    return max(layer_activation_bytes(cfg, layer, tokens) for layer in layers)

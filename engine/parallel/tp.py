@@ -1,0 +1,106 @@
+"""Tensor parallelism (Megatron-style, Shoeybi et al. 2019) with sequence parallelism, applied from outside.
+
+The single-device `Transformer` is rewritten in place by `parallelize_module` with PyTorch's parallel styles;
+the model code itself never sees a DTensor except as the tensors flowing through it. The plan:
+
+- token embedding: vocabulary-sharded rows (`RowwiseParallel`), its output reduce-scattered over the sequence
+  (`Shard(1)`), so the residual stream between blocks is a sequence-sharded DTensor;
+- the block norms and the final norm: `SequenceParallel` (each rank normalises its own positions; the norm
+  weights are replicated and their gradients summed over the TP group by DTensor);
+- attention and feed-forward: inputs all-gathered over the sequence (`PrepareModuleInput` Shard(1) → Replicate),
+  wq/wk/wv and w1/w3 column-sharded (whole heads / hidden units per rank), wo and w2 row-sharded with a
+  reduce-scatter back to the sequence-sharded residual stream. Attention therefore sees n_heads/tp query heads
+  and n_kv_heads/tp key/value heads, contiguous in the same grouping as on one device;
+- QK-norm (over head_dim) sees head-sharded plain tensors: its weight is replicated and the input is treated as
+  sharded on the head dimension, so the weight's gradient is the sum over all heads as on one device;
+- output head: column-sharded over the vocabulary. With loss parallel its logits stay vocabulary-sharded
+  (`Shard(-1)`), and cross-entropy (inside `loss_context(True)`) never gathers them; otherwise they are
+  all-gathered into plain full logits.
+
+Tied embeddings are supported: the embedding and the head both shard the shared [vocab, dim] weight on dim 0,
+so after the plan the head's weight is pointed at the embedding's DTensor parameter again.
+MoE layers are not handled here (config validation rejects tp > 1 with MoE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from engine.model.mlp import GatedMLP
+from engine.model.transformer import Block, Transformer
+
+# Losses that work on vocabulary-sharded logits (they call F.cross_entropy on the model's output). The chunked
+# loss projects the hidden states itself through `output.weight`: it gathers the head's full weight and the
+# full hidden states, so it runs without loss parallel.
+LOSS_PARALLEL_LOSSES = ("cross_entropy",)
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+    """Shard `model` over the 1-D `tp_mesh` in place. Every TP rank must hold the same initial weights (same
+    seed) and receive the same batch. The caller checks that tp divides n_heads, n_kv_heads, the FFN width and
+    the sequence length (the vocabulary may shard unevenly) and rejects MoE models and pipeline stages.
+    With `loss_parallel`, the forward returns vocabulary-sharded DTensor logits and the loss and its backward
+    must run inside `loss_context(True)`; the loss is then a replicated DTensor (`.item()` works)."""
+    assert not model.cfg.is_moe, "tp > 1 with an MoE model should have been rejected by config validation"
+    assert model.tok_embeddings is not None and model.output is not None, \
+        "tp > 1 with pipeline stages should have been rejected by config validation"
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1),
+                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    })
+    for block in model.layers.values():
+        parallelize_block(block, tp_mesh)
+    if model.cfg.tie_embeddings:
+        # Each style swapped in its own DTensor for the shared weight; both are Shard(0) of the same tensor.
+        model.output.weight = model.tok_embeddings.weight
+
+
+def parallelize_block(block: Block, tp_mesh: DeviceMesh) -> None:
+    """Attention and MLP over TP, norms over the sequence: two all-gathers and two reduce-scatters per block."""
+    assert isinstance(block.feed_forward, GatedMLP)
+    gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    parallelize_module(block, tp_mesh, {
+        "attention_norm": SequenceParallel(),
+        # (x, cos, sin, cache): only x is sharded; the RoPE tables are plain tensors every rank holds in full.
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": gather_sequence,
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    })
+    attention = block.attention
+    if attention.q_norm is not None:
+        # q and k are [batch, seq, local heads, head_dim] plain tensors: dimension 2 is the sharded one.
+        head_sharded = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(attention, tp_mesh, {"q_norm": head_sharded, "k_norm": head_sharded})
+
+
+def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """Wrap forward + loss + backward in this when TP runs with loss parallel: F.cross_entropy on
+    vocabulary-sharded logits then reduces the softmax over ranks instead of gathering the logits."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def uses_loss_parallel(tp: int, loss_fn: str) -> bool:
+    """Loss parallel pays whenever there is TP and the loss takes the logits from the model."""
+    return tp > 1 and loss_fn in LOSS_PARALLEL_LOSSES

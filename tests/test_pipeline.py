@@ -1,0 +1,238 @@
+"""Pipeline parallelism (engine/parallel/pipeline.py): the stage split, single-process composition of the stage
+models, and, under torchrun (gloo, CPU), parity of every schedule with the single-process run of the same global
+batch: per-step losses and final weights within 1e-5 in fp32, also composed with FSDP (pp=2 × dp=2)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+from engine.config.model import ModelConfig
+from engine.errors import UserError
+from engine.model.transformer import Transformer
+from engine.parallel.pipeline import (
+    check_microbatches,
+    split_stages,
+    stage_layer_counts,
+    stage_layer_names,
+    stages_per_rank,
+)
+from tests.torchrun import torchrun
+
+
+def tiny(**overrides) -> ModelConfig:
+    return ModelConfig(**{"dim": 32, "n_layers": 4, "n_heads": 4, "vocab_size": 64, "max_seq_len": 16, **overrides})
+
+
+@pytest.mark.parametrize(("n_layers", "n_stages", "counts"), [
+    (4, 2, [2, 2]), (4, 4, [1, 1, 1, 1]), (8, 4, [2, 2, 2, 2]), (6, 4, [1, 2, 2, 1]), (5, 2, [3, 2]),
+    (3, 2, [2, 1]), (7, 3, [2, 3, 2]), (10, 4, [2, 3, 3, 2]), (1, 1, [1]), (5, 1, [5]),
+])
+def test_stage_layer_counts_balance_embedding_and_head_as_one_layer_each(n_layers, n_stages, counts):
+    assert stage_layer_counts(n_layers, n_stages) == counts
+    costs = [c + (s == 0) + (s == n_stages - 1) for s, c in enumerate(counts)]
+    assert max(costs) == -(-(n_layers + 2) // n_stages) or min(counts) == 1  # optimal unless every stage is minimal
+
+
+def test_stage_layer_names_are_consecutive_and_cover_every_layer():
+    names = stage_layer_names(7, 3)
+    assert names == [["0", "1"], ["2", "3", "4"], ["5", "6"]]
+
+
+def test_too_many_stages_are_a_user_error():
+    with pytest.raises(UserError, match="every stage needs at least one layer"):
+        stage_layer_counts(3, 4)
+
+
+def test_stages_per_rank():
+    assert [stages_per_rank(s) for s in ("gpipe", "1f1b", "interleaved_1f1b")] == [1, 1, 2]
+    with pytest.raises(UserError, match="unknown pipeline schedule"):
+        stages_per_rank("zero_bubble")
+
+
+@pytest.mark.parametrize(("schedule", "pp", "n", "ok"), [
+    ("gpipe", 4, 1, True), ("1f1b", 2, 2, True), ("1f1b", 4, 3, False), ("1f1b", 2, 5, True),
+    ("interleaved_1f1b", 2, 4, True), ("interleaved_1f1b", 2, 3, True), ("interleaved_1f1b", 2, 1, True),
+    ("interleaved_1f1b", 2, 5, False), ("interleaved_1f1b", 4, 10, True), ("interleaved_1f1b", 4, 9, False),
+])
+def test_check_microbatches(schedule, pp, n, ok):
+    if ok:
+        check_microbatches(schedule, pp, n)
+    else:
+        with pytest.raises(UserError, match="train.grad_accum_steps"):
+            check_microbatches(schedule, pp, n)
+
+
+def test_split_keeps_full_model_names_and_composes_to_the_full_forward():
+    torch.manual_seed(0)
+    model = Transformer(tiny())
+    tokens = torch.randint(0, 64, (2, 16))
+    pp, per_rank = 2, 2  # interleaved layout: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3
+    by_rank = [split_stages(model, rank, pp, per_rank) for rank in range(pp)]
+    assert [[index for index, _ in parts] for parts in by_rank] == [[0, 2], [1, 3]]
+    stages = sorted((pair for parts in by_rank for pair in parts), key=lambda pair: pair[0])
+    names = [name for _, part in stages for name in part.state_dict()]
+    assert sorted(names) == sorted(model.state_dict()) and len(names) == len(set(names))
+    assert stages[0][1].tok_embeddings is not None and stages[-1][1].output is not None
+    assert all(part.tok_embeddings is None for _, part in stages[1:])
+    assert all(part.norm is None and part.output is None for _, part in stages[:-1])
+    h = tokens
+    for _, part in stages:
+        h = part(h)
+    torch.testing.assert_close(h, model(tokens), rtol=0, atol=0)
+    for _, part in stages:  # a stage built on the meta device is initialised on its own (torchtitan's way)
+        part.init_weights()
+
+
+def test_tied_embeddings_are_rejected_with_pp():
+    model = Transformer(tiny(tie_embeddings=True))
+    with pytest.raises(UserError, match="tie_embeddings"):
+        split_stages(model, 0, 2, 1)
+    assert len(split_stages(model, 0, 1, 1)) == 1  # pp = 1: the whole model, nothing to tie across ranks
+
+
+def test_moe_is_rejected_with_pp():
+    model = Transformer(tiny(num_experts=4))
+    with pytest.raises(UserError, match="MoE model"):
+        split_stages(model, 1, 2, 1)
+
+
+PARITY_SCRIPT = textwrap.dedent('''
+    import copy, functools, json, sys
+    import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from engine.config.model import ModelConfig
+    from engine.model.transformer import Transformer
+    from engine.parallel.apply import apply_fsdp
+    from engine.parallel.pipeline import build_pipeline, pipeline_grad_norm_clip
+    from engine.train.losses import cross_entropy
+
+    out, dp, schedules = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pp = world // dp
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    cpu = torch.device("cpu")
+    ACCUM, BATCH, SEQ, STEPS, CLIP = 4, 2, 16, 5, 0.5
+    loss_fn = functools.partial(cross_entropy, z_loss_weight=1e-3)
+    torch.manual_seed(0)
+    base = Transformer(ModelConfig(dim=32, n_layers=4, n_heads=4, vocab_size=64, max_seq_len=SEQ))
+
+    def batches():
+        """The global batch of each step: ACCUM * BATCH * dp sequences."""
+        g = torch.Generator().manual_seed(1)
+        for _ in range(STEPS):
+            data = torch.randint(0, 64, (ACCUM * BATCH * dp, SEQ + 1), generator=g)
+            yield data[:, :-1], data[:, 1:]
+
+    def optimizer(params):
+        # AdamW turns rounding-level gradient differences of near-zero gradients into update differences of up
+        # to ~lr (SGD with lr=1 agrees to 6e-8 here), so a small lr keeps the 1e-5 weight bound meaningful.
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+    def reference():
+        """One process, the whole global batch as ACCUM * dp microbatches of BATCH sequences."""
+        model = copy.deepcopy(base)
+        opt, losses, norms = optimizer(model.parameters()), [], []
+        for x, y in batches():
+            total = 0.0
+            for xi, yi in zip(x.chunk(ACCUM * dp), y.chunk(ACCUM * dp)):
+                loss = loss_fn(model(xi), yi) / (ACCUM * dp)
+                loss.backward()
+                total += loss.item()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+            opt.step()
+            opt.zero_grad()
+            losses.append(total)
+        return losses, norms, model.state_dict()
+
+    def shard(part):
+        """The trainer's FSDP (each block, then the rest; no resharding between microbatches) on one stage."""
+        apply_fsdp(part, mesh["dp"], torch.float32, pipelined=True)
+        return part
+
+    def pipelined(schedule):
+        pipe = build_pipeline(copy.deepcopy(base), mesh["pp"], schedule, ACCUM, loss_fn, cpu,
+                              parallelize_stage=shard if dp > 1 else None)
+        params = [p for part in pipe.model_parts for p in part.parameters()]
+        opt, losses, norms = optimizer(params), [], []
+        dp_rank = mesh["dp"].get_local_rank()
+        for x, y in batches():
+            x, y = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]
+            loss = pipe.broadcast_loss(pipe.step(x, y), cpu)
+            dist.all_reduce(loss, group=mesh["dp"].get_group())
+            losses.append(loss.item() / dp)
+            norms.append(pipeline_grad_norm_clip(params, CLIP, pipe.group).item())
+            opt.step()
+            opt.zero_grad()
+        state = {}
+        for part in pipe.model_parts:
+            for name, value in part.state_dict().items():
+                state[name] = value.full_tensor() if hasattr(value, "full_tensor") else value
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(state, gathered, dst=0)
+        return losses, norms, gathered, pipe.has_first_stage, pipe.has_last_stage
+
+    ref_losses, ref_norms, ref_state = reference()
+    results = {"ref_losses": ref_losses, "ref_norms": ref_norms}
+    for schedule in schedules:
+        losses, norms, gathered, first, last = pipelined(schedule)
+        loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        norm_diff = max(abs(a - b) for a, b in zip(norms, ref_norms))
+        assert loss_diff < 1e-5, (schedule, rank, losses, ref_losses)
+        assert norm_diff < 1e-5, (schedule, rank, norms, ref_norms)
+        roles = [None] * world
+        dist.all_gather_object(roles, (first, last))
+        if rank == 0:
+            full = {}
+            for state in gathered:
+                full.update(state)
+            diffs = {k: (full[k] - v).abs().max().item() for k, v in ref_state.items()}
+            worst = max(diffs, key=diffs.get)
+            results[schedule] = {"loss_diff": loss_diff, "norm_diff": norm_diff, "weight_diff": diffs[worst],
+                                 "worst": worst,
+                                 "same_names": sorted(full) == sorted(ref_state), "roles": roles}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+''')
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
+
+
+def run_parity(tmp_path, nproc: int, dp: int, schedules: list[str]) -> dict:
+    """pp = nproc / dp pipeline ranks, each a group of dp FSDP ranks."""
+    script, out = tmp_path / "pp_parity.py", tmp_path / "results.json"
+    script.write_text(PARITY_SCRIPT)
+    result = torchrun(script, nproc, str(out), str(dp), *schedules, timeout=180)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return json.loads(out.read_text())
+
+
+def check_results(results: dict, schedules: list[str], pp: int) -> None:
+    clipped = [n for n in results["ref_norms"] if n > 0.5]
+    assert clipped, "the clip threshold should bite at least once so clipping is compared too"
+    for schedule in schedules:
+        row = results[schedule]
+        assert row["same_names"], schedule
+        assert row["loss_diff"] < 1e-5 and row["norm_diff"] < 1e-5 and row["weight_diff"] < 1e-5, (schedule, row)
+        roles = [tuple(r) for r in row["roles"]]
+        assert roles[0][0] and roles[-1][1], roles  # first stage on pp rank 0, last on pp rank pp-1 (loop order)
+        if schedule == "interleaved_1f1b" and pp > 1:
+            assert not roles[0][1] and not roles[-1][0], roles
+
+
+def test_pipeline_schedules_match_single_process(tmp_path):
+    """pp = 2: gpipe (2 stages), 1f1b (2 stages), interleaved_1f1b (4 stages of one layer) in one torchrun."""
+    check_results(run_parity(tmp_path, 2, 1, SCHEDULES), SCHEDULES, pp=2)
+
+
+def test_pipeline_with_fsdp_matches_single_process(tmp_path):
+    """pp = 2 × dp = 2: each stage's blocks and root sharded on the dp submesh, each dp rank half the batch."""
+    schedules = ["1f1b", "interleaved_1f1b"]
+    check_results(run_parity(tmp_path, 4, 2, schedules), schedules, pp=2)
+
