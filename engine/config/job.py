@@ -137,7 +137,9 @@ def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
         issues.append(ConfigIssue("distributed.pp", f"pp ({d.pp}) exceeds model.n_layers ({m.n_layers})"))
     if d.tp > 1:
         issues += tensor_parallel_issues(cfg)
-    for name in ("pp", "cp"):
+    if d.pp > 1:
+        issues += pipeline_issues(cfg)
+    for name in ("cp",):
         if getattr(d, name) > 1:
             issues.append(ConfigIssue(f"distributed.{name}", f"{name} > 1 is not supported yet", f"set distributed.{name} = 1"))
     return issues
@@ -163,4 +165,38 @@ def tensor_parallel_issues(cfg: JobConfig) -> list[ConfigIssue]:
     if t.mixed_precision == "fp8":
         issues.append(ConfigIssue("train.mixed_precision", "fp8 with distributed.tp > 1 is not supported yet "
                                   "(tensor-parallel float8 layers are not wired in)", "use bf16 with tensor parallelism"))
+    return issues
+
+
+def pipeline_issues(cfg: JobConfig) -> list[ConfigIssue]:
+    """What pipeline parallelism needs: a stage per layer at most, micro-batches its schedule accepts, and
+    none of what it does not support yet."""
+    m, t, d = cfg.model, cfg.train, cfg.distributed
+    stages = d.pp * (2 if d.pp_schedule == "interleaved_1f1b" else 1)
+    issues = []
+    if stages > m.n_layers:
+        issues.append(ConfigIssue("distributed.pp", f"pp = {d.pp} with pp_schedule = {d.pp_schedule!r} cuts the model "
+                                  f"into {stages} stages, but model.n_layers = {m.n_layers}: every stage needs a layer",
+                                  "lower distributed.pp, use gpipe or 1f1b, or add layers"))
+    if d.pp_schedule == "1f1b" and t.grad_accum_steps < d.pp:
+        issues.append(ConfigIssue("train.grad_accum_steps", f"{t.grad_accum_steps} pipeline micro-batches are fewer "
+                                  f"than distributed.pp = {d.pp}, which pp_schedule = '1f1b' needs",
+                                  f"set train.grad_accum_steps >= {d.pp} (and halve train.batch_size to keep the batch)"))
+    rounds = max(1, t.grad_accum_steps // d.pp)
+    if d.pp_schedule == "interleaved_1f1b" and t.grad_accum_steps % rounds:
+        issues.append(ConfigIssue("train.grad_accum_steps", f"interleaved_1f1b runs the {t.grad_accum_steps} "
+                                  f"micro-batches in rounds of distributed.pp = {d.pp}", f"use a multiple of {d.pp}"))
+    unsupported = [
+        (m.tie_embeddings, "model.tie_embeddings", "tied embeddings: the embedding (first stage) and the output "
+         "head (last stage) live on different ranks"),
+        (m.is_moe, "model.num_experts", "MoE models: the routers' auxiliary losses are not carried through the stages"),
+        (t.loss_fn == "chunked_cross_entropy", "train.loss_fn", "chunked cross-entropy: the last stage computes "
+         "the loss from its logits"),
+        (cfg.eval.enabled, "eval.enabled", "evaluation"),
+        (t.mixed_precision == "fp16", "train.mixed_precision", "fp16 loss scaling"),
+    ]
+    for applies, field, what in unsupported:
+        if applies:
+            issues.append(ConfigIssue(field, f"pipeline parallelism (distributed.pp = {d.pp}) does not support {what} yet",
+                                      "use distributed.pp = 1 for this run"))
     return issues

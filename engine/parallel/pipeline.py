@@ -211,3 +211,17 @@ def pipeline_grad_norm_clip(parameters: Iterable[torch.Tensor], max_norm: float,
     total = squared.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
+
+
+def stage_union(parts: list[nn.Module]) -> nn.Module:
+    """One module holding this rank's stage parts under the full model's names (the parts' own modules, not
+    copies): what the optimizer and the checkpoints see, so a pipelined run's parameter groups and
+    checkpoint keys are those of the unpipelined model, and a checkpoint moves between layouts."""
+    union = nn.Module()
+    union.layers = nn.ModuleDict()
+    for part in parts:
+        union.layers.update(part.layers)
+        for name in ("tok_embeddings", "norm", "output"):
+            if getattr(part, name) is not None:
+                setattr(union, name, getattr(part, name))
+    return union

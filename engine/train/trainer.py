@@ -12,6 +12,7 @@ the uninterrupted one would have: same weights, optimizer state, LR schedule, RN
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -44,6 +45,7 @@ from engine.model.transformer import Transformer
 from engine.parallel.apply import float8_all_gather, parallelize
 from engine.parallel.launch import ProcessPlace, device_for, join_process_group, leave_process_group, process_place
 from engine.parallel.mesh import ParallelDims, ParallelMesh, build_mesh
+from engine.parallel.pipeline import Pipeline, build_pipeline, pipeline_grad_norm_clip, stage_union
 from engine.parallel.tp import loss_context, uses_loss_parallel
 from engine.resilience.anomaly import StepGuard, TrainingDiverged
 from engine.resilience.collectives import any_rank, distributed
@@ -51,7 +53,7 @@ from engine.resilience.health import check_collectives
 from engine.resilience.signals import Preempted, StopRequest
 from engine.train import precision
 from engine.train.hooks import TrainHooks
-from engine.train.losses import ModelLoss, build_loss
+from engine.train.losses import ModelLoss, build_loss, cross_entropy
 from engine.train.optim import build_optimizer, current_lr, eval_mode
 from engine.train.profiling import ProfilerWindow
 from engine.train.reporting import Reporter, SilentReporter
@@ -135,6 +137,7 @@ class Job:
     guard: StepGuard
     place: ProcessPlace = ProcessPlace(0, 0, 1)
     mesh: ParallelMesh | None = None
+    pipeline: Pipeline | None = None  # pipeline parallelism: `model` is then this rank's stages (`stage_union`)
     float8_all_gather: bool = False  # FSDP gathers float8 weights: their scales are computed after each update
     loss_parallel: bool = False  # the logits stay vocabulary-sharded over the tensor-parallel ranks
     start_step: int = 0
@@ -189,19 +192,33 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     starts_fresh = not (resuming and complete_checkpoints(checkpoint_root(cfg, run_dir)))
     if starts_fresh and cfg.checkpoint.load_path is not None:  # into the whole model, before it is sharded
         initialize_from(Path(cfg.checkpoint.load_path), model, cfg.checkpoint.exclude_from_loading)
-    model = parallelize(model, cfg, mesh)
+    pipeline = None
+    if dims.pp > 1:
+        pipeline = pipelined(model, cfg, mesh, device)
+        model = stage_union(pipeline.model_parts)
+    else:
+        model = parallelize(model, cfg, mesh)
     optimizer = build_optimizer(model, cfg.optimizer)
     job = Job(cfg=cfg, run_dir=run_dir, device=device, dtype=dtype, model=model, optimizer=optimizer,
               scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps),
               scaler=precision.grad_scaler(device, dtype), train_data=train_data, eval_data=eval_data,
               summary=job_summary(cfg, place.world_size), peak_flops=peak_flops(device, dtype),
               checkpointer=Checkpointer(checkpoint_root(cfg, run_dir), cfg.checkpoint, device),
-              guard=StepGuard(cfg.train), place=place, mesh=mesh, float8_all_gather=float8_all_gather(cfg, mesh, device),
+              guard=StepGuard(cfg.train), place=place, mesh=mesh, pipeline=pipeline,
+              float8_all_gather=float8_all_gather(cfg, mesh, device),
               loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn))
     restored = job.checkpointer.restore(model, optimizer) if resuming else None
     if restored is not None:
         restore(job, *restored)
     return job
+
+
+def pipelined(model: Transformer, cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> Pipeline:
+    """This rank's pipeline stages, each parallelized like a whole model would be. The pipeline's
+    micro-batches are the step's `train.grad_accum_steps` micro-batches."""
+    loss = functools.partial(cross_entropy, z_loss_weight=cfg.train.z_loss_weight)
+    return build_pipeline(model, mesh.get("pp"), cfg.distributed.pp_schedule, cfg.train.grad_accum_steps, loss, device,
+                          parallelize_stage=lambda part: parallelize(part, cfg, mesh, pipelined=True))
 
 
 def restore(job: Job, path: Path, state: dict[str, Any]) -> None:
@@ -344,20 +361,18 @@ class StepResult:
 def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHooks) -> StepResult:
     """One optimizer step over grad_accum_steps micro-batches, or none when the step is bad (non-finite,
     or a loss spike): its batches are then consumed without an update, on every rank alike."""
-    accum = job.cfg.train.grad_accum_steps
     hooks.before_step(step, job)
-    loss_sum = torch.zeros((), device=job.device)
-    for _ in range(accum):
-        inputs, labels = (t.to(job.device, non_blocking=True) for t in next(batches))
-        with job.loss_context():
-            with job.autocast():
-                loss = loss_fn(job.model, inputs, labels) / accum
-            job.scaler.scale(loss).backward()
-        loss_sum += local_value(loss.detach())
+    if job.pipeline is not None:
+        loss_sum = pipeline_forward_backward(job, batches)
+    else:
+        loss_sum = forward_backward(job, batches, loss_fn)
     hooks.after_backward(step, job)
     job.scaler.unscale_(job.optimizer)
     max_norm = job.cfg.train.grad_clip_norm or math.inf  # 0 = no clipping; the norm is still reported
-    grad_norm = clip_gradients(list(job.model.parameters()), max_norm)
+    if job.pipeline is not None:
+        grad_norm = pipeline_grad_norm_clip(job.model.parameters(), max_norm, job.pipeline.group)
+    else:
+        grad_norm = clip_gradients(list(job.model.parameters()), max_norm)
     lr = current_lr(job.optimizer)
     loss_value, norm_value = torch.stack([mean_over_ranks(loss_sum), grad_norm.float()]).tolist()  # the one sync per step
     problem = job.guard.problem(loss_value, norm_value, scaler_handles_overflow=job.scaler.is_enabled())
@@ -377,6 +392,30 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
     return StepResult(loss_value, norm_value, lr, problem)
+
+
+def forward_backward(job: Job, batches: Iterator, loss_fn: ModelLoss) -> torch.Tensor:
+    """Gradients of the step's mean loss, accumulated over its micro-batches; → that loss (not synced)."""
+    accum = job.cfg.train.grad_accum_steps
+    loss_sum = torch.zeros((), device=job.device)
+    for _ in range(accum):
+        inputs, labels = (t.to(job.device, non_blocking=True) for t in next(batches))
+        with job.loss_context():
+            with job.autocast():
+                loss = loss_fn(job.model, inputs, labels) / accum
+            job.scaler.scale(loss).backward()
+        loss_sum += local_value(loss.detach())
+    return loss_sum
+
+
+def pipeline_forward_backward(job: Job, batches: Iterator) -> torch.Tensor:
+    """The same through the pipeline schedule, which takes the step's micro-batches at once and splits them
+    again; → the loss, on every pipeline rank."""
+    micro = [next(batches) for _ in range(job.cfg.train.grad_accum_steps)]
+    inputs, labels = (torch.cat(parts).to(job.device, non_blocking=True) for parts in zip(*micro))
+    with job.autocast():
+        loss = job.pipeline.step(inputs, labels)
+    return job.pipeline.broadcast_loss(loss, job.device)
 
 
 def local_value(value: torch.Tensor) -> torch.Tensor:
@@ -553,7 +592,7 @@ def step_metrics(job: Job, step: int, result: StepResult, tokens_per_sec: float,
     return {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
             "tokens_per_sec": tokens_per_sec, "mfu": mfu(job.summary["flops_per_token"], tokens_per_sec, peak),
             "tokens_seen": tokens_seen, "elapsed_sec": time.perf_counter() - started, **job.guard.metrics(),
-            **memory_per_rank(job.device), **job.model.moe_stats()}
+            **memory_per_rank(job.device), **(job.model.moe_stats() if isinstance(job.model, Transformer) else {})}
 
 
 def memory_per_rank(device: torch.device) -> dict[str, float]:
