@@ -118,7 +118,7 @@ def assert_user_error(result: subprocess.CompletedProcess, *needles: str) -> Non
     (["presets/debug.toml", "--data.dataset_path=/no/such/dir", "--eval.enabled=false"], ["/no/such/dir"]),
     (["presets/debug.toml", "--data.dataset_path=/no/such/dir"], ["eval.dataset_path"]),
     (["presets/debug.toml", "--model.vocab_size=1000"], ["vocab"]),
-    (["presets/debug.toml", "--distributed.tp=2"], ["distributed.tp"]),
+    (["presets/debug.toml", "--distributed.tp=2"], ["does not multiply to the world size 1"]),
     (["presets/debug.toml", "stray"], ["stray"]),
     (["presets/debug.toml", "--model.sdpa_backend=efficient"], ["model.sdpa_backend"]),
     (["presets/debug.toml", "--data.dataset_path=/data/[red]x[/]", "--eval.enabled=false"], ["/data/[red]x[/]"]),

@@ -15,6 +15,7 @@ class DistributedConfig(Section):
     tp: int = Field(1, gt=0, description="tensor-parallel degree")
     pp: int = Field(1, gt=0, description="pipeline-parallel degree")
     cp: int = Field(1, gt=0, description="context-parallel degree")
+    ep: int = Field(1, gt=0, description="expert-parallel degree (MoE): experts sharded over ep of the dp_shard ranks")
     pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
         "1f1b", description="pipeline schedule when pp > 1; interleaved_1f1b runs two stages per rank")
     nccl_timeout_sec: float = Field(

@@ -126,6 +126,7 @@ def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []
     dp_shard = d.resolved_dp_shard(world_size)
     degrees = f"dp_replicate={d.dp_replicate} × dp_shard={d.dp_shard} × tp={d.tp} × pp={d.pp} × cp={d.cp}"
+    # (ep is not a factor: the experts are split over ep of the dp_shard ranks)
     if d.dp_shard == 0 or d.dp_shard < -1:
         issues.append(ConfigIssue("distributed.dp_shard", f"must be -1 or >= 1, got {d.dp_shard}"))
     elif dp_shard == 0 or d.dp_replicate * dp_shard * d.tp * d.pp * d.cp != world_size:
@@ -139,6 +140,8 @@ def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
         issues += tensor_parallel_issues(cfg)
     if d.pp > 1:
         issues += pipeline_issues(cfg)
+    if d.ep > 1:
+        issues += expert_parallel_issues(cfg, dp_shard)
     for name in ("cp",):
         if getattr(d, name) > 1:
             issues.append(ConfigIssue(f"distributed.{name}", f"{name} > 1 is not supported yet", f"set distributed.{name} = 1"))
@@ -159,9 +162,6 @@ def tensor_parallel_issues(cfg: JobConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("distributed.tp", f"tensor parallelism of MoE models (model.num_experts = "
                                   f"{m.num_experts}) is not supported yet", "set distributed.tp = 1 (shard with "
                                   "dp_shard, and the experts with distributed.ep)"))
-    if cfg.distributed.pp > 1:
-        issues.append(ConfigIssue("distributed.tp", "tensor parallelism together with pipeline parallelism is not "
-                                  "supported yet", "use one of them, with dp_shard for the rest"))
     if t.mixed_precision == "fp8":
         issues.append(ConfigIssue("train.mixed_precision", "fp8 with distributed.tp > 1 is not supported yet "
                                   "(tensor-parallel float8 layers are not wired in)", "use bf16 with tensor parallelism"))
@@ -199,4 +199,31 @@ def pipeline_issues(cfg: JobConfig) -> list[ConfigIssue]:
         if applies:
             issues.append(ConfigIssue(field, f"pipeline parallelism (distributed.pp = {d.pp}) does not support {what} yet",
                                       "use distributed.pp = 1 for this run"))
+    return issues
+
+
+def expert_parallel_issues(cfg: JobConfig, dp_shard: int) -> list[ConfigIssue]:
+    """Expert parallelism: experts split over ep of the dp_shard ranks, for MoE models in the layouts it is
+    tested with."""
+    m, d, ep = cfg.model, cfg.distributed, cfg.distributed.ep
+    if not m.is_moe:
+        return [ConfigIssue("distributed.ep", f"ep = {ep} needs a mixture-of-experts model (model.num_experts > 0)",
+                            "set distributed.ep = 1, or model.num_experts")]
+    issues = []
+    if m.num_experts % ep:
+        issues.append(ConfigIssue("distributed.ep", f"model.num_experts = {m.num_experts} is not divisible by ep = {ep}"))
+    if dp_shard and dp_shard % ep:
+        issues.append(ConfigIssue("distributed.ep", f"ep = {ep} must divide dp_shard = {dp_shard}: the experts are "
+                                  "split over data-parallel shard ranks", "choose ep among the divisors of dp_shard"))
+    if not m.moe_packed_experts:
+        issues.append(ConfigIssue("model.moe_packed_experts", "distributed.ep > 1 needs packed experts (one tensor "
+                                  "per projection, split over the expert dimension)", "set model.moe_packed_experts = true"))
+    if m.moe_gradient_scale:
+        issues.append(ConfigIssue("model.moe_gradient_scale", "is not supported with distributed.ep > 1 yet",
+                                  "set it to false, or distributed.ep = 1"))
+    for applies, field in [(d.dp_replicate > 1, "distributed.dp_replicate"), (d.cp > 1, "distributed.cp"),
+                           (cfg.train.compile_model, "train.compile_model")]:
+        if applies:
+            issues.append(ConfigIssue(field, "is not supported with expert parallelism (distributed.ep > 1) yet",
+                                      "use distributed.ep = 1 for this"))
     return issues

@@ -1,12 +1,15 @@
 """The mixture-of-experts feed-forward: a router picks `moe_top_k` of `num_experts` SwiGLU experts per
 token, their outputs are mixed by the router's weights, and optional shared experts process every token.
 
-Expert compute has two implementations that compute the same thing:
-- `grouped` (default where PyTorch has it): the (token, expert) assignments are sorted by expert and each
-  projection runs as one grouped matrix multiply (`F.grouped_mm` / `torch._grouped_mm`) over the jagged
-  per-expert groups — one kernel per projection whatever the number of experts.
-- `loop`: a plain Python loop over experts; the reference the grouped path is tested against, and the
-  fallback where grouped_mm is missing.
+The (token, expert) assignments are sorted by expert, the experts module runs on the sorted rows
+(`MoE.routed_experts`, the seam expert parallelism replaces to send the rows to the ranks holding their
+experts), and the outputs are weighted and added back at their tokens. Expert compute has two
+implementations that compute the same thing:
+- `grouped` (default where PyTorch has it): each projection runs as one grouped matrix multiply
+  (`F.grouped_mm` / `torch._grouped_mm`) over the jagged per-expert groups — one kernel per projection
+  whatever the number of experts.
+- `loop`: a plain Python loop over the experts' groups; the fallback where grouped_mm is missing.
+`looped_experts`, which gathers each expert's tokens by itself, is the reference both are tested against.
 
 With `moe_capacity_factor`, assignments beyond an expert's capacity (in token order) are dropped: their
 weight becomes 0, so the token keeps only its residual (and shared-expert) path for that expert. They
@@ -51,9 +54,15 @@ class PackedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         e, d, h = cfg.num_experts, cfg.dim, cfg.expert_ffn_dim
+        self.act = ACTIVATIONS.get(cfg.activation)
         self.w1 = nn.Parameter(torch.empty(e, d, h))
         self.w3 = nn.Parameter(torch.empty(e, d, h))
         self.w2 = nn.Parameter(torch.empty(e, h, d))
+
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor, implementation: str,
+                grad_factor: torch.Tensor | None = None) -> torch.Tensor:
+        """See `run_experts`. A module call (not a bare use of the weights) so that FSDP gathers them."""
+        return run_experts(self.stacked(), self.act, xs, counts, implementation, grad_factor)
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.w1, self.w3, self.w2
@@ -80,6 +89,12 @@ class ExpertList(nn.ModuleList):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(Expert(cfg) for _ in range(cfg.num_experts))
+        self.act = ACTIVATIONS.get(cfg.activation)
+
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor, implementation: str,
+                grad_factor: torch.Tensor | None = None) -> torch.Tensor:
+        """See `run_experts`."""
+        return run_experts(self.stacked(), self.act, xs, counts, implementation, grad_factor)
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(torch.stack([getattr(e, name) for e in self]) for name in ("w1", "w3", "w2"))  # type: ignore[return-value]
@@ -98,7 +113,6 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.moe_capacity_factor
         self.gradient_scale = cfg.moe_gradient_scale
         self.loss_weights = (cfg.moe_aux_loss_weight, cfg.moe_sequence_aux_loss_weight, cfg.moe_router_z_loss_weight)
-        self.act = ACTIVATIONS.get(cfg.activation)
         self.router = build_router(cfg)
         self.experts = PackedExperts(cfg) if cfg.moe_packed_experts else ExpertList(cfg)
         self.shared = GatedMLP(cfg, cfg.moe_shared_experts * cfg.expert_ffn_dim) if cfg.moe_shared_experts else None
@@ -116,15 +130,21 @@ class MoE(nn.Module):
             load = tokens_per_expert(routing.experts.masked_fill(~kept, self.num_experts), self.num_experts + 1)[:-1]
         else:
             load = tokens_per_expert(routing.experts, self.num_experts)
-        w1, w3, w2 = self.experts.stacked()
-        if self.gradient_scale:
-            factor = (load.mean() / load.clamp(min=1)).to(w1.dtype)
-            w1, w3, w2 = (scale_grad(w, factor) for w in (w1, w3, w2))
-        compute = grouped_experts if self.implementation == "grouped" else looped_experts
-        out = compute(tokens, routing.experts, weights, w1, w3, w2, self.act)
+        grad_factor = load.mean() / load.clamp(min=1) if self.gradient_scale else None
+        out = self.routed_experts(tokens, routing.experts, weights, grad_factor)
         if self.shared is not None:
             out = out + self.shared(tokens)
         return out.view_as(x), self.stats(routing, x.shape[0], load, dropped)
+
+    def routed_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                       grad_factor: torch.Tensor | None) -> torch.Tensor:
+        """Σₖ weights[t, k] · expert[experts[t, k]](x[t]) for x [tokens, dim], on this device: sort the
+        assignments by expert, run the experts, weigh and add the outputs at their tokens. The one seam
+        expert parallelism (engine/parallel/expert.py) replaces, per instance, to exchange the sorted tokens
+        between ranks around the `self.experts` call."""
+        order, token, counts = sort_by_expert(experts, self.num_experts)
+        y = self.experts(x[token].to(matmul_dtype(x)), counts, self.implementation, grad_factor)
+        return combine(x, token, y, weights.flatten()[order])
 
     def capacity(self, tokens: int) -> int:
         assert self.capacity_factor is not None
@@ -162,15 +182,48 @@ def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     """Σₖ weights[t, k] · expert[experts[t, k]](x[t]) for every token t, through grouped matrix multiplies.
 
     x [tokens, dim]; experts, weights [tokens, k]; w1, w3 [E, dim, hidden]; w2 [E, hidden, dim]."""
-    assert GROUPED_MM is not None
-    k, dtype = experts.shape[1], matmul_dtype(x)
+    order, token, counts = sort_by_expert(experts, w1.shape[0])
+    xs = x[token].to(matmul_dtype(x))
+    y = sorted_experts(xs, counts, w1, w3, w2, act, "grouped")
+    return combine(x, token, y, weights.flatten()[order])
+
+
+def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """experts [tokens, k] → (order, token, counts): the flat assignments sorted by expert (stable, so in
+    token order within an expert), the token of each sorted assignment, and assignments per expert [E]."""
     flat = experts.flatten()
     order = flat.argsort(stable=True)
-    token = order // k
-    offsets = torch.bincount(flat, minlength=w1.shape[0]).cumsum(0).to(torch.int32)
-    xs = x[token].to(dtype)
-    hidden = act(grouped_mm(xs, w1.to(dtype), offsets)) * grouped_mm(xs, w3.to(dtype), offsets)
-    y = grouped_mm(hidden, w2.to(dtype), offsets) * weights.flatten()[order, None].to(dtype)
+    return order, order // experts.shape[1], torch.bincount(flat, minlength=num_experts)
+
+
+def run_experts(weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], act: Callable, xs: torch.Tensor,
+                counts: torch.Tensor, implementation: str, grad_factor: torch.Tensor | None) -> torch.Tensor:
+    """`sorted_experts` with the stacked (w1, w3, w2); with grad_factor [E], expert e's weight gradients are
+    multiplied by grad_factor[e] (`model.moe_gradient_scale`)."""
+    if grad_factor is not None:
+        weights = tuple(scale_grad(w, grad_factor.to(w.dtype)) for w in weights)
+    return sorted_experts(xs, counts, *weights, act, implementation)
+
+
+def sorted_experts(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                   act: Callable, implementation: str) -> torch.Tensor:
+    """Unweighted expert outputs for rows already sorted by expert: the first counts[0] rows of xs [n, dim]
+    go to expert 0, the next counts[1] to expert 1, … Computed in xs's dtype; `grouped` is one grouped
+    matrix multiply per projection, `loop` one expert at a time."""
+    dtype = xs.dtype
+    w1, w3, w2 = w1.to(dtype), w3.to(dtype), w2.to(dtype)
+    if implementation == "grouped":
+        offsets = counts.cumsum(0).to(torch.int32)
+        hidden = act(grouped_mm(xs, w1, offsets)) * grouped_mm(xs, w3, offsets)
+        # Not through `ContiguousGrad`, whose output is a view, which FSDP warns about for a module's output.
+        # The callers (`combine`, the expert-parallel exchange) index or multiply it: contiguous gradients.
+        return GROUPED_MM(hidden, w2, offs=offsets)
+    return torch.cat([(act(rows @ w1[e]) * (rows @ w3[e])) @ w2[e] for e, rows in enumerate(xs.split(counts.tolist()))])
+
+
+def combine(x: torch.Tensor, token: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ over the sorted assignments of weights · y, added into a zero tensor like x at their tokens."""
+    y = y * weights[:, None].to(y.dtype)
     return x.new_zeros(x.shape).index_add(0, token, y.to(x.dtype))
 
 
@@ -214,6 +267,8 @@ class ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if grad.numel() == 0:  # an expert-parallel rank that received no token: `contiguous` keeps stride 0
+            return torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
         return grad.contiguous()
 
 

@@ -22,5 +22,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim]."""
+    """x: [batch, heads, seq, head_dim]; cos/sin: [≥ seq, head_dim], of which the first seq rows are used."""
+    seq = x.shape[-2]
+    cos, sin = cos[:seq], sin[:seq]
     return (x * cos + rotate_half(x) * sin).to(x.dtype)

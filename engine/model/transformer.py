@@ -76,7 +76,10 @@ class Transformer(nn.Module):
         as `tokens`; one without `output` returns its last block's hidden states (not normed)."""
         seq = tokens.shape[1]
         start = 0 if cache is None else cache.length
-        cos, sin = self.rope_cos[start:start + seq], self.rope_sin[start:start + seq]
+        # A later pipeline stage under sequence parallelism gets only its share of the positions, so `seq` is
+        # not the attention's length there: it takes the tables from `start` on (apply_rope cuts them).
+        end = start + seq if self.tok_embeddings is not None else None
+        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         training = self.training and torch.is_grad_enabled()
         if training:
             self.apply_router_bias_updates()

@@ -18,6 +18,7 @@ from engine.config.job import JobConfig
 from engine.errors import UserError
 from engine.model.transformer import Transformer
 from engine.parallel.activation_checkpoint import apply_activation_checkpointing
+from engine.parallel.expert import apply_expert_parallel, fully_shard_experts
 from engine.parallel.float8 import convert_to_float8
 from engine.parallel.mesh import ParallelMesh
 from engine.parallel.tp import apply_tensor_parallel, uses_loss_parallel
@@ -41,7 +42,8 @@ def check_compilable(model: Transformer, cfg: JobConfig) -> None:
                         "set train.mixed_precision = \"bf16\", or train.compile_model = false")
 
 
-def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype, *, pipelined: bool = False) -> None:
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype, *, pipelined: bool = False,
+               expert_mesh: DeviceMesh | None = None) -> None:
     """FSDP2 over `mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP), each block its own unit, then the rest.
 
     Parameters live sharded in fp32; forward and backward all-gather them in `param_dtype` (the compute
@@ -51,6 +53,8 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype, *
     parallelism nothing reshards: every micro-batch would gather each block again.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if expert_mesh is not None:  # expert-parallel experts: sharded over the ranks that hold the same experts
+        fully_shard_experts(model, expert_mesh, mp_policy=policy, reshard_after_forward=not pipelined)
     blocks = list(model.layers.values())
     for index, block in enumerate(blocks):
         fully_shard(block, mesh=mesh, mp_policy=policy,
@@ -72,7 +76,11 @@ def parallelize(model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None = 
     device = model.rope_cos.device
     tp_mesh = mesh.get("tp") if mesh is not None else None
     if tp_mesh is not None:
-        apply_tensor_parallel(model, tp_mesh, loss_parallel=uses_loss_parallel(tp_mesh.size(), cfg.train.loss_fn))
+        apply_tensor_parallel(model, tp_mesh, loss_parallel=uses_loss_parallel(tp_mesh.size(), cfg.train.loss_fn,
+                                                                                cfg.distributed.pp))
+    ep_mesh = mesh.get("ep") if mesh is not None else None
+    if ep_mesh is not None:
+        apply_expert_parallel(model, ep_mesh)
     if cfg.train.mixed_precision == "fp8":
         convert_to_float8(model, cfg.train.fp8_recipe, fsdp_float8_all_gather=float8_all_gather(cfg, mesh, device))
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
@@ -80,5 +88,6 @@ def parallelize(model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None = 
         check_compilable(model, cfg)
         apply_compile(model)
     if mesh is not None and mesh.fsdp is not None:
-        apply_fsdp(model, mesh.fsdp, precision.compute_dtype(cfg.train.mixed_precision, device), pipelined=pipelined)
+        apply_fsdp(model, mesh.fsdp, precision.compute_dtype(cfg.train.mixed_precision, device), pipelined=pipelined,
+                   expert_mesh=mesh.get("expert_dp"))
     return model

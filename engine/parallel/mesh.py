@@ -31,11 +31,12 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # not a dimension of its own: ep of the dp_shard ranks split the experts among them
 
     @classmethod
     def from_config(cls, cfg: DistributedConfig, world_size: int) -> "ParallelDims":
         dims = cls(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=cfg.resolved_dp_shard(world_size),
-                   cp=cfg.cp, tp=cfg.tp)
+                   cp=cfg.cp, tp=cfg.tp, ep=cfg.ep)
         assert dims.world_size == world_size, f"{dims} does not fill {world_size} ranks (config validation missed it)"
         return dims
 
@@ -51,8 +52,13 @@ class ParallelDims:
     def mesh_dims(self) -> list[tuple[str, int]]:
         degrees = {name: getattr(self, name) for name in MESH_DIMS}
         data_parallel = self.dp > 1
-        return [(name, size) for name, size in degrees.items()
+        dims = [(name, size) for name, size in degrees.items()
                 if size > 1 or (data_parallel and name in ("dp_replicate", "dp_shard"))]
+        if self.ep == 1:
+            return dims
+        # dp_shard = expert_dp × ep: ep neighbouring ranks hold different experts, expert_dp copies of each.
+        at = [name for name, _ in dims].index("dp_shard")
+        return dims[:at] + [("expert_dp", self.dp_shard // self.ep), ("ep", self.ep)] + dims[at + 1:]
 
 
 @dataclass
@@ -64,7 +70,10 @@ class ParallelMesh:
 
     def __post_init__(self) -> None:
         # Flattening creates a process group (a collective on every rank): once, here, on all ranks alike.
-        self.dp = self.mesh["dp_replicate", "dp_shard"]._flatten("dp") if self.dims.dp > 1 else None
+        if self.dims.ep > 1:  # expert parallelism rules out dp_replicate > 1 (config validation)
+            self.dp = self.mesh["expert_dp", "ep"]._flatten("dp_shard")
+        else:
+            self.dp = self.mesh["dp_replicate", "dp_shard"]._flatten("dp") if self.dims.dp > 1 else None
 
     def get(self, name: str) -> DeviceMesh | None:
         names = self.mesh.mesh_dim_names or ()
@@ -75,6 +84,8 @@ class ParallelMesh:
         """What `fully_shard` shards over: (dp_replicate, dp_shard) for HSDP, dp_shard alone for FSDP."""
         if self.dp is None:
             return None
+        if self.dims.ep > 1:
+            return self.dp
         return self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
 
     @property

@@ -53,15 +53,14 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, loss_paral
     With `loss_parallel`, the forward returns vocabulary-sharded DTensor logits and the loss and its backward
     must run inside `loss_context(True)`; the loss is then a replicated DTensor (`.item()` works)."""
     assert not model.cfg.is_moe, "tp > 1 with an MoE model should have been rejected by config validation"
-    assert model.tok_embeddings is not None and model.output is not None, \
-        "tp > 1 with pipeline stages should have been rejected by config validation"
-    parallelize_module(model, tp_mesh, {
+    plan = {  # a pipeline stage has only some of these
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1),
                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
-    })
+    }
+    parallelize_module(model, tp_mesh, {name: style for name, style in plan.items() if getattr(model, name) is not None})
     for block in model.layers.values():
         parallelize_block(block, tp_mesh)
     if model.cfg.tie_embeddings:
@@ -101,6 +100,7 @@ def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
     return loss_parallel() if enabled else contextlib.nullcontext()
 
 
-def uses_loss_parallel(tp: int, loss_fn: str) -> bool:
-    """Loss parallel pays whenever there is TP and the loss takes the logits from the model."""
-    return tp > 1 and loss_fn in LOSS_PARALLEL_LOSSES
+def uses_loss_parallel(tp: int, loss_fn: str, pp: int = 1) -> bool:
+    """Loss parallel pays whenever there is TP and the loss takes the logits from the model; not under pipeline
+    parallelism, whose schedule computes the loss itself and hands plain tensors between stages."""
+    return tp > 1 and pp == 1 and loss_fn in LOSS_PARALLEL_LOSSES

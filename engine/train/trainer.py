@@ -44,6 +44,8 @@ from engine.model.attention import CPU_SDPA_BACKENDS
 from engine.model.transformer import Transformer
 from engine.parallel.apply import float8_all_gather, parallelize
 from engine.parallel.launch import ProcessPlace, device_for, join_process_group, leave_process_group, process_place
+from engine.parallel.expert import all_reduce_router_load
+from engine.parallel.grad_norm import clip_grad_norm
 from engine.parallel.mesh import ParallelDims, ParallelMesh, build_mesh
 from engine.parallel.pipeline import Pipeline, build_pipeline, pipeline_grad_norm_clip, stage_union
 from engine.parallel.tp import loss_context, uses_loss_parallel
@@ -206,7 +208,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
               checkpointer=Checkpointer(checkpoint_root(cfg, run_dir), cfg.checkpoint, device),
               guard=StepGuard(cfg.train), place=place, mesh=mesh, pipeline=pipeline,
               float8_all_gather=float8_all_gather(cfg, mesh, device),
-              loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn))
+              loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn, dims.pp))
     restored = job.checkpointer.restore(model, optimizer) if resuming else None
     if restored is not None:
         restore(job, *restored)
@@ -372,7 +374,7 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
     if job.pipeline is not None:
         grad_norm = pipeline_grad_norm_clip(job.model.parameters(), max_norm, job.pipeline.group)
     else:
-        grad_norm = clip_gradients(list(job.model.parameters()), max_norm)
+        grad_norm = clip_grad_norm(job.model.parameters(), max_norm)
     lr = current_lr(job.optimizer)
     loss_value, norm_value = torch.stack([mean_over_ranks(loss_sum), grad_norm.float()]).tolist()  # the one sync per step
     problem = job.guard.problem(loss_value, norm_value, scaler_handles_overflow=job.scaler.is_enabled())
@@ -405,6 +407,8 @@ def forward_backward(job: Job, batches: Iterator, loss_fn: ModelLoss) -> torch.T
                 loss = loss_fn(job.model, inputs, labels) / accum
             job.scaler.scale(loss).backward()
         loss_sum += local_value(loss.detach())
+        if job.mesh is not None and job.mesh.dp is not None and job.cfg.model.is_moe:
+            all_reduce_router_load(job.model, job.mesh.dp.get_group())  # every rank balances on the global load
     return loss_sum
 
 
@@ -421,17 +425,6 @@ def pipeline_forward_backward(job: Job, batches: Iterator) -> torch.Tensor:
 def local_value(value: torch.Tensor) -> torch.Tensor:
     """A loss as a plain tensor (under loss parallel it is a replicated DTensor)."""
     return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Scale the gradients so their global norm is at most `max_norm`; return that norm before scaling.
-    Sharded gradients (DTensors) count whole: their norm is reduced over the mesh."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
-    return norm
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,144 @@
+"""Expert parallelism: the experts of every MoE layer are split over the `ep` ranks, and each token's hidden
+state travels to the rank that holds its expert and back.
+
+Layout (as in torchtitan): the ep ranks are data-parallel ranks — each trains on its own data — carved out of
+dp_shard. Each holds num_experts / ep experts and runs them on the tokens routed to them by every rank of
+its ep group:
+
+    sort own assignments by expert → all_to_all_single (uneven splits) → regroup by local expert → local
+    experts → ungroup → all_to_all_single back → weight and add at the owning tokens
+
+Routing, capacity, auxiliary losses and load statistics stay on the token's own rank, so each rank computes
+exactly what plain data parallelism (ep = 1) computes for its data.
+
+Expert parameters become DTensors sharded on the expert dimension over the ep mesh (`Shard(0)`): the state
+dict keeps the full [num_experts, …] tensors under the same names, so a DCP checkpoint loads under any ep.
+
+Gradients. With data parallelism over D ranks the step uses (1/D) Σ_r ∇L_r, L_r being rank r's mean loss.
+An expert's local gradient already sums the contributions of the losses of all ep ranks of its group (the
+backward of the exchange brings them back), so averaging it over the D/ep ranks that hold the same experts
+(FSDP over the dp ranks outside ep, `fully_shard_experts`) gives ep/D Σ_r ∇L_r. The exchange therefore
+scales expert weight gradients by 1/ep in the graph; gradients of the tokens themselves are left alone.
+Non-expert parameters are averaged over all D data-parallel ranks as usual.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from engine.errors import UserError
+from engine.model.moe import MoE, PackedExperts, combine, matmul_dtype, scale_grad, sort_by_expert
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [module for module in model.modules() if isinstance(module, MoE)]
+
+
+def check_expert_parallel(moe: MoE, ep: int) -> None:
+    """What expert parallelism needs of an MoE layer; each failure is a configuration the user chose."""
+    if moe.num_experts % ep:
+        raise UserError(f"model.num_experts = {moe.num_experts} is not divisible by distributed.ep = {ep}",
+                        "choose an ep that divides the number of experts")
+    if not isinstance(moe.experts, PackedExperts):
+        raise UserError("distributed.ep > 1 needs model.moe_packed_experts = true: per-expert parameters cannot "
+                        "be sharded over the expert dimension", "set model.moe_packed_experts = true")
+    if moe.gradient_scale:
+        raise UserError("model.moe_gradient_scale is not supported with distributed.ep > 1 yet: each expert's "
+                        "gradient would need the load of every rank that sent it tokens",
+                        "set model.moe_gradient_scale = false, or distributed.ep = 1")
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard the experts of every MoE layer of `model` over the 1-D `ep_mesh` and route tokens between its
+    ranks. Every rank must hold the same initial weights (the expert shards are taken from rank 0's).
+    Call after tensor parallelism and before FP8, activation checkpointing, compile and FSDP."""
+    assert ep_mesh.ndim == 1, "expert parallelism takes a 1-D mesh"
+    ep = ep_mesh.size()
+    layers = moe_layers(model)
+    if not layers:
+        raise UserError(f"distributed.ep = {ep} needs a mixture-of-experts model, but this one has no MoE layer",
+                        "set model.num_experts > 0, or distributed.ep = 1")
+    for moe in layers:
+        check_expert_parallel(moe, ep)
+    for moe in layers:
+        for name, param in list(moe.experts.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
+            setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        # Instance attributes shadow the methods, so the model's code stays single-device.
+        moe.routed_experts = partial(exchanged_experts, moe, ep_mesh.get_group())
+        moe.experts.stacked = partial(local_stacked, moe.experts, ep)
+
+
+def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> None:
+    """FSDP for the experts of every MoE layer over `mesh`: the data-parallel ranks that hold the same
+    experts (dp_shard / ep of them, from the same root mesh as the ep mesh). Call before `fully_shard` on
+    the blocks (over all dp ranks), which then leave these already-sharded parameters to this group."""
+    for moe in moe_layers(model):
+        fully_shard(moe.experts, mesh=mesh, **fsdp_kwargs)
+
+
+def all_reduce_router_load(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Sum the pending load of every balancing-bias router (sigmoid_topk) over the data-parallel `group`, so
+    that every rank applies the same bias update, computed from the load of the global batch as a single
+    process would. Without it each rank's bias follows its own data, the ranks' models drift apart, and a
+    checkpoint (which keeps rank 0's buffers) resumes the others with the wrong bias. Call after each
+    training backward, before the next forward (with or without expert parallelism)."""
+    for router in model.moe_routers().values():
+        if hasattr(router, "pending_load"):
+            dist.all_reduce(router.pending_load, group=group)
+
+
+def exchanged_experts(moe: MoE, group: dist.ProcessGroup, x: torch.Tensor, experts: torch.Tensor,
+                      weights: torch.Tensor, grad_factor: torch.Tensor | None) -> torch.Tensor:
+    """`MoE.routed_experts` across the ep group: the same result for this rank's tokens x [tokens, dim],
+    with each expert computed on the rank that holds it."""
+    assert grad_factor is None, "moe_gradient_scale is rejected under expert parallelism"
+    ep = dist.get_world_size(group)
+    order, token, counts = sort_by_expert(experts, moe.num_experts)
+    received_counts = exchange_counts(counts, group)  # [ep, local experts]: what each rank sends to each of mine
+    send = counts.view(ep, -1).sum(dim=1).tolist()
+    receive = received_counts.sum(dim=1).tolist()
+    received = all_to_all(x[token].to(matmul_dtype(x)), receive, send, group)
+    regroup = local_expert_order(received_counts)
+    y = moe.experts(received[regroup], received_counts.sum(dim=0), moe.implementation)
+    y = all_to_all(y[regroup.argsort()], send, receive, group)
+    return combine(x, token, y, weights.flatten()[order])
+
+
+def local_stacked(experts: PackedExperts, ep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`PackedExperts.stacked` under expert parallelism: this rank's experts as plain tensors, with their
+    gradients scaled by 1/ep (see the module docstring)."""
+    local = [w.to_local() for w in (experts.w1, experts.w3, experts.w2)]
+    factor = torch.full((local[0].shape[0],), 1.0 / ep, dtype=local[0].dtype, device=local[0].device)
+    return tuple(scale_grad(w, factor) for w in local)  # type: ignore[return-value]
+
+
+def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """counts [num_experts] of this rank's assignments → [ep, local experts]: row s holds how many of rank
+    s's assignments go to each of this rank's experts. A functional collective, like the token exchange, so
+    that selective activation checkpointing keeps its output instead of exchanging again in backward."""
+    received = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, group))
+    return received.view(dist.get_world_size(group), -1)
+
+
+def local_expert_order(received_counts: torch.Tensor) -> torch.Tensor:
+    """Rows arrive grouped by source rank, then by local expert; the permutation that groups them by local
+    expert (then source rank), as `sorted_experts` wants them."""
+    ranks, experts = received_counts.shape
+    expert_of_row = torch.arange(experts, device=received_counts.device).repeat(ranks)
+    return expert_of_row.repeat_interleave(received_counts.flatten()).argsort(stable=True)
+
+
+def all_to_all(rows: torch.Tensor, output_splits: list[int], input_splits: list[int],
+               group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable all_to_all_single with uneven splits of rows [n, …] (its backward is the reverse
+    exchange). The functional collective, waited for at once: the next step needs the rows."""
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, group))

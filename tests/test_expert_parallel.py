@@ -1,0 +1,241 @@
+"""Expert parallelism on CPU under torchrun (gloo): ep = 2 trains as plain data parallelism (ep = 1) over the
+same ranks and data — 6 AdamW steps with gradient clipping; per-step losses, first-step gradients, gradient
+norms and final parameters within 1e-5 — for both routers, shared experts, capacity, the loop implementation,
+a rank that receives no token at all, full and selective activation checkpointing, and with FSDP (2 ranks,
+and 4 ranks where each expert shard is FSDP-sharded over 2). DCP checkpoints go both ways between the sharded
+and an unsharded model. Plus the validation rules and the module's two expert implementations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from engine.config.model import ModelConfig
+from engine.errors import UserError
+from engine.model.moe import GROUPED_MM
+from engine.model.transformer import Transformer
+from engine.parallel.expert import apply_expert_parallel
+from tests.torchrun import torchrun
+
+SCRIPT = r"""
+import json, sys
+from pathlib import Path
+import torch, torch.distributed as dist, torch.nn.functional as F
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from engine.config.model import ModelConfig
+from engine.model.transformer import Transformer
+from engine.parallel.apply import apply_activation_checkpointing
+from engine.parallel.expert import all_reduce_router_load, apply_expert_parallel, fully_shard_experts
+from engine.parallel.grad_norm import clip_grad_norm
+
+dist.init_process_group("gloo")
+out, cases = Path(sys.argv[1]), json.loads(sys.argv[2])
+rank, world, ep = dist.get_rank(), dist.get_world_size(), 2
+STEPS, BATCH, SEQ = 6, 2, 16
+mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("expert_dp", "ep"))
+dp_mesh = mesh._flatten("dp")
+generator = torch.Generator().manual_seed(100 + rank)  # each dp rank its own data, the same in every layout
+batches = [torch.randint(0, 64, (BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]
+
+
+def build(cfg, case, layout):
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    for router in model.moe_routers().values():
+        if "bias" in case:
+            router.bias.copy_(torch.tensor(case["bias"]))
+    for block in model.layers.values():
+        block.feed_forward.implementation = case.get("implementation", "grouped")
+    if layout != "dp":
+        apply_expert_parallel(model, mesh["ep"])
+    apply_activation_checkpointing(model, case.get("activation_checkpointing", "none"))
+    if layout == "ep_fsdp":
+        fully_shard_experts(model, mesh["expert_dp"])
+        for block in model.layers.values():
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def average_gradients(model):
+    # Plain data parallelism without FSDP: experts over the ranks holding the same experts, the rest over all.
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            grad, group = param.grad.to_local(), mesh["expert_dp"].get_group()
+        else:
+            grad, group = param.grad, dp_mesh.get_group()
+        dist.all_reduce(grad, group=group)
+        grad /= dist.get_world_size(group)
+
+
+def train(cfg, case, layout):
+    model = build(cfg, case, layout)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+    losses, norms, first_grads = [], [], None
+    for batch in batches:
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()) + model.moe_loss()
+        loss.backward()
+        all_reduce_router_load(model, dp_mesh.get_group())
+        if layout != "ep_fsdp":
+            average_gradients(model)
+        if first_grads is None:
+            first_grads = full({name: param.grad for name, param in model.named_parameters()})
+        norm = clip_grad_norm(model.parameters(), 0.5)  # the norms are about 1: this clips every step
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        norms.append(norm.item())
+    return model, losses, norms, first_grads
+
+
+def full(state):
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
+
+
+for name, case in cases.items():
+    cfg = ModelConfig(**{**dict(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=SEQ, num_experts=4,
+                                moe_top_k=2, moe_aux_loss_weight=0.01, moe_router_z_loss_weight=0.001),
+                         **case["model"]})
+    reference, reference_losses, reference_norms, reference_grads = train(cfg, case, "dp")
+    model, losses, norms, grads = train(cfg, case, case["layout"])
+    # Adam hides a uniform gradient scale, so the averaged gradients of the first step are compared directly.
+    worst_grad = max((((grads[k] - g).abs().max() / g.abs().max()).item(), k) for k, g in reference_grads.items())
+    expected = reference.state_dict()
+    got = full(model.state_dict())
+    worst_param = max(((got[k] - v).abs().max().item(), k) for k, v in expected.items())
+    experts = [k for k, v in model.state_dict().items()
+               if isinstance(v, DTensor) and "ep" in v.device_mesh.mesh_dim_names and v.placements[-1].is_shard(0)]
+    # The sharded checkpoint loads into a plain (ep = 1) model: full expert tensors under the same names.
+    dcp.save({"model": model.state_dict()}, checkpoint_id=out / name)
+    state = {"model": Transformer(cfg).state_dict()}
+    dcp.load(state, checkpoint_id=out / name)
+    worst_restored = max(((state["model"][k] - v).abs().max().item(), k) for k, v in expected.items())
+    # And the other way: the plain model's checkpoint loads into a freshly sharded one.
+    dcp.save({"model": reference.state_dict()}, checkpoint_id=out / f"{name}_plain")
+    state = {"model": build(cfg, case, case["layout"]).state_dict()}
+    dcp.load(state, checkpoint_id=out / f"{name}_plain")
+    resharded = full(state["model"])
+    worst_restored = max(worst_restored, *(((resharded[k] - v).abs().max().item(), k) for k, v in expected.items()))
+    bias = max((r.bias.abs().max().item() for r in model.moe_routers().values() if hasattr(r, "bias")), default=0)
+    local = model.layers["0"].feed_forward.experts.w1.to_local().shape[0] if case["layout"] == "ep" else None
+    (out / f"{name}_rank{rank}.json").write_text(json.dumps(dict(
+        reference=reference_losses, losses=losses, reference_norms=reference_norms, norms=norms,
+        worst_grad=worst_grad, worst_param=worst_param, worst_restored=worst_restored, expert_params=experts,
+        local_experts=local, bias=bias)))
+dist.destroy_process_group()
+"""
+
+CASES = {
+    "softmax": dict(layout="ep", model={}),
+    "sigmoid_shared_capacity": dict(layout="ep", activation_checkpointing="full", model=dict(
+        moe_router="sigmoid_topk", moe_shared_experts=1, moe_capacity_factor=1.0, moe_aux_loss_weight=0.0,
+        moe_sequence_aux_loss_weight=0.01, moe_bias_schedule=[(0, 0.01)])),
+    # Experts 2 and 3 (rank 1's) are never chosen: rank 1 receives no token at all, and sends all of its own.
+    "uneven_loop": dict(layout="ep", implementation="loop", bias=[0.0, 0.0, -100.0, -100.0],
+                        model=dict(moe_router="sigmoid_topk", moe_bias_schedule=[(0, 0.0)])),
+    "uneven_grouped": dict(layout="ep", activation_checkpointing="selective", bias=[0.0, 0.0, -100.0, -100.0],
+                           model=dict(moe_router="sigmoid_topk", moe_bias_schedule=[(0, 0.0)])),
+    "fsdp": dict(layout="ep_fsdp", activation_checkpointing="full",
+                 model=dict(moe_router="sigmoid_topk", moe_shared_experts=1)),
+}
+
+
+def run_cases(tmp_path: Path, nproc: int, cases: dict) -> dict[str, list[dict]]:
+    """Every case in one torchrun launch (start-up dominates on CPU) → case → the records of the ranks."""
+    script = tmp_path / "ep.py"
+    script.write_text(SCRIPT)
+    result = torchrun(script, nproc, str(tmp_path), json.dumps(cases), timeout=180)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return {name: [json.loads((tmp_path / f"{name}_rank{r}.json").read_text()) for r in range(nproc)]
+            for name in cases}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+    return run_cases(tmp_path_factory.mktemp("ep2"), 2, CASES)
+
+
+def check_parity(records: list[dict]) -> None:
+    for record in records:
+        assert len(record["losses"]) == 6
+        assert record["losses"] == pytest.approx(record["reference"], abs=1e-5, rel=0)
+        assert record["norms"] == pytest.approx(record["reference_norms"], rel=1e-5)
+        assert record["worst_grad"][0] < 1e-5, record["worst_grad"]  # relative to the largest entry
+        assert record["worst_param"][0] < 1e-5 and record["worst_restored"][0] < 1e-5, record
+        assert len(record["expert_params"]) == 6  # w1, w3, w2 of both MoE layers, sharded on the expert dim
+    assert len({tuple(r["losses"]) for r in records}) == len(records)  # the ranks trained on different data
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ep2_matches_data_parallel_ep1(two_ranks, name):
+    """dp = 2 with ep = 2 against dp = 2 with ep = 1, same data per rank: losses and parameters within 1e-5."""
+    records = two_ranks[name]
+    check_parity(records)
+    if CASES[name]["layout"] == "ep":
+        assert [r["local_experts"] for r in records] == [2, 2]
+    if name == "sigmoid_shared_capacity":
+        assert records[0]["bias"] > 0  # the balancing bias moved, identically in both layouts
+
+
+def test_ep2_with_experts_fsdp_sharded_over_the_other_two_ranks(tmp_path):
+    """4 ranks, dp_shard = 4, ep = 2: each expert shard is FSDP-sharded over the 2 ranks that hold it, the
+    rest over all 4; against plain data parallelism over the same 4 ranks."""
+    check_parity(run_cases(tmp_path, 4, {"fsdp4": CASES["fsdp"]})["fsdp4"])
+
+
+def moe_model(**fields) -> Transformer:
+    base = dict(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16, num_experts=4, moe_top_k=2)
+    return Transformer(ModelConfig(**{**base, **fields}))
+
+
+@pytest.fixture
+def ep_mesh_of_one():
+    """A 1-rank process group: enough to reach the checks, which run before anything is sharded."""
+    import torch.distributed as dist
+    from tests.torchrun import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(num_experts=3, moe_top_k=1), "not divisible by distributed.ep"),
+    (dict(moe_packed_experts=False), "moe_packed_experts = true"),
+    (dict(moe_gradient_scale=True), "moe_gradient_scale is not supported"),
+    (dict(num_experts=0), "needs a mixture-of-experts model"),
+])
+def test_unsupported_layouts_are_user_errors(ep_mesh_of_one, monkeypatch, fields, message):
+    model = moe_model(**fields)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr(type(ep_mesh_of_one), "size", lambda self, dim=None: 2)  # checks see ep = 2
+    with pytest.raises(UserError, match=message):
+        apply_expert_parallel(model, ep_mesh_of_one)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing was touched
+
+
+@pytest.mark.skipif(GROUPED_MM is None, reason="this torch has no grouped_mm")
+@pytest.mark.parametrize("fields", [dict(), dict(moe_packed_experts=False, moe_gradient_scale=True)])
+def test_loop_implementation_equals_grouped_in_the_module(fields):
+    """The MoE's two expert implementations (the loop one also serves ranks under EP): output and grads."""
+    torch.manual_seed(0)
+    model = moe_model(n_layers=1, **fields)
+    moe = model.layers["0"].feed_forward
+    x = torch.randn(2, 8, 32)
+    results = []
+    for implementation in ("grouped", "loop"):
+        moe.implementation = implementation
+        out, _ = moe(x)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append([out.detach(), *(p.grad.clone() for p in moe.parameters())])
+        moe.zero_grad()
+    for grouped, looped in zip(*results):
+        torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6)
