@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from forgecli.overrides import collect_overrides
-from forgecli.train import run_training
+from forgecli.train import launch, run_training
 from forgecli.ui import user_errors
 
 
@@ -16,6 +16,8 @@ def resume(
     ctx: typer.Context,
     run_dir: Path = typer.Argument(..., help="A run directory written by forge train."),
     as_json: bool = typer.Option(False, "--json", help="Print the final summary as JSON on stdout (progress lines go to stderr)."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1,
+                                       help="Processes on this node (one per GPU), started by PyTorch's elastic launcher."),
 ) -> None:
     """Continue a run from its newest complete checkpoint, with the config saved in it.
 
@@ -32,4 +34,7 @@ def resume(
     """
     from engine.train.trainer import run_config
 
-    run_training(run_config(run_dir, collect_overrides(ctx.args)), run_dir, as_json)
+    cfg = run_config(run_dir, collect_overrides(ctx.args))
+    if nproc_per_node > 1:
+        launch(cfg, nproc_per_node)
+    run_training(cfg, run_dir, as_json)

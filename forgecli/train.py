@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -50,16 +51,28 @@ def train(
 def launch(cfg: "JobConfig", nproc: int) -> None:
     """Check the layout for `nproc` processes here (a bad one exits 2 before anything starts), then run
     this same command line once per process and exit with the run's exit code."""
-    import os
-
     from engine.errors import UserError
-    from engine.parallel.launch import launch_local_workers
+    from engine.parallel.launch import launch_local_workers, process_place
 
-    if "WORLD_SIZE" in os.environ:
-        raise UserError("--nproc-per-node is for starting a run, but this process is already one of "
-                        f"{os.environ['WORLD_SIZE']} (started by torchrun or srun)", "drop --nproc-per-node")
+    from engine.resilience.signals import PREEMPTED_EXIT
+
+    world = process_place().world_size
+    if world > 1:
+        raise UserError(f"--nproc-per-node is for starting a run, but this process is already one of {world} "
+                        "(started by torchrun or srun)", "drop --nproc-per-node")
     cfg.validate(world_size=nproc)
-    raise typer.Exit(launch_local_workers(nproc, worker_argv(sys.argv[1:])))
+    code = launch_local_workers(nproc, worker_argv(sys.argv[1:]), cfg.train.shutdown_timeout_sec, PREEMPTED_EXIT)
+    raise typer.Exit(code)
+
+
+def resume_launch_hint() -> str:
+    """How the resume command must be started to get this run's processes again."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return ""
+    if os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("LOCAL_WORLD_SIZE", "0")) == world:
+        return f" --nproc-per-node {world}"
+    return f" (started the way this run was, {world} processes)"
 
 
 def worker_argv(argv: list[str]) -> list[str]:
@@ -100,7 +113,8 @@ def run_training(cfg: "JobConfig", run_dir: Path, as_json: bool) -> None:
             raise typer.Exit(PREEMPTED_EXIT) from None
         err_console.print(f"stopped by {stopped.signal_name} at step {stopped.step}; checkpoint: "
                           f"{stopped.checkpoint or 'none (the run resumes from its previous one)'}. "
-                          f"Continue with: forge resume {run_dir}", markup=False, highlight=False, soft_wrap=True)
+                          f"Continue with: forge resume {run_dir}{resume_launch_hint()}", markup=False, highlight=False,
+                          soft_wrap=True)
         raise typer.Exit(PREEMPTED_EXIT) from None
     except (TrainingDiverged, CollectiveTimeout, CheckpointWriteError) as err:
         show_run_failure(str(err))

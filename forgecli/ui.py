@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Any, Callable
 
@@ -57,7 +58,8 @@ def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return command(*args, **kwargs)
         except UserError as err:
-            show_user_error(err)
+            if os.environ.get("RANK", "0") == "0":  # in a multi-process run, rank 0 alone reports it
+                show_user_error(err)
             raise typer.Exit(USER_ERROR_EXIT) from None
 
     return run

@@ -17,7 +17,7 @@ from engine.checkpoint.dcp import latest_checkpoint, load_checkpoint
 from engine.config import load_job_config
 from engine.model.transformer import Transformer
 from tests.conftest import REPO
-from tests.torchrun import run_bounded
+from tests.torchrun import kill_tree, run_bounded
 
 pytestmark = pytest.mark.slow
 
@@ -100,10 +100,17 @@ def test_layouts_match_one_process(tmp_path, one_process, layout):
     assert "step 6/6" in result.stdout and result.stdout.count("run directory:") == 1  # rank 0 alone reports
 
 
-def test_a_sharded_run_resumes_in_one_process_and_back(tmp_path, one_process):
+@pytest.fixture(scope="module")
+def eight_steps(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("layouts") / "eight"
+    result = forge(run_dir, "--train.max_steps=8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def test_a_sharded_run_resumes_in_one_process_and_back(tmp_path, eight_steps):
     """FSDP 2 → one process, and one process → FSDP 2: the next step's loss is the uninterrupted run's."""
-    reference = tmp_path / "longer"
-    assert forge(reference, "--train.max_steps=8").returncode == 0
+    reference = eight_steps
     sharded = tmp_path / "sharded"
     assert forge(sharded, nproc=2).returncode == 0
     result = forge(sharded, "--train.max_steps=7")  # the same global batch, now on one process
@@ -112,6 +119,15 @@ def test_a_sharded_run_resumes_in_one_process_and_back(tmp_path, one_process):
     assert result.returncode == 0, result.stderr[-3000:]
     for step in (7, 8):
         assert records(sharded)[step]["loss"] == pytest.approx(records(reference)[step]["loss"], abs=1e-5)
+
+
+def test_a_tensor_parallel_checkpoint_resumes_under_fsdp(tmp_path, eight_steps):
+    run_dir = tmp_path / "run"
+    result = forge(run_dir, "--distributed.tp=2", "--distributed.dp_shard=1", nproc=2, batch_size=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = forge(run_dir, "--train.max_steps=7", nproc=2)  # dp_shard = 2, two sequences per rank
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert records(run_dir)[7]["loss"] == pytest.approx(records(eight_steps)[7]["loss"], abs=1e-5)
 
 
 def test_resuming_with_another_global_batch_is_refused(tmp_path, one_process):
@@ -157,3 +173,35 @@ def test_expert_parallel_matches_plain_data_parallel(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(runs[2], runs[1])
     assert any(key.startswith("moe/") for key in records(runs[2])[6])
+
+
+def test_a_preempted_multi_process_run_exits_75_and_resumes(tmp_path):
+    """SIGUSR1 to `forge train --nproc-per-node 2` (what SLURM's --signal sends): the launcher passes it on,
+    every rank saves, the command exits 75, and `forge resume --nproc-per-node 2` continues the run."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "forgecli.app", "train", "presets/debug.toml", "--run-dir", str(run_dir), *TINY,
+               "--train.batch_size=2", "--train.max_steps=400", "--eval.enabled=false", "--checkpoint.interval=1000",
+               "--nproc-per-node=2"]
+    proc = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (run_dir / "metrics.jsonl").exists() and records(run_dir):
+                break
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 75, err[-3000:]
+    assert "forge resume" in err and "--nproc-per-node 2" in err
+    stopped = max(records(run_dir))
+    assert latest_checkpoint(run_dir / "checkpoints")[0] == stopped
+    result = run_bounded([sys.executable, "-m", "forgecli.app", "resume", str(run_dir), "--nproc-per-node=2",
+                          f"--train.max_steps={stopped + 2}"], timeout=240, cwd=REPO, env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(records(run_dir)) == list(range(1, stopped + 3))

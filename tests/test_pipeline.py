@@ -107,7 +107,8 @@ PARITY_SCRIPT = textwrap.dedent('''
     from engine.config.model import ModelConfig
     from engine.model.transformer import Transformer
     from engine.parallel.apply import apply_fsdp
-    from engine.parallel.pipeline import build_pipeline, pipeline_grad_norm_clip
+    from engine.parallel.grad_norm import clip_grad_norm
+    from engine.parallel.pipeline import build_pipeline
     from engine.train.losses import cross_entropy
 
     out, dp, schedules = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
@@ -165,7 +166,7 @@ PARITY_SCRIPT = textwrap.dedent('''
             loss = pipe.broadcast_loss(pipe.step(x, y), cpu)
             dist.all_reduce(loss, group=mesh["dp"].get_group())
             losses.append(loss.item() / dp)
-            norms.append(pipeline_grad_norm_clip(params, CLIP, pipe.group).item())
+            norms.append(clip_grad_norm(params, CLIP, pipe.group).item())
             opt.step()
             opt.zero_grad()
         state = {}

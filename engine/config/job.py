@@ -185,7 +185,8 @@ def pipeline_issues(cfg: JobConfig) -> list[ConfigIssue]:
     rounds = max(1, t.grad_accum_steps // d.pp)
     if d.pp_schedule == "interleaved_1f1b" and t.grad_accum_steps % rounds:
         issues.append(ConfigIssue("train.grad_accum_steps", f"interleaved_1f1b runs the {t.grad_accum_steps} "
-                                  f"micro-batches in rounds of distributed.pp = {d.pp}", f"use a multiple of {d.pp}"))
+                                  f"micro-batches in {rounds} rounds (grad_accum_steps // distributed.pp), which "
+                                  "must divide them evenly", f"use a multiple of {d.pp}, or fewer than {2 * d.pp}"))
     unsupported = [
         (m.tie_embeddings, "model.tie_embeddings", "tied embeddings: the embedding (first stage) and the output "
          "head (last stage) live on different ranks"),

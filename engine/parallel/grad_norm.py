@@ -5,21 +5,29 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip gradients to a global 2-norm of `max_norm` and return the norm before clipping, for gradients
-    that live on different meshes (expert gradients on the ep mesh, the others plain or on the dp mesh),
-    which torch's foreach norm and clip cannot mix: one norm per mesh, each reduced over its own mesh, then
-    combined; and the clip applied mesh by mesh. Works as well without expert parallelism."""
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,
+                   pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Clip gradients to a global 2-norm of `max_norm` and return the norm before clipping (`max_norm = inf`
+    only measures).
+
+    Gradients may live on different meshes (expert gradients on the ep mesh, the others plain or on the
+    dp/tp mesh), which torch's foreach norm and clip cannot mix: one norm per mesh, each reduced over its
+    own mesh, then combined, and the clip applied mesh by mesh. Under pipeline parallelism each rank holds
+    other layers: the squared norms are summed over `pipeline_group` too, so every rank clips alike."""
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for param in parameters:
         if param.grad is not None:
             by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
     norms = [torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True) for group in by_mesh.values()]
-    total = torch.linalg.vector_norm(torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n).float()
-                                                  for n in norms]))
+    squares = [(n.full_tensor() if isinstance(n, DTensor) else n).float().square() for n in norms]
+    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    if pipeline_group is not None:
+        dist.all_reduce(total, group=pipeline_group)
+    total = total.sqrt()
     for group in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total

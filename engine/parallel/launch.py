@@ -9,6 +9,7 @@ so two jobs sharing a node do not collide.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -52,6 +53,8 @@ def device_for(place: ProcessPlace) -> torch.device:
     """One GPU per process, chosen by local rank; CPU without GPUs."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
+    if torch.cuda.device_count() == 1:  # SLURM bound one GPU to this task (--gpus-per-task, --gpu-bind)
+        return torch.device("cuda", 0)
     if place.local_rank >= torch.cuda.device_count():
         raise UserError(f"local rank {place.local_rank} has no GPU: this node has {torch.cuda.device_count()}",
                         "start at most one process per GPU (--nproc-per-node, or srun --ntasks-per-node)")
@@ -86,16 +89,28 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def launch_local_workers(nproc: int, argv: list[str]) -> int:
+# Signals the launcher passes on to its workers: the elastic launcher's own list plus SIGUSR1, which
+# Forge (and SLURM's --signal) uses for preemption.
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def launch_local_workers(nproc: int, argv: list[str], shutdown_timeout_sec: float, preempted_exit: int) -> int:
     """Run `python -m forgecli.app ARGV` as `nproc` processes on this node through PyTorch's elastic
-    launcher (what `torchrun --standalone` does), and return the exit code the run should end with: 0, or
-    the first failing rank's own code (so 75 = preempted still reaches a requeueing job script)."""
+    launcher (what `torchrun --standalone` does), and return the exit code the run should end with: 0, the
+    first failing rank's own code, or `preempted_exit` when a signal stopped the run (the workers got it
+    too, saved, and exited with that code), so a requeueing job script sees it either way. The launcher
+    gives the workers their own shutdown deadline (plus a margin) before it kills them."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    args = parse_args(["--standalone", f"--nproc-per-node={nproc}", "--module", "forgecli.app", *argv])
+    args = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--signals-to-handle={FORWARDED_SIGNALS}",
+                       f"--shutdown-timeout={math.ceil(shutdown_timeout_sec) + 30}",
+                       "--module", "forgecli.app", *argv])
     try:
         run(args)
+    except SignalException:
+        return preempted_exit
     except ChildFailedError as failed:
         ranks = sorted(failed.failures)
         return next((failed.failures[r].exitcode for r in ranks if failed.failures[r].exitcode > 0), 1)

@@ -71,7 +71,7 @@ class ParallelMesh:
     def __post_init__(self) -> None:
         # Flattening creates a process group (a collective on every rank): once, here, on all ranks alike.
         if self.dims.ep > 1:  # expert parallelism rules out dp_replicate > 1 (config validation)
-            self.dp = self.mesh["expert_dp", "ep"]._flatten("dp_shard")
+            self.dp = self.mesh["expert_dp", "ep"]._flatten("dp")
         else:
             self.dp = self.mesh["dp_replicate", "dp_shard"]._flatten("dp") if self.dims.dp > 1 else None
 

@@ -20,7 +20,7 @@ Order of application: split first (`split_stages`), then each stage's module is 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +34,6 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
     _PipelineSchedule,
 )
-from torch.distributed.tensor import DTensor
 
 from engine.errors import UserError
 from engine.model.transformer import Transformer
@@ -192,25 +191,6 @@ def check_microbatches(schedule: str, pp_size: int, n_microbatches: int) -> None
         raise UserError(f"distributed.pp_schedule = 'interleaved_1f1b' runs train.grad_accum_steps = "
                         f"{n_microbatches} microbatches in {rounds} rounds (grad_accum_steps // distributed.pp), "
                         "so it must be a multiple of that", f"set train.grad_accum_steps to a multiple of {pp_size}")
-
-
-def pipeline_grad_norm_clip(parameters: Iterable[torch.Tensor], max_norm: float,
-                            pp_group: dist.ProcessGroup) -> torch.Tensor:
-    """Clip the gradients of the whole pipelined model to a global 2-norm of `max_norm` and return that norm.
-
-    Each pipeline rank holds different parameters, so the squared norms of the ranks' gradients are summed
-    over the pipeline group before clipping; FSDP/TP-sharded (DTensor) gradients are first reduced to their
-    full norm over their own mesh. Every rank of the group gets the same norm and the same clip factor.
-    `max_norm = inf` only measures."""
-    params = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    squared = norm.float() ** 2
-    dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=pp_group)
-    total = squared.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return total
 
 
 def stage_union(parts: list[nn.Module]) -> nn.Module:

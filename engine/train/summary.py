@@ -14,6 +14,7 @@ def job_summary(cfg: JobConfig, world_size: int = 1) -> dict[str, Any]:
     flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
     return {
         "world_size": world_size,
+        "data_parallel": max(dp, 1),
         "parameters": param_counts(cfg.model),
         "flops_per_token": flops_per_token,
         "tokens_per_step": tokens_per_step,

@@ -47,7 +47,7 @@ from engine.parallel.launch import ProcessPlace, device_for, join_process_group,
 from engine.parallel.expert import all_reduce_router_load
 from engine.parallel.grad_norm import clip_grad_norm
 from engine.parallel.mesh import ParallelDims, ParallelMesh, build_mesh
-from engine.parallel.pipeline import Pipeline, build_pipeline, pipeline_grad_norm_clip, stage_union
+from engine.parallel.pipeline import Pipeline, build_pipeline, stage_union
 from engine.parallel.tp import loss_context, uses_loss_parallel
 from engine.resilience.anomaly import StepGuard, TrainingDiverged
 from engine.resilience.collectives import any_rank, distributed
@@ -212,6 +212,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     restored = job.checkpointer.restore(model, optimizer) if resuming else None
     if restored is not None:
         restore(job, *restored)
+    refresh_float8_scales(job)
     return job
 
 
@@ -226,11 +227,7 @@ def pipelined(model: Transformer, cfg: JobConfig, mesh: ParallelMesh, device: to
 def restore(job: Job, path: Path, state: dict[str, Any]) -> None:
     """Continue from checkpoint `path` (weights and optimizer already loaded, `state` its train state): the
     data position is the step, so nothing else needs saving."""
-    tokens_per_step = job.summary["tokens_per_step"]
-    if state.get("tokens_per_step", tokens_per_step) != tokens_per_step:
-        raise UserError(f"{path} was trained with {state['tokens_per_step']} tokens per step, but this layout "
-                        f"gives {tokens_per_step} (train.batch_size × grad_accum_steps × data-parallel ranks × seq_len)",
-                        "keep the global batch: e.g. halve train.batch_size when doubling the data-parallel ranks")
+    check_global_batch(job, path, state)
     if "guard" in state:  # checkpoints written before the bad-step detector existed have none
         job.guard.load_state_dict(state["guard"])
     job.scheduler.load_state_dict(state["scheduler"])
@@ -239,6 +236,21 @@ def restore(job: Job, path: Path, state: dict[str, Any]) -> None:
     job.start_step, job.tokens_seen, job.elapsed_sec = state["step"], state["tokens_seen"], state["elapsed_sec"]
     job.wandb_run_id = state["wandb_run_id"]
     log.info("resuming from %s", path)
+
+
+def check_global_batch(job: Job, path: Path, state: dict[str, Any]) -> None:
+    """A run may resume under another layout, but with the global batch it trained with."""
+    tokens_per_step = job.summary["tokens_per_step"]
+    # Checkpoints from before tokens_per_step was saved: every step so far had the same number of tokens.
+    saved = state.get("tokens_per_step") or state["tokens_seen"] // max(state["step"], 1)
+    if saved == tokens_per_step:
+        return
+    t = job.cfg.train
+    per_device = saved / (t.seq_len * t.grad_accum_steps * job.summary["data_parallel"])
+    hint = (f"set --train.batch_size={int(per_device)} for this layout" if per_device.is_integer() and per_device >= 1
+            else "choose a layout and train.batch_size × grad_accum_steps that give the same global batch")
+    raise UserError(f"{path} was trained with {saved} tokens per step, but this layout gives {tokens_per_step} "
+                    "(train.batch_size × grad_accum_steps × data-parallel ranks × seq_len)", hint)
 
 
 def train_state(job: Job, step: int, tokens_seen: int, elapsed_sec: float, trackers: MetricsLogger) -> dict[str, Any]:
@@ -322,10 +334,10 @@ def open_run_dir_on_main(job: Job) -> MetricsLogger:
     if job.is_main:
         try:
             trackers = open_run_dir(job)
-        except UserError as err:
+        except Exception as err:  # any failure: the other ranks must not wait for rank 0 in a collective
             failure = err
     if any_rank(failure is not None, job.device):
-        raise failure or UserError("rank 0 could not open the run directory; see its error", "")
+        raise failure or UserError("rank 0 could not open the run directory", "see rank 0's error above")
     return trackers
 
 
@@ -345,7 +357,12 @@ def logging_to(path: Path) -> Iterator[None]:
 
 
 def finish_pending_save(job: "Job") -> None:
-    """A run stopping on an error still completes the background save in flight: it holds good weights."""
+    """A run stopping on an error still completes the background save in flight: it holds good weights.
+    Not in a multi-process run: finishing ends in a barrier, and the other ranks, which did not fail, are
+    not there (the unfinished folder has no COMPLETE marker and a resume skips it)."""
+    if distributed():
+        log.warning("the background checkpoint in flight is left unfinished; the run resumes from the one before")
+        return
     try:
         job.checkpointer.wait()
     except Exception as err:  # the original error is the one to report
@@ -371,10 +388,7 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
     hooks.after_backward(step, job)
     job.scaler.unscale_(job.optimizer)
     max_norm = job.cfg.train.grad_clip_norm or math.inf  # 0 = no clipping; the norm is still reported
-    if job.pipeline is not None:
-        grad_norm = pipeline_grad_norm_clip(job.model.parameters(), max_norm, job.pipeline.group)
-    else:
-        grad_norm = clip_grad_norm(job.model.parameters(), max_norm)
+    grad_norm = clip_grad_norm(job.model.parameters(), max_norm, job.pipeline.group if job.pipeline else None)
     lr = current_lr(job.optimizer)
     loss_value, norm_value = torch.stack([mean_over_ranks(loss_sum), grad_norm.float()]).tolist()  # the one sync per step
     problem = job.guard.problem(loss_value, norm_value, scaler_handles_overflow=job.scaler.is_enabled())
@@ -386,14 +400,20 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
         job.checkpointer.wait_for_staging()  # a background save must hold its copy before weights change
         job.scaler.step(job.optimizer)
         job.scaler.update()
-        if job.float8_all_gather:
-            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-            precompute_float8_dynamic_scale_for_fsdp(job.model)
+        refresh_float8_scales(job)
         job.guard.accept(loss_value)
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
     return StepResult(loss_value, norm_value, lr, problem)
+
+
+def refresh_float8_scales(job: Job) -> None:
+    """Under FSDP's float8 all-gather the weights' scales are computed once per weight change (one
+    all-reduce), after each update, restore and rollback."""
+    if job.float8_all_gather:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(job.model)
 
 
 def forward_backward(job: Job, batches: Iterator, loss_fn: ModelLoss) -> torch.Tensor:
@@ -572,6 +592,7 @@ def roll_back(job: Job, step: int, reason: str) -> None:
         raise TrainingDiverged(f"{reason} at step {step}, before the first checkpoint, so there is nothing to "
                                "roll back to; lower optimizer.lr or check the data")
     job.guard.rolled_back(reason, restored[1])
+    refresh_float8_scales(job)
     for group, lr in zip(job.optimizer.param_groups, lrs):
         group["lr"] = lr
     log.warning("step %d: %s; rolled back to %s (rollback %d of at most %d)", step, reason, restored[0],
