@@ -93,7 +93,7 @@ GIB = 2**30
 def layout(cfg: Any, world_size: int) -> str:
     d = cfg.distributed
     return (f"dp_replicate={d.dp_replicate} × dp_shard={d.resolved_dp_shard(world_size)} × tp={d.tp} × pp={d.pp} "
-            f"× cp={d.cp} = {world_size}")
+            f"× cp={d.cp} = {world_size}" + (f", experts over ep={d.ep}" if d.ep > 1 else ""))
 
 
 def memory_table(stages: list[Any], cfg: Any, world_size: int, gpu_memory_gib: float | None) -> Table:

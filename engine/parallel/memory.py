@@ -332,7 +332,9 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
     """
     d, t, m = cfg.distributed, cfg.train, cfg.model
     c = COMPUTE_BYTES[t.mixed_precision]
-    tp_local = {s.name: local_numel(s, d.tp, 1) for s in stage}
+    # What one gathered block holds: the whole of each weight (÷ tp), but under expert parallelism only this
+    # rank's experts (their dim 0 ÷ ep; FSDP shards them over the other dp_shard / ep ranks).
+    tp_local = {s.name: local_numel(s, d.tp, d.ep if ".experts.w" in s.name else 1) for s in stage}
     blocks: dict[int, int] = {}
     matrices: dict[int, int] = {}  # what autocast casts, per block
     for s in stage:
