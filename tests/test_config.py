@@ -131,6 +131,7 @@ def test_missing_and_malformed_preset(tmp_path):
     ("--optimizer.betas=[1.5,0.9]", "optimizer.betas.0"),
     ("--train.grad_clip_norm=nan", "train.grad_clip_norm"),
     ("--data.prefetch_factor=2", "data"),
+    ("--distributed.backend=cpu:glooo", "distributed.backend"),
 ])
 def test_section_rules(override, path):
     with pytest.raises(ConfigError) as info:

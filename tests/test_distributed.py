@@ -205,3 +205,33 @@ def test_a_preempted_multi_process_run_exits_75_and_resumes(tmp_path):
                           f"--train.max_steps={stopped + 2}"], timeout=240, cwd=REPO, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(records(run_dir)) == list(range(1, stopped + 3))
+
+
+def test_ranks_come_from_torchrun_or_srun_variables():
+    from engine.parallel.launch import ProcessPlace, process_place, slurm_rendezvous_env
+
+    assert process_place({}) == ProcessPlace(0, 0, 1)
+    assert process_place({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}) == ProcessPlace(3, 1, 4)
+    srun = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0",
+            "SLURM_JOB_ID": "123456", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7"}
+    assert process_place(srun) == ProcessPlace(5, 1, 8)
+    batch_script = {k: v for k, v in srun.items() if k != "SLURM_STEP_ID"}  # sbatch's own shell is not a task
+    assert process_place(batch_script) == ProcessPlace(0, 0, 1)
+    assert slurm_rendezvous_env(srun) == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8",
+                                          "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": str(20000 + 123456 % 20000)}
+    assert slurm_rendezvous_env({**srun, "MASTER_ADDR": "node1", "MASTER_PORT": "29400"})["MASTER_ADDR"] == "node1"
+
+
+def test_backend_and_worker_command_line():
+    from engine.errors import UserError
+    from engine.parallel.launch import backend_for
+    from forgecli.train import worker_argv
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert backend_for("cpu:gloo,cuda:nccl", cpu) == "gloo"
+    assert backend_for("cpu:gloo,cuda:nccl", cuda) == "cpu:gloo,cuda:nccl"
+    assert backend_for("gloo", cpu) == "gloo"
+    with pytest.raises(UserError, match="no backend for CPU"):
+        backend_for("cuda:nccl", cpu)
+    argv = ["train", "p.toml", "--nproc-per-node", "2", "--train.max_steps=3", "--nproc-per-node=4"]
+    assert worker_argv(argv) == ["train", "p.toml", "--train.max_steps=3"]
