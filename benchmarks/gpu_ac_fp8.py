@@ -45,27 +45,25 @@ def run(m, fields, batch, seq, steps, lr=3e-4, after_step=None, timed_from=3):
     dt = (time.perf_counter() - t0) / (steps - timed_from)
     return losses, dt, torch.cuda.max_memory_allocated() / 2**30
 
+def compare_ac(label, fields, batch, seq):
+    """Step time, peak memory and losses of the three checkpointing modes on the same model and batches."""
+    res = {}
+    for mode in ["none", "full", "selective"]:
+        m = build(fields, ac=mode)
+        l, dt, mem = run(m, fields, batch, seq, 8)
+        res[mode] = l
+        print(f"{label} {mode:9s} step {dt*1e3:7.1f} ms  tok/s {batch*seq/dt:9.0f}  peak {mem:6.2f} GiB  "
+              f"loss {l[0]:.4f}->{l[-1]:.4f}", flush=True)
+        del m; torch.cuda.empty_cache()
+    for mode in ["full", "selective"]:
+        print(f"{label} max|loss - none|", mode, max(abs(a - b) for a, b in zip(res[mode], res["none"])))
+
 if "ac" in which:
     F = dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, vocab_size=8192, max_seq_len=2048)
-    res = {}
-    for mode in ["none", "full", "selective"]:
-        m = build(F, ac=mode)
-        l, dt, mem = run(m, F, 8, 2048, 8)
-        res[mode] = l
-        print(f"AC {mode:9s} step {dt*1e3:7.1f} ms  tok/s {8*2048/dt:9.0f}  peak {mem:6.2f} GiB  loss {l[0]:.4f}->{l[-1]:.4f}", flush=True)
-        del m; torch.cuda.empty_cache()
-    for mode in ["full", "selective"]:
-        print("AC max|loss - none|", mode, max(abs(a - b) for a, b in zip(res[mode], res["none"])))
-    FM = dict(F, n_layers=4, num_experts=8, moe_top_k=2, moe_router="sigmoid_topk", moe_shared_experts=1, moe_expert_ffn_multiplier=0.5, moe_aux_loss_weight=0.001, moe_bias_schedule=[(0, 0.01)])
-    res = {}
-    for mode in ["none", "full", "selective"]:
-        m = build(FM, ac=mode)
-        l, dt, mem = run(m, FM, 8, 1024, 8)
-        res[mode] = l
-        print(f"AC-MoE {mode:9s} step {dt*1e3:7.1f} ms  peak {mem:6.2f} GiB  loss {l[0]:.4f}->{l[-1]:.4f}", flush=True)
-        del m; torch.cuda.empty_cache()
-    for mode in ["full", "selective"]:
-        print("AC-MoE max|loss - none|", mode, max(abs(a - b) for a, b in zip(res[mode], res["none"])))
+    compare_ac("AC", F, 8, 2048)
+    FM = dict(F, n_layers=4, num_experts=8, moe_top_k=2, moe_router="sigmoid_topk", moe_shared_experts=1,
+              moe_expert_ffn_multiplier=0.5, moe_aux_loss_weight=0.001, moe_bias_schedule=[(0, 0.01)])
+    compare_ac("AC-MoE", FM, 8, 1024)
 
 if "fp8" in which:
     for F, batch, seq, steps in [(dict(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=4096, max_seq_len=512), 8, 512, 60),

@@ -76,20 +76,24 @@ def no_leftovers(out: Path) -> bool:
     return not out.exists() and not list(out.parent.glob(f".{out.name}.*"))
 
 
+def assert_same_as_transformers(hf, model, *, seq: int, prompt: int, new_tokens: int, atol: float) -> None:
+    """Same logits on random tokens (fp32, rtol 1e-5) and the same greedy continuation of a prompt."""
+    tokens = torch.randint(0, VOCAB, (2, seq))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=atol)
+    start = tokens[:1, :prompt]
+    theirs = hf.generate(start, attention_mask=torch.ones_like(start), max_new_tokens=new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)[0, prompt:].tolist()
+    assert list(generate(model, start[0].tolist(), new_tokens, Sampling(temperature=0))) == theirs
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_transformers_computes_the_same_logits_and_greedy_tokens(tmp_path, name):
     model = random_model(model_config(**CONFIGS[name])).eval()
     export_to_hf(make_run(tmp_path / "run", model), tmp_path / "hf")
     hf = hf_model(tmp_path / "hf")
     assert type(hf).__name__ == ("Qwen3ForCausalLM" if model.cfg.qk_norm else "LlamaForCausalLM")
-    tokens = torch.randint(0, VOCAB, (2, 40))
-    with torch.no_grad():
-        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=1e-6)
-    prompt = tokens[:1, :8]
-    theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)[0, 8:].tolist()
-    ours = list(generate(model, prompt[0].tolist(), 24, Sampling(temperature=0)))
-    assert ours == theirs
+    assert_same_as_transformers(hf, model, seq=40, prompt=8, new_tokens=24, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["mha", "qk_norm-tied"])
@@ -478,13 +482,7 @@ def test_transformers_computes_the_same_moe_logits_and_greedy_tokens(tmp_path, n
     assert type(hf).__name__ == architecture
     # Nothing extra that computes (Qwen2-MoE's gate of the zero-width shared expert multiplies 0).
     assert sum(p.numel() for n, p in hf.named_parameters() if "shared_expert_gate" not in n) == model.num_parameters()
-    tokens = torch.randint(0, VOCAB, (2, 24))
-    with torch.no_grad():
-        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
-    prompt = tokens[:1, :6]
-    theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)[0, 6:].tolist()
-    assert list(generate(model, prompt[0].tolist(), 16, Sampling(temperature=0))) == theirs
+    assert_same_as_transformers(hf, model, seq=24, prompt=6, new_tokens=16, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["softmax-qk_norm-every2nd-unpacked", "sigmoid-shared"])
