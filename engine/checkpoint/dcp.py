@@ -212,12 +212,14 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def read_state(path: Path, state: dict[str, Any]) -> None:
+def read_state(path: Path, state: dict[str, Any], *, local: bool = False) -> None:
+    """Fill `state` from the checkpoint at `path`; `local`: this process alone reads (whole tensors), even
+    in a multi-process run, where DCP would otherwise plan the read with every rank."""
     if not (path / ".metadata").is_file():  # else DCP logs two tracebacks while it looks for per-rank metadata
         raise FileNotFoundError(f"{path / '.metadata'} is missing")
     with single_process_quiet():
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=WeightsOnlyLoadPlanner(),
-                 no_dist=not distributed())
+                 no_dist=local or not distributed())
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
@@ -232,13 +234,14 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def load_weights(path: Path, model: nn.Module, exclude: list[str] = ()) -> list[str]:
-    """Load only the model's weights from a checkpoint, except names under `exclude` (which keep their
-    fresh initialisation). Returns the names that were loaded."""
+    """Load only the weights of a whole (unsharded) model from a checkpoint of any layout, except names
+    under `exclude` (which keep their fresh initialisation); this process alone reads. Returns the names
+    that were loaded."""
     model_sd = get_model_state_dict(model)
     wanted = {name: value for name, value in model_sd.items() if not name.startswith(tuple(exclude))}
     names = sorted(wanted)  # now: set_model_state_dict may add entries to the dict it is given
     state = {"model": wanted}
-    read_state(path, state)
+    read_state(path, state, local=True)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
     return names
 

@@ -98,6 +98,14 @@ class Transformer(nn.Module):
         h = self.norm(h)
         return h if return_hidden else self.output(h)
 
+    @torch.no_grad()
+    def reset_rope_tables(self) -> None:
+        """Recompute the RoPE tables in place. They are derived, not saved: a model built on the meta device
+        and materialized with `to_empty` (large multi-process runs) gets them back this way."""
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
     def moe_routers(self) -> dict[str, nn.Module]:
         """Layer name → router of every MoE block (empty for a dense model)."""
         return {name: block.feed_forward.router for name, block in self.layers.items()

@@ -69,11 +69,12 @@ def float8_all_gather(cfg: JobConfig, mesh: ParallelMesh | None, device: torch.d
 
 
 def parallelize(model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None = None, *,
-                pipelined: bool = False) -> Transformer:
-    """The model (or one pipeline stage of it) ready to train on this rank's part of the mesh.
+                device: torch.device | None = None, pipelined: bool = False) -> Transformer:
+    """The model (or one pipeline stage of it) ready to train on this rank's part of the mesh; `device`,
+    where it will train, when the model is still on the meta device.
 
     The order matters and is pinned by tests/test_parallel_apply.py: see the module docstring."""
-    device = model.rope_cos.device
+    device = device or model.rope_cos.device
     tp_mesh = mesh.get("tp") if mesh is not None else None
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh, loss_parallel=uses_loss_parallel(tp_mesh.size(), cfg.train.loss_fn,
@@ -82,7 +83,8 @@ def parallelize(model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None = 
     if ep_mesh is not None:
         apply_expert_parallel(model, ep_mesh)
     if cfg.train.mixed_precision == "fp8":
-        convert_to_float8(model, cfg.train.fp8_recipe, fsdp_float8_all_gather=float8_all_gather(cfg, mesh, device))
+        convert_to_float8(model, cfg.train.fp8_recipe, fsdp_float8_all_gather=float8_all_gather(cfg, mesh, device),
+                          device=device)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile_model:
         check_compilable(model, cfg)

@@ -79,7 +79,8 @@ def quiet_torchao_import() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def convert_to_float8(model: Transformer, recipe: str, *, fsdp_float8_all_gather: bool = False) -> list[str]:
+def convert_to_float8(model: Transformer, recipe: str, *, fsdp_float8_all_gather: bool = False,
+                      device: torch.device | None = None) -> list[str]:
     """Swap the eligible linears of `model` (see `float8_filter`) for `Float8Linear`, in place; → their names.
 
     `fsdp_float8_all_gather`: make the converted weights all-gather in float8 under FSDP2 (half the bytes
@@ -95,7 +96,7 @@ def convert_to_float8(model: Transformer, recipe: str, *, fsdp_float8_all_gather
         raise ValueError(f"fp8 recipe must be one of {', '.join(FP8_RECIPES)}, not {recipe!r}")
     if fsdp_float8_all_gather and recipe != "tensorwise":
         raise ValueError(f"float8 all-gather under FSDP needs the tensorwise recipe, not {recipe!r}")
-    check_float8_device(model.rope_cos.device)  # a pipeline stage may have no embedding
+    check_float8_device(device or model.rope_cos.device)  # the model may still be on the meta device
     config = Float8LinearConfig.from_recipe_name(recipe)
     if fsdp_float8_all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from engine.checkpoint.dcp import complete_checkpoints
@@ -189,17 +190,12 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         join_process_group(cfg.distributed.backend, cfg.distributed.nccl_timeout_sec, device)
         mesh = build_mesh(dims, device.type)
         assert mesh.dp_rank == dp_rank, "data_parallel_rank disagrees with the mesh"
-    seed_everything(cfg.train.seed)  # the same initial weights on every rank, and as in one process
-    model = MODELS.get(cfg.model.model_type)(cfg.model).to(device)
     starts_fresh = not (resuming and complete_checkpoints(checkpoint_root(cfg, run_dir)))
-    if starts_fresh and cfg.checkpoint.load_path is not None:  # into the whole model, before it is sharded
-        initialize_from(Path(cfg.checkpoint.load_path), model, cfg.checkpoint.exclude_from_loading)
-    pipeline = None
-    if dims.pp > 1:
-        pipeline = pipelined(model, cfg, mesh, device)
-        model = stage_union(pipeline.model_parts)
+    if mesh is None:
+        model = parallelize(initial_model(cfg, starts_fresh).to(device), cfg)
+        pipeline = None
     else:
-        model = parallelize(model, cfg, mesh)
+        model, pipeline = distributed_model(cfg, mesh, device, starts_fresh, place.rank == 0)
     optimizer = build_optimizer(model, cfg.optimizer)
     job = Job(cfg=cfg, run_dir=run_dir, device=device, dtype=dtype, model=model, optimizer=optimizer,
               scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps),
@@ -216,12 +212,47 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     return job
 
 
+def initial_model(cfg: JobConfig, starts_fresh: bool) -> Transformer:
+    """The whole model, on the CPU, with the weights a run starts from: the seed's, or `checkpoint.load_path`'s
+    for a new run (a resumed one loads its checkpoint later)."""
+    seed_everything(cfg.train.seed)
+    model = MODELS.get(cfg.model.model_type)(cfg.model)
+    if starts_fresh and cfg.checkpoint.load_path is not None:
+        initialize_from(Path(cfg.checkpoint.load_path), model, cfg.checkpoint.exclude_from_loading)
+    return model
+
+
+def distributed_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, starts_fresh: bool,
+                      is_main: bool) -> tuple[torch.nn.Module, Pipeline | None]:
+    """This rank's part of the model, with the initial weights of a single-process run. Only rank 0 ever
+    holds the whole model, in CPU memory: every rank builds it on the meta device (no memory), applies its
+    layout, allocates its own shards, and receives their values from rank 0's copy, one tensor at a time
+    (`set_model_state_dict` with `broadcast_from_rank0`). → (model or union of stages, pipeline or None)."""
+    full_state = initial_model(cfg, starts_fresh).state_dict() if is_main else {}
+    seed_everything(cfg.train.seed)
+    with torch.device("meta"):
+        model = MODELS.get(cfg.model.model_type)(cfg.model)
+    pipeline = None
+    if cfg.distributed.pp > 1:
+        pipeline = pipelined(model, cfg, mesh, device)
+        parts, model = pipeline.model_parts, stage_union(pipeline.model_parts)
+    else:
+        parts = [parallelize(model, cfg, mesh, device=device)]
+        model = parts[0]
+    for part in parts:
+        part.to_empty(device=device)
+        part.reset_rope_tables()
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                     strict=False))
+    return model, pipeline
+
+
 def pipelined(model: Transformer, cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> Pipeline:
     """This rank's pipeline stages, each parallelized like a whole model would be. The pipeline's
     micro-batches are the step's `train.grad_accum_steps` micro-batches."""
     loss = functools.partial(cross_entropy, z_loss_weight=cfg.train.z_loss_weight)
     return build_pipeline(model, mesh.get("pp"), cfg.distributed.pp_schedule, cfg.train.grad_accum_steps, loss, device,
-                          parallelize_stage=lambda part: parallelize(part, cfg, mesh, pipelined=True))
+                          parallelize_stage=lambda part: parallelize(part, cfg, mesh, device=device, pipelined=True))
 
 
 def restore(job: Job, path: Path, state: dict[str, Any]) -> None:
