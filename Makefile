@@ -30,8 +30,10 @@ install: $(STAMP)
 train: $(STAMP)
 	$(BIN)/forge train presets/debug.toml
 
+# One thread per process: the suite runs two pytest workers, and its multi-process tests more processes
+# still, on a 2-core machine; more threads would only contend.
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

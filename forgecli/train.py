@@ -54,15 +54,28 @@ def launch(cfg: "JobConfig", nproc: int) -> None:
     from engine.errors import UserError
     from engine.parallel.launch import launch_local_workers, process_place
 
-    from engine.resilience.signals import PREEMPTED_EXIT
+    from engine.resilience.signals import PREEMPTED_EXIT, SIGNALS
 
     world = process_place().world_size
     if world > 1:
         raise UserError(f"--nproc-per-node is for starting a run, but this process is already one of {world} "
                         "(started by torchrun or srun)", "drop --nproc-per-node")
     cfg.validate(world_size=nproc)
-    code = launch_local_workers(nproc, worker_argv(sys.argv[1:]), cfg.train.shutdown_timeout_sec, PREEMPTED_EXIT)
+    check_gpus_for(nproc)
+    code = launch_local_workers(nproc, worker_argv(sys.argv[1:]), cfg.train.shutdown_timeout_sec, PREEMPTED_EXIT,
+                                tuple(SIGNALS))
     raise typer.Exit(code)
+
+
+def check_gpus_for(nproc: int) -> None:
+    """One process per GPU: say so before starting more processes than this machine has GPUs."""
+    import torch
+
+    from engine.errors import UserError
+
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        raise UserError(f"--nproc-per-node {nproc} starts one process per GPU, but this machine has "
+                        f"{torch.cuda.device_count()}", f"use --nproc-per-node {torch.cuda.device_count()} or fewer")
 
 
 def resume_launch_hint() -> str:

@@ -58,8 +58,11 @@ def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return command(*args, **kwargs)
         except UserError as err:
-            if os.environ.get("RANK", "0") == "0":  # in a multi-process run, rank 0 alone reports it
+            rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+            if rank == 0:
                 show_user_error(err)
+            else:  # in a multi-process run rank 0 shows the panel; the others one line, in case only they failed
+                err_console.print(f"rank {rank}: {err.message}", markup=False, highlight=False, soft_wrap=True)
             raise typer.Exit(USER_ERROR_EXIT) from None
 
     return run

@@ -355,7 +355,7 @@ def test_compiling_an_moe_model_needs_bf16():
 
     cfg = load_job_config(REPO / "presets" / "debug_moe.toml", ["train.compile_model=true", "train.mixed_precision=fp32"])
     with pytest.raises(UserError, match="train.compile_model"):
-        parallelize(Transformer(moe_config()), cfg)
+        parallelize(Transformer(moe_config()), cfg)  # on the CPU, where fp32 is the compute dtype
 
 
 def test_validate_config_reports_total_and_active_parameters():

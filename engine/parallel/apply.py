@@ -31,11 +31,13 @@ def apply_compile(model: Transformer) -> None:
         block.compile(fullgraph=True)
 
 
-def check_compilable(model: Transformer, cfg: JobConfig) -> None:
-    """Compiled grouped_mm (MoE experts) only has a bf16 kernel: an MoE model compiles only under bf16."""
-    device = model.tok_embeddings.weight.device
+def check_compilable(cfg: JobConfig, device: torch.device) -> None:
+    """Compiled grouped_mm (MoE experts) only has a bf16 kernel: an MoE model compiles only under bf16 (the
+    compute dtype on `device`, where the model trains)."""
+    if not cfg.model.is_moe:
+        return
     dtype = precision.compute_dtype(cfg.train.mixed_precision, device)
-    if cfg.model.is_moe and dtype != torch.bfloat16:
+    if dtype != torch.bfloat16:
         raise UserError(f"train.compile_model = true with an MoE model (model.num_experts = {cfg.model.num_experts}) "
                         f"needs bf16 compute, but train.mixed_precision resolves to {str(dtype).removeprefix('torch.')} "
                         "here: torch.compile's grouped matrix multiply supports only bf16",
@@ -87,7 +89,7 @@ def parallelize(model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None = 
                           device=device)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile_model:
-        check_compilable(model, cfg)
+        check_compilable(cfg, device)
         apply_compile(model)
     if mesh is not None and mesh.fsdp is not None:
         apply_fsdp(model, mesh.fsdp, precision.compute_dtype(cfg.train.mixed_precision, device), pipelined=pipelined,

@@ -58,7 +58,8 @@ def check_expert_parallel(moe: MoE, ep: int) -> None:
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Shard the experts of every MoE layer of `model` over the 1-D `ep_mesh` and route tokens between its
-    ranks. Every rank must hold the same initial weights (the expert shards are taken from rank 0's).
+    ranks. The model is either on the meta device (the trainer fills the shards afterwards from rank 0) or
+    holds the same weights on every rank (the shards are then taken from rank 0's).
     Call after tensor parallelism and before FP8, activation checkpointing, compile and FSDP."""
     assert ep_mesh.ndim == 1, "expert parallelism takes a 1-D mesh"
     ep = ep_mesh.size()

@@ -19,12 +19,14 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,
     own mesh, then combined, and the clip applied mesh by mesh. Under pipeline parallelism each rank holds
     other layers: the squared norms are summed over `pipeline_group` too, so every rank clips alike."""
     by_mesh: dict[object, list[torch.Tensor]] = {}
+    parameters = list(parameters)
     for param in parameters:
         if param.grad is not None:
             by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
     norms = [torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True) for group in by_mesh.values()]
     squares = [(n.full_tensor() if isinstance(n, DTensor) else n).float().square() for n in norms]
-    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    device = parameters[0].device if parameters else None
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if pipeline_group is not None:
         dist.all_reduce(total, group=pipeline_group)
     total = total.sqrt()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -53,7 +54,7 @@ def device_for(place: ProcessPlace) -> torch.device:
     """One GPU per process, chosen by local rank; CPU without GPUs."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    if torch.cuda.device_count() == 1:  # SLURM bound one GPU to this task (--gpus-per-task, --gpu-bind)
+    if torch.cuda.device_count() == 1 and "SLURM_STEP_ID" in os.environ:  # srun bound one GPU to each task
         return torch.device("cuda", 0)
     if place.local_rank >= torch.cuda.device_count():
         raise UserError(f"local rank {place.local_rank} has no GPU: this node has {torch.cuda.device_count()}",
@@ -94,12 +95,14 @@ def leave_process_group() -> None:
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
-def launch_local_workers(nproc: int, argv: list[str], shutdown_timeout_sec: float, preempted_exit: int) -> int:
+def launch_local_workers(nproc: int, argv: list[str], shutdown_timeout_sec: float, preempted_exit: int,
+                         saving_signals: tuple[signal.Signals, ...]) -> int:
     """Run `python -m forgecli.app ARGV` as `nproc` processes on this node through PyTorch's elastic
     launcher (what `torchrun --standalone` does), and return the exit code the run should end with: 0, the
-    first failing rank's own code, or `preempted_exit` when a signal stopped the run (the workers got it
-    too, saved, and exited with that code), so a requeueing job script sees it either way. The launcher
-    gives the workers their own shutdown deadline (plus a margin) before it kills them."""
+    first failing rank's own code, `preempted_exit` when one of `saving_signals` stopped the run (the
+    workers got it too, saved, and exited with that code, so a requeueing job script sees it either way),
+    or 128 + the signal's number for another signal (Ctrl-C). The launcher gives the workers their own
+    shutdown deadline (plus a margin) before it kills them."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -109,8 +112,8 @@ def launch_local_workers(nproc: int, argv: list[str], shutdown_timeout_sec: floa
                        "--module", "forgecli.app", *argv])
     try:
         run(args)
-    except SignalException:
-        return preempted_exit
+    except SignalException as stopped:
+        return preempted_exit if stopped.sigval in saving_signals else 128 + int(stopped.sigval)
     except ChildFailedError as failed:
         ranks = sorted(failed.failures)
         return next((failed.failures[r].exitcode for r in ranks if failed.failures[r].exitcode > 0), 1)

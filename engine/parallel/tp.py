@@ -47,8 +47,8 @@ LOSS_PARALLEL_LOSSES = ("cross_entropy",)
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
-    """Shard `model` over the 1-D `tp_mesh` in place. Every TP rank must hold the same initial weights (same
-    seed) and receive the same batch. The caller checks that tp divides n_heads, n_kv_heads, the FFN width and
+    """Shard `model` over the 1-D `tp_mesh` in place. The model is on the meta device (the trainer fills the
+    shards afterwards) or holds the same weights on every rank; every TP rank must receive the same batch. The caller checks that tp divides n_heads, n_kv_heads, the FFN width and
     the sequence length (the vocabulary may shard unevenly) and rejects MoE models and pipeline stages.
     With `loss_parallel`, the forward returns vocabulary-sharded DTensor logits and the loss and its backward
     must run inside `loss_context(True)`; the loss is then a replicated DTensor (`.item()` works)."""

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from engine.checkpoint.dcp import complete_checkpoints
@@ -227,8 +227,9 @@ def distributed_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, 
     """This rank's part of the model, with the initial weights of a single-process run. Only rank 0 ever
     holds the whole model, in CPU memory: every rank builds it on the meta device (no memory), applies its
     layout, allocates its own shards, and receives their values from rank 0's copy, one tensor at a time
-    (`set_model_state_dict` with `broadcast_from_rank0`). → (model or union of stages, pipeline or None)."""
-    full_state = initial_model(cfg, starts_fresh).state_dict() if is_main else {}
+    (`set_model_state_dict` with `broadcast_from_rank0`). A resumed run skips all that: its checkpoint fills
+    every shard. → (model or union of stages, pipeline or None)."""
+    full_state = initial_state_on_main(cfg, is_main) if starts_fresh else None
     seed_everything(cfg.train.seed)
     with torch.device("meta"):
         model = MODELS.get(cfg.model.model_type)(cfg.model)
@@ -242,9 +243,31 @@ def distributed_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device, 
     for part in parts:
         part.to_empty(device=device)
         part.reset_rope_tables()
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                                                     strict=False))
+    if full_state is not None:
+        missing = set(get_model_state_dict(model)) - set(full_state["names"])
+        assert not missing, f"rank 0's model lacks {sorted(missing)[:5]}: they would keep uninitialised memory"
+        set_model_state_dict(model, full_state["tensors"], options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, strict=False))  # each rank takes its own keys
     return model, pipeline
+
+
+def initial_state_on_main(cfg: JobConfig, is_main: bool) -> dict[str, Any]:
+    """Rank 0 builds the initial model; every rank learns whether that worked (a rank 0 that fails, e.g. on a
+    bad checkpoint.load_path, must not leave the others waiting in the broadcast) and which names it has.
+    → {"names": [...], "tensors": rank 0's state dict, empty elsewhere}."""
+    tensors, failure = {}, None
+    if is_main:
+        try:
+            tensors = initial_model(cfg, True).state_dict()
+        except Exception as err:
+            failure = err
+    announced = [None if failure else sorted(tensors)]
+    torch.distributed.broadcast_object_list(announced, src=0)
+    if failure is not None:
+        raise failure
+    if announced[0] is None:
+        raise UserError("rank 0 could not build the initial model", "see rank 0's error above")
+    return {"names": announced[0], "tensors": tensors}
 
 
 def pipelined(model: Transformer, cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> Pipeline:
@@ -350,10 +373,17 @@ def train(cfg: JobConfig, run_dir: Path, reporter: Reporter | None = None,
 
 @contextlib.contextmanager
 def process_group_released() -> Iterator[None]:
+    """Leave the process group at the end of the run. After a normal end every rank first waits for the
+    others (rank 0 may still be closing the metric sinks): a rank that tears its connections down while
+    another still has them open can abort in gloo's teardown."""
     try:
         yield
-    finally:
+    except BaseException:
         leave_process_group()
+        raise
+    if distributed():
+        torch.distributed.barrier()
+    leave_process_group()
 
 
 def open_run_dir_on_main(job: Job) -> MetricsLogger:
