@@ -62,8 +62,8 @@ def launch(cfg: "JobConfig", nproc: int) -> None:
                         "(started by torchrun or srun)", "drop --nproc-per-node")
     cfg.validate(world_size=nproc)
     check_gpus_for(nproc)
-    code = launch_local_workers(nproc, worker_argv(sys.argv[1:]), cfg.train.shutdown_timeout_sec, PREEMPTED_EXIT,
-                                tuple(SIGNALS))
+    code = launch_local_workers(nproc, "forgecli.app", worker_argv(sys.argv[1:]), cfg.train.shutdown_timeout_sec,
+                                PREEMPTED_EXIT, tuple(SIGNALS))
     raise typer.Exit(code)
 
 

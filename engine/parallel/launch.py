@@ -95,9 +95,9 @@ def leave_process_group() -> None:
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
-def launch_local_workers(nproc: int, argv: list[str], shutdown_timeout_sec: float, preempted_exit: int,
+def launch_local_workers(nproc: int, module: str, argv: list[str], shutdown_timeout_sec: float, preempted_exit: int,
                          saving_signals: tuple[signal.Signals, ...]) -> int:
-    """Run `python -m forgecli.app ARGV` as `nproc` processes on this node through PyTorch's elastic
+    """Run `python -m MODULE ARGV` as `nproc` processes on this node through PyTorch's elastic
     launcher (what `torchrun --standalone` does), and return the exit code the run should end with: 0, the
     first failing rank's own code, `preempted_exit` when one of `saving_signals` stopped the run (the
     workers got it too, saved, and exited with that code, so a requeueing job script sees it either way),
@@ -109,7 +109,7 @@ def launch_local_workers(nproc: int, argv: list[str], shutdown_timeout_sec: floa
 
     args = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--signals-to-handle={FORWARDED_SIGNALS}",
                        f"--shutdown-timeout={math.ceil(shutdown_timeout_sec) + 30}",
-                       "--module", "forgecli.app", *argv])
+                       "--module", module, *argv])
     try:
         run(args)
     except SignalException as stopped:
