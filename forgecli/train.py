@@ -52,7 +52,8 @@ def launch(cfg: "JobConfig", nproc: int) -> None:
     """Check the layout for `nproc` processes here (a bad one exits 2 before anything starts), then run
     this same command line once per process and exit with the run's exit code."""
     from engine.errors import UserError
-    from engine.parallel.launch import launch_local_workers, process_place
+    from engine.parallel.launch import launch_local_workers
+    from engine.parallel.place import process_place
 
     from engine.resilience.signals import PREEMPTED_EXIT, SIGNALS
 
@@ -80,7 +81,9 @@ def check_gpus_for(nproc: int) -> None:
 
 def resume_launch_hint() -> str:
     """How the resume command must be started to get this run's processes again."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from engine.parallel.place import process_place
+
+    world = process_place().world_size
     if world == 1:
         return ""
     if os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("LOCAL_WORLD_SIZE", "0")) == world:
@@ -105,7 +108,7 @@ def run_training(cfg: "JobConfig", run_dir: Path, as_json: bool) -> None:
     """Train with the console output that fits; shared by `forge train` and `forge resume`."""
     from engine.train.trainer import train as train_job
 
-    from engine.parallel.launch import process_place
+    from engine.parallel.place import process_place
 
     main_rank = process_place().rank == 0  # the other ranks of a multi-process run print nothing
     if not main_rank:

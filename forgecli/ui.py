@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from typing import Any, Callable
 
@@ -54,11 +53,12 @@ def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
         from engine.errors import UserError
+        from engine.parallel.place import process_place
 
         try:
             return command(*args, **kwargs)
         except UserError as err:
-            rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+            rank = process_place().rank
             if rank == 0:
                 show_user_error(err)
             else:  # in a multi-process run rank 0 shows the panel; the others one line, in case only they failed

@@ -208,7 +208,7 @@ def test_a_preempted_multi_process_run_exits_75_and_resumes(tmp_path):
 
 
 def test_ranks_come_from_torchrun_or_srun_variables():
-    from engine.parallel.launch import ProcessPlace, process_place, slurm_rendezvous_env
+    from engine.parallel.place import ProcessPlace, process_place, slurm_rendezvous_env
 
     assert process_place({}) == ProcessPlace(0, 0, 1)
     assert process_place({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}) == ProcessPlace(3, 1, 4)

@@ -44,7 +44,8 @@ from engine.metrics.trackers import MetricsLogger, build_trackers
 from engine.model.attention import CPU_SDPA_BACKENDS
 from engine.model.transformer import Transformer
 from engine.parallel.apply import float8_all_gather, parallelize
-from engine.parallel.launch import ProcessPlace, device_for, join_process_group, leave_process_group, process_place
+from engine.parallel.launch import device_for, join_process_group, leave_process_group
+from engine.parallel.place import ProcessPlace, process_place
 from engine.parallel.expert import all_reduce_router_load
 from engine.parallel.grad_norm import clip_grad_norm
 from engine.parallel.mesh import ParallelDims, ParallelMesh, build_mesh
