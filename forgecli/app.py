@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
 from forgecli import convert, doctor, generate, resume, tokenize, train, validate_config
@@ -27,8 +29,26 @@ app.command("generate")(generate.generate)
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point. A process of a multi-process run ends through the engine's `end_process`
+    (its exit code kept, a traceback still printed), so no rank aborts in teardown after its work is done."""
+    try:
+        app()
+    except BaseException as ended:
+        launch = sys.modules.get("engine.parallel.launch")  # not imported: this process joined no group
+        if launch is None or not launch.joined_process_group():
+            raise
+        launch.end_process(exit_code(ended))
+
+
+def exit_code(ended: BaseException) -> int:
+    """The code the interpreter would exit with, printing what it would print."""
+    if isinstance(ended, SystemExit):
+        if ended.code is None or isinstance(ended.code, int):
+            return ended.code or 0
+        print(ended.code, file=sys.stderr)
+        return 1
+    sys.excepthook(type(ended), ended, ended.__traceback__)
+    return 130 if isinstance(ended, KeyboardInterrupt) else 1
 
 
 if __name__ == "__main__":

@@ -262,6 +262,8 @@ assert ckpt.wait() is None and len(finished) == 1, finished
 dist.barrier()
 dist.destroy_process_group()
 print("done at step", finished[0], flush=True)
+from engine.parallel.launch import end_process
+end_process(0)  # leave without interpreter teardown while gloo's threads live (see end_process)
 """
 
 

@@ -193,3 +193,16 @@ def test_empty_and_corrupt_data_directories(tmp_path):
     assert not (tmp_path / "r2").exists()
 
 
+
+
+def test_a_rank_ends_with_the_code_and_output_the_interpreter_would_give(capsys):
+    """What `main` passes to `end_process` for a rank of a multi-process run."""
+    from forgecli.app import exit_code
+
+    assert exit_code(SystemExit(None)) == 0 and exit_code(SystemExit(75)) == 75
+    assert exit_code(SystemExit("cannot go on")) == 1 and "cannot go on" in capsys.readouterr().err
+    try:
+        raise RuntimeError("a bug in a rank")
+    except RuntimeError as failure:
+        assert exit_code(failure) == 1
+    assert "RuntimeError: a bug in a rank" in capsys.readouterr().err

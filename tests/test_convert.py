@@ -254,7 +254,10 @@ FSDP_SCRIPT = textwrap.dedent('''
     if dist.get_rank() == 0:
         (step / TRAIN_STATE).write_text(json.dumps({"step": 1}))
         (step / COMPLETE).write_text("")
+    dist.barrier()
     dist.destroy_process_group()
+    from engine.parallel.launch import end_process
+    end_process(0)  # leave without interpreter teardown while gloo's threads live (see end_process)
 ''')
 
 

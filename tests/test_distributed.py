@@ -246,3 +246,26 @@ def test_a_multi_process_run_starts_from_checkpoint_load_path_like_one_process(t
     first = {nproc: records(run_dir)[1]["loss"] for nproc, run_dir in runs.items()}
     assert first[2] == pytest.approx(first[1], abs=1e-5)
     assert first[1] < records(one_process)[1]["loss"] - 0.05  # trained weights, not a fresh initialisation
+
+
+def test_ranks_end_without_interpreter_teardown(tmp_path):
+    """gloo's threads outlive `destroy_process_group` (see `engine.parallel.launch.end_process`), and a rank
+    that tore its interpreter down with them running could abort after finishing its work. Every rank ends
+    through `end_process`, which runs no exit handlers: a `sitecustomize` exit handler marks any rank that
+    did not (shown first to mark a plain process that has a RANK)."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(
+        "import atexit, os, pathlib\n"
+        "if 'RANK' in os.environ:\n"
+        f"    atexit.register(pathlib.Path({str(tmp_path)!r}, 'teardown_rank' + os.environ['RANK']).touch)\n")
+    env = {**ENV, "PYTHONPATH": f"{probe}{os.pathsep}{REPO}"}
+    subprocess.run([sys.executable, "-c", "pass"], env={**env, "RANK": "7"}, check=True, timeout=60)
+    assert (tmp_path / "teardown_rank7").exists(), "the probe marks a process that tears down"
+    run_dir = tmp_path / "run"
+    result = run_bounded([sys.executable, "-m", "forgecli.app", "train", "presets/debug.toml", "--run-dir", str(run_dir),
+                          *TINY, "--train.max_steps=2", "--eval.enabled=false", "--train.batch_size=2",
+                          "--nproc-per-node=2"], timeout=240, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(records(run_dir)) == [1, 2]
+    assert sorted(p.name for p in tmp_path.glob("teardown_rank*")) == ["teardown_rank7"]

@@ -130,7 +130,10 @@ for name, case in cases.items():
         reference=reference_losses, losses=losses, reference_norms=reference_norms, norms=norms,
         worst_grad=worst_grad, worst_param=worst_param, worst_restored=worst_restored, expert_params=experts,
         local_experts=local, bias=bias)))
+dist.barrier()
 dist.destroy_process_group()
+from engine.parallel.launch import end_process
+end_process(0)  # leave without interpreter teardown while gloo's threads live (see end_process)
 """
 
 CASES = {

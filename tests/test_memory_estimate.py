@@ -155,7 +155,10 @@ with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), loss_context(p
     loss = build_loss(cfg.train)(model, tokens, tokens.clone())
 with open(f"{sys.argv[1]}/rank{dist.get_rank()}.json", "w") as f:
     json.dump(sum(seen.values()), f)
+dist.barrier()
 dist.destroy_process_group()
+from engine.parallel.launch import end_process
+end_process(0)  # leave without interpreter teardown while gloo's threads live (see end_process)
 """
 
 

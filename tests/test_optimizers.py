@@ -197,7 +197,10 @@ for name in ("muon", "adamw", "lion", "schedule_free_adamw"):
     results[name] = {{"sharded": sharded, "single": dict(single.named_parameters())}}
 if dist.get_rank() == 0:
     torch.save(results, sys.argv[1])
+dist.barrier()
 dist.destroy_process_group()
+from engine.parallel.launch import end_process
+end_process(0)  # leave without interpreter teardown while gloo's threads live (see end_process)
 """
 
 

@@ -199,7 +199,10 @@ PARITY_SCRIPT = textwrap.dedent('''
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    dist.barrier()
     dist.destroy_process_group()
+    from engine.parallel.launch import end_process
+    end_process(0)  # leave without interpreter teardown while gloo's threads live (see end_process)
 ''')
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]

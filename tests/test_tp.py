@@ -77,7 +77,10 @@ res["moved"] = max((q.detach() - p0).abs().max().item() for q, p0 in zip(ref.par
 res["tp_placement"] = {name: str(p.placements[-1]) for name, p in model.named_parameters()}  # tp: last mesh dim
 if dist.get_rank() == 0:
     (__import__("pathlib").Path(out) / "result.json").write_text(json.dumps(res))
+dist.barrier()
 dist.destroy_process_group()
+from engine.parallel.launch import end_process
+end_process(0)  # leave without interpreter teardown while gloo's threads live (see end_process)
 """
 
 CASES = {

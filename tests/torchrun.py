@@ -1,7 +1,9 @@
 """Run a test script under torchrun on CPU (gloo), bounded in time, leaving no processes behind.
 
 Tests call `torchrun(script, nproc)` with a Python file (usually written into tmp_path) that does its own
-`torch.distributed.init_process_group("gloo")` and writes what the test checks into files.
+`torch.distributed.init_process_group("gloo")` and writes what the test checks into files. A script ends the
+way `forge` ends its ranks: a barrier, `destroy_process_group()`, then `engine.parallel.launch.end_process(0)`,
+so that no rank aborts in interpreter teardown after its work is done.
 """
 
 from __future__ import annotations

@@ -3,10 +3,13 @@ started them (this launcher, torchrun, or srun: `engine.parallel.place` reads wh
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
+import sys
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -42,17 +45,46 @@ def backend_for(spec: str, device: torch.device) -> str:
     return backend
 
 
+_joined = False  # whether this process ever joined a process group (see end_process)
+
+
 def join_process_group(backend: str, timeout_sec: float, device: torch.device) -> None:
     """Initialise the default process group from the environment (SLURM variables translated first)."""
+    global _joined
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(slurm_rendezvous_env(dict(os.environ)))
     dist.init_process_group(backend=backend_for(backend, device), timeout=timedelta(seconds=timeout_sec),
                             device_id=device if device.type == "cuda" else None)
+    _joined = True
+
+
+def joined_process_group() -> bool:
+    return _joined
 
 
 def leave_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def end_process(code: int) -> NoReturn:
+    """End a process that took part in a process group without the interpreter's teardown.
+
+    `destroy_process_group` does not stop gloo's worker and network threads while anything still holds the
+    group, and something always does after training: `torch._dynamo` keeps references to the default group
+    from its import-time scan of `torch.distributed`, FSDP and DTensor state keeps its subgroups. Those threads
+    then run through the interpreter's finalization and the C++ static destructors, and now and then, on a
+    loaded machine, a process aborted there ("terminate called without an active exception": exit 134 after
+    a run that had finished and saved). Everything worth keeping is closed by
+    then (metric sinks, logs, checkpoints), so the process flushes what is buffered and leaves at once, as
+    Python's own multiprocessing ends its child processes."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said there
+            pass
+    os._exit(code)
 
 
 # Signals the launcher passes on to its workers: the elastic launcher's own list plus SIGUSR1, which
