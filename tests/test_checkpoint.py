@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import torch
@@ -294,3 +295,51 @@ def test_pruning_after_a_fallback_keeps_what_the_run_resumed_from(tmp_path):
     assert (tmp_path / "step_15" / "COMPLETE").is_file() and (tmp_path / "latest").read_text() == "step_15"
     assert (tmp_path / "step_20").is_dir(), "a later folder is not this run's to judge by its number"
     assert ckpt.restore(*trained_pair(1))[1] == {"step": 15}
+
+
+RNG_SCRIPT = """
+import json, random, sys
+import numpy as np, torch, torch.distributed as dist
+from engine.checkpoint.rng import every_rank_rng_state, restore_rank_rng
+from engine.parallel.launch import end_process
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(rank), random.seed(rank), np.random.seed(rank)
+saved = every_rank_rng_state()
+box = [json.loads(json.dumps(saved))]
+dist.broadcast_object_list(box, src=0)  # every rank reads the train state rank 0 wrote
+
+
+def draw():
+    return [torch.rand(3).tolist(), random.random(), float(np.random.rand())]
+
+
+first = draw()
+restore_rank_rng(box[0])
+again = draw()
+restore_rank_rng(box[0][:1])  # a run resumed under another number of processes
+fallback = draw()
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+    json.dump({"first": first, "again": again, "fallback": fallback, "saved": len(box[0]),
+               "kept_on_rank_0_only": saved is None if rank else saved is not None}, f)
+dist.barrier()
+dist.destroy_process_group()
+end_process(0)
+"""
+
+
+def test_each_rank_resumes_its_own_random_generators(tmp_path):
+    """Python, NumPy and torch generators of every rank go through the train state's JSON; each rank draws
+    the same numbers again, and under another number of processes every rank continues rank 0's."""
+    from tests.torchrun import torchrun
+
+    script = tmp_path / "rng.py"
+    script.write_text(RNG_SCRIPT)
+    result = torchrun(script, 2, str(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["first"] != ranks[1]["first"], "the ranks were seeded differently"
+    for rank in ranks:
+        assert rank["again"] == rank["first"] and rank["fallback"] == ranks[0]["first"]
+        assert rank["saved"] == 2 and rank["kept_on_rank_0_only"]

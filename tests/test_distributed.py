@@ -98,6 +98,8 @@ def test_layouts_match_one_process(tmp_path, one_process, layout):
     assert {"mem_peak_gib/rank0", "mem_peak_gib/rank1"} <= metrics.keys()
     assert metrics["mem_peak_gib"] == max(metrics["mem_peak_gib/rank0"], metrics["mem_peak_gib/rank1"])
     assert "step 6/6" in result.stdout and result.stdout.count("run directory:") == 1  # rank 0 alone reports
+    state = json.loads((latest_checkpoint(tmp_path / "run" / "checkpoints")[1] / "train_state.json").read_text())
+    assert len(state["rng"]) == 2, "each rank's generators are saved"
 
 
 @pytest.fixture(scope="module")

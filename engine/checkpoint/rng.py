@@ -1,4 +1,6 @@
-"""Every random number generator's state as JSON, so a resumed run draws the same numbers (no pickle)."""
+"""Every random number generator's state as JSON, so a resumed run draws the same numbers (no pickle), for
+each rank of a multi-process run: ranks draw differently (rank 0 alone builds the initial model), so each
+resumes its own."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 
 def _encode(tensor: torch.Tensor) -> str:
@@ -37,3 +40,24 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(_decode(state["torch"]))
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([_decode(s) for s in state["cuda"]])
+
+
+def every_rank_rng_state() -> list[dict[str, Any]] | None:
+    """Each rank's `rng_state()` in rank order, on rank 0 (what the checkpoint's train state holds); None on
+    the other ranks. Every rank must call it."""
+    state = rng_state()
+    if not (dist.is_available() and dist.is_initialized()):
+        return [state]
+    states: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(state, states, dst=0)
+    return states
+
+
+def restore_rank_rng(saved: list[dict[str, Any]] | dict[str, Any]) -> None:
+    """Restore this rank's generators from `every_rank_rng_state()`'s list. A run resumed under another
+    number of processes gives every rank rank 0's state, as do checkpoints written before per-rank states
+    (they hold rank 0's alone)."""
+    states = saved if isinstance(saved, list) else [saved]
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    restore_rng(states[rank] if len(states) == world else states[0])

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from engine.checkpoint.dcp import complete_checkpoints
 from engine.checkpoint.manager import Checkpointer, initialize_from
-from engine.checkpoint.rng import restore_rng, rng_state
+from engine.checkpoint.rng import every_rank_rng_state, restore_rank_rng
 from engine.config.changes import resume_issues
 from engine.config.job import JobConfig
 from engine.config.loader import dump_toml, load_job_config
@@ -287,7 +287,7 @@ def restore(job: Job, path: Path, state: dict[str, Any]) -> None:
         job.guard.load_state_dict(state["guard"])
     job.scheduler.load_state_dict(state["scheduler"])
     job.scaler.load_state_dict(state["grad_scaler"])
-    restore_rng(state["rng"])
+    restore_rank_rng(state["rng"])
     job.start_step, job.tokens_seen, job.elapsed_sec = state["step"], state["tokens_seen"], state["elapsed_sec"]
     job.wandb_run_id = state["wandb_run_id"]
     log.info("resuming from %s", path)
@@ -312,7 +312,8 @@ def train_state(job: Job, step: int, tokens_seen: int, elapsed_sec: float, track
     """What a checkpoint holds beside the weights and optimizer; everything is JSON."""
     return {"step": step, "tokens_seen": tokens_seen, "elapsed_sec": elapsed_sec,
             "tokens_per_step": job.summary["tokens_per_step"],
-            "scheduler": job.scheduler.state_dict(), "grad_scaler": job.scaler.state_dict(), "rng": rng_state(),
+            "scheduler": job.scheduler.state_dict(), "grad_scaler": job.scaler.state_dict(),
+            "rng": every_rank_rng_state(),
             "wandb_run_id": trackers.wandb_run_id, "guard": job.guard.state_dict()}
 
 
