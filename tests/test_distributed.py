@@ -58,8 +58,8 @@ def assert_same_run(run_dir: Path, reference: Path, tol: float = 1e-5) -> None:
         assert record["loss"] == pytest.approx(ref[step]["loss"], abs=tol), step
         assert record["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=100 * tol), step
     evals = records(run_dir, "eval_loss")
-    if evals:
-        assert evals[6]["eval_loss"] == pytest.approx(records(reference, "eval_loss")[6]["eval_loss"], abs=tol)
+    assert sorted(evals) == [3, 6], evals.keys()
+    assert evals[6]["eval_loss"] == pytest.approx(records(reference, "eval_loss")[6]["eval_loss"], abs=tol)
     expected = weights(reference)
     for name, value in weights(run_dir).items():
         torch.testing.assert_close(value, expected[name], atol=tol, rtol=0, msg=name)
@@ -74,7 +74,9 @@ def one_process(tmp_path_factory) -> Path:
 
 
 # The pipeline's micro-batches are the step's grad_accum_steps: 2 of half the batch, the same global batch.
-PIPELINE = ["--distributed.pp=2", "--distributed.dp_shard=1", "--train.grad_accum_steps=2", "--eval.enabled=false"]
+# Evaluation runs through the schedule too, 2 micro-batches a pass: 4 batches of 2 are the one-process run's
+# 2 batches of 4 held-out sequences.
+PIPELINE = ["--distributed.pp=2", "--distributed.dp_shard=1", "--train.grad_accum_steps=2", "--eval.steps=4"]
 LAYOUTS = {
     "fsdp": ([], 2),
     "hsdp": (["--distributed.dp_replicate=2", "--distributed.dp_shard=1"], 2),
@@ -145,7 +147,8 @@ def test_resuming_with_another_global_batch_is_refused(tmp_path, one_process):
     (["--distributed.dp_shard=4"], "does not multiply to the world size 2"),
     (["--distributed.tp=2", "--distributed.dp_shard=1", "--model.n_kv_heads=1"], "divisible by tp"),
     (["--distributed.ep=2"], "needs a mixture-of-experts model"),
-    (["--distributed.pp=2", "--distributed.dp_shard=1"], "does not support evaluation yet"),
+    (["--distributed.pp=2", "--distributed.dp_shard=1", "--distributed.pp_schedule=gpipe", "--train.grad_accum_steps=2",
+      "--eval.steps=3"], "set eval.steps to a multiple of 2"),
 ])
 def test_bad_layouts_exit_2_before_any_process_starts(tmp_path, layout, message):
     result = forge(tmp_path / "run", *layout, nproc=2)

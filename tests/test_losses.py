@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.config.train import TrainConfig
-from engine.train.losses import build_loss, chunked_cross_entropy, cross_entropy
+from engine.train.losses import StageCrossEntropy, build_loss, chunked_cross_entropy, cross_entropy
 
 BATCH, SEQ, DIM, VOCAB = 3, 13, 16, 97  # 39 tokens: chunks of 8 leave a short last one
 
@@ -107,3 +107,12 @@ def test_model_losses_agree_and_eval_drops_z_loss():
     torch.testing.assert_close(plain_ce, expected_ce.detach())
     torch.testing.assert_close(chunked_ce, expected_ce.detach(), rtol=0, atol=1e-6)
     assert plain_loss > plain_ce
+
+
+def test_the_pipeline_stage_loss_leaves_z_loss_out_for_evaluation():
+    logits, labels = torch.randn(2, 5, 11) * 4, torch.randint(0, 11, (2, 5))
+    stage_loss = StageCrossEntropy(z_loss_weight=0.1)
+    assert torch.equal(stage_loss(logits, labels), cross_entropy(logits, labels, 0.1))
+    with stage_loss.plain():
+        assert torch.equal(stage_loss(logits, labels), cross_entropy(logits, labels))
+    assert torch.equal(stage_loss(logits, labels), cross_entropy(logits, labels, 0.1))

@@ -117,7 +117,7 @@ PARITY_SCRIPT = textwrap.dedent('''
     pp = world // dp
     mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
     cpu = torch.device("cpu")
-    ACCUM, BATCH, SEQ, STEPS, CLIP = 4, 2, 16, 5, 0.5
+    ACCUM, BATCH, SEQ, STEPS, CLIP, EVAL_AFTER = 4, 2, 16, 5, 0.5, 2
     loss_fn = functools.partial(cross_entropy, z_loss_weight=1e-3)
     torch.manual_seed(0)
     base = Transformer(ModelConfig(dim=32, n_layers=4, n_heads=4, vocab_size=64, max_seq_len=SEQ))
@@ -129,6 +129,11 @@ PARITY_SCRIPT = textwrap.dedent('''
             data = torch.randint(0, 64, (ACCUM * BATCH * dp, SEQ + 1), generator=g)
             yield data[:, :-1], data[:, 1:]
 
+    def held_out():
+        """Evaluated after step EVAL_AFTER (the later steps then show that evaluation left training as it was)."""
+        data = torch.randint(0, 64, (ACCUM * BATCH * dp, SEQ + 1), generator=torch.Generator().manual_seed(2))
+        return data[:, :-1], data[:, 1:]
+
     def optimizer(params):
         # AdamW turns rounding-level gradient differences of near-zero gradients into update differences of up
         # to ~lr (SGD with lr=1 agrees to 6e-8 here), so a small lr keeps the 1e-5 weight bound meaningful.
@@ -138,7 +143,7 @@ PARITY_SCRIPT = textwrap.dedent('''
         """One process, the whole global batch as ACCUM * dp microbatches of BATCH sequences."""
         model = copy.deepcopy(base)
         opt, losses, norms = optimizer(model.parameters()), [], []
-        for x, y in batches():
+        for step, (x, y) in enumerate(batches(), 1):
             total = 0.0
             for xi, yi in zip(x.chunk(ACCUM * dp), y.chunk(ACCUM * dp)):
                 loss = loss_fn(model(xi), yi) / (ACCUM * dp)
@@ -148,7 +153,12 @@ PARITY_SCRIPT = textwrap.dedent('''
             opt.step()
             opt.zero_grad()
             losses.append(total)
-        return losses, norms, model.state_dict()
+            if step == EVAL_AFTER:
+                with torch.no_grad():
+                    ex, ey = held_out()
+                    micro = zip(ex.chunk(ACCUM * dp), ey.chunk(ACCUM * dp))
+                    evaluated = sum(loss_fn(model(xi), yi).item() for xi, yi in micro) / (ACCUM * dp)
+        return losses, norms, model.state_dict(), evaluated
 
     def shard(part):
         """The trainer's FSDP (each block, then the rest; no resharding between microbatches) on one stage."""
@@ -161,7 +171,7 @@ PARITY_SCRIPT = textwrap.dedent('''
         params = [p for part in pipe.model_parts for p in part.parameters()]
         opt, losses, norms = optimizer(params), [], []
         dp_rank = mesh["dp"].get_local_rank()
-        for x, y in batches():
+        for step, (x, y) in enumerate(batches(), 1):
             x, y = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]
             loss = pipe.broadcast_loss(pipe.step(x, y), cpu)
             dist.all_reduce(loss, group=mesh["dp"].get_group())
@@ -169,18 +179,23 @@ PARITY_SCRIPT = textwrap.dedent('''
             norms.append(clip_grad_norm(params, CLIP, pipe.group).item())
             opt.step()
             opt.zero_grad()
+            if step == EVAL_AFTER:
+                ex, ey = (t.chunk(dp)[dp_rank] for t in held_out())
+                value = pipe.broadcast_loss(pipe.evaluate(ex, ey), cpu)
+                dist.all_reduce(value, group=mesh["dp"].get_group())
+                evaluated = value.item() / dp
         state = {}
         for part in pipe.model_parts:
             for name, value in part.state_dict().items():
                 state[name] = value.full_tensor() if hasattr(value, "full_tensor") else value
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(state, gathered, dst=0)
-        return losses, norms, gathered, pipe.has_first_stage, pipe.has_last_stage
+        return losses, norms, gathered, pipe.has_first_stage, pipe.has_last_stage, evaluated
 
-    ref_losses, ref_norms, ref_state = reference()
+    ref_losses, ref_norms, ref_state, ref_eval = reference()
     results = {"ref_losses": ref_losses, "ref_norms": ref_norms}
     for schedule in schedules:
-        losses, norms, gathered, first, last = pipelined(schedule)
+        losses, norms, gathered, first, last, evaluated = pipelined(schedule)
         loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
         norm_diff = max(abs(a - b) for a, b in zip(norms, ref_norms))
         assert loss_diff < 1e-5, (schedule, rank, losses, ref_losses)
@@ -194,6 +209,7 @@ PARITY_SCRIPT = textwrap.dedent('''
             diffs = {k: (full[k] - v).abs().max().item() for k, v in ref_state.items()}
             worst = max(diffs, key=diffs.get)
             results[schedule] = {"loss_diff": loss_diff, "norm_diff": norm_diff, "weight_diff": diffs[worst],
+                                 "eval_diff": abs(evaluated - ref_eval),
                                  "worst": worst,
                                  "same_names": sorted(full) == sorted(ref_state), "roles": roles}
     if rank == 0:
@@ -224,6 +240,7 @@ def check_results(results: dict, schedules: list[str], pp: int) -> None:
         row = results[schedule]
         assert row["same_names"], schedule
         assert row["loss_diff"] < 1e-5 and row["norm_diff"] < 1e-5 and row["weight_diff"] < 1e-5, (schedule, row)
+        assert row["eval_diff"] < 1e-5, (schedule, row)  # forward only through the schedule
         roles = [tuple(r) for r in row["roles"]]
         assert roles[0][0] and roles[-1][1], roles  # first stage on pp rank 0, last on pp rank pp-1 (loop order)
         if schedule == "interleaved_1f1b" and pp > 1:

@@ -187,13 +187,17 @@ def pipeline_issues(cfg: JobConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue("train.grad_accum_steps", f"interleaved_1f1b runs the {t.grad_accum_steps} "
                                   f"micro-batches in {rounds} rounds (grad_accum_steps // distributed.pp), which "
                                   "must divide them evenly", f"use a multiple of {d.pp}, or fewer than {2 * d.pp}"))
+    if cfg.eval.enabled and cfg.eval.steps % t.grad_accum_steps:
+        issues.append(ConfigIssue("eval.steps", f"evaluation runs through the pipeline schedule, "
+                                  f"train.grad_accum_steps = {t.grad_accum_steps} batches per pass (its micro-batches), "
+                                  f"which eval.steps = {cfg.eval.steps} is not a multiple of",
+                                  f"set eval.steps to a multiple of {t.grad_accum_steps}"))
     unsupported = [
         (m.tie_embeddings, "model.tie_embeddings", "tied embeddings: the embedding (first stage) and the output "
          "head (last stage) live on different ranks"),
         (m.is_moe, "model.num_experts", "MoE models: the routers' auxiliary losses are not carried through the stages"),
         (t.loss_fn == "chunked_cross_entropy", "train.loss_fn", "chunked cross-entropy: the last stage computes "
          "the loss from its logits"),
-        (cfg.eval.enabled, "eval.enabled", "evaluation"),
         (t.mixed_precision == "fp16", "train.mixed_precision", "fp16 loss scaling"),
     ]
     for applies, field, what in unsupported:

@@ -131,6 +131,7 @@ class Pipeline:
     has_first_stage: bool
     has_last_stage: bool
     group: dist.ProcessGroup
+    loss_fn: StageLoss  # what the schedule computes on the last stage
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward over all microbatches of one optimizer step; inputs and labels are
@@ -144,6 +145,16 @@ class Pipeline:
         if losses is None:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """Forward only over all microbatches ([n_microbatches · batch, seq], the schedule's own split); →
+        the mean microbatch loss on the last stage's rank, else None."""
+        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+        args = (inputs,) if self.has_first_stage else ()
+        self.schedule.eval(*args, target=labels if self.has_last_stage else None, losses=losses,
+                           return_outputs=False)
+        return None if losses is None else torch.stack(losses).mean()
 
     def broadcast_loss(self, loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         """The step's loss on every pipeline rank (a collective: all ranks of the pipeline call it), from the
@@ -175,7 +186,7 @@ def build_pipeline(model: Transformer, pp_mesh: DeviceMesh, schedule: str, n_mic
     runner = schedule_class(stages if per_rank > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
     indices = [stage.stage_index for stage in stages]
     return Pipeline(runner, parts, stages, has_first_stage=0 in indices, has_last_stage=n_stages - 1 in indices,
-                    group=group)
+                    group=group, loss_fn=loss_fn)
 
 
 def check_microbatches(schedule: str, pp_size: int, n_microbatches: int) -> None:

@@ -11,7 +11,8 @@ Evaluation calls them with `z_loss=False`, so eval loss is plain CE: neither z-l
 
 from __future__ import annotations
 
-from typing import Protocol
+import contextlib
+from typing import Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,25 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: flo
     if z_loss_weight:
         loss = loss + z_loss_weight * logsumexp(logits).square().mean()
     return loss
+
+
+class StageCrossEntropy:
+    """`cross_entropy` as a pipeline schedule calls it on the last stage (logits and labels, not the model).
+    Evaluation runs through the same schedule and reports plain CE, so it turns z-loss off for its pass."""
+
+    def __init__(self, z_loss_weight: float) -> None:
+        self.z_loss_weight, self.z_loss = z_loss_weight, True
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, labels, self.z_loss_weight if self.z_loss else 0.0)
+
+    @contextlib.contextmanager
+    def plain(self) -> Iterator[None]:
+        self.z_loss = False
+        try:
+            yield
+        finally:
+            self.z_loss = True
 
 
 def logsumexp(logits: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ the uninterrupted one would have: same weights, optimizer state, LR schedule, RN
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -57,7 +56,7 @@ from engine.resilience.health import check_collectives
 from engine.resilience.signals import Preempted, StopRequest
 from engine.train import precision
 from engine.train.hooks import TrainHooks
-from engine.train.losses import ModelLoss, build_loss, cross_entropy
+from engine.train.losses import ModelLoss, StageCrossEntropy, build_loss
 from engine.train.optim import build_optimizer, current_lr, eval_mode
 from engine.train.profiling import ProfilerWindow
 from engine.train.reporting import Reporter, SilentReporter
@@ -274,7 +273,7 @@ def initial_state_on_main(cfg: JobConfig, is_main: bool) -> dict[str, Any]:
 def pipelined(model: Transformer, cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> Pipeline:
     """This rank's pipeline stages, each parallelized like a whole model would be. The pipeline's
     micro-batches are the step's `train.grad_accum_steps` micro-batches."""
-    loss = functools.partial(cross_entropy, z_loss_weight=cfg.train.z_loss_weight)
+    loss = StageCrossEntropy(cfg.train.z_loss_weight)
     return build_pipeline(model, mesh.get("pp"), cfg.distributed.pp_schedule, cfg.train.grad_accum_steps, loss, device,
                           parallelize_stage=lambda part: parallelize(part, cfg, mesh, device=device, pipelined=True))
 
@@ -524,15 +523,36 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
 def evaluate(job: Job, loss_fn: ModelLoss) -> dict[str, float]:
     """Plain cross-entropy (no z-loss) on the held-out batches, at the optimizer's evaluation weights."""
     job.model.eval()
-    losses = []
     with eval_mode(job.optimizer):
-        for inputs, labels in job.eval_data.batches():
-            with job.loss_context(), job.autocast():
-                loss = loss_fn(job.model, inputs.to(job.device), labels.to(job.device), z_loss=False)
-            losses.append(local_value(loss))
+        losses = pipeline_eval_losses(job) if job.pipeline is not None else eval_losses(job, loss_fn)
     job.model.train()
     loss = mean_over_ranks(torch.stack(losses).mean()).item()
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}
+
+
+def eval_losses(job: Job, loss_fn: ModelLoss) -> list[torch.Tensor]:
+    losses = []
+    for inputs, labels in job.eval_data.batches():
+        with job.loss_context(), job.autocast():
+            loss = loss_fn(job.model, inputs.to(job.device), labels.to(job.device), z_loss=False)
+        losses.append(local_value(loss))
+    return losses
+
+
+def pipeline_eval_losses(job: Job) -> list[torch.Tensor]:
+    """The held-out batches through the pipeline schedule, forward only, `grad_accum_steps` of them per pass
+    (its microbatches: validation makes eval.steps a multiple); → each pass's mean loss, on every rank."""
+    batches, n = list(job.eval_data.batches()), job.cfg.train.grad_accum_steps
+    stage_loss = job.pipeline.loss_fn
+    assert isinstance(stage_loss, StageCrossEntropy), "the trainer builds its pipelines with this loss"
+    losses = []
+    with stage_loss.plain():
+        for first in range(0, len(batches), n):
+            inputs, labels = (torch.cat(parts).to(job.device) for parts in zip(*batches[first:first + n]))
+            with job.autocast():
+                loss = job.pipeline.evaluate(inputs, labels)
+            losses.append(job.pipeline.broadcast_loss(loss, job.device))
+    return losses
 
 
 class ThroughputWindow:
