@@ -206,3 +206,25 @@ def test_a_rank_ends_with_the_code_and_output_the_interpreter_would_give(capsys)
     except RuntimeError as failure:
         assert exit_code(failure) == 1
     assert "RuntimeError: a bug in a rank" in capsys.readouterr().err
+
+
+def test_a_second_process_writing_the_same_run_is_refused_while_the_first_lives(tmp_path):
+    """A requeued job or a hand-typed resume while the run still goes: exit 2 naming the holder, nothing
+    touched. The lock dies with its process (here SIGKILL), so a crashed run never blocks its resume."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
+                               "from engine.run_lock import RunLock\n"
+                               "lock = RunLock.acquire(Path(sys.argv[1]))\nprint('held', flush=True)\ntime.sleep(600)",
+                               str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        result = forge("train", "presets/debug.toml", "--run-dir", str(run_dir), *TINY, "--train.max_steps=2")
+        assert_user_error(result, "being written by another forge process", f"pid {holder.pid} on")
+        assert [p.name for p in run_dir.iterdir()] == [".forge.lock"]
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    result = forge("train", "presets/debug.toml", "--run-dir", str(run_dir), *TINY, "--train.max_steps=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "step_2" / "COMPLETE").exists()

@@ -54,6 +54,7 @@ from engine.resilience.anomaly import StepGuard, TrainingDiverged
 from engine.resilience.collectives import any_rank, distributed
 from engine.resilience.health import check_collectives
 from engine.resilience.signals import Preempted, StopRequest
+from engine.run_lock import RunLock
 from engine.train import precision
 from engine.train.hooks import TrainHooks
 from engine.train.losses import ModelLoss, StageCrossEntropy, build_loss
@@ -147,6 +148,7 @@ class Job:
     tokens_seen: int = 0
     elapsed_sec: float = 0.0  # training time of earlier attempts of this run
     wandb_run_id: str | None = None
+    run_lock: RunLock | None = None  # rank 0's, while it writes the run directory
 
     @property
     def is_main(self) -> bool:
@@ -321,8 +323,9 @@ def open_run_dir(job: Job) -> MetricsLogger:
     TensorBoard missing) is a user error: then whatever this call created is removed again."""
     created = not job.run_dir.exists()
     before = set() if created else set(job.run_dir.iterdir())
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    job.run_lock = RunLock.acquire(job.run_dir)  # before anything is written; in use: nothing here is ours
     try:
-        job.run_dir.mkdir(parents=True, exist_ok=True)
         write_if_changed(job.run_dir / RUN_CONFIG, dump_toml(job.cfg).encode())
         if job.train_data.tokenizer_file is not None:
             write_if_changed(job.run_dir / "tokenizer.json", job.train_data.tokenizer_file.read_bytes())
@@ -338,7 +341,14 @@ def open_run_dir(job: Job) -> MetricsLogger:
                 shutil.rmtree(path)
             else:
                 path.unlink()
+        release_run_dir(job)
         raise
+
+
+def release_run_dir(job: Job) -> None:
+    if job.run_lock is not None:
+        job.run_lock.release()
+        job.run_lock = None
 
 
 def write_if_changed(path: Path, content: bytes) -> None:
@@ -370,6 +380,7 @@ def train(cfg: JobConfig, run_dir: Path, reporter: Reporter | None = None,
                 raise
             finally:
                 trackers.close()
+                release_run_dir(job)
 
 
 @contextlib.contextmanager
