@@ -188,9 +188,9 @@ def pipeline_issues(cfg: JobConfig) -> list[ConfigIssue]:
                                   f"micro-batches in {rounds} rounds (grad_accum_steps // distributed.pp), which "
                                   "must divide them evenly", f"use a multiple of {d.pp}, or fewer than {2 * d.pp}"))
     if cfg.eval.enabled and cfg.eval.steps % t.grad_accum_steps:
-        issues.append(ConfigIssue("eval.steps", f"evaluation runs through the pipeline schedule, "
-                                  f"train.grad_accum_steps = {t.grad_accum_steps} batches per pass (its micro-batches), "
-                                  f"which eval.steps = {cfg.eval.steps} is not a multiple of",
+        issues.append(ConfigIssue("eval.steps", f"eval.steps = {cfg.eval.steps} must be a multiple of "
+                                  f"train.grad_accum_steps = {t.grad_accum_steps}: evaluation runs through the "
+                                  "pipeline schedule, one pass per grad_accum_steps batches (its micro-batches)",
                                   f"set eval.steps to a multiple of {t.grad_accum_steps}"))
     unsupported = [
         (m.tie_embeddings, "model.tie_embeddings", "tied embeddings: the embedding (first stage) and the output "

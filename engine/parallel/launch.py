@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
 import os
 import signal
 import sys
@@ -72,12 +73,17 @@ def end_process(code: int) -> NoReturn:
 
     `destroy_process_group` does not stop gloo's worker and network threads while anything still holds the
     group, and something always does after training: `torch._dynamo` keeps references to the default group
-    from its import-time scan of `torch.distributed`, FSDP and DTensor state keeps its subgroups. Those threads
-    then run through the interpreter's finalization and the C++ static destructors, and now and then, on a
-    loaded machine, a process aborted there ("terminate called without an active exception": exit 134 after
-    a run that had finished and saved). Everything worth keeping is closed by
-    then (metric sinks, logs, checkpoints), so the process flushes what is buffered and leaves at once, as
-    Python's own multiprocessing ends its child processes."""
+    from its import-time scan of `torch.distributed`, FSDP and DTensor state keeps its subgroups. Those
+    threads then run through the interpreter's finalization and the C++ static destructors, and now and then,
+    on a loaded machine, a process aborted there ("terminate called without an active exception": exit 134
+    after a run that had finished and saved). Everything worth keeping is closed by then (metric sinks, logs,
+    checkpoints), so the process stops its child processes (data-loader workers, which the skipped exit
+    handlers would have stopped), flushes what is buffered and leaves at once."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout=10)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
