@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.resilience.collectives import distributed
+
 
 def _encode(tensor: torch.Tensor) -> str:
     return base64.b64encode(tensor.numpy().tobytes()).decode()
@@ -46,7 +48,7 @@ def every_rank_rng_state() -> list[dict[str, Any]] | None:
     """Each rank's `rng_state()` in rank order, on rank 0 (what the checkpoint's train state holds); None on
     the other ranks. Every rank must call it."""
     state = rng_state()
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed():
         return [state]
     states: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(state, states, dst=0)
@@ -58,6 +60,5 @@ def restore_rank_rng(saved: list[dict[str, Any]] | dict[str, Any]) -> None:
     number of processes gives every rank rank 0's state, as do checkpoints written before per-rank states
     (they hold rank 0's alone)."""
     states = saved if isinstance(saved, list) else [saved]
-    distributed = dist.is_available() and dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed() else (0, 1)
     restore_rng(states[rank] if len(states) == world else states[0])
