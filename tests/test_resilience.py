@@ -94,31 +94,36 @@ def test_watchdog_forces_exit_when_shutdown_takes_too_long():
 
 HEALTH_SCRIPT = """
 import sys, time, torch, torch.distributed as dist
+from pathlib import Path
+from engine.parallel.launch import end_process
 from engine.resilience.health import CollectiveTimeout, check_collectives
 dist.init_process_group("gloo")
-rank = dist.get_rank()
+rank, out = dist.get_rank(), Path(sys.argv[1])
 monitor = dist.new_group(backend="gloo")
 check_collectives(5.0, torch.device("cpu"), monitor)  # healthy: passes on both ranks
-print(f"rank {rank} healthy", flush=True)
+(out / f"healthy_rank{rank}").touch()
 if rank == 1:
     time.sleep(6)  # a hung rank: misses the next check
-    sys.exit(0)
+    end_process(0)
 try:
     check_collectives(1.0, torch.device("cpu"), monitor)
 except CollectiveTimeout as err:
-    print(f"STOPPED {err}", flush=True)
-    sys.exit(3)
+    (out / "stopped").write_text(str(err))
+    end_process(3)
+end_process(0)
 """
 
 
 def test_health_check_passes_then_names_the_rank_when_one_hangs(tmp_path):
     script = tmp_path / "health.py"
     script.write_text(HEALTH_SCRIPT)
-    result = torchrun(script, 2, timeout=120)
-    assert "rank 0 healthy" in result.stdout and "rank 1 healthy" in result.stdout
-    stopped = [line for line in result.stdout.splitlines() if "STOPPED" in line]
-    assert stopped and stopped[0].startswith("STOPPED rank 0:"), result.stdout[-3000:]
-    assert "Ranks 1 failed to pass monitoredBarrier" in stopped[0], "rank 0 names the rank that hung"
+    result = torchrun(script, 2, str(tmp_path), timeout=120)
+    assert (tmp_path / "healthy_rank0").exists() and (tmp_path / "healthy_rank1").exists(), result.stdout[-3000:]
+    assert (tmp_path / "stopped").exists(), result.stdout[-3000:]
+    stopped = (tmp_path / "stopped").read_text()
+    assert stopped.startswith("rank 0:"), stopped
+    assert "Ranks 1 failed to pass monitoredBarrier" in stopped, "rank 0 names the rank that hung"
+    assert result.returncode != 0, "the rank that saw the timeout exits with its error code"
 
 
 # --- the training loop under injected faults ----------------------------------------------------------------
