@@ -243,8 +243,9 @@ torch.manual_seed(0)
 model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16))
 optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2))
 ckpt = Checkpointer(root, CheckpointConfig(async_mode=mode), torch.device("cpu"))
-finished = []
-for step in range(1, 21):
+finished, step = [], 0
+while not finished and step < 300:  # poll() is collective: both ranks see the save finish at the same step
+    step += 1
     time.sleep(0.1)
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
     torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,18 +26,24 @@ def forge(*args: str, cwd: Path = REPO, timeout: int = 240, **env_vars: str) -> 
 
 
 def test_help_is_fast_and_lists_commands():
-    best = min(_timed(["--help"]) for _ in range(3))
+    """`forge --help` must not import torch. Measured in CPU seconds, not wall time: the other test worker's
+    ranks can hold both cores of a CI machine for the moment it runs."""
+    code = ("import sys\nfrom forgecli.app import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    best = min(_cpu_seconds([sys.executable, "-c", code, "--help"]) for _ in range(3))
     out = forge("--help").stdout
     for command in ("train", "validate-config", "tokenize", "doctor"):
         assert command in out
-    assert best < 0.5, f"forge --help took {best:.2f}s"
+    assert best < 0.5, f"forge --help took {best:.2f} s of CPU"
 
 
-def _timed(args: list[str]) -> float:
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "from forgecli.app import main; main()", *args], cwd=REPO,
-                   capture_output=True, check=False, timeout=30)
-    return time.perf_counter() - start
+def _cpu_seconds(command: list[str]) -> float:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False, timeout=30)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert result.returncode == 0, result.stderr
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def test_validate_config_never_imports_torch():

@@ -29,7 +29,9 @@ TINY = ["--model.dim=32", "--model.n_layers=4", "--model.n_heads=4", "--model.n_
 # z-loss: trained with, left out of the eval loss (the pipeline turns it off for its forward-only passes).
 # eps: Adam moves an entry with a near-zero gradient by about lr whatever the gradient's size, so a rounding-level
 # difference in a rarely seen token's embedding row could move it by 1e-5; a larger eps keeps such updates small.
-ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+def child_env() -> dict[str, str]:
+    """Read at each call, after conftest's session fixture has set FORGE_CACHE_DIR and WANDB_MODE."""
+    return {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
 def forge(run_dir: Path, *extra: str, nproc: int = 1, batch_size: int | None = None) -> "subprocess.CompletedProcess":
@@ -38,11 +40,12 @@ def forge(run_dir: Path, *extra: str, nproc: int = 1, batch_size: int | None = N
     launch = [f"--nproc-per-node={nproc}"] if nproc > 1 else []
     batch = f"--train.batch_size={batch_size or GLOBAL_BATCH // nproc}"
     return run_bounded([sys.executable, "-m", "forgecli.app", "train", "presets/debug.toml", "--run-dir", str(run_dir),
-                        *TINY, batch, *launch, *extra], timeout=240, cwd=REPO, env=ENV)
+                        *TINY, batch, *launch, *extra], timeout=240, cwd=REPO, env=child_env())
 
 
 def records(run_dir: Path, key: str = "loss") -> dict[int, dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    # Whole lines only: rank 0 may be writing the last one as the test reads.
+    lines = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True) if line.endswith("\n")]
     return {r["step"]: r for r in map(json.loads, lines) if key in r}
 
 
@@ -191,8 +194,8 @@ def test_a_preempted_multi_process_run_exits_75_and_resumes(tmp_path):
     command = [sys.executable, "-m", "forgecli.app", "train", "presets/debug.toml", "--run-dir", str(run_dir), *TINY,
                "--train.batch_size=2", "--train.max_steps=400", "--eval.enabled=false", "--checkpoint.interval=1000",
                "--nproc-per-node=2"]
-    proc = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:
@@ -208,7 +211,7 @@ def test_a_preempted_multi_process_run_exits_75_and_resumes(tmp_path):
     stopped = max(records(run_dir))
     assert latest_checkpoint(run_dir / "checkpoints")[0] == stopped
     result = run_bounded([sys.executable, "-m", "forgecli.app", "resume", str(run_dir), "--nproc-per-node=2",
-                          f"--train.max_steps={stopped + 2}"], timeout=240, cwd=REPO, env=ENV)
+                          f"--train.max_steps={stopped + 2}"], timeout=240, cwd=REPO, env=child_env())
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(records(run_dir)) == list(range(1, stopped + 3))
 
@@ -267,7 +270,7 @@ def test_ranks_end_without_interpreter_teardown(tmp_path):
         "if 'RANK' in os.environ:\n"
         f"    atexit.register(pathlib.Path({str(tmp_path)!r}, 'teardown_rank' + os.environ['RANK']).touch)\n")
     mark = f"forge-test-{os.getpid()}-{tmp_path.name}"
-    env = {**ENV, "PYTHONPATH": f"{probe}{os.pathsep}{REPO}", "FORGE_TEST_MARK": mark}
+    env = {**child_env(), "PYTHONPATH": f"{probe}{os.pathsep}{REPO}", "FORGE_TEST_MARK": mark}
     subprocess.run([sys.executable, "-c", "pass"], env={**env, "RANK": "7"}, check=True, timeout=60)
     assert (tmp_path / "teardown_rank7").exists(), "the probe marks a process that tears down"
     run_dir, log = tmp_path / "run", tmp_path / "out.log"

@@ -203,9 +203,8 @@ def moe_model(**fields) -> Transformer:
 def ep_mesh_of_one():
     """A 1-rank process group: enough to reach the checks, which run before anything is sharded."""
     import torch.distributed as dist
-    from tests.torchrun import free_port
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in-memory: no port to race for
     yield init_device_mesh("cpu", (1,))
     dist.destroy_process_group()
 

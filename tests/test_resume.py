@@ -20,12 +20,14 @@ from tests.conftest import REPO
 TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--train.seq_len=64",
         "--model.max_seq_len=64", "--train.batch_size=4", "--metrics.log_interval=1", "--eval.interval=5",
         "--eval.steps=2", "--checkpoint.interval=4", "--scheduler.warmup_steps=3"]
-ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
+def child_env() -> dict[str, str]:
+    """Read at each call, after conftest's session fixture has set FORGE_CACHE_DIR and WANDB_MODE."""
+    return {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
 
 
 def forge(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "forgecli.app", *args], cwd=REPO, env=ENV, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "forgecli.app", *args], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=300)
 
 
 def train_args(run_dir: Path, *extra: str) -> list[str]:
@@ -34,7 +36,10 @@ def train_args(run_dir: Path, *extra: str) -> list[str]:
 
 def records(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if not path.exists():
+        return []
+    # Whole lines only: training may be writing the last one as the test reads.
+    return [json.loads(line) for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
 
 
 def losses(run_dir: Path) -> dict[int, tuple[float, float]]:
@@ -46,7 +51,7 @@ def losses(run_dir: Path) -> dict[int, tuple[float, float]]:
 def kill_after(run_dir: Path, step: int, *extra: str) -> int:
     """Start training, SIGKILL it as soon as `step` is logged; return the last step it logged."""
     proc = subprocess.Popen([sys.executable, "-m", "forgecli.app", *train_args(run_dir, "--train.max_steps=40", *extra)],
-                            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
@@ -145,7 +150,7 @@ def test_resume_of_something_that_is_not_a_run(tmp_path):
 
 
 def start(args: list[str], log: Path, script: str = "forgecli.app", env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", script, *args], cwd=REPO, env=env or ENV,
+    return subprocess.Popen([sys.executable, "-m", script, *args], cwd=REPO, env=env or child_env(),
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
@@ -165,13 +170,19 @@ def assert_same_as(run_dir: Path, reference: Path) -> None:
 
 
 def test_sigterm_saves_exits_for_requeue_and_resumes_exactly(tmp_path, uninterrupted):
-    run_dir, log = tmp_path / "preempted", tmp_path / "out.txt"
-    proc = start(train_args(run_dir, "--train.max_steps=40"), log)
+    run_dir, log, marker = tmp_path / "preempted", tmp_path / "out.txt", tmp_path / "saves.txt"
+    marker.touch()
+    proc = start(train_args(run_dir, "--train.max_steps=40"), log, "tests.slow_saves",
+                 {**child_env(), "FORGE_TEST_SAVE_MARKER": str(marker)})
     try:
         wait_for_step(proc, run_dir, 6)
+        saves = len(marker.read_text().splitlines())
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)  # a second signal while it saves changes nothing
+        deadline = time.monotonic() + 60
+        while len(marker.read_text().splitlines()) == saves and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(marker.read_text().splitlines()) > saves, "the stop's save did not start"
+        proc.send_signal(signal.SIGTERM)  # a second signal while it saves (the write waits 0.2 s) changes nothing
         assert proc.wait(timeout=60) == 75, log.read_text()
     finally:
         proc.kill()
@@ -204,7 +215,7 @@ def test_shutdown_watchdog_exits_and_the_run_still_resumes_exactly(tmp_path, uni
 def test_killed_at_any_moment_even_mid_save_resumes_exactly(tmp_path, uninterrupted, mode):
     run_dir, marker = tmp_path / "crashy", tmp_path / "saves.txt"
     marker.touch()
-    env = {**ENV, "FORGE_TEST_SAVE_MARKER": str(marker)}
+    env = {**child_env(), "FORGE_TEST_SAVE_MARKER": str(marker)}
     args = train_args(run_dir, "--train.max_steps=40", f"--checkpoint.async_mode={mode}")
     rng = random.Random(mode)
     for attempt in range(3):

@@ -63,6 +63,7 @@ def test_full_activation_checkpointing_leaves_losses_unchanged(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # inductor's cache may be cold on a fresh machine
 def test_compiled_blocks_match_eager(tmp_path):
     plain = losses(run(tmp_path, "plain"))
     compiled = losses(run(tmp_path, "compiled", "train.compile_model=true"))

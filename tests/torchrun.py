@@ -11,18 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:
@@ -54,8 +47,10 @@ def kill_tree(proc: subprocess.Popen) -> None:
 def torchrun(script: Path, nproc: int = 2, *args: str, timeout: float = 180,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run `script` on `nproc` local processes; kill every process it started if it outlives `timeout`."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script), *args]
+    # --standalone: the rendezvous binds a free port itself, where a port picked here and bound seconds later
+    # could be taken in between by the other test worker's process groups.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(script), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, start_new_session=True)
