@@ -1,4 +1,5 @@
-"""`forge tokenize`: text / JSONL / Parquet → token shards + manifest. The work is in `engine.data.tokenize`."""
+"""`forge tokenize`: text / JSONL / Parquet or a Hugging Face dataset → token shards + manifest. The work is in
+`engine.data.tokenize`."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ PLAIN_INTERVAL_S = 10.0
 
 @user_errors
 def tokenize(
-    inputs: list[Path] = typer.Argument(..., metavar="INPUT", show_default=False, help=(
+    inputs: list[str] = typer.Argument(..., metavar="INPUT", show_default=False, help=(
         ".txt files (one document each), .jsonl files (one document per line), .parquet files (one per row), "
-        "or directories searched recursively for them.")),
+        "or directories searched recursively for them; or one Hugging Face dataset as hf:NAME (a Hub id, a local "
+        "folder of data files, or a save_to_disk folder), one document per row.")),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory: shard-NNNNN.npy, manifest.json, tokenizer.json."),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="A Hugging Face tokenizer.json to encode with."),
     train_tokenizer: bool = typer.Option(False, "--train-tokenizer",
@@ -34,8 +36,13 @@ def tokenize(
     eos_token: Optional[str] = typer.Option(None, "--eos-token", help=(
         "Token appended after every document. Default: <|endoftext|> when training; for --tokenizer, the eos_token "
         "of a tokenizer_config.json beside it, else a well-known end-of-text token in its vocabulary.")),
-    text_field: str = typer.Option("text", "--text-field", help="JSONL field / Parquet column that holds the text."),
+    text_field: str = typer.Option("text", "--text-field", help="JSONL field / Parquet or dataset column that holds the text."),
     shard_tokens: int = typer.Option(DEFAULT_SHARD_TOKENS, "--shard-tokens", help="Tokens per shard (the last one holds the rest)."),
+    hf_config: Optional[str] = typer.Option(None, "--hf-config", help="hf:NAME only: the dataset's configuration (subset)."),
+    split: Optional[str] = typer.Option(None, "--split", help="hf:NAME only: the split to tokenize. Default: train."),
+    streaming: bool = typer.Option(False, "--streaming", help=(
+        "hf:NAME only: read rows as they are tokenized instead of downloading the split first.")),
+    revision: Optional[str] = typer.Option(None, "--revision", help="hf:NAME only: a Hub branch, tag or commit."),
     as_json: bool = typer.Option(False, "--json", help="Print the result (manifest included) as JSON; progress goes to stderr."),
 ) -> None:
     """Tokenize text into memory-mapped token shards for `forge train` (data.dataset_path = OUT).
@@ -50,15 +57,18 @@ def tokenize(
 
       forge tokenize part-*.parquet --tokenizer tokenizer.json --shard-tokens 100000000 --out data/web
 
+      forge tokenize hf:HuggingFaceFW/fineweb-edu --hf-config sample-10BT --streaming --tokenizer tok.json --out data/fw
+
     """
-    from engine.data.tokenize import tokenize_files
+    from engine.data.tokenize import open_source, tokenize as tokenize_source
 
     train_vocab_size = trained_vocab_size(train_tokenizer, vocab_size)
+    source = open_source(inputs, hf_config, split, streaming, revision)
     view = progress_view(err_console if as_json else console)
     with view:
-        report = tokenize_files(inputs, out, tokenizer=tokenizer, train_vocab_size=train_vocab_size,
-                                eos_token=eos_token, text_field=text_field, shard_tokens=shard_tokens,
-                                progress=view.update)
+        report = tokenize_source(source, out, tokenizer=tokenizer, train_vocab_size=train_vocab_size,
+                                 eos_token=eos_token, text_field=text_field, shard_tokens=shard_tokens,
+                                 progress=view.update)
     if as_json:
         print_json(report_json(report))
     else:
@@ -82,7 +92,8 @@ def progress_view(target: Console) -> "RichProgressView | PlainProgressView":
 
 
 class RichProgressView:
-    """A live bar over input bytes, with tokens and throughput; one task per phase."""
+    """A live bar over the input (bytes, or rows of a dataset), with tokens and throughput; one task per phase.
+    A stream of unknown length shows a moving bar."""
 
     def __init__(self, target: Console) -> None:
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
@@ -101,10 +112,10 @@ class RichProgressView:
         if p.phase not in self.tasks:
             for task in self.tasks.values():
                 self.bar.update(task, completed=self.bar.tasks[task].total)
-            self.tasks[p.phase] = self.bar.add_task(p.phase, total=p.bytes_total, detail="")
+            self.tasks[p.phase] = self.bar.add_task(p.phase, total=p.total, detail="")
             self.started = self.last  # the phase began when the previous one reported last
         self.last = time.perf_counter()
-        self.bar.update(self.tasks[p.phase], completed=p.bytes_done, detail=detail(p, self.last - self.started))
+        self.bar.update(self.tasks[p.phase], completed=p.done, detail=detail(p, self.last - self.started))
 
 
 class PlainProgressView:
@@ -130,9 +141,16 @@ class PlainProgressView:
         if quiet:
             return
         self.shards, self.last_line = p.shards, now
-        share = 100 * p.bytes_done / max(p.bytes_total, 1)
-        self.target.print(f"{p.phase}: {share:.0f}% of {p.bytes_total / 1e6:,.1f} MB, {detail(p, now - self.started)}",
+        self.target.print(f"{p.phase}: {amount(p)}, {detail(p, now - self.started)}",
                           highlight=False, markup=False, soft_wrap=True)
+
+
+def amount(p: "TokenizeProgress") -> str:
+    """How much of the input is read: a share of its size, or a count of rows for a stream of unknown length."""
+    if p.total is None:
+        return f"{p.done:,} rows read"
+    size = f"{p.total / 1e6:,.1f} MB" if p.unit == "bytes" else f"{p.total:,} rows"
+    return f"{100 * p.done / max(p.total, 1):.0f}% of {size}"
 
 
 def detail(p: "TokenizeProgress", seconds: float) -> str:

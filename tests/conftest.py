@@ -18,4 +18,6 @@ def forge_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shared.mkdir(exist_ok=True)
     os.environ["FORGE_CACHE_DIR"] = str(shared)
     os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests read local datasets only; never wait on the network
+    os.environ.setdefault("HF_DATASETS_CACHE", str(shared / "hf-datasets"))
     return shared

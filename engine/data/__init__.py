@@ -1,6 +1,7 @@
 """Training data: tokenizing text into memory-mapped token shards, and reading them back in a fixed order.
 
-- `engine.data.tokenize.tokenize_files`: text / JSONL / Parquet files → `shard-NNNNN.npy` + `manifest.json`.
+- `engine.data.tokenize.tokenize`: text / JSONL / Parquet files (`engine.data.sources`) or a Hugging Face
+  dataset (`engine.data.hub`) → `shard-NNNNN.npy` + `manifest.json`.
 - `engine.data.loader.open_train_data` / `open_eval_data`: verified shards → micro-batches for the training loop.
 - `engine.data.embedded.embedded_corpus`: the Shakespeare corpus shipped in the package, tokenized once into a cache.
 

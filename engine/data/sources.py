@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -44,7 +45,7 @@ class Document:
     file: int  # index into the input file list
     record: int  # line (.jsonl), row (.parquet) or 0 (.txt) inside the file
     text: str
-    consumed: int  # bytes of the file read up to and including this document, for progress
+    consumed: int  # bytes of the file (rows of a dataset) read up to and including this document, for progress
 
 
 def find_input_files(inputs: Sequence[Path]) -> list[InputFile]:
@@ -182,4 +183,34 @@ def iter_parquet(file: InputFile, start: int, text_field: str) -> Iterator[tuple
 
 def total_size(files: Sequence[InputFile]) -> int:
     return sum(f.size for f in files)
+
+
+class FileSource:
+    """Files as a tokenize source: progress is counted in bytes of input read."""
+
+    unit = "bytes"
+
+    def __init__(self, inputs: Sequence[Path]) -> None:
+        self.files = find_input_files(inputs)
+        self.offsets = [0, *accumulate(f.size for f in self.files)]
+        self.total: int | None = self.offsets[-1]
+
+    def check(self, text_field: str) -> None:
+        if self.total == 0:
+            raise DataError(f"no documents found: the input files are empty ({self.files[0].path}…)",
+                            "check the inputs")
+        for file in self.files:
+            check_text_field(file, text_field)
+
+    def identity(self) -> dict:
+        return {"files": [f.identity() for f in self.files]}
+
+    def describe(self) -> list[str]:
+        return [str(f.path) for f in self.files]
+
+    def documents(self, text_field: str, start: tuple[int, int] = (0, 0)) -> Iterator[Document]:
+        return iter_documents(self.files, text_field, start)
+
+    def position(self, doc: Document) -> int:
+        return self.offsets[doc.file] + doc.consumed
 

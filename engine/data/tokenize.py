@@ -1,4 +1,5 @@
-"""`forge tokenize`: text / JSONL / Parquet files → `shard-NNNNN.npy` token shards + `manifest.json`.
+"""`forge tokenize`: text / JSONL / Parquet files or a Hugging Face dataset → `shard-NNNNN.npy` token shards
++ `manifest.json`.
 
 Documents are encoded in batches of a few MB with `Tokenizer.encode_batch_fast`, which spreads a batch over
 all cores in Rust threads (measured as fast as a process pool on 2 cores, without pickling token arrays
@@ -6,7 +7,8 @@ between processes; see benchmarks/results/tokenize.md), and every document is fo
 
 Interruption and reruns. Shards are written atomically and, after each one, `tokenize-state.json` records
 the shards so far and the input position they reach. A rerun with the same inputs (paths, sizes,
-modification times) and settings *resumes*: it keeps the finished shards and continues from that position,
+modification times; a dataset's name, configuration, split, revision and, when not streamed, fingerprint)
+and settings *resumes*: it keeps the finished shards and continues from that position,
 and the result is byte-identical to an uninterrupted run. A rerun with anything changed restarts cleanly.
 A finished directory (with its manifest) is left alone by a rerun with the same inputs and refused for
 different ones. A user error (DataError) removes everything this run wrote.
@@ -19,9 +21,8 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import accumulate
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -29,7 +30,8 @@ from engine.data import DEFAULT_SHARD_TOKENS
 from engine.durable import TMP_SUFFIX, atomic_write
 from engine.data.shards import (MANIFEST, SHARD_GLOB, TOKENIZER_FILE, Manifest, ShardInfo,
                                 ShardWriter, open_shard, read_manifest, write_manifest)
-from engine.data.sources import Document, InputFile, check_text_field, find_input_files, iter_documents, total_size
+from engine.data.hub import PREFIX as HUB_PREFIX, HubSource, is_hub_input
+from engine.data.sources import Document, FileSource
 from engine.data.tokenizer import DEFAULT_EOS, Encoder, check_vocab_size
 from engine.errors import DataError
 
@@ -37,13 +39,29 @@ BATCH_CHARS = 4_000_000  # text per encode call: enough documents to keep every 
 STATE = "tokenize-state.json"
 
 
+class Source(Protocol):
+    """Where documents come from: files (`engine.data.sources.FileSource`) or a Hugging Face dataset
+    (`engine.data.hub.HubSource`). Documents are addressed by (file, record) so a rerun can skip exactly
+    the documents already tokenized; progress is counted in `unit`s (bytes of files, rows of a dataset)."""
+
+    unit: str
+    total: int | None  # None: a stream of unknown length
+
+    def check(self, text_field: str) -> None: ...
+    def identity(self) -> dict: ...
+    def describe(self) -> list[str]: ...
+    def documents(self, text_field: str, start: tuple[int, int] = (0, 0)) -> Iterator[Document]: ...
+    def position(self, doc: Document) -> int: ...
+
+
 @dataclass(frozen=True)
 class Progress:
     """Where a tokenize run stands; handed to the progress callback after every batch and shard."""
 
     phase: str  # "training tokenizer" or "tokenizing"
-    bytes_done: int
-    bytes_total: int
+    done: int  # input read, in `unit`s
+    total: int | None  # None when a streamed dataset does not say how long it is
+    unit: str  # "bytes" or "rows"
     tokens: int
     documents: int
     shards: int
@@ -76,28 +94,50 @@ class RunState:
                 "shards": [vars(s) for s in self.shards], "resume": list(self.resume)}
 
 
-def tokenize_files(inputs: Sequence[Path], out_dir: Path, *, tokenizer: Path | None = None,
-                   train_vocab_size: int | None = None, eos_token: str | None = None, text_field: str = "text",
-                   shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: ProgressFn | None = None) -> TokenizeReport:
-    """Tokenize `inputs` into `out_dir` with `tokenizer` (a tokenizer.json) or a byte-level BPE of
-    `train_vocab_size` trained on the inputs. Options, files, the text field of each file's first record
-    and the tokenizer are checked before anything is written; a bad record found later removes the output."""
+def tokenize_files(inputs: Sequence[Path], out_dir: Path, **options: Any) -> TokenizeReport:
+    """`tokenize` over files and directories of them (see `engine.data.sources`)."""
+    return tokenize(FileSource(inputs), out_dir, **options)
+
+
+def open_source(inputs: Sequence[str], hf_config: str | None = None, split: str | None = None,
+                streaming: bool = False, revision: str | None = None) -> Source:
+    """The source the command line names: files and directories, or one `hf:NAME` dataset, whose options
+    (configuration, split, streaming, revision) apply to it alone. A dataset is opened (and, when not
+    streamed, downloaded) here, before any progress display starts."""
+    hub = [text for text in inputs if is_hub_input(text)]
+    if not hub:
+        given = [flag for flag, value in (("--hf-config", hf_config), ("--split", split), ("--streaming", streaming),
+                                          ("--revision", revision)) if value]
+        if given:
+            verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
+            raise DataError(f"{', '.join(given)} {verb} only to a Hugging Face dataset input (hf:NAME)",
+                            f"name the dataset as hf:NAME (e.g. hf:HuggingFaceFW/fineweb-edu), or drop {them}")
+        return FileSource([Path(text) for text in inputs])
+    if len(inputs) > 1:
+        raise DataError(f"{hub[0]} must be the only input (got {len(inputs)})",
+                        "tokenize the dataset and the files into separate directories")
+    return HubSource(hub[0][len(HUB_PREFIX):], hf_config, split or "train", streaming, revision)
+
+
+def tokenize(source: Source, out_dir: Path, *, tokenizer: Path | None = None,
+             train_vocab_size: int | None = None, eos_token: str | None = None, text_field: str = "text",
+             shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: ProgressFn | None = None) -> TokenizeReport:
+    """Tokenize `source` into `out_dir` with `tokenizer` (a tokenizer.json) or a byte-level BPE of
+    `train_vocab_size` trained on the source. Options, inputs, the text field (of each file's first record,
+    of a dataset's columns) and the tokenizer are checked before anything is written; a bad record found
+    later removes the output."""
     started = time.perf_counter()
     check_options(tokenizer, train_vocab_size, shard_tokens)
-    files = find_input_files(inputs)
-    if total_size(files) == 0:
-        raise DataError(f"no documents found: the input files are empty ({files[0].path}…)", "check the inputs")
-    for f in files:
-        check_text_field(f, text_field)
+    source.check(text_field)
     encoder = Encoder.from_file(tokenizer, eos_token) if tokenizer is not None else None
-    key = run_key(files, text_field, shard_tokens, encoder, train_vocab_size, eos_token)
+    key = run_key(source, text_field, shard_tokens, encoder, train_vocab_size, eos_token)
     finished = finished_output(out_dir, key)
     if finished is not None:
         return TokenizeReport(out_dir, finished, len(finished.shards), True, time.perf_counter() - started)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        manifest, reused = Run(out_dir, files, text_field, shard_tokens, progress or (lambda p: None)).execute(
+        manifest, reused = Run(out_dir, source, text_field, shard_tokens, progress or (lambda p: None)).execute(
             key, encoder, train_vocab_size, eos_token or DEFAULT_EOS)
     except DataError:
         remove_outputs(out_dir, remove_dir=created)
@@ -116,15 +156,14 @@ def check_options(tokenizer: Path | None, train_vocab_size: int | None, shard_to
         raise DataError(f"--shard-tokens must be positive, got {shard_tokens}", "e.g. --shard-tokens 50000000")
 
 
-def run_key(files: Sequence[InputFile], text_field: str, shard_tokens: int, encoder: Encoder | None,
+def run_key(source: Source, text_field: str, shard_tokens: int, encoder: Encoder | None,
             train_vocab_size: int | None, eos_token: str | None) -> str:
     """A digest of everything that determines the output bytes: equal keys mean identical shards."""
     if encoder is not None:
         tokenizer = {"sha256": encoder.sha256, "eos": encoder.eos_id}
     else:
         tokenizer = {"train": train_vocab_size, "eos": eos_token}
-    spec = {"files": [f.identity() for f in files], "text_field": text_field, "shard_tokens": shard_tokens,
-            "tokenizer": tokenizer}
+    spec = {**source.identity(), "text_field": text_field, "shard_tokens": shard_tokens, "tokenizer": tokenizer}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
@@ -182,11 +221,10 @@ def write_state(out_dir: Path, state: RunState) -> None:
 class Run:
     """One tokenize run into a prepared directory: tokenizer, then shards, then the manifest."""
 
-    def __init__(self, out_dir: Path, files: Sequence[InputFile], text_field: str, shard_tokens: int,
+    def __init__(self, out_dir: Path, source: Source, text_field: str, shard_tokens: int,
                  progress: ProgressFn) -> None:
-        self.out_dir, self.files, self.text_field = out_dir, files, text_field
+        self.out_dir, self.source, self.text_field = out_dir, source, text_field
         self.shard_tokens, self.progress = shard_tokens, progress
-        self.file_offsets = [0, *accumulate(f.size for f in files)]
 
     def execute(self, key: str, encoder: Encoder | None, train_vocab_size: int | None,
                 eos_token: str) -> tuple[Manifest, int]:
@@ -204,7 +242,7 @@ class Run:
                             "check the inputs and --text-field")
         manifest = Manifest(encoder.sha256, encoder.vocab_size, encoder.eos_id, encoder.eos_token, str(encoder.dtype),
                             tuple(state.shards), {"key": key, "text_field": self.text_field,
-                                                  "inputs": [str(f.path) for f in self.files]})
+                                                  "inputs": self.source.describe()})
         write_manifest(self.out_dir, manifest)
         (self.out_dir / STATE).unlink()
         return manifest, reused
@@ -232,7 +270,7 @@ class Run:
             encoder = Encoder.from_file(saved, eos_token)
             if encoder.sha256 == state.tokenizer_sha256:
                 return encoder
-        documents = iter_documents(self.files, self.text_field)
+        documents = self.source.documents(self.text_field)
         return Encoder.trained((doc.text for doc in self.reported("training tokenizer", documents)), vocab_size, eos_token)
 
     def write_shards(self, state: RunState, encoder: Encoder) -> None:
@@ -246,7 +284,8 @@ class Run:
         writer = ShardWriter(self.out_dir, encoder.dtype, self.shard_tokens, len(state.shards), shard_done)
         tokens = sum(s.tokens for s in state.shards)
         documents = sum(s.documents for s in state.shards)
-        documents_left = iter_documents(self.files, self.text_field, (file, record))
+        documents_left = self.source.documents(self.text_field, (file, record))
+        read = 0
         for batch, encoded in encode_ahead(batches(documents_left, BATCH_CHARS), encoder):
             for doc, ids in zip(batch, encoded):
                 skip = done if (doc.file, doc.record) == (file, record) else 0
@@ -254,13 +293,13 @@ class Run:
                     writer.add((doc.file, doc.record), ids[skip:], skip)
                     tokens += len(ids) - skip
                     documents += 1
-            last = batch[-1]
-            self.report(self.file_offsets[last.file] + last.consumed, tokens, documents, len(state.shards))
+            read = self.source.position(batch[-1])
+            self.report(read, tokens, documents, len(state.shards))
         writer.close()
-        self.report(self.file_offsets[-1], tokens, documents, len(state.shards))
+        self.report(self.source.total if self.source.total is not None else read, tokens, documents, len(state.shards))
 
-    def report(self, bytes_done: int, tokens: int, documents: int, shards: int) -> None:
-        self.progress(Progress("tokenizing", bytes_done, self.file_offsets[-1], tokens, documents, shards))
+    def report(self, done: int, tokens: int, documents: int, shards: int) -> None:
+        self.progress(Progress("tokenizing", done, self.source.total, self.source.unit, tokens, documents, shards))
 
     def reported(self, phase: str, documents: Iterable[Document]) -> Iterator[Document]:
         """Pass documents through, reporting progress every BATCH_CHARS characters."""
@@ -271,8 +310,8 @@ class Run:
             count += 1
             if chars >= BATCH_CHARS:
                 chars = 0
-                bytes_done = self.file_offsets[doc.file] + doc.consumed
-                self.progress(Progress(phase, bytes_done, self.file_offsets[-1], 0, count, 0))
+                self.progress(Progress(phase, self.source.position(doc), self.source.total, self.source.unit,
+                                       0, count, 0))
 
 
 def encode_ahead(batches: Iterable[list[Document]],

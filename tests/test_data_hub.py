@@ -1,0 +1,182 @@
+"""Tokenizing a Hugging Face dataset (`forge tokenize hf:NAME`), eager and streaming, offline.
+
+The datasets are local: a folder of data files, which `datasets.load_dataset` reads the way it reads a Hub
+repository, and folders written by `save_to_disk`. The reference is the same rows tokenized from a JSONL file.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.data.hub import HubSource
+from engine.data.tokenize import STATE, open_source, tokenize, tokenize_files
+from engine.errors import DataError
+from tests.conftest import REPO
+from tests.data_fixtures import all_tokens, corpus_texts, tokenizer_file, write_jsonl
+
+TEXTS = corpus_texts()
+HELD_OUT = ("Held-out text, first.", "   ", "Held-out text, second.")  # the blank row is skipped, as in files
+
+
+@pytest.fixture
+def tok(tmp_path: Path) -> Path:
+    return tokenizer_file(tmp_path / "tok")
+
+
+@pytest.fixture
+def dataset_repo(tmp_path: Path) -> Path:
+    """A dataset laid out as on the Hub: data/train.jsonl and data/test.jsonl."""
+    root = tmp_path / "repo"
+    write_jsonl(root / "data" / "train.jsonl", TEXTS)
+    write_jsonl(root / "data" / "test.jsonl", HELD_OUT)
+    return root
+
+
+def hub(name: Path | str, **options) -> HubSource:
+    return HubSource(str(name), **options)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_dataset_gives_the_tokens_of_the_same_rows_in_a_file(tmp_path: Path, tok: Path, dataset_repo: Path,
+                                                               streaming: bool):
+    reference = tokenize_files([dataset_repo / "data" / "train.jsonl"], tmp_path / "files", tokenizer=tok,
+                               shard_tokens=700)
+    report = tokenize(hub(dataset_repo, streaming=streaming), tmp_path / "hub", tokenizer=tok, shard_tokens=700)
+    assert np.array_equal(all_tokens(report.directory), all_tokens(reference.directory))
+    assert [s.tokens for s in report.manifest.shards] == [s.tokens for s in reference.manifest.shards]
+    assert report.manifest.total_documents == len(TEXTS)
+    assert report.manifest.source["inputs"] == [f"hf:{dataset_repo} split 'train'"]
+
+
+def test_another_split_and_a_trained_tokenizer(tmp_path: Path, dataset_repo: Path):
+    trained = tokenize(hub(dataset_repo, split="test", streaming=True), tmp_path / "test", train_vocab_size=280)
+    reference = tokenize_files([dataset_repo / "data" / "test.jsonl"], tmp_path / "ref", train_vocab_size=280)
+    assert trained.manifest.total_documents == 2
+    assert (trained.directory / "tokenizer.json").read_bytes() == (reference.directory / "tokenizer.json").read_bytes()
+    assert np.array_equal(all_tokens(trained.directory), all_tokens(reference.directory))
+
+
+class Interrupt(Exception):
+    pass
+
+
+def interrupt_after(shards: int):
+    def progress(p) -> None:
+        if p.shards >= shards:
+            raise Interrupt
+    return progress
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_an_interrupted_run_resumes_to_identical_output(tmp_path: Path, tok: Path, dataset_repo: Path,
+                                                        monkeypatch: pytest.MonkeyPatch, streaming: bool):
+    monkeypatch.setattr("engine.data.tokenize.BATCH_CHARS", 1)  # one document per batch: stop between any two
+    clean = tokenize(hub(dataset_repo, streaming=streaming), tmp_path / "clean", tokenizer=tok, shard_tokens=600)
+    out = tmp_path / "out"
+    with pytest.raises(Interrupt):
+        tokenize(hub(dataset_repo, streaming=streaming), out, tokenizer=tok, shard_tokens=600,
+                 progress=interrupt_after(5))
+    recorded = json.loads((out / STATE).read_text())
+    assert len(recorded["shards"]) >= 5 and recorded["resume"][1] > 0
+    resumed = tokenize(hub(dataset_repo, streaming=streaming), out, tokenizer=tok, shard_tokens=600)
+    assert resumed.reused_shards == len(recorded["shards"]) < len(clean.manifest.shards)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in clean.directory.iterdir())
+    for path in clean.directory.iterdir():
+        assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_a_rerun_with_another_split_restarts_instead_of_resuming(tmp_path: Path, tok: Path, dataset_repo: Path):
+    out = tmp_path / "out"
+    with pytest.raises(Interrupt):
+        tokenize(hub(dataset_repo), out, tokenizer=tok, shard_tokens=600, progress=interrupt_after(2))
+    report = tokenize(hub(dataset_repo, split="test"), out, tokenizer=tok, shard_tokens=600)
+    assert report.reused_shards == 0 and report.manifest.total_documents == 2
+
+
+def test_folders_written_by_save_to_disk(tmp_path: Path, tok: Path, dataset_repo: Path):
+    import datasets
+
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": list(TEXTS)}),
+                                   "test": datasets.Dataset.from_dict({"text": list(HELD_OUT)})})
+    splits.save_to_disk(str(tmp_path / "dict"))
+    splits["test"].save_to_disk(str(tmp_path / "one"))
+    reference = tokenize_files([dataset_repo / "data" / "test.jsonl"], tmp_path / "ref", tokenizer=tok)
+    for name, streaming in [("dict", False), ("dict", True), ("one", False)]:
+        source = hub(tmp_path / name, split="test", streaming=streaming)
+        report = tokenize(source, tmp_path / f"out-{name}-{streaming}", tokenizer=tok)
+        assert np.array_equal(all_tokens(report.directory), all_tokens(reference.directory)), (name, streaming)
+    with pytest.raises(DataError, match="has no split 'validation'"):
+        hub(tmp_path / "dict", split="validation")
+    with pytest.raises(DataError, match="has no configurations"):
+        hub(tmp_path / "dict", config="en")
+
+
+def test_a_dataset_that_cannot_be_loaded_is_a_data_error(tmp_path: Path, dataset_repo: Path):
+    with pytest.raises(DataError, match='Unknown split "validation"'):
+        hub(dataset_repo, split="validation")
+    with pytest.raises(DataError, match="could not load Hugging Face dataset"):
+        hub(tmp_path / "missing", streaming=True)
+
+
+def test_columns_are_checked_before_anything_is_written(tmp_path: Path, tok: Path, dataset_repo: Path):
+    with pytest.raises(DataError, match=r"has no column 'body' \(columns: id, text\)"):
+        tokenize(hub(dataset_repo), tmp_path / "out", tokenizer=tok, text_field="body")
+    with pytest.raises(DataError, match="column 'id' has type"):
+        tokenize(hub(dataset_repo), tmp_path / "out", tokenizer=tok, text_field="id")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_null_row_late_in_the_dataset_leaves_nothing_behind(tmp_path: Path, tok: Path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": [*TEXTS, None]}).save_to_disk(str(tmp_path / "nulls"))
+    with pytest.raises(DataError, match=r"row 12: column 'text' is null"):
+        tokenize(hub(tmp_path / "nulls", streaming=True), tmp_path / "out", tokenizer=tok, shard_tokens=500)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_command_line_names_one_source(tmp_path: Path, dataset_repo: Path):
+    with pytest.raises(DataError, match="must be the only input"):
+        open_source([f"hf:{dataset_repo}", str(dataset_repo / "data")])
+    with pytest.raises(DataError, match="--split, --streaming apply only to a Hugging Face dataset"):
+        open_source([str(dataset_repo / "data")], split="test", streaming=True)
+    with pytest.raises(DataError, match="names no dataset"):
+        open_source(["hf:"])
+    assert isinstance(open_source([f"hf:{dataset_repo}"], split="test"), HubSource)
+
+
+def test_without_the_datasets_package_the_error_says_what_to_install(dataset_repo: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # what an environment without it gives: ImportError
+    with pytest.raises(DataError, match="needs the datasets package") as error:
+        hub(dataset_repo)
+    assert "pip install 'forge-lm[hf]'" in error.value.hint
+
+
+def forge(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "forgecli.app", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_cli_streams_a_dataset_and_refuses_a_bad_split(tmp_path: Path, dataset_repo: Path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": list(TEXTS)}).save_to_disk(str(tmp_path / "saved"))  # a stream of unknown length
+    out = tmp_path / "out"
+    result = forge("tokenize", f"hf:{tmp_path / 'saved'}", "--streaming", "--train-tokenizer", "--vocab-size", "300",
+                   "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert f"{len(TEXTS)} rows read" in result.stdout  # progress counts rows when the stream's length is unknown
+    assert json.loads((out / "manifest.json").read_text())["source"]["inputs"] == [f"hf:{tmp_path / 'saved'} split 'train'"]
+
+    bad = forge("tokenize", f"hf:{dataset_repo}", "--split", "validation", "--train-tokenizer", "--vocab-size", "300",
+                "--out", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "validation" in bad.stderr and "--split" in bad.stderr
+    assert not (tmp_path / "bad").exists()
