@@ -39,7 +39,8 @@ def tokenize(
     text_field: str = typer.Option("text", "--text-field", help="JSONL field / Parquet or dataset column that holds the text."),
     shard_tokens: int = typer.Option(DEFAULT_SHARD_TOKENS, "--shard-tokens", help="Tokens per shard (the last one holds the rest)."),
     hf_config: Optional[str] = typer.Option(None, "--hf-config", help="hf:NAME only: the dataset's configuration (subset)."),
-    split: Optional[str] = typer.Option(None, "--split", help="hf:NAME only: the split to tokenize. Default: train."),
+    split: Optional[str] = typer.Option(None, "--split", help=(
+        "hf:NAME only: the split to tokenize. Default: train (a save_to_disk Dataset: its own).")),
     streaming: bool = typer.Option(False, "--streaming", help=(
         "hf:NAME only: read rows as they are tokenized instead of downloading the split first.")),
     revision: Optional[str] = typer.Option(None, "--revision", help="hf:NAME only: a Hub branch, tag or commit."),
@@ -60,9 +61,10 @@ def tokenize(
       forge tokenize hf:HuggingFaceFW/fineweb-edu --hf-config sample-10BT --streaming --tokenizer tok.json --out data/fw
 
     """
-    from engine.data.tokenize import open_source, tokenize as tokenize_source
+    from engine.data.tokenize import check_request, open_source, tokenize as tokenize_source
 
     train_vocab_size = trained_vocab_size(train_tokenizer, vocab_size)
+    check_request(out, tokenizer, train_vocab_size, eos_token, shard_tokens)  # before a dataset downloads
     source = open_source(inputs, hf_config, split, streaming, revision)
     view = progress_view(err_console if as_json else console)
     with view:
@@ -110,12 +112,14 @@ class RichProgressView:
 
     def update(self, p: "TokenizeProgress") -> None:
         if p.phase not in self.tasks:
-            for task in self.tasks.values():
-                self.bar.update(task, completed=self.bar.tasks[task].total)
+            for task in self.tasks.values():  # the earlier phase is over, however long its stream was
+                done = self.bar.tasks[task].total or self.bar.tasks[task].completed
+                self.bar.update(task, total=done, completed=done)
             self.tasks[p.phase] = self.bar.add_task(p.phase, total=p.total, detail="")
             self.started = self.last  # the phase began when the previous one reported last
         self.last = time.perf_counter()
-        self.bar.update(self.tasks[p.phase], completed=p.done, detail=detail(p, self.last - self.started))
+        rows = f"{p.done:,} rows read, " if p.total is None else ""  # the bar shows no count without a total
+        self.bar.update(self.tasks[p.phase], completed=p.done, detail=rows + detail(p, self.last - self.started))
 
 
 class PlainProgressView:

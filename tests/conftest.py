@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Tests read local models and datasets only; never wait on the network. Set at import, before test modules
+# import transformers or datasets (which read it once).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -18,6 +21,5 @@ def forge_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shared.mkdir(exist_ok=True)
     os.environ["FORGE_CACHE_DIR"] = str(shared)
     os.environ.setdefault("WANDB_MODE", "offline")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests read local datasets only; never wait on the network
     os.environ.setdefault("HF_DATASETS_CACHE", str(shared / "hf-datasets"))
     return shared

@@ -7,6 +7,7 @@ repository, and folders written by `save_to_disk`. The reference is the same row
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -107,12 +108,16 @@ def test_folders_written_by_save_to_disk(tmp_path: Path, tok: Path, dataset_repo
     splits.save_to_disk(str(tmp_path / "dict"))
     splits["test"].save_to_disk(str(tmp_path / "one"))
     reference = tokenize_files([dataset_repo / "data" / "test.jsonl"], tmp_path / "ref", tokenizer=tok)
-    for name, streaming in [("dict", False), ("dict", True), ("one", False)]:
-        source = hub(tmp_path / name, split="test", streaming=streaming)
+    for name, split, streaming in [("dict", "test", False), ("dict", "test", True), ("one", None, False),
+                                   ("one", None, True)]:
+        source = hub(tmp_path / name, split=split, streaming=streaming)
         report = tokenize(source, tmp_path / f"out-{name}-{streaming}", tokenizer=tok)
         assert np.array_equal(all_tokens(report.directory), all_tokens(reference.directory)), (name, streaming)
+    assert str(hub(tmp_path / "one")) == f"hf:{tmp_path / 'one'}"  # a lone Dataset records no split name
     with pytest.raises(DataError, match="has no split 'validation'"):
         hub(tmp_path / "dict", split="validation")
+    with pytest.raises(DataError, match="holds one data set without a split name, not 'test'"):
+        hub(tmp_path / "one", split="test")
     with pytest.raises(DataError, match="has no configurations"):
         hub(tmp_path / "dict", config="en")
 
@@ -122,6 +127,32 @@ def test_a_dataset_that_cannot_be_loaded_is_a_data_error(tmp_path: Path, dataset
         hub(dataset_repo, split="validation")
     with pytest.raises(DataError, match="could not load Hugging Face dataset"):
         hub(tmp_path / "missing", streaming=True)
+    with pytest.raises(DataError, match="is a local folder"):
+        hub(dataset_repo, revision="main")  # a revision would be read by nothing
+    script = tmp_path / "scripted"
+    script.mkdir()
+    (script / "scripted.py").write_text("import datasets\n")  # loading scripts: refused by datasets
+    with pytest.raises(DataError, match="could not load Hugging Face dataset"):
+        hub(script)
+
+
+def test_a_row_that_cannot_be_parsed_midway_leaves_nothing_behind(tmp_path: Path, tok: Path, dataset_repo: Path):
+    with open(dataset_repo / "data" / "train.jsonl", "a") as f:
+        f.write("{not json\n")
+    with pytest.raises(DataError, match="could not read the rows"):
+        tokenize(hub(dataset_repo, streaming=True), tmp_path / "out", tokenizer=tok, shard_tokens=500)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_stream_whose_data_changed_restarts_instead_of_resuming(tmp_path: Path, tok: Path, dataset_repo: Path):
+    out = tmp_path / "out"
+    with pytest.raises(Interrupt):
+        tokenize(hub(dataset_repo, streaming=True), out, tokenizer=tok, shard_tokens=600, progress=interrupt_after(2))
+    write_jsonl(dataset_repo / "data" / "train.jsonl", TEXTS[::-1])
+    report = tokenize(hub(dataset_repo, streaming=True), out, tokenizer=tok, shard_tokens=600)
+    fresh = tokenize_files([dataset_repo / "data" / "train.jsonl"], tmp_path / "fresh", tokenizer=tok, shard_tokens=600)
+    assert report.reused_shards == 0
+    assert np.array_equal(all_tokens(report.directory), all_tokens(fresh.directory))
 
 
 def test_columns_are_checked_before_anything_is_written(tmp_path: Path, tok: Path, dataset_repo: Path):
@@ -161,7 +192,7 @@ def test_without_the_datasets_package_the_error_says_what_to_install(dataset_rep
 
 def forge(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "forgecli.app", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=240)
+                          timeout=240, env={**os.environ, "NO_COLOR": "1", "COLUMNS": "300"})
 
 
 def test_cli_streams_a_dataset_and_refuses_a_bad_split(tmp_path: Path, dataset_repo: Path):
@@ -173,7 +204,17 @@ def test_cli_streams_a_dataset_and_refuses_a_bad_split(tmp_path: Path, dataset_r
                    "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert f"{len(TEXTS)} rows read" in result.stdout  # progress counts rows when the stream's length is unknown
-    assert json.loads((out / "manifest.json").read_text())["source"]["inputs"] == [f"hf:{tmp_path / 'saved'} split 'train'"]
+    assert json.loads((out / "manifest.json").read_text())["source"]["inputs"] == [f"hf:{tmp_path / 'saved'}"]
+
+    # Mistakes that need no data are found before the dataset is prepared (eager mode converts every
+    # split; nothing has prepared this one yet).
+    for args, message in [(("--out", str(tmp_path / "early")), "no tokenizer chosen"),
+                          (("--out", str(dataset_repo), "--train-tokenizer", "--vocab-size", "300"),
+                           "did not write")]:
+        result = forge("tokenize", f"hf:{dataset_repo}", *args)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert "Generating" not in result.stderr  # the datasets library's own progress while it prepares a split
+    assert not (tmp_path / "early").exists()
 
     bad = forge("tokenize", f"hf:{dataset_repo}", "--split", "validation", "--train-tokenizer", "--vocab-size", "300",
                 "--out", str(tmp_path / "bad"))

@@ -116,7 +116,17 @@ def open_source(inputs: Sequence[str], hf_config: str | None = None, split: str 
     if len(inputs) > 1:
         raise DataError(f"{hub[0]} must be the only input (got {len(inputs)})",
                         "tokenize the dataset and the files into separate directories")
-    return HubSource(hub[0][len(HUB_PREFIX):], hf_config, split or "train", streaming, revision)
+    return HubSource(hub[0][len(HUB_PREFIX):], hf_config, split, streaming, revision)
+
+
+def check_request(out_dir: Path, tokenizer: Path | None = None, train_vocab_size: int | None = None,
+                  eos_token: str | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> None:
+    """The checks of `tokenize` that need no input, for a caller to run before opening a source that may
+    download for hours: the options, the tokenizer file and its EOS token, and the output directory."""
+    check_options(tokenizer, train_vocab_size, shard_tokens)
+    if tokenizer is not None:
+        Encoder.from_file(tokenizer, eos_token)
+    check_out_dir(out_dir)
 
 
 def tokenize(source: Source, out_dir: Path, *, tokenizer: Path | None = None,
@@ -177,12 +187,7 @@ def finished_output(out_dir: Path, key: str) -> Manifest | None:
     this run must not overwrite; None when the run may go ahead (new, empty, or an unfinished run)."""
     if not out_dir.exists():
         return None
-    if not out_dir.is_dir():
-        raise DataError(f"--out {out_dir} is a file", "pass a directory path (it is created if missing)")
-    foreign = sorted(p.name for p in out_dir.iterdir() if not is_ours(p))
-    if foreign:
-        raise DataError(f"--out {out_dir} holds files forge tokenize did not write ({', '.join(foreign[:3])})",
-                        "choose a new or empty directory")
+    check_out_dir(out_dir)
     if not (out_dir / MANIFEST).exists():
         return None
     manifest = read_manifest(out_dir)
@@ -191,6 +196,18 @@ def finished_output(out_dir: Path, key: str) -> Manifest | None:
                         f"choose a new directory, or delete {out_dir} to replace it")
     (out_dir / STATE).unlink(missing_ok=True)
     return manifest
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """`out_dir` may be written: missing, or a directory holding nothing but an earlier run's files."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise DataError(f"--out {out_dir} is a file", "pass a directory path (it is created if missing)")
+    foreign = sorted(p.name for p in out_dir.iterdir() if not is_ours(p))
+    if foreign:
+        raise DataError(f"--out {out_dir} holds files forge tokenize did not write ({', '.join(foreign[:3])})",
+                        "choose a new or empty directory")
 
 
 def remove_outputs(out_dir: Path, remove_dir: bool) -> None:
