@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -221,3 +222,96 @@ def test_cli_streams_a_dataset_and_refuses_a_bad_split(tmp_path: Path, dataset_r
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "validation" in bad.stderr and "--split" in bad.stderr
     assert not (tmp_path / "bad").exists()
+
+
+# --- training on a dataset named in the config (data.hf_dataset_name, eval.hf_dataset_name) ------------------
+
+TINY = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=512",
+        "train.seq_len=32", "model.max_seq_len=32", "train.batch_size=4", "train.max_steps=4",
+        "metrics.log_interval=1", "eval.enabled=true", "eval.interval=2", "eval.steps=2", "scheduler.warmup_steps=1"]
+
+
+def trained_records(run_dir: Path, *overrides: str) -> list[dict]:
+    from engine.config import load_job_config
+    from engine.train.trainer import train
+
+    train(load_job_config(None, [*TINY, *overrides]), run_dir)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def numbers(records: list[dict]) -> list[tuple]:
+    return [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("eval_loss")) for r in records]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_training_on_a_named_dataset_equals_training_on_its_tokenized_shards(
+        tmp_path: Path, tok: Path, streaming: bool, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache"))
+    repo = tmp_path / "repo"
+    write_jsonl(repo / "data" / "train.jsonl", TEXTS[3:])
+    write_jsonl(repo / "data" / "test.jsonl", TEXTS[:3])
+    shards = tokenize_files([repo / "data" / "train.jsonl"], tmp_path / "shards", tokenizer=tok).directory
+    held_out = tokenize_files([repo / "data" / "test.jsonl"], tmp_path / "held-out", tokenizer=tok).directory
+    reference = trained_records(tmp_path / "ref", f"data.dataset_path={shards}", f"eval.dataset_path={held_out}")
+
+    named = [f"data.hf_dataset_name={repo}", f"data.tokenizer_path={tok}", f"eval.hf_dataset_name={repo}",
+             "eval.hf_dataset_split=test", f"data.hf_streaming={str(streaming).lower()}"]
+    records = trained_records(tmp_path / "hub", *named)
+    assert numbers(records) == numbers(reference)  # the same tokens in the same order: the same run, exactly
+    assert [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert (tmp_path / "hub" / "tokenizer.json").read_bytes() == tok.read_bytes()
+
+    entries = sorted((tmp_path / "cache" / "hf").glob("*/manifest.json"))
+    assert len(entries) == 2  # the training split and the held-out split, each tokenized once
+    monkeypatch.setattr("engine.data.hub_cache.tokenize", None)  # a second run must not tokenize again
+    again = trained_records(tmp_path / "again", *named)
+    assert numbers(again) == numbers(records)
+
+
+def test_a_named_dataset_needs_a_tokenizer_and_its_fields_need_a_name():
+    from engine.config import load_job_config
+    from engine.errors import ConfigError
+
+    def issues(*overrides: str) -> list[str]:
+        with pytest.raises(ConfigError) as error:
+            load_job_config(None, list(overrides)).validate(1)
+        return [issue.path for issue in error.value.issues]
+
+    assert issues("data.hf_dataset_name=org/set") == ["data.tokenizer_path"]
+    assert issues("data.hf_dataset_name=org/set", "data.dataset_path=/x", "data.tokenizer_path=t.json") == \
+        ["data.hf_dataset_name"]
+    assert sorted(issues("data.hf_dataset_config=en", "data.hf_dataset_split=test", "data.hf_streaming=true",
+                         "eval.hf_dataset_split=test", "data.hf_dataset_text_field=body")) == \
+        ["data.hf_dataset_config", "data.hf_dataset_split", "data.hf_dataset_text_field", "data.hf_streaming",
+         "eval.hf_dataset_split"]
+    assert issues("data.hf_dataset_name=org/set", "data.tokenizer_path=t.json", "eval.enabled=true") == \
+        ["eval.dataset_path"]  # held-out data of its own, as with dataset_path
+    load_job_config(None, ["data.hf_dataset_name=org/set", "data.tokenizer_path=t.json", "eval.enabled=true",
+                           "eval.hf_dataset_name=org/set"]).validate(1)
+
+
+BUILD_SCRIPT = """
+import logging, sys, time
+from pathlib import Path
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from engine.data.hub_cache import hub_shards
+while not Path(sys.argv[3]).exists():  # start together, as the ranks of a job do
+    time.sleep(0.01)
+print(hub_shards(sys.argv[1], None, "train", False, "text", Path(sys.argv[2]), "data.hf_dataset_name"), flush=True)
+"""
+
+
+def test_ranks_asking_for_the_same_dataset_at_once_tokenize_it_once(tmp_path: Path, tok: Path, dataset_repo: Path):
+    env = {**os.environ, "FORGE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    go = tmp_path / "go"
+    ranks = [subprocess.Popen([sys.executable, "-c", BUILD_SCRIPT, str(dataset_repo), str(tok), str(go)], cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    time.sleep(3)
+    go.touch()
+    outputs = [rank.communicate(timeout=240) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), [err[-2000:] for _, err in outputs]
+    assert len({out.strip() for out, _ in outputs}) == 1  # one entry for all
+    assert sum("tokenizing hf:" in err for _, err in outputs) == 1, [err[-2000:] for _, err in outputs]
+    entry = Path(outputs[0][0].strip())
+    reference = tokenize_files([dataset_repo / "data" / "train.jsonl"], tmp_path / "ref", tokenizer=tok)
+    assert np.array_equal(all_tokens(entry), all_tokens(reference.directory))

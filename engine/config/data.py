@@ -9,11 +9,22 @@ from engine.config.base import Section
 
 class DataConfig(Section):
     dataset_path: str | None = Field(
-        None, description="directory written by `forge tokenize`; unset = the embedded Shakespeare corpus"
+        None, description="directory written by `forge tokenize`; unset (and no hf_dataset_name) = the embedded "
+                          "Shakespeare corpus"
     )
     file_pattern: str = Field("*.npy", description="glob of shard files inside dataset_path")
     tokenizer_path: str | None = Field(
         None, description="tokenizer.json; must match the manifest's tokenizer. Unset = the one beside the shards"
+    )
+    hf_dataset_name: str | None = Field(
+        None, description="a Hugging Face dataset (Hub id or local folder) instead of dataset_path: tokenized once "
+                          "with data.tokenizer_path into the Forge cache, then trained on like shards"
+    )
+    hf_dataset_config: str | None = Field(None, description="hf_dataset_name's configuration (subset)")
+    hf_dataset_split: str = Field("train", description="hf_dataset_name's split to train on")
+    hf_dataset_text_field: str = Field("text", description="the column that holds the text (also for eval.hf_dataset_name)")
+    hf_streaming: bool = Field(
+        False, description="tokenize hf datasets from a stream instead of downloading them first (also for eval)"
     )
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
     pin_memory: bool = Field(False, description="pin host batches (GPU only)")

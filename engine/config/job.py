@@ -51,15 +51,45 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
         issues.append(ConfigIssue("scheduler.warmup_steps",
                                   f"{cfg.scheduler.warmup_steps} is longer than train.max_steps ({t.max_steps})",
                                   "shorten the warmup or train longer"))
-    if cfg.eval.enabled and cfg.eval.dataset_path is None and cfg.data.dataset_path is not None:
+    own_data = cfg.data.dataset_path is not None or cfg.data.hf_dataset_name is not None
+    if cfg.eval.enabled and cfg.eval.dataset_path is None and cfg.eval.hf_dataset_name is None and own_data:
         issues.append(ConfigIssue("eval.dataset_path", "eval is enabled but has no data source",
-                                  "set eval.dataset_path to held-out shards, or eval.enabled = false"))
+                                  "set eval.dataset_path to held-out shards (or eval.hf_dataset_name), "
+                                  "or eval.enabled = false"))
+    issues += hub_data_issues(cfg)
     if cfg.profiling.enable and cfg.profiling.start_step > t.max_steps:
         issues.append(ConfigIssue("profiling.start_step", f"{cfg.profiling.start_step} is after train.max_steps ({t.max_steps})",
                                   "profile a window inside the run"))
     issues += optimization_issues(cfg)
     issues += moe_issues(cfg)
     issues += layout_issues(cfg, world_size)
+    return issues
+
+
+def hub_data_issues(cfg: JobConfig) -> list[ConfigIssue]:
+    """A Hugging Face dataset replaces shards, needs a tokenizer to be encoded with, and its fields mean
+    nothing without it."""
+    issues: list[ConfigIssue] = []
+    for section, values, fields in (("data", cfg.data, ("hf_dataset_config", "hf_dataset_split")),
+                                    ("eval", cfg.eval, ("hf_dataset_config", "hf_dataset_split"))):
+        if values.hf_dataset_name is None:
+            defaults = type(values).model_fields
+            issues += [ConfigIssue(f"{section}.{field}", f"is set, but {section}.hf_dataset_name is unset",
+                                   f"set {section}.hf_dataset_name, or remove it")
+                       for field in fields if getattr(values, field) != defaults[field].get_default()]
+        elif values.dataset_path is not None:
+            issues.append(ConfigIssue(f"{section}.hf_dataset_name", f"and {section}.dataset_path are both set",
+                                      "train (or evaluate) on one of them"))
+    hub_in_use = cfg.data.hf_dataset_name is not None or cfg.eval.hf_dataset_name is not None
+    defaults = type(cfg.data).model_fields
+    if not hub_in_use:
+        issues += [ConfigIssue(f"data.{field}", "is set, but neither data.hf_dataset_name nor eval.hf_dataset_name is",
+                               "set one of them, or remove it")
+                   for field in ("hf_dataset_text_field", "hf_streaming")
+                   if getattr(cfg.data, field) != defaults[field].get_default()]
+    if cfg.data.hf_dataset_name is not None and cfg.data.tokenizer_path is None:
+        issues.append(ConfigIssue("data.tokenizer_path", "is needed to tokenize data.hf_dataset_name",
+                                  "point it at a tokenizer.json (e.g. one written by forge tokenize)"))
     return issues
 
 

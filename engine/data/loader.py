@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from engine.config import JobConfig
 from engine.data.embedded import cache_dir, embedded_corpus
+from engine.data.hub_cache import hub_shards
 from engine.data.sampler import BatchLayout, EpochOrder, EvalBatchSampler, TrainBatchSampler
 from engine.data.shards import MANIFEST, TOKENIZER_FILE, Manifest, ShardInfo, open_shard, read_manifest
 from engine.data.tokenizer import file_sha256
@@ -112,29 +113,51 @@ class EvalData(TokenData):
 
 
 def open_train_data(cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
-    """The training shards of `cfg.data` (the embedded corpus when dataset_path is unset), verified."""
-    directory = Path(cfg.data.dataset_path) if cfg.data.dataset_path else embedded_corpus().train
+    """The training shards of `cfg.data` (the embedded corpus when no data set is named), verified."""
+    directory = train_directory(cfg)
     parts = verified(directory, "data.dataset_path", cfg.data.file_pattern, "data.file_pattern", cfg)
     layout = BatchLayout(cfg.train.batch_size, cfg.train.grad_accum_steps, dp_size, dp_rank)
     return TrainData(*parts, layout, loader_options(cfg), seed=cfg.train.effective_data_seed)
 
 
-def open_eval_data(cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> EvalData | None:
-    """The held-out shards of `cfg.eval` (the embedded corpus's held-out works when dataset_path is unset
-    and training uses the embedded corpus), verified; None when evaluation is off."""
+def open_eval_data(cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1,
+                   train: TokenData | None = None) -> EvalData | None:
+    """The held-out shards of `cfg.eval` (the embedded corpus's held-out works when training uses the embedded
+    corpus and eval names no data set), verified; None when evaluation is off. `train`, the opened training
+    data, saves finding it again."""
     if not cfg.eval.enabled:
         return None
-    if cfg.eval.dataset_path:
-        directory = Path(cfg.eval.dataset_path)
-    elif cfg.data.dataset_path is None:
+    train_dir = train.directory if train is not None else train_directory(cfg)
+    e, d = cfg.eval, cfg.data
+    if e.dataset_path:
+        directory = Path(e.dataset_path)
+    elif e.hf_dataset_name:
+        tokenizer = Path(d.tokenizer_path) if d.tokenizer_path else train_dir / TOKENIZER_FILE
+        directory = hub_shards(e.hf_dataset_name, e.hf_dataset_config, e.hf_dataset_split, d.hf_streaming,
+                               d.hf_dataset_text_field, tokenizer, "eval.hf_dataset_name")
+    elif d.dataset_path is None and d.hf_dataset_name is None:
         directory = embedded_corpus().val
     else:
         raise DataError("eval is enabled but eval.dataset_path is unset",
-                        "set eval.dataset_path to held-out shards written by forge tokenize, or eval.enabled = false")
+                        "set eval.dataset_path to held-out shards written by forge tokenize (or eval.hf_dataset_name), "
+                        "or eval.enabled = false")
     parts = verified(directory, "eval.dataset_path", cfg.eval.file_pattern, "eval.file_pattern", cfg)
-    check_same_tokenizer(parts[1], directory, cfg)
+    check_same_tokenizer(parts[1], directory, train_dir)
     layout = BatchLayout(cfg.train.batch_size, 1, dp_size, dp_rank)
     return EvalData(*parts, layout, loader_options(cfg), steps=cfg.eval.steps)
+
+
+def train_directory(cfg: JobConfig) -> Path:
+    """Where the training shards are: data.dataset_path, data.hf_dataset_name's cache entry (built on first
+    use), or the embedded corpus."""
+    d = cfg.data
+    if d.dataset_path:
+        return Path(d.dataset_path)
+    if d.hf_dataset_name:
+        assert d.tokenizer_path is not None, "config validation requires data.tokenizer_path"
+        return hub_shards(d.hf_dataset_name, d.hf_dataset_config, d.hf_dataset_split, d.hf_streaming,
+                          d.hf_dataset_text_field, Path(d.tokenizer_path), "data.hf_dataset_name")
+    return embedded_corpus().train
 
 
 def loader_options(cfg: JobConfig) -> dict[str, Any]:
@@ -214,8 +237,7 @@ def selected_shards(directory: Path, manifest: Manifest, pattern: str, pattern_f
     return shards
 
 
-def check_same_tokenizer(eval_manifest: Manifest, eval_directory: Path, cfg: JobConfig) -> None:
-    train_directory = Path(cfg.data.dataset_path) if cfg.data.dataset_path else embedded_corpus().train
+def check_same_tokenizer(eval_manifest: Manifest, eval_directory: Path, train_directory: Path) -> None:
     train_manifest = read_manifest(train_directory)
     if train_manifest.tokenizer_sha256 != eval_manifest.tokenizer_sha256:
         raise DataError(f"eval.dataset_path {eval_directory} was tokenized with a different tokenizer than "

@@ -181,7 +181,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     dims = ParallelDims.from_config(cfg.distributed, place.world_size)
     dp_rank = data_parallel_rank(dims, place.rank)
     train_data = open_train_data(cfg, dp_rank=dp_rank, dp_size=dims.dp)
-    eval_data = open_eval_data(cfg, dp_rank=dp_rank, dp_size=dims.dp)
+    eval_data = open_eval_data(cfg, dp_rank=dp_rank, dp_size=dims.dp, train=train_data)
     resuming = check_run_dir(cfg, run_dir)
     device = device_for(place)
     check_device_support(cfg, device)
