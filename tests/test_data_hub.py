@@ -281,9 +281,14 @@ def test_a_named_dataset_needs_a_tokenizer_and_its_fields_need_a_name():
     assert issues("data.hf_dataset_name=org/set", "data.dataset_path=/x", "data.tokenizer_path=t.json") == \
         ["data.hf_dataset_name"]
     assert sorted(issues("data.hf_dataset_config=en", "data.hf_dataset_split=test", "data.hf_streaming=true",
-                         "eval.hf_dataset_split=test", "data.hf_dataset_text_field=body")) == \
-        ["data.hf_dataset_config", "data.hf_dataset_split", "data.hf_dataset_text_field", "data.hf_streaming",
-         "eval.hf_dataset_split"]
+                         "data.hf_dataset_revision=v1", "eval.enabled=true", "eval.hf_dataset_split=test",
+                         "data.hf_dataset_text_field=body")) == \
+        ["data.hf_dataset_config", "data.hf_dataset_revision", "data.hf_dataset_split", "data.hf_dataset_text_field",
+         "data.hf_streaming", "eval.hf_dataset_split"]
+    # evaluation off: its dataset, and the data fields only it would read, are read by nothing
+    assert sorted(issues("eval.hf_dataset_name=org/set", "eval.hf_dataset_split=test", "data.hf_streaming=true")) == \
+        ["data.hf_streaming", "eval.hf_dataset_name", "eval.hf_dataset_split"]
+    assert issues("eval.enabled=true", "eval.hf_dataset_name=org/set", "eval.dataset_path=/x") == ["eval.hf_dataset_name"]
     assert issues("data.hf_dataset_name=org/set", "data.tokenizer_path=t.json", "eval.enabled=true") == \
         ["eval.dataset_path"]  # held-out data of its own, as with dataset_path
     load_job_config(None, ["data.hf_dataset_name=org/set", "data.tokenizer_path=t.json", "eval.enabled=true",
@@ -291,13 +296,15 @@ def test_a_named_dataset_needs_a_tokenizer_and_its_fields_need_a_name():
 
 
 BUILD_SCRIPT = """
-import logging, sys, time
+import sys, time
 from pathlib import Path
-logging.basicConfig(level=logging.INFO, format="%(message)s")
+from engine.config import load_job_config
 from engine.data.hub_cache import hub_shards
+cfg = load_job_config(None, [f"data.hf_dataset_name={sys.argv[1]}", f"data.tokenizer_path={sys.argv[2]}",
+                             "model.vocab_size=512"])
 while not Path(sys.argv[3]).exists():  # start together, as the ranks of a job do
     time.sleep(0.01)
-print(hub_shards(sys.argv[1], None, "train", False, "text", Path(sys.argv[2]), "data.hf_dataset_name"), flush=True)
+print(hub_shards(cfg, "data", Path(sys.argv[2])), flush=True)
 """
 
 
@@ -315,3 +322,40 @@ def test_ranks_asking_for_the_same_dataset_at_once_tokenize_it_once(tmp_path: Pa
     entry = Path(outputs[0][0].strip())
     reference = tokenize_files([dataset_repo / "data" / "train.jsonl"], tmp_path / "ref", tokenizer=tok)
     assert np.array_equal(all_tokens(entry), all_tokens(reference.directory))
+
+
+def test_resuming_onto_data_that_changed_is_refused(tmp_path: Path, tok: Path, monkeypatch: pytest.MonkeyPatch):
+    from engine.errors import UserError
+
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache"))
+    repo = tmp_path / "repo"
+    write_jsonl(repo / "data" / "train.jsonl", TEXTS)
+    named = [f"data.hf_dataset_name={repo}", f"data.tokenizer_path={tok}", "eval.enabled=false", "scheduler.decay_steps=4",
+             "train.max_steps=2",
+             "checkpoint.interval=2"]
+    trained_records(tmp_path / "run", *named)
+    write_jsonl(repo / "data" / "train.jsonl", TEXTS[::-1])  # the dataset changes (a new commit on the Hub, say)
+    with pytest.raises(UserError, match="was trained on other data"):
+        trained_records(tmp_path / "run", *named[:-2], "train.max_steps=4", "checkpoint.interval=2")
+    write_jsonl(repo / "data" / "train.jsonl", TEXTS)  # back to the data it trained on: the resume goes ahead
+    records = trained_records(tmp_path / "run", *named[:-2], "train.max_steps=4", "checkpoint.interval=2")
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_mistakes_in_a_named_dataset_name_its_fields_and_cost_no_tokenizing(tmp_path: Path, tok: Path,
+                                                                            dataset_repo: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch):
+    from engine.config import load_job_config
+    from engine.data.loader import open_train_data
+
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache"))
+    named = [f"data.hf_dataset_name={dataset_repo}", f"data.tokenizer_path={tok}", "model.vocab_size=512"]
+    with pytest.raises(DataError, match="data.hf_dataset_name: .*Unknown split") as error:
+        open_train_data(load_job_config(None, [*named, "data.hf_dataset_split=dev"]))
+    assert "data.hf_dataset_split" in error.value.hint
+    with pytest.raises(DataError, match="no column 'body'") as error:
+        open_train_data(load_job_config(None, [*named, "data.hf_dataset_text_field=body"]))
+    assert "data.hf_dataset_text_field" in error.value.hint
+    with pytest.raises(DataError, match="more than model.vocab_size = 100"):
+        open_train_data(load_job_config(None, [*named, "model.vocab_size=100"]))
+    assert not (tmp_path / "cache" / "hf").exists()

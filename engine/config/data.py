@@ -22,6 +22,9 @@ class DataConfig(Section):
     )
     hf_dataset_config: str | None = Field(None, description="hf_dataset_name's configuration (subset)")
     hf_dataset_split: str = Field("train", description="hf_dataset_name's split to train on")
+    hf_dataset_revision: str | None = Field(
+        None, description="hf_dataset_name's Hub branch, tag or commit; a commit keeps a long run's data fixed"
+    )
     hf_dataset_text_field: str = Field("text", description="the column that holds the text (also for eval.hf_dataset_name)")
     hf_streaming: bool = Field(
         False, description="tokenize hf datasets from a stream instead of downloading them first (also for eval)"

@@ -22,3 +22,4 @@ class EvalConfig(Section):
     )
     hf_dataset_config: str | None = Field(None, description="eval.hf_dataset_name's configuration (subset)")
     hf_dataset_split: str = Field("validation", description="eval.hf_dataset_name's held-out split")
+    hf_dataset_revision: str | None = Field(None, description="eval.hf_dataset_name's Hub branch, tag or commit")

@@ -14,45 +14,85 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import logging
 import os
+import sys
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from engine.data import DEFAULT_SHARD_TOKENS
 from engine.data.embedded import cache_dir
 from engine.data.hub import HubSource
 from engine.data.shards import MANIFEST
-from engine.data.tokenize import run_key, tokenize
+from engine.data.tokenize import Progress, run_key, tokenize
 from engine.data.tokenizer import Encoder
 from engine.errors import DataError
 
-log = logging.getLogger("forge.data")
+if TYPE_CHECKING:
+    from engine.config.job import JobConfig
+
+PROGRESS_INTERVAL_S = 60.0
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL)
 
 
-def hub_shards(name: str, config: str | None, split: str, streaming: bool, text_field: str, tokenizer: Path,
-               field: str) -> Path:
-    """The cache directory holding `name`'s split tokenized with `tokenizer`, built on first use. `field`
-    names the config field the dataset came from, for errors."""
+def hub_shards(cfg: "JobConfig", section: str, tokenizer: Path) -> Path:
+    """The cache directory holding the split that `cfg.<section>.hf_dataset_name` names, tokenized with
+    `tokenizer`; built on first use. What goes wrong is reported in terms of the config's fields."""
+    values, d = getattr(cfg, section), cfg.data
     if not tokenizer.is_file():
-        raise DataError(f"{field} needs a tokenizer: {tokenizer} not found", "set data.tokenizer_path to a tokenizer.json")
-    source = HubSource(name, config, split, streaming)
+        raise DataError(f"{section}.hf_dataset_name needs a tokenizer: {tokenizer} not found",
+                        "set data.tokenizer_path to a tokenizer.json")
     encoder = Encoder.from_file(tokenizer, None)
-    source.check(text_field)
-    entry = cache_dir() / "hf" / run_key(source, text_field, DEFAULT_SHARD_TOKENS, encoder, None, None)[:16]
+    if encoder.vocab_size > cfg.model.vocab_size:  # found now rather than after hours of tokenizing
+        raise DataError(f"the tokenizer {tokenizer} has {encoder.vocab_size} tokens, more than model.vocab_size = "
+                        f"{cfg.model.vocab_size}", f"set model.vocab_size to at least {encoder.vocab_size}")
+    name = values.hf_dataset_name
+    name = str(Path(name).resolve()) if Path(name).is_dir() else name  # a local folder, wherever the run starts
+    fields = (f"{section}.hf_dataset_name, {section}.hf_dataset_config, {section}.hf_dataset_split, "
+              f"{section}.hf_dataset_revision and data.hf_dataset_text_field")
+    try:
+        source = HubSource(name, values.hf_dataset_config, values.hf_dataset_split, d.hf_streaming,
+                           values.hf_dataset_revision)
+        source.check(d.hf_dataset_text_field)
+    except DataError as e:
+        raise DataError(f"{section}.hf_dataset_name: {e.message}", f"check {fields}") from None
+    entry = cache_dir() / "hf" / run_key(source, d.hf_dataset_text_field, DEFAULT_SHARD_TOKENS, encoder, None, None)[:16]
     if (entry / MANIFEST).is_file():
         return entry
-    with locked(entry.parent / f"{entry.name}.lock"):
-        if not (entry / MANIFEST).is_file():  # another rank may have built it while this one waited
-            log.info("tokenizing %s into %s (once; later runs reuse it)", source, entry)
-            tokenize(source, entry, tokenizer=tokenizer, text_field=text_field)
+    with locked(entry.parent / f"{entry.name}.lock", f"{source} is being tokenized into {entry} by another process"):
+        if not (entry / MANIFEST).is_file():  # another process may have built it while this one waited
+            say(f"tokenizing {source} into {entry} (once: later runs reuse it)")
+            try:
+                report = tokenize(source, entry, tokenizer=tokenizer, text_field=d.hf_dataset_text_field,
+                                  progress=progress_lines(str(source)))
+            except DataError as e:
+                raise DataError(f"{section}.hf_dataset_name: {e.message}", f"check {fields}") from None
+            say(f"tokenized {source}: {report.manifest.total_tokens:,} tokens in {report.seconds:.0f} s")
     return entry
 
 
+def say(line: str) -> None:
+    """A line on stderr: tokenizing runs before the run's logging starts, and may take hours."""
+    print(f"forge: {line}", file=sys.stderr, flush=True)
+
+
+def progress_lines(name: str) -> Callable[[Progress], None]:
+    last = time.monotonic()
+
+    def report(p: Progress) -> None:
+        nonlocal last
+        if time.monotonic() - last >= PROGRESS_INTERVAL_S:
+            last = time.monotonic()
+            share = f" of {p.total:,}" if p.total is not None else ""
+            say(f"{name}: {p.phase}, {p.done:,}{share} {p.unit}, {p.tokens:,} tokens")
+    return report
+
+
 @contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive record lock on `path` (waiting for it). Building without one could let two ranks
-    write the same directory, so a file system that cannot lock is an error."""
+def locked(path: Path, waiting: str) -> Iterator[None]:
+    """Hold an exclusive record lock on `path`, saying `waiting` if another process holds it. Building
+    without a lock could let two ranks write the same directory, so a file system that cannot lock is an
+    error."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -61,13 +101,16 @@ def locked(path: Path) -> Iterator[None]:
                         "set FORGE_CACHE_DIR to a writable directory") from None
     try:
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            if e.errno in NO_LOCKS:
+                raise DataError(f"the Forge cache {path.parent} is on a file system without locks",
+                                "set FORGE_CACHE_DIR to a local directory, or tokenize the dataset first "
+                                "(forge tokenize hf:NAME …) and set data.dataset_path") from None
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
-            raise DataError(f"the Forge cache {path.parent} is on a file system without locks",
-                            "set FORGE_CACHE_DIR to a local directory, or tokenize the dataset first "
-                            "(forge tokenize hf:NAME …) and set data.dataset_path") from None
+            say(f"waiting: {waiting}")
+            fcntl.lockf(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # closing releases the lock

@@ -133,8 +133,7 @@ def open_eval_data(cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1,
         directory = Path(e.dataset_path)
     elif e.hf_dataset_name:
         tokenizer = Path(d.tokenizer_path) if d.tokenizer_path else train_dir / TOKENIZER_FILE
-        directory = hub_shards(e.hf_dataset_name, e.hf_dataset_config, e.hf_dataset_split, d.hf_streaming,
-                               d.hf_dataset_text_field, tokenizer, "eval.hf_dataset_name")
+        directory = hub_shards(cfg, "eval", tokenizer)
     elif d.dataset_path is None and d.hf_dataset_name is None:
         directory = embedded_corpus().val
     else:
@@ -155,8 +154,7 @@ def train_directory(cfg: JobConfig) -> Path:
         return Path(d.dataset_path)
     if d.hf_dataset_name:
         assert d.tokenizer_path is not None, "config validation requires data.tokenizer_path"
-        return hub_shards(d.hf_dataset_name, d.hf_dataset_config, d.hf_dataset_split, d.hf_streaming,
-                          d.hf_dataset_text_field, Path(d.tokenizer_path), "data.hf_dataset_name")
+        return hub_shards(cfg, "data", Path(d.tokenizer_path))
     return embedded_corpus().train
 
 

@@ -12,6 +12,7 @@ the uninterrupted one would have: same weights, optimizer state, LR schedule, RN
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -35,6 +36,7 @@ from engine.config.changes import resume_issues
 from engine.config.job import JobConfig
 from engine.config.loader import dump_toml, load_job_config
 from engine.config.registry import MODELS
+from engine.data.shards import Manifest
 from engine.durable import write_durably
 from engine.errors import ConfigError, UserError
 from engine.metrics.memory import memory_stats
@@ -65,6 +67,7 @@ from engine.train.schedules import build_scheduler, default_decay_steps
 from engine.train.summary import job_summary
 
 log = logging.getLogger("forge.train")
+IDENTITY_SAMPLE_BYTES = 64 * 1024
 
 
 def seed_everything(seed: int) -> None:
@@ -135,6 +138,7 @@ class Job:
     scaler: torch.amp.GradScaler
     train_data: Any
     eval_data: Any
+    data_identity: str  # what a resume checks the training data against (`data_identity`)
     summary: dict[str, Any]
     peak_flops: float | None
     checkpointer: Checkpointer
@@ -202,6 +206,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     job = Job(cfg=cfg, run_dir=run_dir, device=device, dtype=dtype, model=model, optimizer=optimizer,
               scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps),
               scaler=precision.grad_scaler(device, dtype), train_data=train_data, eval_data=eval_data,
+              data_identity=data_identity(train_data.directory, train_data.manifest),
               summary=job_summary(cfg, place.world_size), peak_flops=peak_flops(device, dtype),
               checkpointer=Checkpointer(checkpoint_root(cfg, run_dir), cfg.checkpoint, device),
               guard=StepGuard(cfg.train), place=place, mesh=mesh, pipeline=pipeline,
@@ -284,6 +289,7 @@ def restore(job: Job, path: Path, state: dict[str, Any]) -> None:
     """Continue from checkpoint `path` (weights and optimizer already loaded, `state` its train state): the
     data position is the step, so nothing else needs saving."""
     check_global_batch(job, path, state)
+    check_same_data(job, path, state)
     if "guard" in state:  # checkpoints written before the bad-step detector existed have none
         job.guard.load_state_dict(state["guard"])
     job.scheduler.load_state_dict(state["scheduler"])
@@ -309,10 +315,36 @@ def check_global_batch(job: Job, path: Path, state: dict[str, Any]) -> None:
                     "(train.batch_size × grad_accum_steps × data-parallel ranks × seq_len)", hint)
 
 
+def check_same_data(job: Job, path: Path, state: dict[str, Any]) -> None:
+    """A resumed run reads the samples the uninterrupted one would have: the data must be the same shards.
+    (Checkpoints from before the data was recorded are not checked.)"""
+    if state.get("data") in (None, job.data_identity):
+        return
+    raise UserError(f"{path} was trained on other data than {job.train_data.directory} holds now "
+                    "(other shards, token counts or tokenizer)",
+                    "point data.dataset_path or data.hf_dataset_name at the data the run trained on (for a Hub "
+                    "dataset, pin data.hf_dataset_revision), or train into a new --run-dir")
+
+
+def data_identity(directory: Path, manifest: Manifest) -> str:
+    """The training data as a resume must find it again: tokenizer, dtype, every shard's size, and the
+    first and last 64 KiB of every shard (so reordered or replaced text of the same length is caught without
+    reading the whole data set). Where the text came from is left out: tokenized again from the same text
+    (or moved), it is the same data."""
+    digest = hashlib.sha256(json.dumps({k: v for k, v in manifest.to_json().items() if k != "source"},
+                                       sort_keys=True).encode())
+    for shard in manifest.shards:
+        with open(directory / shard.file, "rb") as f:
+            digest.update(f.read(IDENTITY_SAMPLE_BYTES))
+            f.seek(max(f.seek(0, os.SEEK_END) - IDENTITY_SAMPLE_BYTES, 0))
+            digest.update(f.read(IDENTITY_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
 def train_state(job: Job, step: int, tokens_seen: int, elapsed_sec: float, trackers: MetricsLogger) -> dict[str, Any]:
     """What a checkpoint holds beside the weights and optimizer; everything is JSON."""
     return {"step": step, "tokens_seen": tokens_seen, "elapsed_sec": elapsed_sec,
-            "tokens_per_step": job.summary["tokens_per_step"],
+            "tokens_per_step": job.summary["tokens_per_step"], "data": job.data_identity,
             "scheduler": job.scheduler.state_dict(), "grad_scaler": job.scaler.state_dict(),
             "rng": every_rank_rng_state(),
             "wandb_run_id": trackers.wandb_run_id, "guard": job.guard.state_dict()}
