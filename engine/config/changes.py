@@ -4,7 +4,9 @@ A resumed run must continue the same computation: the model's shape, the data an
 optimization all come from the saved config. Only fields that do not change what is computed, or that
 extend it (train.max_steps), may differ. The layout may change too (`distributed.*`, and the per-device
 `train.batch_size` and `grad_accum_steps`) as long as the global batch stays the same: the trainer checks
-that against the checkpoint's tokens per step, since it depends on the world size.
+that against the checkpoint's tokens per step, since it depends on the world size. The `[data]` fields may
+change (data moved, a Hub revision pinned after the fact) because the trainer checks the data itself against
+the checkpoint: the same tokenizer and the same shards, or the resume is refused.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ SAFE_ON_RESUME = (
     "train.max_steps", "train.compile_model", "train.activation_checkpointing", "train.shutdown_timeout_sec",
     "train.nccl_health_check_interval", "train.max_rollbacks", "train.batch_size", "train.grad_accum_steps",
     "distributed.",
-    "data.num_workers", "data.pin_memory", "data.prefetch_factor",
+    "data.",
     "checkpoint.interval", "checkpoint.keep_last_n", "checkpoint.async_mode",
     "eval.", "metrics.", "profiling.",
 )

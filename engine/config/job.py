@@ -68,26 +68,23 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
 
 def hub_data_issues(cfg: JobConfig) -> list[ConfigIssue]:
     """A Hugging Face dataset replaces shards, needs a tokenizer to be encoded with, and its fields mean
-    nothing without it (nor the eval ones with evaluation off)."""
+    nothing without it. (Like eval.dataset_path, the eval ones may stay set while evaluation is off.)"""
     issues: list[ConfigIssue] = []
     fields = ("hf_dataset_config", "hf_dataset_split", "hf_dataset_revision")
     for section, values in (("data", cfg.data), ("eval", cfg.eval)):
         defaults = type(values).model_fields
-        if section == "eval" and not cfg.eval.enabled:
-            issues += [ConfigIssue(f"eval.{field}", "is set, but eval.enabled = false", "enable eval, or remove it")
-                       for field in ("hf_dataset_name", *fields) if getattr(values, field) != defaults[field].get_default()]
-        elif values.hf_dataset_name is None:
+        if values.hf_dataset_name is None:
             issues += [ConfigIssue(f"{section}.{field}", f"is set, but {section}.hf_dataset_name is unset",
                                    f"set {section}.hf_dataset_name, or remove it")
                        for field in fields if getattr(values, field) != defaults[field].get_default()]
         elif values.dataset_path is not None:
             issues.append(ConfigIssue(f"{section}.hf_dataset_name", f"and {section}.dataset_path are both set",
                                       "train (or evaluate) on one of them"))
-    hub_in_use = cfg.data.hf_dataset_name is not None or (cfg.eval.enabled and cfg.eval.hf_dataset_name is not None)
+    hub_in_use = cfg.data.hf_dataset_name is not None or cfg.eval.hf_dataset_name is not None
     defaults = type(cfg.data).model_fields
     if not hub_in_use:
-        issues += [ConfigIssue(f"data.{field}", "is set, but no Hugging Face dataset is read (data.hf_dataset_name, "
-                               "or eval.hf_dataset_name with eval enabled)", "name one, or remove it")
+        issues += [ConfigIssue(f"data.{field}", "is set, but neither data.hf_dataset_name nor eval.hf_dataset_name is",
+                               "name a dataset, or remove it")
                    for field in ("hf_dataset_text_field", "hf_streaming")
                    if getattr(cfg.data, field) != defaults[field].get_default()]
     if cfg.data.hf_dataset_name is not None and cfg.data.tokenizer_path is None:

@@ -55,7 +55,7 @@ def hub_shards(cfg: "JobConfig", section: str, tokenizer: Path) -> Path:
                            values.hf_dataset_revision)
         source.check(d.hf_dataset_text_field)
     except DataError as e:
-        raise DataError(f"{section}.hf_dataset_name: {e.message}", f"check {fields}") from None
+        raise DataError(f"{section}.hf_dataset_name: {e.message}", f"{e.hint} (config fields: {fields})") from None
     entry = cache_dir() / "hf" / run_key(source, d.hf_dataset_text_field, DEFAULT_SHARD_TOKENS, encoder, None, None)[:16]
     if (entry / MANIFEST).is_file():
         return entry
@@ -66,7 +66,8 @@ def hub_shards(cfg: "JobConfig", section: str, tokenizer: Path) -> Path:
                 report = tokenize(source, entry, tokenizer=tokenizer, text_field=d.hf_dataset_text_field,
                                   progress=progress_lines(str(source)))
             except DataError as e:
-                raise DataError(f"{section}.hf_dataset_name: {e.message}", f"check {fields}") from None
+                raise DataError(f"{section}.hf_dataset_name: {e.message}",
+                                f"{e.hint} (config fields: {fields})") from None
             say(f"tokenized {source}: {report.manifest.total_tokens:,} tokens in {report.seconds:.0f} s")
     return entry
 
@@ -100,17 +101,26 @@ def locked(path: Path, waiting: str) -> Iterator[None]:
         raise DataError(f"cannot write the Forge cache {path.parent} ({e.strerror})",
                         "set FORGE_CACHE_DIR to a writable directory") from None
     try:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in NO_LOCKS:
-                raise DataError(f"the Forge cache {path.parent} is on a file system without locks",
-                                "set FORGE_CACHE_DIR to a local directory, or tokenize the dataset first "
-                                "(forge tokenize hf:NAME …) and set data.dataset_path") from None
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+        if not lock(fd, path, blocking=False):
             say(f"waiting: {waiting}")
-            fcntl.lockf(fd, fcntl.LOCK_EX)
+            lock(fd, path, blocking=True)
         yield
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def lock(fd: int, path: Path, blocking: bool) -> bool:
+    """Take the lock; False when another process holds it and `blocking` is off."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if not blocking and e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        if e.errno in NO_LOCKS:
+            raise DataError(f"the Forge cache {path.parent} is on a file system without locks",
+                            "set FORGE_CACHE_DIR to a local directory, or tokenize the dataset first "
+                            "(forge tokenize hf:NAME …) and set data.dataset_path") from None
+        raise DataError(f"could not lock {path} ({e.strerror})",
+                        "check the file system of FORGE_CACHE_DIR, or tokenize the dataset first "
+                        "(forge tokenize hf:NAME …) and set data.dataset_path") from None

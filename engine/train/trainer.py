@@ -36,7 +36,6 @@ from engine.config.changes import resume_issues
 from engine.config.job import JobConfig
 from engine.config.loader import dump_toml, load_job_config
 from engine.config.registry import MODELS
-from engine.data.shards import Manifest
 from engine.durable import write_durably
 from engine.errors import ConfigError, UserError
 from engine.metrics.memory import memory_stats
@@ -67,7 +66,7 @@ from engine.train.schedules import build_scheduler, default_decay_steps
 from engine.train.summary import job_summary
 
 log = logging.getLogger("forge.train")
-IDENTITY_SAMPLE_BYTES = 64 * 1024
+IDENTITY_SAMPLE_TOKENS = 4096
 
 
 def seed_everything(seed: int) -> None:
@@ -206,7 +205,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     job = Job(cfg=cfg, run_dir=run_dir, device=device, dtype=dtype, model=model, optimizer=optimizer,
               scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps),
               scaler=precision.grad_scaler(device, dtype), train_data=train_data, eval_data=eval_data,
-              data_identity=data_identity(train_data.directory, train_data.manifest),
+              data_identity=data_identity(train_data),
               summary=job_summary(cfg, place.world_size), peak_flops=peak_flops(device, dtype),
               checkpointer=Checkpointer(checkpoint_root(cfg, run_dir), cfg.checkpoint, device),
               guard=StepGuard(cfg.train), place=place, mesh=mesh, pipeline=pipeline,
@@ -317,27 +316,28 @@ def check_global_batch(job: Job, path: Path, state: dict[str, Any]) -> None:
 
 def check_same_data(job: Job, path: Path, state: dict[str, Any]) -> None:
     """A resumed run reads the samples the uninterrupted one would have: the data must be the same shards.
-    (Checkpoints from before the data was recorded are not checked.)"""
-    if state.get("data") in (None, job.data_identity):
+    Every rank checks its own view and they agree, so no rank goes on alone. (Checkpoints from before the
+    data was recorded are not checked.)"""
+    differs = state.get("data") not in (None, job.data_identity)
+    if not any_rank(differs, job.device):
         return
     raise UserError(f"{path} was trained on other data than {job.train_data.directory} holds now "
-                    "(other shards, token counts or tokenizer)",
-                    "point data.dataset_path or data.hf_dataset_name at the data the run trained on (for a Hub "
-                    "dataset, pin data.hf_dataset_revision), or train into a new --run-dir")
+                    "(another tokenizer, other shards, or other tokens in them)",
+                    "point data.dataset_path (or data.hf_dataset_name, with data.hf_dataset_revision for a Hub "
+                    "dataset) at the data the run trained on, or train into a new --run-dir")
 
 
-def data_identity(directory: Path, manifest: Manifest) -> str:
-    """The training data as a resume must find it again: tokenizer, dtype, every shard's size, and the
-    first and last 64 KiB of every shard (so reordered or replaced text of the same length is caught without
-    reading the whole data set). Where the text came from is left out: tokenized again from the same text
-    (or moved), it is the same data."""
-    digest = hashlib.sha256(json.dumps({k: v for k, v in manifest.to_json().items() if k != "source"},
-                                       sort_keys=True).encode())
-    for shard in manifest.shards:
-        with open(directory / shard.file, "rb") as f:
-            digest.update(f.read(IDENTITY_SAMPLE_BYTES))
-            f.seek(max(f.seek(0, os.SEEK_END) - IDENTITY_SAMPLE_BYTES, 0))
-            digest.update(f.read(IDENTITY_SAMPLE_BYTES))
+def data_identity(train_data: Any) -> str:
+    """The training data as a resume must find it again: the tokenizer, and for every shard training reads
+    its length and first and last IDENTITY_SAMPLE_TOKENS tokens (so reordered or replaced text of the same
+    length is caught without reading the whole data set). Where the text came from, the file format and
+    the file names are left out: tokenized again from the same text, or moved, it is the same data."""
+    m = train_data.manifest
+    digest = hashlib.sha256(json.dumps([m.tokenizer_sha256, m.vocab_size, m.eos_id, m.dtype]).encode())
+    for tokens in train_data.dataset.arrays:
+        digest.update(len(tokens).to_bytes(8, "little"))
+        digest.update(np.ascontiguousarray(tokens[:IDENTITY_SAMPLE_TOKENS]).tobytes())
+        digest.update(np.ascontiguousarray(tokens[-IDENTITY_SAMPLE_TOKENS:]).tobytes())
     return digest.hexdigest()[:16]
 
 
