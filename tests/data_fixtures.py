@@ -77,3 +77,15 @@ def job_config(dataset: Path | None, *overrides: str) -> JobConfig:
     if dataset is not None:
         base.append(f"data.dataset_path={dataset}")
     return load_job_config(None, [*base, *overrides])
+
+
+class Interrupt(Exception):
+    """What a test raises from a tokenize progress callback to stop a run midway, as a kill would."""
+
+
+def interrupt_after(shards: int):
+    """A tokenize progress callback that stops the run once `shards` shards are written."""
+    def progress(p) -> None:
+        if p.shards >= shards:
+            raise Interrupt
+    return progress

@@ -20,7 +20,7 @@ from engine.data.hub import HubSource
 from engine.data.tokenize import STATE, open_source, tokenize, tokenize_files
 from engine.errors import DataError
 from tests.conftest import REPO
-from tests.data_fixtures import all_tokens, corpus_texts, tokenizer_file, write_jsonl
+from tests.data_fixtures import Interrupt, all_tokens, corpus_texts, interrupt_after, tokenizer_file, write_jsonl
 
 TEXTS = corpus_texts()
 HELD_OUT = ("Held-out text, first.", "   ", "Held-out text, second.")  # the blank row is skipped, as in files
@@ -62,17 +62,6 @@ def test_another_split_and_a_trained_tokenizer(tmp_path: Path, dataset_repo: Pat
     assert trained.manifest.total_documents == 2
     assert (trained.directory / "tokenizer.json").read_bytes() == (reference.directory / "tokenizer.json").read_bytes()
     assert np.array_equal(all_tokens(trained.directory), all_tokens(reference.directory))
-
-
-class Interrupt(Exception):
-    pass
-
-
-def interrupt_after(shards: int):
-    def progress(p) -> None:
-        if p.shards >= shards:
-            raise Interrupt
-    return progress
 
 
 @pytest.mark.parametrize("streaming", [False, True])

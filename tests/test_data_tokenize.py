@@ -17,7 +17,8 @@ from engine.data.tokenize import STATE, tokenize_files
 from engine.data.tokenizer import Encoder
 from engine.errors import DataError
 from tests.conftest import REPO
-from tests.data_fixtures import (all_tokens, corpus_texts, tokenizer_file, write_jsonl, write_parquet, write_txt)
+from tests.data_fixtures import (Interrupt, all_tokens, corpus_texts, interrupt_after, tokenizer_file, write_jsonl,
+                                 write_parquet, write_txt)
 
 TEXTS = corpus_texts()
 
@@ -132,17 +133,6 @@ def mixed_inputs(root: Path) -> Path:
     write_parquet(root / "b.parquet", TEXTS[5:10], row_group_size=2)
     write_txt(root / "c", TEXTS[10:])
     return root
-
-
-class Interrupt(Exception):
-    pass
-
-
-def interrupt_after(shards: int):
-    def progress(p) -> None:
-        if p.shards >= shards:
-            raise Interrupt
-    return progress
 
 
 @pytest.mark.parametrize("stop_after", [2, 17, 27])  # inside the .jsonl, the .parquet, the .txt files
