@@ -181,10 +181,6 @@ def iter_parquet(file: InputFile, start: int, text_field: str) -> Iterator[tuple
             row += 1
 
 
-def total_size(files: Sequence[InputFile]) -> int:
-    return sum(f.size for f in files)
-
-
 class FileSource:
     """Files as a tokenize source: progress is counted in bytes of input read."""
 
