@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine:
 #   make train   create .venv if needed, install Forge, train presets/debug.toml on the embedded corpus
-#   make test    create .venv if needed, install Forge with its test extras, run the test suite
+#   make test    create .venv if needed, install Forge with its test extras, check format and lint (ruff), run the test suite
 # Both are idempotent: the install step is skipped while pyproject.toml is unchanged.
 
 PYTHON ?= python3
@@ -30,9 +30,12 @@ install: $(STAMP)
 train: $(STAMP)
 	$(BIN)/forge train presets/debug.toml
 
+# Format and lint first (ruff, configured in pyproject.toml), then the tests.
 # One thread per process: the suite runs two pytest workers, and its multi-process tests more processes
 # still, on a 2-core machine; more threads would only contend.
 test: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean-venv:
