@@ -3,7 +3,8 @@ same ranks and data — 6 AdamW steps with gradient clipping; per-step losses, f
 norms and final parameters within 1e-5 — for both routers, shared experts, capacity, the loop implementation,
 a rank that receives no token at all, full and selective activation checkpointing, and with FSDP (2 ranks,
 and 4 ranks where each expert shard is FSDP-sharded over 2). DCP checkpoints go both ways between the sharded
-and an unsharded model. Plus the validation rules and the module's two expert implementations."""
+and an unsharded model. Plus the validation rules, the module's two expert implementations, and in one process
+the layout's seam: hooks on the experts module, no method patched on an instance."""
 
 from __future__ import annotations
 
@@ -241,3 +242,34 @@ def test_loop_implementation_equals_grouped_in_the_module(fields):
         moe.zero_grad()
     for grouped, looped in zip(*results):
         torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6)
+
+
+def test_expert_parallel_hooks_the_experts_module_and_patches_no_method(ep_mesh_of_one):
+    """On a 1-rank ep mesh the exchange is the identity: the model computes what it computes unsharded, through
+    the hooks of the experts module, whose parameters are DTensors under their own names, while no instance
+    attribute of an MoE layer or its experts shadows a method of their class."""
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    plain = moe_model(moe_shared_experts=1)
+    torch.manual_seed(0)
+    sharded = moe_model(moe_shared_experts=1)
+    apply_expert_parallel(sharded, ep_mesh_of_one)
+    tokens = torch.randint(0, 64, (2, 16))
+    results = []
+    for model in (plain, sharded):
+        logits = model(tokens)
+        (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum().backward()
+        grads = {k: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                 for k, p in model.named_parameters()}
+        results.append((logits.detach(), grads))
+    assert torch.equal(results[0][0], results[1][0])
+    assert results[0][1].keys() == results[1][1].keys()
+    assert all(torch.equal(g, results[1][1][k]) for k, g in results[0][1].items())
+    for block in sharded.layers.values():
+        moe = block.feed_forward
+        for module in (moe, moe.experts):
+            methods = {name for name in dir(type(module)) if callable(getattr(type(module), name))}
+            assert not methods & set(vars(module)), methods & set(vars(module))
+        assert all(isinstance(p, DTensor) for p in moe.experts.parameters())
+        assert moe.experts._forward_pre_hooks and moe.experts._forward_hooks

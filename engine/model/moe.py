@@ -1,10 +1,11 @@
 """The mixture-of-experts feed-forward: a router picks `moe_top_k` of `num_experts` SwiGLU experts per
 token, their outputs are mixed by the router's weights, and optional shared experts process every token.
 
-The (token, expert) assignments are sorted by expert, the experts module runs on the sorted rows
-(`MoE.routed_experts`, the seam expert parallelism replaces to send the rows to the ranks holding their
-experts), and the outputs are weighted and added back at their tokens. Expert compute has two
-implementations that compute the same thing:
+The (token, expert) assignments are sorted by expert, the experts module runs on the sorted rows and the
+count of rows per expert (`MoE.routed_experts`), and the outputs are weighted and added back at their
+tokens. That module call is the seam of expert parallelism: its input and output hooks
+(engine/parallel/expert.py) send the rows to the ranks holding their experts and bring the outputs back, so
+the code here stays that of one device. Expert compute has two implementations that compute the same thing:
 - `grouped` (default where PyTorch has it): each projection runs as one grouped matrix multiply
   (`F.grouped_mm` / `torch._grouped_mm`) over the jagged per-expert groups — one kernel per projection
   whatever the number of experts.
@@ -60,9 +61,13 @@ class PackedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, h, d))
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor, implementation: str,
-                grad_factor: torch.Tensor | None = None) -> torch.Tensor:
-        """See `run_experts`. A module call (not a bare use of the weights) so that FSDP gathers them."""
-        return run_experts(self.stacked(), self.act, xs, counts, implementation, grad_factor)
+                grad_factor: torch.Tensor | None = None,
+                weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """See `run_experts`. A module call (not a bare use of the weights) so that FSDP gathers them.
+        `weights` (w1, w3, w2), when given, are what runs instead of `stacked()`: a layout that holds only some
+        experts on this device passes them as plain tensors (expert parallelism's input hook)."""
+        return run_experts(self.stacked() if weights is None else weights, self.act, xs, counts, implementation,
+                           grad_factor)
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.w1, self.w3, self.w2
@@ -138,10 +143,9 @@ class MoE(nn.Module):
 
     def routed_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                        grad_factor: torch.Tensor | None) -> torch.Tensor:
-        """Σₖ weights[t, k] · expert[experts[t, k]](x[t]) for x [tokens, dim], on this device: sort the
-        assignments by expert, run the experts, weigh and add the outputs at their tokens. The one seam
-        expert parallelism (engine/parallel/expert.py) replaces, per instance, to exchange the sorted tokens
-        between ranks around the `self.experts` call."""
+        """Σₖ weights[t, k] · expert[experts[t, k]](x[t]) for x [tokens, dim]: sort the assignments by
+        expert, run the experts on the sorted rows and the rows per expert, weigh and add the outputs at their
+        tokens. Expert parallelism exchanges the rows and outputs in the `self.experts` call's hooks."""
         order, token, counts = sort_by_expert(experts, self.num_experts)
         y = self.experts(x[token].to(matmul_dtype(x)), counts, self.implementation, grad_factor)
         return combine(x, token, y, weights.flatten()[order])
@@ -199,7 +203,7 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
 def run_experts(weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], act: Callable, xs: torch.Tensor,
                 counts: torch.Tensor, implementation: str, grad_factor: torch.Tensor | None) -> torch.Tensor:
     """`sorted_experts` with the stacked (w1, w3, w2); with grad_factor [E], expert e's weight gradients are
-    multiplied by grad_factor[e] (`model.moe_gradient_scale`)."""
+    multiplied by grad_factor[e] (`model.moe_gradient_scale`, or 1/ep under expert parallelism)."""
     if grad_factor is not None:
         weights = tuple(scale_grad(w, grad_factor.to(w.dtype)) for w in weights)
     return sorted_experts(xs, counts, *weights, act, implementation)

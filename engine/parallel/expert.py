@@ -11,20 +11,28 @@ its ep group:
 Routing, capacity, auxiliary losses and load statistics stay on the token's own rank, so each rank computes
 exactly what plain data parallelism (ep = 1) computes for its data.
 
+The exchange lives in PyTorch's own seam, as torchtitan's `ExpertParallel` does it: a `ParallelStyle` applied
+to each MoE layer's experts module with `parallelize_module`, whose `distribute_module` shards the module's
+parameters, sends the rows in a forward pre-hook on that module and sends the outputs back in its forward
+hook. The MoE's own code (engine/model/moe.py) is that of one device: it sorts its assignments by expert,
+calls the experts module on the sorted rows and their counts per expert, and combines what comes back.
+
 Expert parameters become DTensors sharded on the expert dimension over the ep mesh (`Shard(0)`): the state
 dict keeps the full [num_experts, …] tensors under the same names, so a DCP checkpoint loads under any ep.
+The module computes with this rank's shards as plain tensors, which the pre-hook passes it.
 
 Gradients. With data parallelism over D ranks the step uses (1/D) Σ_r ∇L_r, L_r being rank r's mean loss.
 An expert's local gradient already sums the contributions of the losses of all ep ranks of its group (the
 backward of the exchange brings them back), so averaging it over the D/ep ranks that hold the same experts
 (FSDP over the dp ranks outside ep, `fully_shard_experts`) gives ep/D Σ_r ∇L_r. The exchange therefore
-scales expert weight gradients by 1/ep in the graph; gradients of the tokens themselves are left alone.
+scales expert weight gradients by 1/ep in the graph (the experts module's per-expert `grad_factor`); gradients
+of the tokens themselves are left alone.
 Non-expert parameters are averaged over all D data-parallel ranks as usual.
 """
 
 from __future__ import annotations
 
-from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,10 +40,11 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from engine.errors import UserError
-from engine.model.moe import MoE, PackedExperts, combine, matmul_dtype, scale_grad, sort_by_expert
+from engine.model.moe import MoE, PackedExperts
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -70,12 +79,65 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     for moe in layers:
         check_expert_parallel(moe, ep)
     for moe in layers:
-        for name, param in list(moe.experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
-            setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        # Instance attributes shadow the methods, so the model's code stays single-device.
-        moe.routed_experts = partial(exchanged_experts, moe, ep_mesh.get_group())
-        moe.experts.stacked = partial(local_stacked, moe.experts, ep)
+        parallelize_module(moe.experts, ep_mesh, ExpertParallel())
+
+
+class Exchange(NamedTuple):
+    """How the rows of one call of the experts module travel: how many this rank sends to each ep rank and
+    receives from each, and the permutation that groups the received rows by local expert."""
+
+    send: list[int]
+    receive: list[int]
+    regroup: torch.Tensor
+
+
+class ExpertParallel(ParallelStyle):
+    """The experts module of one MoE layer over the ep ranks. Its input, (rows sorted by expert, rows per
+    expert [num_experts], implementation, grad_factor), are this rank's assignments; the pre-hook sends each
+    row to the rank holding its expert and gives the module instead the rows every rank sent to this rank's
+    experts, with this rank's shards of the weights; the hook sends each output back to where its row came
+    from, in the order it was sent, so the module's caller gets what one device computes.
+
+    One instance per module: the exchange of the call in flight is kept from the pre-hook to the hook (a
+    recomputation under activation checkpointing calls both again, in the same order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exchange: Exchange | None = None
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self.shard_experts, self.dispatch, self.return_outputs)
+
+    def shard_experts(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        """Each parameter as a DTensor sharded on the expert dimension (rank r holds experts r·E/ep, …)."""
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    def dispatch(self, experts: PackedExperts, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        """Forward pre-hook: this rank's rows out to their experts' ranks, the rows for this rank's experts in,
+        grouped by local expert; the module then runs on them with its local weights, whose gradients are
+        scaled by 1/ep (see the module docstring). Under `fully_shard_experts`, FSDP's pre-hook (which runs
+        first: it is registered to) has gathered the weights and cast the rows by then."""
+        rows, counts, implementation, grad_factor = inputs
+        assert grad_factor is None, "moe_gradient_scale is rejected under expert parallelism"
+        group, ep = mesh.get_group(), mesh.size()
+        received_counts = exchange_counts(counts, group)  # [ep, local experts]: what each rank sends to each of mine
+        send = counts.view(ep, -1).sum(dim=1).tolist()
+        receive = received_counts.sum(dim=1).tolist()
+        received = all_to_all(rows, receive, send, group)
+        regroup = local_expert_order(received_counts)
+        self.exchange = Exchange(send, receive, regroup)
+        weights = tuple(w.to_local() for w in experts.stacked())
+        factor = torch.full((weights[0].shape[0],), 1.0 / ep, dtype=weights[0].dtype, device=weights[0].device)
+        return received[regroup], received_counts.sum(dim=0), implementation, factor, weights
+
+    def return_outputs(self, experts: PackedExperts, outputs: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        """Forward hook: the outputs of the received rows back to their ranks, in the order the rows left."""
+        assert self.exchange is not None, "the experts module's pre-hook did not run"
+        send, receive, regroup = self.exchange
+        self.exchange = None
+        return all_to_all(outputs[regroup.argsort()], send, receive, mesh.get_group())
 
 
 def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> None:
@@ -95,31 +157,6 @@ def all_reduce_router_load(model: nn.Module, group: dist.ProcessGroup) -> None:
     for router in model.moe_routers().values():
         if hasattr(router, "pending_load"):
             dist.all_reduce(router.pending_load, group=group)
-
-
-def exchanged_experts(moe: MoE, group: dist.ProcessGroup, x: torch.Tensor, experts: torch.Tensor,
-                      weights: torch.Tensor, grad_factor: torch.Tensor | None) -> torch.Tensor:
-    """`MoE.routed_experts` across the ep group: the same result for this rank's tokens x [tokens, dim],
-    with each expert computed on the rank that holds it."""
-    assert grad_factor is None, "moe_gradient_scale is rejected under expert parallelism"
-    ep = dist.get_world_size(group)
-    order, token, counts = sort_by_expert(experts, moe.num_experts)
-    received_counts = exchange_counts(counts, group)  # [ep, local experts]: what each rank sends to each of mine
-    send = counts.view(ep, -1).sum(dim=1).tolist()
-    receive = received_counts.sum(dim=1).tolist()
-    received = all_to_all(x[token].to(matmul_dtype(x)), receive, send, group)
-    regroup = local_expert_order(received_counts)
-    y = moe.experts(received[regroup], received_counts.sum(dim=0), moe.implementation)
-    y = all_to_all(y[regroup.argsort()], send, receive, group)
-    return combine(x, token, y, weights.flatten()[order])
-
-
-def local_stacked(experts: PackedExperts, ep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`PackedExperts.stacked` under expert parallelism: this rank's experts as plain tensors, with their
-    gradients scaled by 1/ep (see the module docstring)."""
-    local = [w.to_local() for w in (experts.w1, experts.w3, experts.w2)]
-    factor = torch.full((local[0].shape[0],), 1.0 / ep, dtype=local[0].dtype, device=local[0].device)
-    return tuple(scale_grad(w, factor) for w in local)  # type: ignore[return-value]
 
 
 def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
