@@ -22,6 +22,7 @@ from engine.checkpoint.locate import TOKENIZER, ForgeCheckpoint, averaged, find_
 from engine.checkpoint.manager import UNREADABLE, describe
 from engine.data.tokenizer import Encoder
 from engine.errors import UserError
+from engine.model import build_model
 from engine.model.transformer import Transformer
 
 
@@ -45,7 +46,7 @@ def load_model(target: Path, device: torch.device) -> tuple[Transformer, Encoder
     encoder = Encoder.from_file(tokenizer)
     # Sampling runs in fp32: a kernel the run pinned for training (flash needs bf16/fp16) may not apply.
     with torch.device(device):
-        model = Transformer(cfg.model_copy(update={"sdpa_backend": "auto"}))
+        model = build_model(cfg.model_copy(update={"sdpa_backend": "auto"}))
     try:
         load_weights(model)
     except UserError:

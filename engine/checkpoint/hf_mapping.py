@@ -37,6 +37,7 @@ from pydantic import ValidationError
 
 from engine.config.model import ModelConfig
 from engine.errors import UserError
+from engine.model import build_model
 
 LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
 QWEN2_MOE, QWEN3_MOE, GLM4_MOE = "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"
@@ -393,10 +394,8 @@ def to_hf(piece: Piece, source: torch.Tensor | None, dtype: torch.dtype) -> torc
 def expected_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Forge FQN → meta tensor (shape and dtype), from the model itself built on the meta device (no
     memory, no init cost)."""
-    from engine.model.transformer import Transformer
-
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = build_model(cfg)
     return model.state_dict()
 
 
