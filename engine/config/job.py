@@ -17,6 +17,7 @@ from engine.config.profiling import ProfilingConfig
 from engine.config.scheduler import SchedulerConfig
 from engine.config.train import TrainConfig
 from engine.errors import ConfigError, ConfigIssue
+from engine.parallel.stages import stages_per_rank
 
 
 class JobConfig(Section):
@@ -202,7 +203,7 @@ def pipeline_issues(cfg: JobConfig) -> list[ConfigIssue]:
     """What pipeline parallelism needs: a stage per layer at most, micro-batches its schedule accepts, and
     none of what it does not support yet."""
     m, t, d = cfg.model, cfg.train, cfg.distributed
-    stages = d.pp * (2 if d.pp_schedule == "interleaved_1f1b" else 1)
+    stages = d.pp * stages_per_rank(d.pp_schedule)
     issues = []
     if stages > m.n_layers:
         issues.append(ConfigIssue("distributed.pp", f"pp = {d.pp} with pp_schedule = {d.pp_schedule!r} cuts the model "
