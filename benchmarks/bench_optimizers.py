@@ -23,7 +23,7 @@ from engine.model import build_model
 from engine.train.losses import cross_entropy
 from engine.train.optim import build_optimizer
 from bench_args import emit, model_config, model_parser
-from engine.train.precision import COMPUTE_DTYPES, autocast
+from engine.precision import COMPUTE_DTYPES, autocast
 
 OPTIMIZERS = ("adamw", "lion", "muon", "schedule_free_adamw")
 

@@ -26,7 +26,7 @@ from engine.model import build_model
 from engine.train.losses import cross_entropy
 from engine.train.optim import build_optimizer
 from bench_args import emit, model_config, model_parser
-from engine.train.precision import COMPUTE_DTYPES, autocast
+from engine.precision import COMPUTE_DTYPES, autocast
 
 
 def hf_llama(cfg: ModelConfig) -> torch.nn.Module:

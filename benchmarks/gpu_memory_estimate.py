@@ -12,7 +12,7 @@ from engine.model import build_model
 from engine.parallel.memory import estimate_memory
 from engine.train.losses import build_loss
 from engine.train.optim import build_optimizer
-from engine.train import precision
+from engine import precision
 
 MODEL = dict(dim=2048, n_layers=8, n_heads=16, n_kv_heads=4, vocab_size=32000, max_seq_len=2048)
 GIB = 2**30

@@ -22,7 +22,7 @@ from engine.parallel.expert import apply_expert_parallel, fully_shard_experts
 from engine.parallel.float8 import convert_to_float8
 from engine.parallel.mesh import ParallelMesh
 from engine.parallel.tp import apply_tensor_parallel, uses_loss_parallel
-from engine.train import precision
+from engine import precision
 
 
 def apply_compile(model: Transformer) -> None:
