@@ -16,10 +16,9 @@ import torch
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from engine.checkpoint.dcp import load_checkpoint
+from engine.checkpoint.dcp import UNREADABLE, describe, load_checkpoint
 from engine.checkpoint.hf import is_hf_folder, load_hf_weights, read_hf_model_config
 from engine.checkpoint.locate import TOKENIZER, ForgeCheckpoint, averaged, find_checkpoint
-from engine.checkpoint.manager import UNREADABLE, describe
 from engine.data.tokenizer import Encoder
 from engine.errors import UserError
 from engine.model import build_model

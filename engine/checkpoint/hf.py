@@ -41,12 +41,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from engine.checkpoint.dcp import COMPLETE, LATEST, TRAIN_STATE, SafeFileSystemReader, read_state, single_process_quiet
+from engine.checkpoint.dcp import (COMPLETE, LATEST, TRAIN_STATE, SafeFileSystemReader, describe, read_state,
+                                   single_process_quiet)
 from engine.checkpoint.hf_mapping import (Piece, check_same_architecture, expected_state, forge_sources,
                                           hf_architecture, hf_config, hf_layout, hf_shapes, model_config_from_hf,
                                           to_hf)
 from engine.checkpoint.locate import MODEL_CONFIG, TOKENIZER, ForgeCheckpoint, averaged, find_checkpoint
-from engine.checkpoint.manager import describe
 from engine.config.model import ModelConfig
 from engine.data.tokenizer import Encoder
 from engine.durable import fsync_dir, fsync_file
