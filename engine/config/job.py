@@ -8,7 +8,7 @@ from pydantic import Field
 
 from engine.config.base import Section
 from engine.config.checkpoint import CheckpointConfig
-from engine.config.data import DataConfig
+from engine.config.data import DataConfig, HubDatasetFields
 from engine.config.distributed import DistributedConfig
 from engine.config.eval import EvalConfig
 from engine.config.metrics import MetricsConfig
@@ -73,7 +73,7 @@ def hub_data_issues(cfg: JobConfig) -> list[ConfigIssue]:
     """A Hugging Face dataset replaces shards, needs a tokenizer to be encoded with, and its fields mean
     nothing without it. (Like eval.dataset_path, the eval ones may stay set while evaluation is off.)"""
     issues: list[ConfigIssue] = []
-    fields = ("hf_dataset_config", "hf_dataset_split", "hf_dataset_revision")
+    fields = [field for field in HubDatasetFields.model_fields if field != "hf_dataset_name"]
     for section, values in (("data", cfg.data), ("eval", cfg.eval)):
         if values.hf_dataset_name is None:
             issues += [ConfigIssue(f"{section}.{field}", f"is set, but {section}.hf_dataset_name is unset",
