@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from engine.config.model import ModelConfig
-from engine.train.precision import COMPUTE_DTYPES
+from engine.precision import COMPUTE_DTYPES
 
 
 def model_parser(doc: str | None, batch_size: int, warmup: int, steps: int) -> argparse.ArgumentParser:

@@ -23,6 +23,7 @@ import torch
 from engine.checkpoint.manager import Checkpointer
 from engine.config.checkpoint import CheckpointConfig
 from engine.config.model import ModelConfig
+from engine.model import build_model
 from engine.model.transformer import Transformer
 from engine.config.optimizer import OptimizerConfig
 from engine.train.optim import build_optimizer
@@ -67,7 +68,7 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.dim // 64, vocab_size=args.vocab, max_seq_len=128)
     device = torch.device(args.device)
-    model = Transformer(cfg).to(device)
+    model = build_model(cfg).to(device)
     optimizer = build_optimizer(model, OptimizerConfig(lr=1e-4))
     tokens = torch.randint(0, args.vocab, (1, 128), device=device)
     forward_backward(model, tokens)

@@ -19,11 +19,11 @@ import torch
 
 from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
-from engine.model.transformer import Transformer
+from engine.model import build_model
 from engine.train.losses import cross_entropy
 from engine.train.optim import build_optimizer
 from bench_args import emit, model_config, model_parser
-from engine.train.precision import COMPUTE_DTYPES, autocast
+from engine.precision import COMPUTE_DTYPES, autocast
 
 OPTIMIZERS = ("adamw", "lion", "muon", "schedule_free_adamw")
 
@@ -38,7 +38,7 @@ class Timed:
 
     def __init__(self, name: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         torch.manual_seed(0)
-        self.model = Transformer(cfg).to(device)
+        self.model = build_model(cfg).to(device)
         self.optimizer = build_optimizer(self.model, OptimizerConfig(name=name, lr=1e-3))
         self.device, self.dtype = device, dtype
         self.step_times: list[float] = []

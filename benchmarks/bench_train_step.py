@@ -22,11 +22,11 @@ import transformers
 
 from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
-from engine.model.transformer import Transformer
+from engine.model import build_model
 from engine.train.losses import cross_entropy
 from engine.train.optim import build_optimizer
 from bench_args import emit, model_config, model_parser
-from engine.train.precision import COMPUTE_DTYPES, autocast
+from engine.precision import COMPUTE_DTYPES, autocast
 
 
 def hf_llama(cfg: ModelConfig) -> torch.nn.Module:
@@ -63,7 +63,7 @@ def main() -> None:
     cfg = model_config(args)
     torch.manual_seed(0)
     batch = tuple(torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), device=device) for _ in range(2))
-    ours = Transformer(cfg).to(device)
+    ours = build_model(cfg).to(device)
     theirs, theirs_fused = hf_llama(cfg).to(device), hf_llama(cfg).to(device)
     assert ours.num_parameters() == theirs.num_parameters(), (ours.num_parameters(), theirs.num_parameters())
     hf_logits = lambda m, x: m(input_ids=x).logits  # noqa: E731

@@ -9,7 +9,7 @@ import torch
 import torchao
 from engine.config.model import ModelConfig
 from engine.config.train import TrainConfig
-from engine.model.transformer import Transformer
+from engine.model import build_model
 from engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from engine.parallel.float8 import convert_to_float8
 from engine.train.losses import build_loss
@@ -21,7 +21,7 @@ which = sys.argv[1:]
 
 def build(fields, fp8=None, ac="none", fsdp_ag=False):
     torch.manual_seed(0)
-    m = Transformer(ModelConfig(**fields)).to(dev)
+    m = build_model(ModelConfig(**fields)).to(dev)
     if fp8:
         convert_to_float8(m, fp8, fsdp_float8_all_gather=fsdp_ag)
     apply_activation_checkpointing(m, ac)

@@ -8,11 +8,11 @@ import json, os
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from engine.config.job import JobConfig
-from engine.model.transformer import Transformer
+from engine.model import build_model
 from engine.parallel.memory import estimate_memory
 from engine.train.losses import build_loss
 from engine.train.optim import build_optimizer
-from engine.train import precision
+from engine import precision
 
 MODEL = dict(dim=2048, n_layers=8, n_heads=16, n_kv_heads=4, vocab_size=32000, max_seq_len=2048)
 GIB = 2**30
@@ -36,7 +36,7 @@ def run(mp, ac="none", loss_fn="cross_entropy", opt="adamw", accum=1, model=None
                     distributed=dict(dp_replicate=2, dp_shard=1) if sharded else {})
     torch.cuda.empty_cache()
     dev = torch.device("cuda")
-    net = Transformer(cfg.model).to(dev)
+    net = build_model(cfg.model).to(dev)
     if ac == "full":
         for name, block in net.layers.named_children():
             net.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)

@@ -16,12 +16,12 @@ import torch
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from engine.checkpoint.dcp import load_checkpoint
+from engine.checkpoint.dcp import UNREADABLE, describe, load_checkpoint
 from engine.checkpoint.hf import is_hf_folder, load_hf_weights, read_hf_model_config
 from engine.checkpoint.locate import TOKENIZER, ForgeCheckpoint, averaged, find_checkpoint
-from engine.checkpoint.manager import UNREADABLE, describe
-from engine.data.tokenizer import Encoder
+from engine.data.tokenizer import Encoder, adds_special_tokens
 from engine.errors import UserError
+from engine.model import build_model
 from engine.model.transformer import Transformer
 
 
@@ -45,7 +45,7 @@ def load_model(target: Path, device: torch.device) -> tuple[Transformer, Encoder
     encoder = Encoder.from_file(tokenizer)
     # Sampling runs in fp32: a kernel the run pinned for training (flash needs bf16/fp16) may not apply.
     with torch.device(device):
-        model = Transformer(cfg.model_copy(update={"sdpa_backend": "auto"}))
+        model = build_model(cfg.model_copy(update={"sdpa_backend": "auto"}))
     try:
         load_weights(model)
     except UserError:
@@ -64,10 +64,11 @@ def load_forge_weights(model: Transformer, ckpt: ForgeCheckpoint) -> None:
 
 def prompt_ids(encoder: Encoder, text: str) -> list[int]:
     """The prompt as the start of a document: after the tokenizer's own start tokens if it adds any (e.g.
-    a Llama BOS), else after the end-of-text token, which is what precedes every document in Forge's data."""
-    plain = encoder.tokenizer.encode(text, add_special_tokens=False).ids
-    with_specials = encoder.tokenizer.encode(text, add_special_tokens=True).ids
-    return with_specials if with_specials != plain else [encoder.eos_id, *plain]
+    a Llama BOS), else after the end-of-text token, which is what precedes every document in Forge's data.
+    (`forge convert to-hf` gives the exported tokenizer that same start, engine.checkpoint.hf.export_tokenizer.)"""
+    if adds_special_tokens(encoder.tokenizer):
+        return encoder.tokenizer.encode(text, add_special_tokens=True).ids
+    return [encoder.eos_id, *encoder.tokenizer.encode(text, add_special_tokens=False).ids]
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from tokenizers import AddedToken, processors
 from typer.testing import CliRunner
 
 from engine.checkpoint.dcp import load_checkpoint, save_checkpoint
@@ -133,7 +134,7 @@ def test_from_hf_writes_a_checkpoint_folder_and_its_model_section(tmp_path):
     assert result.exit_code == 0, result.output
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "latest").read_text() == "step_0" and (ckpt / "step_0" / "COMPLETE").is_file()
-    assert (ckpt / "tokenizer.json").read_bytes() == (tmp_path / "run" / "tokenizer.json").read_bytes()
+    assert (ckpt / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
     assert "[model]" in result.stdout and "n_kv_heads = 2" in result.stdout
     from engine.config import load_job_config
 
@@ -164,9 +165,48 @@ def test_export_casts_to_the_requested_dtype_and_ships_the_tokenizer(tmp_path):
 
     ours = Encoder.from_file(run / "tokenizer.json")
     text = "To be, or not to be: that is the question."
-    assert tokenizer(text).input_ids == ours.tokenizer.encode(text, add_special_tokens=False).ids
+    # A text starts after the end-of-text token, as every training document (and forge generate's prompt) does.
+    assert tokenizer(text).input_ids == [ours.eos_id, *ours.tokenizer.encode(text, add_special_tokens=False).ids]
     assert tokenizer.eos_token == ours.eos_token and config["eos_token_id"] == ours.eos_id
-    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == ours.eos_id
+    assert tokenizer.bos_token == ours.eos_token and config["bos_token_id"] == ours.eos_id
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == generation["bos_token_id"] == ours.eos_id
+    assert (run / "tokenizer.json").read_bytes() == tokenizer_file(tmp_path / "fresh").read_bytes()  # run's: as trained
+
+
+def _byte_level(tokenizer) -> None:
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)  # adds no tokens
+
+
+def _llama_bos(tokenizer) -> None:
+    tokenizer.add_special_tokens([AddedToken("<s>", special=True)])
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 400)])
+
+
+@pytest.mark.parametrize(("edit", "bos"), [(None, "<|endoftext|>"), (_byte_level, "<|endoftext|>"), (_llama_bos, "<s>")])
+def test_the_exported_tokenizer_encodes_raw_text_as_forge_generate_prompts_it(tmp_path, edit, bos):
+    """transformers' `tok(text)` on the export gives `prompt_ids`: the end-of-text token first for a tokenizer
+    that adds nothing (whatever post-processor it has), a tokenizer's own BOS kept as it is."""
+    from tokenizers import Tokenizer
+
+    from engine.checkpoint.hf import export_tokenizer
+    from engine.data.tokenizer import Encoder
+    from engine.generate import prompt_ids
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file(tmp_path / "run")))
+    if edit is not None:
+        edit(tokenizer)
+    tokenizer.save(str(tmp_path / "run" / "tokenizer.json"))
+    encoder = Encoder.from_file(tmp_path / "run" / "tokenizer.json")
+    exported = export_tokenizer(encoder, 64)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "tokenizer.json").write_bytes(exported.json_bytes)
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(exported.config))
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for text in ("ROMEO:", " two  spaces\nand a line", "To be, or not to be"):
+        assert tok(text)["input_ids"] == prompt_ids(encoder, text) == Tokenizer.from_file(
+            str(tmp_path / "hf" / "tokenizer.json")).encode(text).ids
+    assert tok.bos_token == bos and exported.bos_id == tok.bos_token_id == prompt_ids(encoder, "x")[0]
 
 
 def test_load_hf_weights_fills_a_model_and_checks_its_architecture(tmp_path):

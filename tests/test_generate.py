@@ -201,3 +201,28 @@ def test_forge_generate_on_a_damaged_checkpoint_exits_2(tiny_run, tmp_path):
     result = forge("generate", str(damaged), "--prompt", "The", "-n", "3")
     assert result.exit_code == 2 and "cannot load the weights" in said(result), result.output
     assert "Traceback" not in result.output
+
+
+def test_transformers_continues_a_raw_text_prompt_of_the_export_like_forge_generate(tiny_run, tmp_path):
+    """A transformers user prompts the `forge convert to-hf` export with raw text, `tok(text)`: the exported
+    tokenizer starts it with the end-of-text token that precedes every training document, as forge generate
+    starts a prompt, so the ids and the greedy continuation are forge generate's."""
+    transformers = pytest.importorskip("transformers")
+    from engine.checkpoint.hf import export_to_hf
+    from engine.data.tokenizer import Encoder
+    from engine.generate import prompt_ids
+
+    run_tokenizer = (tiny_run / "tokenizer.json").read_bytes()
+    export_to_hf(tiny_run, tmp_path / "hf")
+    assert (tiny_run / "tokenizer.json").read_bytes() == run_tokenizer  # what training reads is left alone
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    encoder = Encoder.from_file(tiny_run / "tokenizer.json")
+    for prompt in ("The", "ROMEO: what light"):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        assert ids[0].tolist() == prompt_ids(encoder, prompt) and ids[0, 0] == encoder.eos_id
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+        theirs = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        ours = forge("generate", str(tiny_run), "--prompt", prompt, "--max-new-tokens", "20", "--temperature", "0")
+        assert ours.exit_code == 0, ours.output
+        assert ours.stdout == prompt + theirs + "\n"

@@ -15,7 +15,8 @@ import torch
 from engine.config.job import JobConfig
 from engine.model.estimate import param_counts
 from engine.model.transformer import Transformer
-from engine.parallel.memory import estimate_memory, param_specs, stage_layers
+from engine.parallel.memory import estimate_memory, param_specs
+from engine.parallel.stages import stage_layer_counts, stage_layers
 from engine.train.losses import build_loss
 from engine.train.optim import build_optimizer
 from tests.conftest import REPO
@@ -229,8 +230,6 @@ def test_interleaved_ranks_hold_two_stages():
 
 @pytest.mark.parametrize("n_layers,n_stages", [(n, s) for n in (1, 2, 3, 4, 5, 8, 13, 80) for s in (1, 2, 3, 4, 8) if s <= n])
 def test_stage_split_is_the_pipelines(n_layers, n_stages):
-    from engine.parallel.pipeline import stage_layer_counts
-
     assert [len(r) for r in stage_layers(n_layers, n_stages)] == stage_layer_counts(n_layers, n_stages)
 
 

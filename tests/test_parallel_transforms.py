@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from engine import precision
 from engine.config.model import ModelConfig
 from engine.config.train import TrainConfig
 from engine.model.transformer import Transformer
 from engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from engine.parallel.float8 import convert_to_float8
-from engine.train import precision
 from engine.train.losses import build_loss
 
 VOCAB, SEQ = 64, 16

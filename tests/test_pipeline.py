@@ -13,13 +13,8 @@ import torch
 from engine.config.model import ModelConfig
 from engine.errors import UserError
 from engine.model.transformer import Transformer
-from engine.parallel.pipeline import (
-    check_microbatches,
-    split_stages,
-    stage_layer_counts,
-    stage_layer_names,
-    stages_per_rank,
-)
+from engine.parallel.pipeline import check_microbatches, split_stages, stage_layer_names
+from engine.parallel.stages import stage_layer_counts, stages_per_rank
 from tests.torchrun import torchrun
 
 
@@ -51,6 +46,17 @@ def test_stages_per_rank():
     assert [stages_per_rank(s) for s in ("gpipe", "1f1b", "interleaved_1f1b")] == [1, 1, 2]
     with pytest.raises(UserError, match="unknown pipeline schedule"):
         stages_per_rank("zero_bubble")
+
+
+def test_every_configurable_schedule_has_a_stage_count_and_a_torch_schedule():
+    import typing
+
+    from engine.config.distributed import DistributedConfig
+    from engine.parallel.pipeline import SCHEDULES
+    from engine.parallel.stages import STAGES_PER_RANK
+
+    choices = set(typing.get_args(DistributedConfig.model_fields["pp_schedule"].annotation))
+    assert set(STAGES_PER_RANK) == set(SCHEDULES) == choices
 
 
 @pytest.mark.parametrize(("schedule", "pp", "n", "ok"), [

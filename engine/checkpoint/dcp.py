@@ -36,6 +36,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
@@ -43,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from engine.durable import fsync_dir, fsync_file, write_durably
+from engine.resilience.collectives import distributed
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAIN_STATE = "train_state.json"
@@ -53,10 +55,18 @@ log = logging.getLogger("forge.checkpoint")
 # A background save warns from its own thread, out of reach of `single_process_quiet`.
 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning, "torch.distributed.checkpoint")
 
+# What reading a damaged or mismatched checkpoint raises; DCP wraps per-rank failures in CheckpointException,
+# which derives from BaseException.
+UNREADABLE = (Exception, CheckpointException)
 
-def distributed() -> bool:
-    """Whether a process group is up: without one DCP reads and writes everything from this process."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+def describe(err: BaseException) -> str:
+    """One line about a load failure; for DCP's wrapped per-rank failures, the underlying error."""
+    if isinstance(err, CheckpointException) and err.failures:
+        failure = next(iter(err.failures.values()))  # (exception, traceback) of the first failing rank
+        err = failure[0] if isinstance(failure, tuple) else failure
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
 @contextlib.contextmanager

@@ -4,7 +4,8 @@ as a Forge checkpoint, and load one's weights straight into a model.
 An exported folder holds config.json (LlamaForCausalLM, or Qwen3ForCausalLM for qk_norm models; MoE
 models as Qwen2-MoE, Qwen3-MoE or GLM-4-MoE; see `hf_mapping`), the weights as model.safetensors (or
 model-0000i-of-0000n.safetensors + an index above `max_shard_bytes`), generation_config.json, and the
-run's tokenizer as tokenizer.json + tokenizer_config.json, so `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained(folder)` work offline.
+run's tokenizer as tokenizer.json + tokenizer_config.json (starting every text with the end-of-text token, as
+`forge generate` starts a prompt), so `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained(folder)` work offline.
 
 An imported checkpoint is a checkpoint folder like the one a run writes, so anything that takes a Forge
 checkpoint takes it:
@@ -36,19 +37,20 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from tokenizers import processors
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from engine.checkpoint.dcp import COMPLETE, LATEST, TRAIN_STATE, SafeFileSystemReader, read_state, single_process_quiet
+from engine.checkpoint.dcp import (COMPLETE, LATEST, TRAIN_STATE, SafeFileSystemReader, describe, read_state,
+                                   single_process_quiet)
 from engine.checkpoint.hf_mapping import (Piece, check_same_architecture, expected_state, forge_sources,
                                           hf_architecture, hf_config, hf_layout, hf_shapes, model_config_from_hf,
                                           to_hf)
 from engine.checkpoint.locate import MODEL_CONFIG, TOKENIZER, ForgeCheckpoint, averaged, find_checkpoint
-from engine.checkpoint.manager import describe
 from engine.config.model import ModelConfig
-from engine.data.tokenizer import Encoder
+from engine.data.tokenizer import Encoder, adds_special_tokens, parse_tokenizer
 from engine.durable import fsync_dir, fsync_file
 from engine.errors import UserError
 
@@ -108,14 +110,16 @@ def export_to_hf(source: Path, out: Path, dtype: str = "float32", max_shard_byte
     check_out(out)
     shards = plan_shards(names, saved, torch_dtype.itemsize, max_shard_bytes)
     parameters = sum(saved[n].size.numel() for n in names)
+    tokenizer = export_tokenizer(encoder, cfg.max_seq_len) if encoder is not None else None
+    eos_id, bos_id = (encoder.eos_id, tokenizer.bos_id) if tokenizer is not None else (None, None)
     with staging(out) as tmp:
         files, weight_bytes = write_safetensors(tmp, ckpt, layout, saved, shards, torch_dtype, progress)
-        eos_id = encoder.eos_id if encoder else None
-        write_json(tmp / "config.json", hf_config(cfg, torch_dtype, eos_id))
+        write_json(tmp / "config.json", hf_config(cfg, torch_dtype, eos_id, bos_id))
         write_json(tmp / "generation_config.json",
-                   {"bos_token_id": eos_id, "eos_token_id": eos_id} if eos_id is not None else {"bos_token_id": None})
-        if encoder is not None:
-            write_tokenizer(tmp, encoder, cfg.max_seq_len)
+                   {"bos_token_id": bos_id, **({"eos_token_id": eos_id} if eos_id is not None else {})})
+        if tokenizer is not None:
+            (tmp / TOKENIZER).write_bytes(tokenizer.json_bytes)
+            write_json(tmp / TOKENIZER_CONFIG, tokenizer.config)
     return ConvertReport(ckpt.path, out, architecture, cfg, parameters, weight_bytes, files)
 
 
@@ -215,15 +219,36 @@ def read_checkpoint_tensors(ckpt: ForgeCheckpoint, wanted: dict[str, TensorStora
     return tensors
 
 
-def write_tokenizer(out: Path, encoder: Encoder, max_seq_len: int) -> None:
-    """tokenizer.json as trained, plus the tokenizer_config.json that lets AutoTokenizer load it."""
-    (out / TOKENIZER).write_bytes(encoder.json_bytes)
-    write_json(out / TOKENIZER_CONFIG, {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": encoder.eos_token,
-        "model_max_length": max_seq_len,
-        "clean_up_tokenization_spaces": False,
-    })
+@dataclass(frozen=True)
+class ExportedTokenizer:
+    json_bytes: bytes      # tokenizer.json
+    config: dict[str, Any]  # tokenizer_config.json
+    bos_id: int | None      # the token it starts every text with, if any
+
+
+def export_tokenizer(encoder: Encoder, max_seq_len: int) -> ExportedTokenizer:
+    """The run's tokenizer, made to start a text as `forge generate` starts a prompt (engine.generate.prompt_ids):
+    Forge trains every document right after the end-of-text token, so a tokenizer that adds nothing of its own
+    gets a post-processor that puts that token first, as a BOS; then `tok(text)` in transformers (and
+    `encode(text)` in tokenizers) gives the ids forge generate feeds the model. One that adds its own start
+    tokens (a Llama BOS) already does, as prompt_ids uses them, and is written as it is. The run directory's
+    tokenizer.json, which training and tokenizing read without special tokens, is not touched."""
+    tokenizer = parse_tokenizer(encoder.json_bytes, TOKENIZER)  # a copy: encoder.tokenizer is shared
+    json_bytes = encoder.json_bytes
+    if not adds_special_tokens(tokenizer):
+        eos = encoder.eos_token
+        start = processors.TemplateProcessing(single=f"{eos}:0 $A:0", pair=f"{eos}:0 $A:0 {eos}:1 $B:1",
+                                              special_tokens=[(eos, encoder.eos_id)])
+        kept = tokenizer.post_processor  # e.g. byte-level offset trimming, which adds no tokens
+        tokenizer.post_processor = start if kept is None else processors.Sequence([kept, start])
+        json_bytes = tokenizer.to_str(pretty=True).encode()
+    first = tokenizer.encode("a")  # a special token before the text is the BOS
+    bos_id = first.ids[0] if first.special_tokens_mask[:1] == [1] else None
+    # No add_bos_token: transformers drops it when there is a tokenizer.json, whose post-processor decides.
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": encoder.eos_token,
+              **({"bos_token": first.tokens[0]} if bos_id is not None else {}),
+              "model_max_length": max_seq_len, "clean_up_tokenization_spaces": False}
+    return ExportedTokenizer(json_bytes, config, bos_id)
 
 
 # ---------------------------------------------------------------- Hugging Face → Forge

@@ -37,6 +37,7 @@ from pydantic import ValidationError
 
 from engine.config.model import ModelConfig
 from engine.errors import UserError
+from engine.model import build_model
 
 LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
 QWEN2_MOE, QWEN3_MOE, GLM4_MOE = "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"
@@ -135,9 +136,10 @@ def first_dense_layers(cfg: ModelConfig) -> int | None:
     return moe[0] if moe and moe == list(range(moe[0], cfg.n_layers)) else None
 
 
-def hf_config(cfg: ModelConfig, torch_dtype: torch.dtype, eos_id: int | None) -> dict[str, Any]:
-    """config.json for `cfg`. RoPE's base is written both the transformers 4 way (rope_theta) and the
-    transformers 5 way (rope_parameters), so either version reads the same model."""
+def hf_config(cfg: ModelConfig, torch_dtype: torch.dtype, eos_id: int | None, bos_id: int | None) -> dict[str, Any]:
+    """config.json for `cfg`, whose tokenizer ends documents with `eos_id` and starts texts with `bos_id`. RoPE's
+    base is written both the transformers 4 way (rope_theta) and the transformers 5 way (rope_parameters), so
+    either version reads the same model."""
     architecture = hf_architecture(cfg)
     config: dict[str, Any] = {
         "architectures": [architecture],
@@ -170,9 +172,9 @@ def hf_config(cfg: ModelConfig, torch_dtype: torch.dtype, eos_id: int | None) ->
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
         if architecture in MOE_ARCHITECTURES:
             config.update(moe_config(cfg, architecture))
-    # Forge trains each document right after an end-of-text token, which so also starts one; without an
-    # explicit value transformers would take its default start token, an arbitrary id in our vocabulary.
-    config["bos_token_id"] = eos_id
+    # The token the exported tokenizer starts a text with (the end-of-text token Forge trains each document
+    # after); without an explicit value transformers would take its default start token, an arbitrary id here.
+    config["bos_token_id"] = bos_id
     if eos_id is not None:
         config["eos_token_id"] = eos_id
     return config
@@ -393,10 +395,8 @@ def to_hf(piece: Piece, source: torch.Tensor | None, dtype: torch.dtype) -> torc
 def expected_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Forge FQN → meta tensor (shape and dtype), from the model itself built on the meta device (no
     memory, no init cost)."""
-    from engine.model.transformer import Transformer
-
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = build_model(cfg)
     return model.state_dict()
 
 

@@ -12,21 +12,16 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
-from engine.checkpoint.dcp import (COMPLETE, STEP_DIR, complete_checkpoints, distributed,
-                                   finish_save, is_writer, latest_checkpoint, load_checkpoint, load_weights, new_step_dir,
+from engine.checkpoint.dcp import (COMPLETE, STEP_DIR, UNREADABLE, complete_checkpoints, describe, finish_save,
+                                   is_writer, latest_checkpoint, load_checkpoint, load_weights, new_step_dir,
                                    prune_checkpoints, save_checkpoint, start_async_save, training_state)
+from engine.checkpoint.hf import is_hf_folder, load_hf_weights
 from engine.config.checkpoint import CheckpointConfig
 from engine.errors import UserError
-from engine.resilience.collectives import every_rank
+from engine.resilience.collectives import distributed, every_rank
 
 log = logging.getLogger("forge.checkpoint")
-
-# What reading a damaged or mismatched checkpoint raises; DCP wraps per-rank failures in CheckpointException,
-# which derives from BaseException.
-UNREADABLE = (Exception, CheckpointException)
-
 
 @dataclass
 class PendingSave:
@@ -148,15 +143,6 @@ def write_errors(step: int) -> Iterator[None]:
         raise CheckpointWriteError(f"writing the checkpoint of step {step} failed: {describe(err)}") from err
 
 
-def describe(err: BaseException) -> str:
-    """One line about a load failure; for DCP's wrapped per-rank failures, the underlying error."""
-    if isinstance(err, CheckpointException) and err.failures:
-        failure = next(iter(err.failures.values()))  # (exception, traceback) of the first failing rank
-        err = failure[0] if isinstance(failure, tuple) else failure
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
-
-
 def resolve_load_path(path: Path) -> Path:
     """A step_N folder, a checkpoint folder (its newest complete checkpoint) or a run directory."""
     if not path.exists():
@@ -177,8 +163,6 @@ def resolve_load_path(path: Path) -> Path:
 def initialize_from(path: Path, model: nn.Module, exclude: list[str]) -> list[str]:
     """Start a new run from another run's weights (not its optimizer, schedule or step), or from a
     Hugging Face model folder."""
-    from engine.checkpoint.hf import is_hf_folder, load_hf_weights
-
     from_hf = is_hf_folder(path)
     source = path if from_hf else resolve_load_path(path)
     names = {name for name, _ in model.named_parameters()}

@@ -1,4 +1,4 @@
-"""`[data]`: where training tokens come from."""
+"""`[data]`: where training tokens come from; and the Hugging Face dataset fields `[data]` and `[eval]` share."""
 
 from __future__ import annotations
 
@@ -7,7 +7,26 @@ from pydantic import Field, model_validator
 from engine.config.base import Section
 
 
-class DataConfig(Section):
+class HubDatasetFields(Section):
+    """A Hugging Face dataset a section reads instead of shards (`data.hf_*` to train on, `eval.hf_*` to
+    evaluate on): fields of the section itself, so the TOML and the error paths stay flat
+    (`eval.hf_dataset_split`). Pydantic puts a base's fields first; a section that wants fields before these
+    takes them from a base listed after this one (see DataConfig, EvalConfig)."""
+
+    hf_dataset_name: str | None = Field(
+        None, description="a Hugging Face dataset (Hub id or local folder) instead of dataset_path: tokenized once "
+                          "with data.tokenizer_path into the Forge cache, then read like shards"
+    )
+    hf_dataset_config: str | None = Field(None, description="hf_dataset_name's configuration (subset)")
+    hf_dataset_split: str = Field("train", description="hf_dataset_name's split")
+    hf_dataset_revision: str | None = Field(
+        None, description="hf_dataset_name's Hub branch, tag or commit; a commit keeps a long run's data fixed"
+    )
+
+
+class DataFiles(Section):
+    """The fields `[data]` lists before its Hugging Face dataset fields."""
+
     dataset_path: str | None = Field(
         None, description="directory written by `forge tokenize`; unset (and no hf_dataset_name) = the embedded "
                           "Shakespeare corpus"
@@ -16,15 +35,9 @@ class DataConfig(Section):
     tokenizer_path: str | None = Field(
         None, description="tokenizer.json; must match the manifest's tokenizer. Unset = the one beside the shards"
     )
-    hf_dataset_name: str | None = Field(
-        None, description="a Hugging Face dataset (Hub id or local folder) instead of dataset_path: tokenized once "
-                          "with data.tokenizer_path into the Forge cache, then trained on like shards"
-    )
-    hf_dataset_config: str | None = Field(None, description="hf_dataset_name's configuration (subset)")
-    hf_dataset_split: str = Field("train", description="hf_dataset_name's split to train on")
-    hf_dataset_revision: str | None = Field(
-        None, description="hf_dataset_name's Hub branch, tag or commit; a commit keeps a long run's data fixed"
-    )
+
+
+class DataConfig(HubDatasetFields, DataFiles):
     hf_dataset_text_field: str = Field("text", description="the column that holds the text (also for eval.hf_dataset_name)")
     hf_streaming: bool = Field(
         False, description="tokenize hf datasets from a stream instead of downloading them first (also for eval)"

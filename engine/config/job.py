@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from pydantic import Field
 
 from engine.config.base import Section
 from engine.config.checkpoint import CheckpointConfig
-from engine.config.data import DataConfig
+from engine.config.data import DataConfig, HubDatasetFields
 from engine.config.distributed import DistributedConfig
 from engine.config.eval import EvalConfig
 from engine.config.metrics import MetricsConfig
@@ -17,6 +19,7 @@ from engine.config.profiling import ProfilingConfig
 from engine.config.scheduler import SchedulerConfig
 from engine.config.train import TrainConfig
 from engine.errors import ConfigError, ConfigIssue
+from engine.parallel.stages import stages_per_rank
 
 
 class JobConfig(Section):
@@ -70,23 +73,20 @@ def hub_data_issues(cfg: JobConfig) -> list[ConfigIssue]:
     """A Hugging Face dataset replaces shards, needs a tokenizer to be encoded with, and its fields mean
     nothing without it. (Like eval.dataset_path, the eval ones may stay set while evaluation is off.)"""
     issues: list[ConfigIssue] = []
-    fields = ("hf_dataset_config", "hf_dataset_split", "hf_dataset_revision")
+    fields = [field for field in HubDatasetFields.model_fields if field != "hf_dataset_name"]
     for section, values in (("data", cfg.data), ("eval", cfg.eval)):
-        defaults = type(values).model_fields
         if values.hf_dataset_name is None:
             issues += [ConfigIssue(f"{section}.{field}", f"is set, but {section}.hf_dataset_name is unset",
                                    f"set {section}.hf_dataset_name, or remove it")
-                       for field in fields if getattr(values, field) != defaults[field].get_default()]
+                       for field in changed_fields(values, fields)]
         elif values.dataset_path is not None:
             issues.append(ConfigIssue(f"{section}.hf_dataset_name", f"and {section}.dataset_path are both set",
                                       "train (or evaluate) on one of them"))
     hub_in_use = cfg.data.hf_dataset_name is not None or cfg.eval.hf_dataset_name is not None
-    defaults = type(cfg.data).model_fields
     if not hub_in_use:
         issues += [ConfigIssue(f"data.{field}", "is set, but neither data.hf_dataset_name nor eval.hf_dataset_name is",
                                "name a dataset, or remove it")
-                   for field in ("hf_dataset_text_field", "hf_streaming")
-                   if getattr(cfg.data, field) != defaults[field].get_default()]
+                   for field in changed_fields(cfg.data, ("hf_dataset_text_field", "hf_streaming"))]
     if cfg.data.hf_dataset_name is not None and cfg.data.tokenizer_path is None:
         issues.append(ConfigIssue("data.tokenizer_path", "is needed to tokenize data.hf_dataset_name",
                                   "point it at a tokenizer.json (e.g. one written by forge tokenize)"))
@@ -101,11 +101,10 @@ MOE_FIELDS = ("moe_top_k", "moe_frequency", "moe_router", "moe_shared_experts", 
 def moe_issues(cfg: JobConfig) -> list[ConfigIssue]:
     """MoE fields only when the model has experts, and routing that can work."""
     m = cfg.model
-    defaults = type(m).model_fields
     if not m.is_moe:
         return [ConfigIssue(f"model.{field}", "is set, but the model is dense (model.num_experts = 0)",
                             "set model.num_experts > 0 for a mixture of experts, or remove it")
-                for field in MOE_FIELDS if getattr(m, field) != defaults[field].get_default(call_default_factory=True)]
+                for field in changed_fields(m, MOE_FIELDS)]
     issues = unread_field_issues("model", m, m.moe_router, {"moe_bias_schedule": ("sigmoid_topk",)})
     if m.moe_top_k > m.num_experts:
         issues.append(ConfigIssue("model.moe_top_k", f"{m.moe_top_k} exceeds model.num_experts ({m.num_experts})",
@@ -141,11 +140,17 @@ def optimization_issues(cfg: JobConfig) -> list[ConfigIssue]:
 
 def unread_field_issues(section: str, values: Section, chosen: str, read_by: dict[str, tuple[str, ...]]) -> list[ConfigIssue]:
     """One issue per field set away from its default although `chosen` does not read it."""
-    defaults = type(values).model_fields
-    return [ConfigIssue(f"{section}.{field}", f"is set, but {chosen!r} does not use it (only {', '.join(readers)} do)",
-                        f"remove it, or choose one of {', '.join(readers)}")
-            for field, readers in read_by.items()
-            if chosen not in readers and getattr(values, field) != defaults[field].get_default(call_default_factory=True)]
+    readers = {field: ", ".join(names) for field, names in read_by.items() if chosen not in names}
+    return [ConfigIssue(f"{section}.{field}", f"is set, but {chosen!r} does not use it (only {readers[field]} do)",
+                        f"remove it, or choose one of {readers[field]}")
+            for field in changed_fields(values, readers)]
+
+
+def changed_fields(values: Section, fields: Iterable[str]) -> list[str]:
+    """Those of `fields` that differ from their defaults: what the config set, which the rules above refuse
+    where nothing would read it."""
+    defaults = {name: info.get_default(call_default_factory=True) for name, info in type(values).model_fields.items()}
+    return [field for field in fields if getattr(values, field) != defaults[field]]
 
 
 def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
@@ -202,7 +207,7 @@ def pipeline_issues(cfg: JobConfig) -> list[ConfigIssue]:
     """What pipeline parallelism needs: a stage per layer at most, micro-batches its schedule accepts, and
     none of what it does not support yet."""
     m, t, d = cfg.model, cfg.train, cfg.distributed
-    stages = d.pp * (2 if d.pp_schedule == "interleaved_1f1b" else 1)
+    stages = d.pp * stages_per_rank(d.pp_schedule)
     issues = []
     if stages > m.n_layers:
         issues.append(ConfigIssue("distributed.pp", f"pp = {d.pp} with pp_schedule = {d.pp_schedule!r} cuts the model "

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from engine.config.data import HubDatasetFields
 from engine.data import DEFAULT_SHARD_TOKENS
 from engine.data.embedded import cache_dir
 from engine.data.hub import HubSource
@@ -48,8 +49,8 @@ def hub_shards(cfg: "JobConfig", section: str, tokenizer: Path) -> Path:
                         f"{cfg.model.vocab_size}", f"set model.vocab_size to at least {encoder.vocab_size}")
     name = values.hf_dataset_name
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # a local folder, wherever the run starts
-    fields = (f"{section}.hf_dataset_name, {section}.hf_dataset_config, {section}.hf_dataset_split, "
-              f"{section}.hf_dataset_revision and data.hf_dataset_text_field")
+    fields = ", ".join(f"{section}.{field}" for field in HubDatasetFields.model_fields)
+    fields += " and data.hf_dataset_text_field"
     try:
         source = HubSource(name, values.hf_dataset_config, values.hf_dataset_split, d.hf_streaming,
                            values.hf_dataset_revision)

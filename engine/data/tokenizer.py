@@ -89,6 +89,13 @@ def parse_tokenizer(data: bytes, name: str) -> Tokenizer:
                         "pass a tokenizer.json saved by the Hugging Face `tokenizers` library") from None
 
 
+def adds_special_tokens(tokenizer: Tokenizer) -> bool:
+    """Whether `encode` with add_special_tokens (its default, and what `tok(text)` in transformers does) adds
+    tokens of the tokenizer's own around the text, e.g. a Llama BOS."""
+    processor = tokenizer.post_processor
+    return processor is not None and processor.num_special_tokens_to_add(False) > 0
+
+
 def vocab_size(tokenizer: Tokenizer) -> int:
     """One more than the largest id, so added tokens with sparse ids still fit the embedding table."""
     return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1

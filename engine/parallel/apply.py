@@ -14,6 +14,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from engine import precision
 from engine.config.job import JobConfig
 from engine.errors import UserError
 from engine.model.transformer import Transformer
@@ -22,7 +23,6 @@ from engine.parallel.expert import apply_expert_parallel, fully_shard_experts
 from engine.parallel.float8 import convert_to_float8
 from engine.parallel.mesh import ParallelMesh
 from engine.parallel.tp import apply_tensor_parallel, uses_loss_parallel
-from engine.train import precision
 
 
 def apply_compile(model: Transformer) -> None:

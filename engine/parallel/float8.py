@@ -3,7 +3,7 @@
 A converted linear casts its input, weight and output gradient to float8 (e4m3) with dynamic scales
 and runs its three matmuls (output, input gradient, weight gradient) through `torch._scaled_mm`; the
 parameters, optimizer state and everything outside the converted layers stay as they were (fp32
-parameters, bf16 autocast compute; `engine.train.precision` maps mixed_precision = "fp8" to bf16).
+parameters, bf16 autocast compute; `engine.precision` maps mixed_precision = "fp8" to bf16).
 Parameter names and dtypes are unchanged, so checkpoints of a converted model load into a plain one.
 
 Recipes (`train.fp8_recipe`), from torchao's `Float8LinearConfig.from_recipe_name`:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from engine.errors import UserError
 from engine.parallel.place import ProcessPlace, slurm_rendezvous_env
+from engine.resilience.collectives import distributed
 
 
 def device_for(place: ProcessPlace) -> torch.device:
@@ -64,7 +65,7 @@ def joined_process_group() -> bool:
 
 
 def leave_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if distributed():
         dist.destroy_process_group()
 
 

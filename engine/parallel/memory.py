@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from engine.config.job import JobConfig
 from engine.config.model import ModelConfig
 from engine.model.estimate import param_counts
+from engine.parallel.stages import stage_layers, stages_per_rank
 
 FP32 = 4
 INT64 = 8
@@ -175,26 +176,6 @@ def optimizer_state_bytes(cfg: JobConfig, spec: ParamSpec, local: int) -> int:
         return FP32 * local  # momentum buffer of a hidden matrix (engine.train.optim.groups.hidden_matrices)
     assert name in ("muon", "schedule_free_adamw"), f"unknown optimizer {name!r}"
     return 2 * FP32 * local  # muon's AdamW fallback (exp_avg, exp_avg_sq) or schedule-free z, exp_avg_sq
-
-
-def stage_layers(n_layers: int, n_stages: int) -> list[range]:
-    """Blocks of each pipeline stage, by the rule of `engine.parallel.pipeline.stage_layer_counts` (kept
-    torch-free here, and held equal to it by a test): every stage gets one block, then each further block
-    goes to the stage of lowest cost (blocks, + 1 for the embedding on the first, + 1 for the head on the
-    last), ties to the stage with fewer blocks, then the earlier one."""
-    counts, extra = [1] * n_stages, [0] * n_stages
-    extra[0] += 1
-    extra[-1] += 1
-    for _ in range(n_layers - n_stages):
-        cheapest = min(range(n_stages), key=lambda i: (counts[i] + extra[i], counts[i], i))
-        counts[cheapest] += 1
-    starts = [sum(counts[:i]) for i in range(n_stages)]
-    return [range(start, start + count) for start, count in zip(starts, counts)]
-
-
-def stages_per_rank(schedule: str, pp: int) -> int:
-    """interleaved_1f1b runs two stages on each rank (stages r and r + pp); otherwise one."""
-    return 2 if pp > 1 and schedule == "interleaved_1f1b" else 1
 
 
 def forward_chunks(cfg: JobConfig, pp_rank: int) -> list[int]:
@@ -375,7 +356,7 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
     cfg = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"dp_shard": dp_shard})})
     d, t, m = cfg.distributed, cfg.train, cfg.model
     specs = param_specs(m)
-    per_rank = stages_per_rank(d.pp_schedule, d.pp)
+    per_rank = stages_per_rank(d.pp_schedule) if d.pp > 1 else 1
     n_stages = d.pp * per_rank
     if n_stages > m.n_layers:
         raise ValueError(f"{n_stages} pipeline stages cannot split {m.n_layers} blocks; validate the config first")

@@ -37,55 +37,21 @@ from torch.distributed.pipelining.schedules import (
 
 from engine.errors import UserError
 from engine.model.transformer import Transformer
+from engine.parallel.stages import stage_layers, stages_per_rank
 
 SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
 }
-# Interleaved 1F1B runs this many virtual stages on every rank; the single-stage schedules run one.
-INTERLEAVED_STAGES_PER_RANK = 2
 
 # A loss on the last stage's output: (logits [batch, seq, vocab], labels [batch, seq]) → scalar mean loss.
 StageLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def stages_per_rank(schedule: str) -> int:
-    """Model chunks each pipeline rank holds: 2 for `interleaved_1f1b`, 1 for `gpipe` and `1f1b`."""
-    if schedule not in SCHEDULES:
-        raise UserError(f"unknown pipeline schedule {schedule!r}", f"use one of {', '.join(SCHEDULES)}")
-    return INTERLEAVED_STAGES_PER_RANK if schedule == "interleaved_1f1b" else 1
-
-
-def stage_layer_counts(n_layers: int, n_stages: int) -> list[int]:
-    """How many consecutive blocks each stage gets, balancing cost where the embedding (first stage) and the
-    output head with its norm (last stage) each cost one block.
-
-    Rule: every stage first gets one block; each remaining block goes to the stage whose cost (blocks, + 1 if
-    first, + 1 if last) is lowest at that moment; ties go to the stage with fewer blocks, then the earlier one.
-    This minimises the most expensive stage: 8 blocks over 4 stages → [2, 2, 2, 2] (costs 3, 2, 2, 3),
-    6 over 4 → [1, 2, 2, 1], 4 over 2 → [2, 2].
-    """
-    if not 1 <= n_stages <= n_layers:
-        raise UserError(f"cannot cut {n_layers} layers into {n_stages} pipeline stages: every stage needs at "
-                        "least one layer", "lower distributed.pp, use a non-interleaved schedule, or add layers")
-    counts = [1] * n_stages
-    extra = [0] * n_stages
-    extra[0] += 1
-    extra[-1] += 1
-    for _ in range(n_layers - n_stages):
-        cheapest = min(range(n_stages), key=lambda s: (counts[s] + extra[s], counts[s], s))
-        counts[cheapest] += 1
-    return counts
-
-
 def stage_layer_names(n_layers: int, n_stages: int) -> list[list[str]]:
     """The `layers` keys ("0", "1", …) each stage owns, in order."""
-    names, start = [], 0
-    for count in stage_layer_counts(n_layers, n_stages):
-        names.append([str(i) for i in range(start, start + count)])
-        start += count
-    return names
+    return [[str(i) for i in layers] for layers in stage_layers(n_layers, n_stages)]
 
 
 def stage_model(model: Transformer, stage: int, n_stages: int) -> Transformer:

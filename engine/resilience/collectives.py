@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 
 def distributed() -> bool:
+    """Whether a process group is up; without one every decision (and DCP's reads and writes) is this process's."""
     return dist.is_available() and dist.is_initialized()
 
 

@@ -56,7 +56,7 @@ from engine.resilience.collectives import any_rank, distributed
 from engine.resilience.health import check_collectives
 from engine.resilience.signals import Preempted, StopRequest
 from engine.run_lock import RunLock
-from engine.train import precision
+from engine import precision
 from engine.train.hooks import TrainHooks
 from engine.train.losses import ModelLoss, StageCrossEntropy, build_loss
 from engine.train.optim import build_optimizer, current_lr, eval_mode
