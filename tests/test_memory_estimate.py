@@ -229,8 +229,14 @@ def test_interleaved_ranks_hold_two_stages():
 
 
 @pytest.mark.parametrize("n_layers,n_stages", [(n, s) for n in (1, 2, 3, 4, 5, 8, 13, 80) for s in (1, 2, 3, 4, 8) if s <= n])
-def test_stage_split_is_the_pipelines(n_layers, n_stages):
-    assert [len(r) for r in stage_layers(n_layers, n_stages)] == stage_layer_counts(n_layers, n_stages)
+def test_stage_split_covers_every_layer_once_in_order(n_layers, n_stages):
+    """The blocks of the stages, one after the other, are the model's blocks in order, each stage at least one,
+    and no stage costs more than one block above the cheapest (first and last also hold embedding / head)."""
+    layers, counts = stage_layers(n_layers, n_stages), stage_layer_counts(n_layers, n_stages)
+    assert len(layers) == n_stages and [len(r) for r in layers] == counts and min(counts) >= 1
+    assert [i for r in layers for i in r] == list(range(n_layers))
+    costs = [c + (s == 0) + (s == n_stages - 1) for s, c in enumerate(counts)]
+    assert max(costs) - min(costs) <= 1 or min(counts) == 1
 
 
 def test_gradients_and_activations_add_up_only_when_gradients_persist():
