@@ -15,7 +15,7 @@ from engine.config import load_job_config
 from engine.config.model import ModelConfig
 from engine.errors import ConfigError
 from engine.model.estimate import param_counts, training_flops_per_token
-from engine.model.moe import GROUPED_MM, MoE, grouped_experts, looped_experts, within_capacity
+from engine.model.moe import GROUPED_MM, MoE, grouped_experts, looped_experts, moe_metrics, within_capacity
 from engine.model.routers import SigmoidTopK, SoftmaxTopK, balance_loss, router_z_loss, sequence_balance_loss
 from engine.model.transformer import Transformer
 from engine.parallel.apply import apply_activation_checkpointing
@@ -209,14 +209,16 @@ def test_a_dense_model_is_unchanged():
     model = Transformer(cfg)
     assert not any("expert" in k or "router" in k for k in model.state_dict())
     model(torch.randint(0, 97, (1, 5)))
-    assert model.moe_loss() is None and model.moe_stats() == {}
+    assert model.moe_loss() is None and moe_metrics(model) == {}
 
 
 def train_steps(model: Transformer, tokens: torch.Tensor, steps: int) -> list[float]:
+    from engine.train.balancing import attach_router_balancing
     from engine.train.losses import build_loss
     from engine.config.train import TrainConfig
 
     loss_fn = build_loss(TrainConfig())
+    attach_router_balancing(model)  # as the trainer does
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for _ in range(steps):

@@ -21,8 +21,9 @@ import random
 import shutil
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -42,11 +43,11 @@ from engine.metrics.memory import memory_stats
 from engine.metrics.mfu import mfu, peak_flops
 from engine.metrics.trackers import MetricsLogger, build_trackers
 from engine.model.attention import CPU_SDPA_BACKENDS
+from engine.model.moe import moe_metrics
 from engine.model.transformer import Transformer
 from engine.parallel.apply import float8_all_gather, parallelize
 from engine.parallel.launch import device_for, join_process_group, leave_process_group
 from engine.parallel.place import ProcessPlace, process_place
-from engine.parallel.expert import all_reduce_router_load
 from engine.parallel.grad_norm import clip_grad_norm
 from engine.parallel.mesh import ParallelDims, ParallelMesh, build_mesh
 from engine.parallel.pipeline import Pipeline, build_pipeline, stage_union
@@ -57,6 +58,7 @@ from engine.resilience.health import check_collectives
 from engine.resilience.signals import Preempted, StopRequest
 from engine.run_lock import RunLock
 from engine.train import precision
+from engine.train.balancing import attach_router_balancing
 from engine.train.hooks import TrainHooks
 from engine.train.losses import ModelLoss, StageCrossEntropy, build_loss
 from engine.train.optim import build_optimizer, current_lr, eval_mode
@@ -147,6 +149,7 @@ class Job:
     pipeline: Pipeline | None = None  # pipeline parallelism: `model` is then this rank's stages (`stage_union`)
     float8_all_gather: bool = False  # FSDP gathers float8 weights: their scales are computed after each update
     loss_parallel: bool = False  # the logits stay vocabulary-sharded over the tensor-parallel ranks
+    model_metrics: tuple[Callable[[], dict[str, float]], ...] = ()  # logged with each step's (MoE routing)
     start_step: int = 0
     tokens_seen: int = 0
     elapsed_sec: float = 0.0  # training time of earlier attempts of this run
@@ -210,12 +213,22 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
               checkpointer=Checkpointer(checkpoint_root(cfg, run_dir), cfg.checkpoint, device),
               guard=StepGuard(cfg.train), place=place, mesh=mesh, pipeline=pipeline,
               float8_all_gather=float8_all_gather(cfg, mesh, device),
-              loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn, dims.pp))
+              loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn, dims.pp),
+              model_metrics=moe_training(model, cfg, mesh))
     restored = job.checkpointer.restore(model, optimizer) if resuming else None
     if restored is not None:
         restore(job, *restored)
     refresh_float8_scales(job)
     return job
+
+
+def moe_training(model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None) -> tuple[Callable, ...]:
+    """What training adds to an MoE model (which is never pipelined, so `model` is the whole Transformer):
+    the routers' balancing, over the global batch under data parallelism; → its routing metrics' reporter."""
+    if not cfg.model.is_moe:
+        return ()
+    attach_router_balancing(model, mesh.dp.get_group() if mesh is not None and mesh.dp is not None else None)
+    return (partial(moe_metrics, model),)
 
 
 def initial_model(cfg: JobConfig, starts_fresh: bool) -> Transformer:
@@ -532,8 +545,6 @@ def forward_backward(job: Job, batches: Iterator, loss_fn: ModelLoss) -> torch.T
                 loss = loss_fn(job.model, inputs, labels) / accum
             job.scaler.scale(loss).backward()
         loss_sum += local_value(loss.detach())
-        if job.mesh is not None and job.mesh.dp is not None and job.cfg.model.is_moe:
-            all_reduce_router_load(job.model, job.mesh.dp.get_group())  # every rank balances on the global load
     return loss_sum
 
 
@@ -732,7 +743,7 @@ def step_metrics(job: Job, step: int, result: StepResult, tokens_per_sec: float,
     return {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
             "tokens_per_sec": tokens_per_sec, "mfu": mfu(job.summary["flops_per_token"], tokens_per_sec, peak),
             "tokens_seen": tokens_seen, "elapsed_sec": time.perf_counter() - started, **job.guard.metrics(),
-            **memory_per_rank(job.device), **(job.model.moe_stats() if isinstance(job.model, Transformer) else {})}
+            **memory_per_rank(job.device), **{k: v for report in job.model_metrics for k, v in report().items()}}
 
 
 def memory_per_rank(device: torch.device) -> dict[str, float]:
