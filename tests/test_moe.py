@@ -260,6 +260,30 @@ def test_training_loss_adds_the_aux_losses_and_eval_loss_does_not():
     assert loss_fn(model, tokens[:, :-1], tokens[:, 1:], z_loss=False).item() == pytest.approx(ce.item(), rel=1e-6)
 
 
+def test_balancing_applies_each_training_forwards_load_at_the_start_of_the_next_one():
+    """Per training forward (micro-batch), not per optimizer step; forwards without gradient or in eval mode
+    neither apply nor record; without the training hooks the model's forward changes no router state."""
+    from engine.train.balancing import attach_router_balancing
+
+    model = Transformer(moe_config(moe_router="sigmoid_topk", moe_bias_schedule=[(0, 0.05)]))
+    router = model.layers["1"].feed_forward.router
+    tokens = torch.randint(0, 97, (2, 9))
+    model(tokens).sum().backward()
+    assert int(router.updates) == 0 and not router.pending_load.any() and not router.bias.any()
+    attach_router_balancing(model)
+    model(tokens).sum().backward()
+    pending = router.pending_load.clone()
+    assert pending.sum() == 2 * 9 * 2 and int(router.updates) == 0  # recorded, not applied yet
+    with torch.no_grad():
+        model(tokens)
+    model.eval()
+    model(tokens)
+    model.train()
+    assert torch.equal(router.pending_load, pending) and int(router.updates) == 0 and not router.bias.any()
+    model(tokens).sum().backward()  # applies the previous forward's load, then records its own
+    assert int(router.updates) == 1 and router.bias.any() and router.pending_load.sum() == 2 * 9 * 2
+
+
 def test_router_state_survives_a_state_dict_round_trip():
     cfg = moe_config(moe_router="sigmoid_topk", moe_bias_schedule=[(0, 0.05)])
     model = Transformer(cfg)
