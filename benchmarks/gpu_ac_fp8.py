@@ -12,6 +12,7 @@ from engine.config.train import TrainConfig
 from engine.model import build_model
 from engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from engine.parallel.float8 import convert_to_float8
+from engine.train.balancing import attach_router_balancing
 from engine.train.losses import build_loss
 
 dev = torch.device("cuda")
@@ -25,6 +26,7 @@ def build(fields, fp8=None, ac="none", fsdp_ag=False):
     if fp8:
         convert_to_float8(m, fp8, fsdp_float8_all_gather=fsdp_ag)
     apply_activation_checkpointing(m, ac)
+    attach_router_balancing(m)  # the sigmoid router's balancing bias, as the trainer updates it
     return m
 
 def run(m, fields, batch, seq, steps, lr=3e-4, after_step=None, timed_from=3):

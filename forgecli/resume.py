@@ -32,7 +32,7 @@ def resume(
       forge resume runs/debug --train.max_steps=600
 
     """
-    from engine.train.trainer import run_config
+    from engine.train.run_dir import run_config
 
     cfg = run_config(run_dir, collect_overrides(ctx.args))
     if nproc_per_node > 1:

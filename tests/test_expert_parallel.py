@@ -33,8 +33,9 @@ from torch.distributed.tensor import DTensor
 from engine.config.model import ModelConfig
 from engine.model.transformer import Transformer
 from engine.parallel.apply import apply_activation_checkpointing
-from engine.parallel.expert import all_reduce_router_load, apply_expert_parallel, fully_shard_experts
+from engine.parallel.expert import apply_expert_parallel, fully_shard_experts
 from engine.parallel.grad_norm import clip_grad_norm
+from engine.train.balancing import all_reduce_router_load, attach_router_balancing
 
 dist.init_process_group("gloo")
 out, cases = Path(sys.argv[1]), json.loads(sys.argv[2])
@@ -62,6 +63,7 @@ def build(cfg, case, layout):
         for block in model.layers.values():
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
+    attach_router_balancing(model)  # the loads are summed over the dp ranks in `train`, after each backward
     return model
 
 

@@ -15,7 +15,7 @@ from engine.config import load_job_config
 from engine.config.model import ModelConfig
 from engine.errors import ConfigError
 from engine.model.estimate import param_counts, training_flops_per_token
-from engine.model.moe import GROUPED_MM, MoE, grouped_experts, looped_experts, within_capacity
+from engine.model.moe import GROUPED_MM, MoE, grouped_experts, looped_experts, moe_metrics, within_capacity
 from engine.model.routers import SigmoidTopK, SoftmaxTopK, balance_loss, router_z_loss, sequence_balance_loss
 from engine.model.transformer import Transformer
 from engine.parallel.apply import apply_activation_checkpointing
@@ -209,14 +209,16 @@ def test_a_dense_model_is_unchanged():
     model = Transformer(cfg)
     assert not any("expert" in k or "router" in k for k in model.state_dict())
     model(torch.randint(0, 97, (1, 5)))
-    assert model.moe_loss() is None and model.moe_stats() == {}
+    assert model.moe_loss() is None and moe_metrics(model) == {}
 
 
 def train_steps(model: Transformer, tokens: torch.Tensor, steps: int) -> list[float]:
+    from engine.train.balancing import attach_router_balancing
     from engine.train.losses import build_loss
     from engine.config.train import TrainConfig
 
     loss_fn = build_loss(TrainConfig())
+    attach_router_balancing(model)  # as the trainer does
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for _ in range(steps):
@@ -256,6 +258,30 @@ def test_training_loss_adds_the_aux_losses_and_eval_loss_does_not():
     ce = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
     assert train_loss.item() == pytest.approx((ce + aux).item(), rel=1e-6)
     assert loss_fn(model, tokens[:, :-1], tokens[:, 1:], z_loss=False).item() == pytest.approx(ce.item(), rel=1e-6)
+
+
+def test_balancing_applies_each_training_forwards_load_at_the_start_of_the_next_one():
+    """Per training forward (micro-batch), not per optimizer step; forwards without gradient or in eval mode
+    neither apply nor record; without the training hooks the model's forward changes no router state."""
+    from engine.train.balancing import attach_router_balancing
+
+    model = Transformer(moe_config(moe_router="sigmoid_topk", moe_bias_schedule=[(0, 0.05)]))
+    router = model.layers["1"].feed_forward.router
+    tokens = torch.randint(0, 97, (2, 9))
+    model(tokens).sum().backward()
+    assert int(router.updates) == 0 and not router.pending_load.any() and not router.bias.any()
+    attach_router_balancing(model)
+    model(tokens).sum().backward()
+    pending = router.pending_load.clone()
+    assert pending.sum() == 2 * 9 * 2 and int(router.updates) == 0  # recorded, not applied yet
+    with torch.no_grad():
+        model(tokens)
+    model.eval()
+    model(tokens)
+    model.train()
+    assert torch.equal(router.pending_load, pending) and int(router.updates) == 0 and not router.bias.any()
+    model(tokens).sum().backward()  # applies the previous forward's load, then records its own
+    assert int(router.updates) == 1 and router.bias.any() and router.pending_load.sum() == 2 * 9 * 2
 
 
 def test_router_state_survives_a_state_dict_round_trip():

@@ -13,9 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine import precision
 from engine.config.model import ModelConfig
 from engine.config.train import TrainConfig
+from engine.model.moe import moe_metrics
 from engine.model.transformer import Transformer
 from engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from engine.parallel.float8 import convert_to_float8
+from engine.train.balancing import attach_router_balancing
 from engine.train.losses import build_loss
 
 VOCAB, SEQ = 64, 16
@@ -41,6 +43,7 @@ def train(model: Transformer, steps: int, dtype: torch.dtype = torch.float32,
           ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """AdamW steps on fixed batches under the trainer's loss (CE + MoE aux losses) → losses, first step's grads."""
     loss_fn = build_loss(TrainConfig())
+    attach_router_balancing(model)  # as the trainer does
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses, first_grads = [], {}
     for step in range(steps):
@@ -72,7 +75,7 @@ def test_checkpointing_modes_give_the_same_losses_gradients_and_routing(fields):
         model = build(fields, mode)
         losses, grads = train(model, 5)
         state = {unwrapped(k): v for k, v in model.state_dict().items()}
-        results[mode] = losses, {unwrapped(k): v for k, v in grads.items()}, state, model.moe_stats()
+        results[mode] = losses, {unwrapped(k): v for k, v in grads.items()}, state, moe_metrics(model)
     base_losses, base_grads, base_state, base_stats = results["none"]
     for mode in ("full", "selective"):
         losses, grads, state, stats = results[mode]

@@ -125,7 +125,7 @@ def test_iterating_data_leaves_the_global_rng_alone(tmp_path):
 def test_stop_and_resume_in_process_equals_one_run(tmp_path, precision):
     """Train 3 steps, then continue to 6 with `forge resume` semantics: same losses as 6 steps at once,
     including fp16's loss-scaler state, the schedule and a profiler window spanning the resume."""
-    from engine.train.trainer import run_config
+    from engine.train.run_dir import run_config
 
     common = (f"train.mixed_precision={precision}", "scheduler.decay_steps=4", "checkpoint.interval=3",
               "profiling.enable=true", "profiling.start_step=2", "profiling.end_step=5")

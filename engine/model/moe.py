@@ -18,7 +18,8 @@ are still computed, which keeps every shape static for torch.compile; the count 
 
 `forward` returns the output and an `MoEStats`: the weighted auxiliary loss (a scalar with gradient, for
 the training loss) and detached load statistics (for metrics and the sigmoid router's bias update). The
-transformer collects them outside the (compiled, checkpointed) block, so nothing here has side effects.
+transformer collects them outside the (compiled, checkpointed) block, so nothing here has side effects;
+`moe_metrics` turns the last forward's into metrics, each layer reporting its own row (`MoE.metrics`).
 """
 
 from __future__ import annotations
@@ -164,6 +165,19 @@ class MoE(nn.Module):
         loss = balance_w * balance + sequence_w * sequence + z_w * z
         return MoEStats(loss, load, dropped, balance.detach(), sequence.detach(), z.detach())
 
+    def metrics(self, stats: MoEStats) -> dict[str, torch.Tensor]:
+        """This layer's routing metrics for `stats` of one of its forwards, as tensors (the caller syncs once
+        for all layers): imbalance = max/mean tokens per expert, dropped assignments, the unweighted aux
+        losses, and the router's balancing bias (min/max) where it has one."""
+        load = stats.load.float()
+        row = {"imbalance": load.max() / load.mean().clamp(min=1e-9), "dropped": stats.dropped,
+               "balance_loss": stats.balance_loss, "sequence_balance_loss": stats.sequence_balance_loss,
+               "z_loss": stats.z_loss}
+        bias = getattr(self.router, "bias", None)
+        if bias is not None:
+            row.update(bias_min=bias.min(), bias_max=bias.max())
+        return row
+
     def input_weights(self) -> list[torch.Tensor]:
         shared = self.shared.input_weights() if self.shared is not None else []
         return [self.router.gate.weight, *self.experts.input_weights(), *shared]
@@ -171,6 +185,25 @@ class MoE(nn.Module):
     def output_weights(self) -> list[torch.Tensor]:
         shared = self.shared.output_weights() if self.shared is not None else []
         return [*self.experts.output_weights(), *shared]
+
+
+def moe_metrics(model: nn.Module) -> dict[str, float]:
+    """Flat metrics of the routing of `model`'s last forward: each MoE layer's row (`moe/{layer}/…`), the
+    largest imbalance and the dropped assignments of all layers; {} for a dense model. `model` is a
+    Transformer (its `moe_layers()` and `last_moe_stats`). One host sync for all of them."""
+    if not model.last_moe_stats:
+        return {}
+    layers = model.moe_layers()
+    keys, values = [], []
+    for name, stats in model.last_moe_stats.items():
+        row = layers[name].metrics(stats)
+        keys += [f"moe/{name}/{key}" for key in row]
+        values += [v.detach().float().reshape(()) for v in row.values()]
+    flat = dict(zip(keys, torch.stack(values).tolist()))
+    names = list(model.last_moe_stats)
+    flat["moe/imbalance"] = max(flat[f"moe/{n}/imbalance"] for n in names)
+    flat["moe/dropped"] = sum(flat[f"moe/{n}/dropped"] for n in names)
+    return flat
 
 
 def within_capacity(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:

@@ -3,7 +3,9 @@
 token embedding → n_layers × [x + attn(norm(x)); x + mlp(norm(x))] → norm → output head.
 With `model.num_experts > 0` the mlp of every `moe_frequency`-th block is a mixture of experts
 (engine/model/moe.py): such a block also returns its routing statistics, which the transformer keeps from
-the last forward (`moe_loss()` for the training loss, `moe_stats()` for metrics).
+the last forward (`moe_loss()` for the training loss; `engine.model.moe.moe_metrics` reports them). The
+sigmoid router's balancing bias is updated from outside, by hooks the trainer attaches
+(engine/train/balancing.py): this forward has no side effect on it.
 Parallelism (FSDP, TP, PP) is applied to this module from outside by `engine.parallel`; nothing here
 knows about sharding. A pipeline stage (engine/parallel/pipeline.py) is a copy of this module with the layers
 it does not own deleted and `tok_embeddings` (all but the first stage) or `norm`/`output` (all but the last)
@@ -80,17 +82,13 @@ class Transformer(nn.Module):
         # not the attention's length there: it takes the tables from `start` on (apply_rope cuts them).
         end = start + seq if self.tok_embeddings is not None else None
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
-        training = self.training and torch.is_grad_enabled()
-        if training:
-            self.apply_router_bias_updates()
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         moe_stats = {}
         for name, block in self.layers.items():
             h, stats = block(h, cos, sin, None if cache is None else cache.layer(name, seq))
             if stats is not None:
                 moe_stats[name] = stats
-        if moe_stats:
-            self.record_moe_stats(moe_stats, training)
+        self.last_moe_stats = moe_stats
         if cache is not None:
             cache.length += seq
         if self.output is None:
@@ -106,54 +104,19 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
+    def moe_layers(self) -> dict[str, MoE]:
+        """Layer name → MoE feed-forward of every MoE block (empty for a dense model)."""
+        return {name: block.feed_forward for name, block in self.layers.items() if isinstance(block.feed_forward, MoE)}
+
     def moe_routers(self) -> dict[str, nn.Module]:
         """Layer name → router of every MoE block (empty for a dense model)."""
-        return {name: block.feed_forward.router for name, block in self.layers.items()
-                if isinstance(block.feed_forward, MoE)}
-
-    def record_moe_stats(self, stats: dict[str, MoEStats], training: bool) -> None:
-        """Keep the stats of this forward; a training forward's load also feeds the balancing bias."""
-        self.last_moe_stats = stats
-        for name, router in self.moe_routers().items():
-            if training and hasattr(router, "record_load"):
-                router.record_load(stats[name].load)
-
-    def apply_router_bias_updates(self) -> None:
-        """Balancing-bias routers (sigmoid_topk) apply the load of the previous training forward now, after
-        its backward has finished, so a recomputed forward (activation checkpointing) routes as it did."""
-        for router in self.moe_routers().values():
-            if hasattr(router, "apply_bias_update"):
-                router.apply_bias_update()
+        return {name: moe.router for name, moe in self.moe_layers().items()}
 
     def moe_loss(self) -> torch.Tensor | None:
         """The weighted auxiliary losses of the last forward, summed over MoE blocks (None when dense)."""
         if not self.last_moe_stats:
             return None
         return torch.stack([s.loss for s in self.last_moe_stats.values()]).sum()
-
-    def moe_stats(self) -> dict[str, float]:
-        """Flat metrics of the last forward's routing, per MoE layer (`moe/{layer}/…`) and
-        overall: tokens per expert as imbalance = max/mean load, dropped assignments, the unweighted aux
-        losses, and the sigmoid router's bias (min/max). One host sync for all of them."""
-        if not self.last_moe_stats:
-            return {}
-        routers = self.moe_routers()
-        keys, values = [], []
-        for name, stats in self.last_moe_stats.items():
-            load = stats.load.float()
-            row = {"imbalance": load.max() / load.mean().clamp(min=1e-9), "dropped": stats.dropped,
-                   "balance_loss": stats.balance_loss, "sequence_balance_loss": stats.sequence_balance_loss,
-                   "z_loss": stats.z_loss}
-            bias = getattr(routers[name], "bias", None)
-            if bias is not None:
-                row.update(bias_min=bias.min(), bias_max=bias.max())
-            keys += [f"moe/{name}/{key}" for key in row]
-            values += [v.detach().float().reshape(()) for v in row.values()]
-        flat = dict(zip(keys, torch.stack(values).tolist()))
-        layers = list(self.last_moe_stats)
-        flat["moe/imbalance"] = max(flat[f"moe/{n}/imbalance"] for n in layers)
-        flat["moe/dropped"] = sum(flat[f"moe/{n}/dropped"] for n in layers)
-        return flat
 
     def new_kv_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty cache for `batch` sequences of up to `capacity` positions, on the model's device and dtype."""

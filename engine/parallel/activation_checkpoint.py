@@ -35,8 +35,8 @@ Both checkpointing modes are exact: the recomputation runs the same ops on the s
 gradients equal `none`'s. The block has no randomness (no dropout), hence `preserve_rng_state=False`.
 MoE blocks return (output, routing stats); the stats and aux losses come from the original forward, and the
 recomputation's copies are discarded, so nothing is counted twice. The sigmoid router's balancing bias is
-changed only between training forwards (`Transformer.apply_router_bias_updates`), so the recomputation
-routes exactly as the forward did.
+changed only between training forwards (by hooks on the whole model, engine/train/balancing.py), so the
+recomputation routes exactly as the forward did.
 
 Wrapping happens before `torch.compile` (engine.parallel.apply): the compiled graph then contains the
 recomputation, and compile applies the same policy when it partitions forward and backward. Use selective

@@ -148,15 +148,6 @@ def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> No
         fully_shard(moe.experts, mesh=mesh, **fsdp_kwargs)
 
 
-def all_reduce_router_load(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Sum the pending load of every balancing-bias router (sigmoid_topk) over the data-parallel `group`, so
-    that every rank applies the same bias update, computed from the load of the global batch as a single
-    process would. Without it each rank's bias follows its own data, the ranks' models drift apart, and a
-    checkpoint (which keeps rank 0's buffers) resumes the others with the wrong bias. Call after each
-    training backward, before the next forward (with or without expert parallelism)."""
-    for router in model.moe_routers().values():
-        if hasattr(router, "pending_load"):
-            dist.all_reduce(router.pending_load, group=group)
 
 
 def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

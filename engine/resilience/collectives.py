@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import torch
 import torch.distributed as dist
+
+from engine.errors import UserError
+
+T = TypeVar("T")
 
 
 def distributed() -> bool:
@@ -23,3 +29,19 @@ def any_rank(flag: bool, device: torch.device, group: dist.ProcessGroup | None =
 def every_rank(flag: bool, device: torch.device, group: dist.ProcessGroup | None = None) -> bool:
     """True on every rank when it is true on all of them; the local flag when there is no process group."""
     return not any_rank(not flag, device, group)
+
+
+def on_rank0(attempt: Callable[[], T], fallback: T, device: torch.device, what: str) -> T:
+    """Run `attempt` on rank 0 alone, and every rank learns whether it worked: a failure raises on every rank
+    (rank 0's own error there, a pointer to it elsewhere) instead of leaving the others waiting for rank 0 in
+    their next collective until the timeout. → `attempt`'s result on rank 0, `fallback` on the others;
+    without a process group, just `attempt()`. `what` completes "rank 0 could not …"."""
+    result, failure = fallback, None
+    if not distributed() or dist.get_rank() == 0:
+        try:
+            result = attempt()
+        except Exception as err:  # any failure: the other ranks must not wait for rank 0 in a collective
+            failure = err
+    if any_rank(failure is not None, device):
+        raise failure or UserError(f"rank 0 could not {what}", "see rank 0's error above")
+    return result

@@ -3,18 +3,15 @@ registering forward hooks for one step, injecting faults in tests. The CLI passe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from engine.train.trainer import Job
+from engine.train.job import Job
 
 
 class TrainHooks:
     """Subclass and override what you need; each method runs on every rank."""
 
-    def before_step(self, step: int, job: "Job") -> None:
+    def before_step(self, step: int, job: Job) -> None:
         """Before the first micro-batch of optimizer step `step`."""
 
-    def after_backward(self, step: int, job: "Job") -> None:
+    def after_backward(self, step: int, job: Job) -> None:
         """Gradients of step `step` are complete (still multiplied by the loss scale under fp16), before
         unscaling, clipping and the update."""

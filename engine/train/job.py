@@ -1,0 +1,314 @@
+"""The job: everything the training loop needs, built and checked once before the first step.
+
+`build_job` checks what can be wrong (config, data, run directory, device) before the process group
+starts and before anything is written, then builds this rank's model (its part of the mesh, with the
+weights of a single-process run), optimizer, schedule and data, and a resumed run's state from its
+newest checkpoint (`restore`; `train_state` is what a checkpoint holds for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import random
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from engine.checkpoint.dcp import complete_checkpoints
+from engine.checkpoint.manager import Checkpointer, initialize_from
+from engine.checkpoint.rng import every_rank_rng_state, restore_rank_rng
+from engine.config.job import JobConfig
+from engine import precision
+from engine.errors import UserError
+from engine.metrics.mfu import peak_flops
+from engine.model import build_model
+from engine.model.attention import CPU_SDPA_BACKENDS
+from engine.model.moe import moe_metrics
+from engine.model.transformer import Transformer
+from engine.parallel.apply import float8_all_gather, parallelize
+from engine.parallel.launch import device_for, join_process_group
+from engine.parallel.mesh import ParallelDims, ParallelMesh, build_mesh
+from engine.parallel.pipeline import Pipeline, build_pipeline, stage_union
+from engine.parallel.place import ProcessPlace, process_place
+from engine.parallel.tp import loss_context, uses_loss_parallel
+from engine.resilience.anomaly import StepGuard
+from engine.resilience.collectives import any_rank, on_rank0
+from engine.train.balancing import attach_router_balancing
+from engine.train.losses import StageCrossEntropy
+from engine.train.optim import build_optimizer
+from engine.train.run_dir import check_run_dir
+from engine.train.schedules import build_scheduler, default_decay_steps
+from engine.train.summary import job_summary
+
+log = logging.getLogger("forge.train")
+IDENTITY_SAMPLE_TOKENS = 4096
+
+
+@dataclass
+class Job:
+    """Everything the loop needs, built once before the first step."""
+
+    cfg: JobConfig
+    run_dir: Path
+    device: torch.device
+    dtype: torch.dtype
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    train_data: Any
+    eval_data: Any
+    data_identity: str  # what a resume checks the training data against (`data_identity`)
+    summary: dict[str, Any]
+    peak_flops: float | None
+    checkpointer: Checkpointer
+    guard: StepGuard
+    place: ProcessPlace = ProcessPlace(0, 0, 1)
+    mesh: ParallelMesh | None = None
+    pipeline: Pipeline | None = None  # pipeline parallelism: `model` is then this rank's stages (`stage_union`)
+    float8_all_gather: bool = False  # FSDP gathers float8 weights: their scales are computed after each update
+    loss_parallel: bool = False  # the logits stay vocabulary-sharded over the tensor-parallel ranks
+    model_metrics: tuple[Callable[[], dict[str, float]], ...] = ()  # logged with each step's (MoE routing)
+    start_step: int = 0
+    tokens_seen: int = 0
+    elapsed_sec: float = 0.0  # training time of earlier attempts of this run
+    wandb_run_id: str | None = None
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that writes the run directory and reports."""
+        return self.place.rank == 0
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.mesh is not None and self.mesh.fsdp is not None:
+            return contextlib.nullcontext()  # FSDP gathers the weights in the compute dtype itself
+        return precision.autocast(self.device, self.dtype)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Around forward, loss and backward: cross-entropy on vocabulary-sharded logits under loss parallel."""
+        return loss_context(self.loss_parallel)
+
+    def refresh_float8_scales(self) -> None:
+        """Under FSDP's float8 all-gather the weights' scales are computed once per weight change (one
+        all-reduce), after each update, restore and rollback."""
+        if self.float8_all_gather:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self.model)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def checkpoint_root(cfg: JobConfig, run_dir: Path) -> Path:
+    return run_dir / cfg.checkpoint.dir
+
+
+def with_pinned_schedule(cfg: JobConfig) -> JobConfig:
+    """The config with `scheduler.decay_steps` resolved, as the run directory records it: a run resumed
+    with a larger train.max_steps then continues the schedule it trained with (at the floor once decayed)
+    instead of stretching the decay and jumping the LR."""
+    if cfg.scheduler.decay_steps is not None:
+        return cfg
+    decay = default_decay_steps(cfg.scheduler, cfg.train.max_steps)
+    return cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"decay_steps": decay})})
+
+
+def check_device_support(cfg: JobConfig, device: torch.device) -> None:
+    if device.type == "cpu" and cfg.model.sdpa_backend not in CPU_SDPA_BACKENDS:
+        raise UserError(f"model.sdpa_backend = {cfg.model.sdpa_backend!r} has no CPU kernel",
+                        f"use one of {', '.join(CPU_SDPA_BACKENDS)} on CPU")
+
+
+def data_parallel_rank(dims: ParallelDims, rank: int) -> int:
+    """This rank's index among the ranks that read different data, from the mesh's dimension order
+    (pp, dp_replicate, dp_shard, cp, tp; tp innermost): known before any process group exists, so the
+    data is checked before a process group starts."""
+    return rank // (dims.cp * dims.tp) % dims.dp
+
+
+def build_job(cfg: JobConfig, run_dir: Path) -> Job:
+    """Everything checkable is checked before the process group starts and before anything is written."""
+    from engine.data.loader import open_eval_data, open_train_data
+
+    place = process_place()
+    cfg = with_pinned_schedule(cfg.validate(world_size=place.world_size))
+    dims = ParallelDims.from_config(cfg.distributed, place.world_size)
+    dp_rank = data_parallel_rank(dims, place.rank)
+    train_data = open_train_data(cfg, dp_rank=dp_rank, dp_size=dims.dp)
+    eval_data = open_eval_data(cfg, dp_rank=dp_rank, dp_size=dims.dp, train=train_data)
+    resuming = check_run_dir(cfg, run_dir)
+    device = device_for(place)
+    check_device_support(cfg, device)
+    dtype = precision.compute_dtype(cfg.train.mixed_precision, device)
+
+    mesh = None
+    if place.world_size > 1:
+        join_process_group(cfg.distributed.backend, cfg.distributed.nccl_timeout_sec, device)
+        mesh = build_mesh(dims, device.type)
+        assert mesh.dp_rank == dp_rank, "data_parallel_rank disagrees with the mesh"
+    starts_fresh = not (resuming and complete_checkpoints(checkpoint_root(cfg, run_dir)))
+    if mesh is None:
+        model = parallelize(initial_model(cfg, starts_fresh).to(device), cfg)
+        pipeline = None
+    else:
+        model, pipeline = distributed_model(cfg, mesh, device, starts_fresh)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    job = Job(cfg=cfg, run_dir=run_dir, device=device, dtype=dtype, model=model, optimizer=optimizer,
+              scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps),
+              scaler=precision.grad_scaler(device, dtype), train_data=train_data, eval_data=eval_data,
+              data_identity=data_identity(train_data),
+              summary=job_summary(cfg, place.world_size), peak_flops=peak_flops(device, dtype),
+              checkpointer=Checkpointer(checkpoint_root(cfg, run_dir), cfg.checkpoint, device),
+              guard=StepGuard(cfg.train), place=place, mesh=mesh, pipeline=pipeline,
+              float8_all_gather=float8_all_gather(cfg, mesh, device),
+              loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn, dims.pp),
+              model_metrics=moe_training(model, cfg, mesh))
+    restored = job.checkpointer.restore(model, optimizer) if resuming else None
+    if restored is not None:
+        restore(job, *restored)
+    job.refresh_float8_scales()
+    return job
+
+
+def moe_training(model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None) -> tuple[Callable, ...]:
+    """What training adds to an MoE model (which is never pipelined, so `model` is the whole Transformer):
+    the routers' balancing, over the global batch under data parallelism; → its routing metrics' reporter."""
+    if not cfg.model.is_moe:
+        return ()
+    attach_router_balancing(model, mesh.dp.get_group() if mesh is not None and mesh.dp is not None else None)
+    return (partial(moe_metrics, model),)
+
+
+def initial_model(cfg: JobConfig, starts_fresh: bool) -> Transformer:
+    """The whole model, on the CPU, with the weights a run starts from: the seed's, or `checkpoint.load_path`'s
+    for a new run (a resumed one loads its checkpoint later)."""
+    seed_everything(cfg.train.seed)
+    model = build_model(cfg.model)
+    if starts_fresh and cfg.checkpoint.load_path is not None:
+        initialize_from(Path(cfg.checkpoint.load_path), model, cfg.checkpoint.exclude_from_loading)
+    return model
+
+
+def distributed_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device,
+                      starts_fresh: bool) -> tuple[torch.nn.Module, Pipeline | None]:
+    """This rank's part of the model, with the initial weights of a single-process run. Only rank 0 ever
+    holds the whole model, in CPU memory: every rank builds it on the meta device (no memory), applies its
+    layout, allocates its own shards, and receives their values from rank 0's copy, one tensor at a time
+    (`set_model_state_dict` with `broadcast_from_rank0`). A resumed run skips all that: its checkpoint fills
+    every shard. → (model or union of stages, pipeline or None)."""
+    full_state = initial_state_on_main(cfg, device) if starts_fresh else None
+    seed_everything(cfg.train.seed)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    pipeline = None
+    if cfg.distributed.pp > 1:
+        pipeline = pipelined(model, cfg, mesh, device)
+        parts, model = pipeline.model_parts, stage_union(pipeline.model_parts)
+    else:
+        parts = [parallelize(model, cfg, mesh, device=device)]
+        model = parts[0]
+    for part in parts:
+        part.to_empty(device=device)
+        part.reset_rope_tables()
+    if full_state is not None:
+        missing = set(get_model_state_dict(model)) - set(full_state["names"])
+        assert not missing, f"rank 0's model lacks {sorted(missing)[:5]}: they would keep uninitialised memory"
+        set_model_state_dict(model, full_state["tensors"], options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, strict=False))  # each rank takes its own keys
+    return model, pipeline
+
+
+def initial_state_on_main(cfg: JobConfig, device: torch.device) -> dict[str, Any]:
+    """Rank 0 builds the initial model; every rank learns whether that worked (a rank 0 that fails, e.g. on a
+    bad checkpoint.load_path, must not leave the others waiting in the broadcast) and which names it has.
+    → {"names": [...], "tensors": rank 0's state dict, empty elsewhere}."""
+    tensors = on_rank0(lambda: initial_model(cfg, True).state_dict(), {}, device, "build the initial model")
+    names = [sorted(tensors)]
+    torch.distributed.broadcast_object_list(names, src=0)
+    return {"names": names[0], "tensors": tensors}
+
+
+def pipelined(model: Transformer, cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> Pipeline:
+    """This rank's pipeline stages, each parallelized like a whole model would be. The pipeline's
+    micro-batches are the step's `train.grad_accum_steps` micro-batches."""
+    loss = StageCrossEntropy(cfg.train.z_loss_weight)
+    return build_pipeline(model, mesh.get("pp"), cfg.distributed.pp_schedule, cfg.train.grad_accum_steps, loss, device,
+                          parallelize_stage=lambda part: parallelize(part, cfg, mesh, device=device, pipelined=True))
+
+
+def restore(job: Job, path: Path, state: dict[str, Any]) -> None:
+    """Continue from checkpoint `path` (weights and optimizer already loaded, `state` its train state): the
+    data position is the step, so nothing else needs saving."""
+    check_global_batch(job, path, state)
+    check_same_data(job, path, state)
+    if "guard" in state:  # checkpoints written before the bad-step detector existed have none
+        job.guard.load_state_dict(state["guard"])
+    job.scheduler.load_state_dict(state["scheduler"])
+    job.scaler.load_state_dict(state["grad_scaler"])
+    restore_rank_rng(state["rng"])
+    job.start_step, job.tokens_seen, job.elapsed_sec = state["step"], state["tokens_seen"], state["elapsed_sec"]
+    job.wandb_run_id = state["wandb_run_id"]
+    log.info("resuming from %s", path)
+
+
+def train_state(job: Job, step: int, tokens_seen: int, elapsed_sec: float, wandb_run_id: str | None) -> dict[str, Any]:
+    """What a checkpoint holds beside the weights and optimizer; everything is JSON."""
+    return {"step": step, "tokens_seen": tokens_seen, "elapsed_sec": elapsed_sec,
+            "tokens_per_step": job.summary["tokens_per_step"], "data": job.data_identity,
+            "scheduler": job.scheduler.state_dict(), "grad_scaler": job.scaler.state_dict(),
+            "rng": every_rank_rng_state(),
+            "wandb_run_id": wandb_run_id, "guard": job.guard.state_dict()}
+
+
+def check_global_batch(job: Job, path: Path, state: dict[str, Any]) -> None:
+    """A run may resume under another layout, but with the global batch it trained with."""
+    tokens_per_step = job.summary["tokens_per_step"]
+    # Checkpoints from before tokens_per_step was saved: every step so far had the same number of tokens.
+    saved = state.get("tokens_per_step") or state["tokens_seen"] // max(state["step"], 1)
+    if saved == tokens_per_step:
+        return
+    t = job.cfg.train
+    per_device = saved / (t.seq_len * t.grad_accum_steps * job.summary["data_parallel"])
+    hint = (f"set --train.batch_size={int(per_device)} for this layout" if per_device.is_integer() and per_device >= 1
+            else "choose a layout and train.batch_size × grad_accum_steps that give the same global batch")
+    raise UserError(f"{path} was trained with {saved} tokens per step, but this layout gives {tokens_per_step} "
+                    "(train.batch_size × grad_accum_steps × data-parallel ranks × seq_len)", hint)
+
+
+def check_same_data(job: Job, path: Path, state: dict[str, Any]) -> None:
+    """A resumed run reads the samples the uninterrupted one would have: the data must be the same shards.
+    Every rank checks its own view and they agree, so no rank goes on alone. (Checkpoints from before the
+    data was recorded are not checked.)"""
+    differs = state.get("data") not in (None, job.data_identity)
+    if not any_rank(differs, job.device):
+        return
+    raise UserError(f"{path} was trained on other data than {job.train_data.directory} holds now "
+                    "(another tokenizer, other shards, or other tokens in them)",
+                    "point data.dataset_path (or data.hf_dataset_name, with data.hf_dataset_revision for a Hub "
+                    "dataset) at the data the run trained on, or train into a new --run-dir")
+
+
+def data_identity(train_data: Any) -> str:
+    """The training data as a resume must find it again: the tokenizer, and for every shard training reads
+    its length and first and last IDENTITY_SAMPLE_TOKENS tokens (so reordered or replaced text of the same
+    length is caught without reading the whole data set). Where the text came from, the file format and
+    the file names are left out: tokenized again from the same text, or moved, it is the same data."""
+    m = train_data.manifest
+    digest = hashlib.sha256(json.dumps([m.tokenizer_sha256, m.vocab_size, m.eos_id, m.dtype]).encode())
+    for tokens in train_data.dataset.arrays:
+        digest.update(len(tokens).to_bytes(8, "little"))
+        digest.update(np.ascontiguousarray(tokens[:IDENTITY_SAMPLE_TOKENS]).tobytes())
+        digest.update(np.ascontiguousarray(tokens[-IDENTITY_SAMPLE_TOKENS:]).tobytes())
+    return digest.hexdigest()[:16]

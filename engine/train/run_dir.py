@@ -1,0 +1,115 @@
+"""The run directory: what `forge train` writes there (config, tokenizer files, metrics, train.log; the
+checkpoints are engine.checkpoint's), the lock rank 0 holds while it writes, and how an existing one is
+recognised and continued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from engine.config.changes import resume_issues
+from engine.config.job import JobConfig
+from engine.config.loader import dump_toml, load_job_config
+from engine.durable import write_durably
+from engine.errors import ConfigError, UserError
+from engine.metrics.trackers import MetricsLogger, build_trackers
+from engine.run_lock import RunLock
+
+RUN_CONFIG = "config.toml"
+
+
+def run_config(run_dir: Path, overrides: list[str] = ()) -> JobConfig:
+    """The saved config of an existing run, with overrides (which `train` then checks are safe)."""
+    if not (run_dir / RUN_CONFIG).is_file():
+        raise UserError(f"{run_dir} is not a Forge run directory (it has no {RUN_CONFIG})",
+                        "pass the folder `forge train` wrote, e.g. runs/debug")
+    return load_job_config(run_dir / RUN_CONFIG, overrides)
+
+
+def check_run_dir(cfg: JobConfig, run_dir: Path) -> bool:
+    """A new run directory (False), or an existing run that `cfg` may continue (True; it resumes from its
+    newest readable checkpoint, or from step 0 if it was killed before its first one)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} is a file", "pass --run-dir with a folder path")
+    if (run_dir / RUN_CONFIG).is_file():
+        issues = resume_issues(load_job_config(run_dir / RUN_CONFIG), cfg)
+        if issues:
+            raise ConfigError(issues, f"{run_dir} (an existing run: it resumes with its own config)")
+        return True
+    parent = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot create run directory {run_dir}: {parent} is not writable",
+                        "pass --run-dir somewhere you can write")
+    return False
+
+
+@dataclass
+class RunOutputs:
+    """Where a run's metrics go, and the run directory's lock while rank 0 writes it (other ranks: neither)."""
+
+    trackers: MetricsLogger
+    lock: RunLock | None = None
+
+    def close(self) -> None:
+        self.trackers.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def open_run_dir(cfg: JobConfig, run_dir: Path, train_data: Any, start_step: int,
+                 wandb_run_id: str | None) -> RunOutputs:
+    """Write the run directory and start the metric sinks. A sink that cannot start (W&B not logged in,
+    TensorBoard missing) is a user error: then whatever this call created is removed again."""
+    created = not run_dir.exists()
+    before = set() if created else set(run_dir.iterdir())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock.acquire(run_dir)  # before anything is written; in use: nothing here is ours
+    try:
+        write_if_changed(run_dir / RUN_CONFIG, dump_toml(cfg).encode())
+        if train_data.tokenizer_file is not None:
+            write_if_changed(run_dir / "tokenizer.json", train_data.tokenizer_file.read_bytes())
+            # The end-of-text token the shards were made with, where Hugging Face tools (and our export and
+            # generate) look for it: a vocabulary can hold several candidates.
+            eos = json.dumps({"eos_token": train_data.manifest.eos_token}, indent=2) + "\n"
+            write_if_changed(run_dir / "tokenizer_config.json", eos.encode())
+        resumed_from = start_step if (run_dir / "metrics.jsonl").exists() and not created else None
+        return RunOutputs(build_trackers(cfg, run_dir, run_dir.name, resumed_from, wandb_run_id), lock)
+    except UserError:
+        for path in [run_dir] if created else set(run_dir.iterdir()) - before:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def write_if_changed(path: Path, content: bytes) -> None:
+    """A resume rewrites nothing it need not; what it does rewrite is replaced atomically, since the run's
+    config is what a later resume reads."""
+    if not path.is_file() or path.read_bytes() != content:
+        write_durably(path, content)
+
+
+@contextlib.contextmanager
+def logging_to(path: Path) -> Iterator[None]:
+    """Forge's log lines (training, checkpoints, resilience) also go to the run's train.log."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    forge_log = logging.getLogger("forge")
+    forge_log.addHandler(handler)
+    forge_log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        forge_log.removeHandler(handler)
+        handler.close()

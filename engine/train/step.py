@@ -1,0 +1,163 @@
+"""One optimizer step, one evaluation, and what a logged step reports.
+
+A step accumulates the gradients of `train.grad_accum_steps` micro-batches (or runs them through the
+pipeline schedule), then unscales, clips and applies them, unless the step is bad (non-finite, or a loss
+spike), which every rank decides together. Everything model-specific (the MoE routers' balancing, their
+metrics) is attached to the job when it is built (engine/train/job.py), not done here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from engine.metrics.memory import memory_stats
+from engine.metrics.mfu import mfu
+from engine.parallel.grad_norm import clip_grad_norm
+from engine.resilience.collectives import any_rank, distributed
+from engine.train.hooks import TrainHooks
+from engine.train.job import Job
+from engine.train.losses import ModelLoss, StageCrossEntropy
+from engine.train.optim import current_lr, eval_mode
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    problem: str | None  # why the update was skipped; None when it was applied
+
+
+def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHooks) -> StepResult:
+    """One optimizer step over grad_accum_steps micro-batches, or none when the step is bad (non-finite,
+    or a loss spike): its batches are then consumed without an update, on every rank alike."""
+    hooks.before_step(step, job)
+    if job.pipeline is not None:
+        loss_sum = pipeline_forward_backward(job, batches)
+    else:
+        loss_sum = forward_backward(job, batches, loss_fn)
+    hooks.after_backward(step, job)
+    job.scaler.unscale_(job.optimizer)
+    max_norm = job.cfg.train.grad_clip_norm or math.inf  # 0 = no clipping; the norm is still reported
+    grad_norm = clip_grad_norm(job.model.parameters(), max_norm, job.pipeline.group if job.pipeline else None)
+    lr = current_lr(job.optimizer)
+    loss_value, norm_value = torch.stack([mean_over_ranks(loss_sum), grad_norm.float()]).tolist()  # the one sync per step
+    problem = job.guard.problem(loss_value, norm_value, scaler_handles_overflow=job.scaler.is_enabled())
+    if any_rank(problem is not None, job.device):
+        problem = problem or "a bad step on another rank"
+        if job.scaler.is_enabled():
+            job.scaler.update()  # closes the unscale_ above without stepping
+    else:
+        job.checkpointer.wait_for_staging()  # a background save must hold its copy before weights change
+        job.scaler.step(job.optimizer)
+        job.scaler.update()
+        job.refresh_float8_scales()
+        job.guard.accept(loss_value)
+    job.optimizer.zero_grad(set_to_none=True)
+    job.scheduler.step()
+    return StepResult(loss_value, norm_value, lr, problem)
+
+
+def forward_backward(job: Job, batches: Iterator, loss_fn: ModelLoss) -> torch.Tensor:
+    """Gradients of the step's mean loss, accumulated over its micro-batches; → that loss (not synced)."""
+    accum = job.cfg.train.grad_accum_steps
+    loss_sum = torch.zeros((), device=job.device)
+    for _ in range(accum):
+        inputs, labels = (t.to(job.device, non_blocking=True) for t in next(batches))
+        with job.loss_context():
+            with job.autocast():
+                loss = loss_fn(job.model, inputs, labels) / accum
+            job.scaler.scale(loss).backward()
+        loss_sum += local_value(loss.detach())
+    return loss_sum
+
+
+def pipeline_forward_backward(job: Job, batches: Iterator) -> torch.Tensor:
+    """The same through the pipeline schedule, which takes the step's micro-batches at once and splits them
+    again; → the loss, on every pipeline rank."""
+    micro = [next(batches) for _ in range(job.cfg.train.grad_accum_steps)]
+    inputs, labels = (torch.cat(parts).to(job.device, non_blocking=True) for parts in zip(*micro))
+    with job.autocast():
+        loss = job.pipeline.step(inputs, labels)
+    return job.pipeline.broadcast_loss(loss, job.device)
+
+
+def local_value(value: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (under loss parallel it is a replicated DTensor)."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a per-rank loss over all ranks: the data-parallel mean (tensor-parallel ranks hold equal
+    copies, which does not change a mean)."""
+    if not distributed():
+        return value
+    value = value.detach().clone()
+    torch.distributed.all_reduce(value)  # a sum: gloo has no average
+    return value / torch.distributed.get_world_size()
+
+
+@torch.no_grad()
+def evaluate(job: Job, loss_fn: ModelLoss) -> dict[str, float]:
+    """Plain cross-entropy (no z-loss) on the held-out batches, at the optimizer's evaluation weights."""
+    job.model.eval()
+    with eval_mode(job.optimizer):
+        losses = pipeline_eval_losses(job) if job.pipeline is not None else eval_losses(job, loss_fn)
+    job.model.train()
+    loss = mean_over_ranks(torch.stack(losses).mean()).item()
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}
+
+
+def eval_losses(job: Job, loss_fn: ModelLoss) -> list[torch.Tensor]:
+    losses = []
+    for inputs, labels in job.eval_data.batches():
+        with job.loss_context(), job.autocast():
+            loss = loss_fn(job.model, inputs.to(job.device), labels.to(job.device), z_loss=False)
+        losses.append(local_value(loss))
+    return losses
+
+
+def pipeline_eval_losses(job: Job) -> list[torch.Tensor]:
+    """The held-out batches through the pipeline schedule, forward only, `grad_accum_steps` of them per pass
+    (its microbatches: validation makes eval.steps a multiple); → each pass's mean loss, on every rank."""
+    batches, n = list(job.eval_data.batches()), job.cfg.train.grad_accum_steps
+    stage_loss = job.pipeline.loss_fn
+    assert isinstance(stage_loss, StageCrossEntropy), "the trainer builds its pipelines with this loss"
+    losses = []
+    with stage_loss.plain():
+        for first in range(0, len(batches), n):
+            inputs, labels = (torch.cat(parts).to(job.device) for parts in zip(*batches[first:first + n]))
+            with job.autocast():
+                loss = job.pipeline.evaluate(inputs, labels)
+            losses.append(job.pipeline.broadcast_loss(loss, job.device))
+    return losses
+
+
+def step_metrics(job: Job, step: int, result: StepResult, tokens_per_sec: float, tokens_seen: int,
+                 started: float) -> dict[str, Any]:
+    world = job.place.world_size
+    peak = None if job.peak_flops is None else job.peak_flops * world  # tokens/s is the whole job's
+    return {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+            "tokens_per_sec": tokens_per_sec, "mfu": mfu(job.summary["flops_per_token"], tokens_per_sec, peak),
+            "tokens_seen": tokens_seen, "elapsed_sec": time.perf_counter() - started, **job.guard.metrics(),
+            **memory_per_rank(job.device), **{k: v for report in job.model_metrics for k, v in report().items()}}
+
+
+def memory_per_rank(device: torch.device) -> dict[str, float]:
+    """This rank's memory figures; in a multi-process run, `mem_peak_gib` is the largest rank's peak and
+    `mem_peak_gib/rank{r}` each rank's (every rank calls this at the same steps)."""
+    stats = memory_stats(device)
+    if not distributed():
+        return stats
+    world = torch.distributed.get_world_size()
+    peaks = torch.zeros(world, dtype=torch.float64, device=device)
+    peaks[torch.distributed.get_rank()] = stats["mem_peak_gib"]
+    torch.distributed.all_reduce(peaks)  # a gather by sum: each rank fills its own slot
+    per_rank = peaks.tolist()
+    return {**stats, "mem_peak_gib": max(per_rank), **{f"mem_peak_gib/rank{r}": v for r, v in enumerate(per_rank)}}
