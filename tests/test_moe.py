@@ -285,15 +285,18 @@ def test_balancing_applies_each_training_forwards_load_at_the_start_of_the_next_
 
 
 def test_router_state_survives_a_state_dict_round_trip():
+    """Bias, pending load and update count come back exactly. (The bias itself may be back at 0 after two
+    updates of opposite sign, so the state is shown to be non-trivial by its count and pending load.)"""
+    torch.manual_seed(0)
     cfg = moe_config(moe_router="sigmoid_topk", moe_bias_schedule=[(0, 0.05)])
     model = Transformer(cfg)
     train_steps(model, torch.randint(0, 97, (2, 17)), 3)
+    router = model.layers["1"].feed_forward.router
+    assert int(router.updates) == 2 and router.pending_load.sum() == 2 * 16 * 2  # 3 forwards: 2 applied, 1 pending
     restored = Transformer(cfg)
     restored.load_state_dict(model.state_dict())
     for name in ("bias", "pending_load", "updates"):
-        assert torch.equal(getattr(restored.layers["1"].feed_forward.router, name),
-                           getattr(model.layers["1"].feed_forward.router, name))
-    assert model.layers["1"].feed_forward.router.bias.abs().sum() > 0
+        assert torch.equal(getattr(restored.layers["1"].feed_forward.router, name), getattr(router, name))
 
 
 @pytest.mark.parametrize("overrides,field", [
