@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from engine.data.loader import open_eval_data, open_train_data
 from engine.data.sampler import BatchLayout, EpochOrder
@@ -112,7 +113,10 @@ def test_the_order_runs_on_past_the_end_of_the_data(data: Path):
 def test_worker_processes_give_the_same_batches(data: Path):
     inline = micro_batches((), data, count=6)[0]
     workers = micro_batches(("data.num_workers=2", "data.prefetch_factor=2"), data, count=6)[0]
+    assert len(inline) == len(workers) == 6
     assert all(torch.equal(a, b) for a, b in zip(inline, workers))
+    batches = open_train_data(job_config(data, "data.num_workers=2")).batches()
+    assert isinstance(batches, _MultiProcessingDataLoaderIter) and batches._num_workers == 2  # not read inline
 
 
 def test_eval_batches_are_fixed_and_counted(data: Path, tmp_path: Path):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from engine.checkpoint.dcp import latest_checkpoint, load_checkpoint
 from engine.config import load_job_config
@@ -169,6 +170,17 @@ def test_pipeline_with_tensor_parallel_stages_matches_one_process(tmp_path, one_
     assert_same_run(tmp_path / "run", one_process)
 
 
+def test_hybrid_sharded_data_parallel_2x2_matches_one_process(tmp_path, one_process):
+    """HSDP on four processes: 2 replicas, each FSDP-sharded over 2 ranks (the hsdp layout above is 2 × 1,
+    pure replication, which never shards); one sequence per rank, the one-process run's global batch."""
+    result = forge(tmp_path / "run", "--distributed.dp_replicate=2", "--distributed.dp_shard=2", nproc=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(tmp_path / "run", one_process)
+    checkpoint = dcp.FileSystemReader(latest_checkpoint(tmp_path / "run" / "checkpoints")[1]).read_metadata()
+    wq = checkpoint.state_dict_metadata["model.layers.0.attention.wq.weight"]
+    assert len(wq.chunks) == 2, "each weight is sharded in two within a replica (the 2 × 1 layout saves 1 chunk)"
+
+
 MOE = ["--model.num_experts=4", "--model.moe_top_k=2", "--model.moe_router=sigmoid_topk", "--model.moe_shared_experts=1",
        "--model.moe_bias_schedule=[[0,0.01]]", "--model.moe_aux_loss_weight=0.001"]
 
@@ -182,6 +194,20 @@ def test_expert_parallel_matches_plain_data_parallel(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(runs[2], runs[1])
     assert any(key.startswith("moe/") for key in records(runs[2])[6])
+
+
+def test_expert_parallel_matches_one_process(tmp_path):
+    """ep = 2 on two ranks against one process on the same global batch. Without the batch-level balance loss:
+    each rank computes it over its own micro-batch, and the mean of two such losses is not the loss of their
+    union (measured with moe_aux_loss_weight = 0.001: the step-6 loss 5.6e-5 away from one process's, with 0:
+    every step within 2e-6). The balancing bias still moves, on the router load summed over the ranks."""
+    moe = [*MOE, "--model.moe_aux_loss_weight=0"]
+    result = forge(tmp_path / "ep2", *moe, "--distributed.ep=2", nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = forge(tmp_path / "single", *moe)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(tmp_path / "ep2", tmp_path / "single")
+    assert records(tmp_path / "single")[6]["moe/1/bias_max"] > 0
 
 
 def test_a_preempted_multi_process_run_exits_75_and_resumes(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils import flop_counter
 
 from engine.config import JobConfig
 from engine.errors import UserError
@@ -92,6 +93,51 @@ def test_missing_tracker_package_is_a_user_error(tmp_path: Path, monkeypatch: py
 def test_mfu_arithmetic():
     assert mfu(flops_per_token=6e9, tokens_per_sec=50_000, peak=1e15) == pytest.approx(0.3)
     assert mfu(6e9, 50_000, None) is None
+
+
+def grouped_mm_flop(a_shape, b_shape, *args, **kwargs) -> int:
+    """torch's FlopCounterMode has no formula for grouped_mm. Each of the three uses (forward
+    [T, K] × [E, K, N], input gradient the same, weight gradient [K, T] × [T, N] → [E, K, N]) multiplies
+    every row of `a` once by a K × N (or T-long) slice of `b`: 2 · numel(a) · N."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+
+FLOP_FORMULAS = {  # the CPU attention kernels, counted by torch's own sdpa formulas (no causal saving)
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, **kwargs: flop_counter.sdpa_flop_count(q, k, v),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, q, k, v, *args, **kwargs: flop_counter.sdpa_backward_flop_count(grad, q, k, v),
+    torch.ops.aten._grouped_mm: grouped_mm_flop,
+}
+
+
+@pytest.mark.parametrize("fields", [{}, {"num_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1}],
+                         ids=["dense", "moe"])
+def test_training_flops_per_token_match_a_counted_forward_and_backward(fields):
+    """`training_flops_per_token` against torch's FlopCounterMode over one real forward + backward, dense
+    and MoE (torch 2.13, CPU): the matmuls (6 × active matmul parameters, the output head included, the
+    embedding lookup not) agree exactly; attention differs by exactly 2 · layers · dim · seq_len, the
+    QKᵀ that torch's sdpa backward formula counts as recomputed (forward 2 matmuls + backward 5) and the
+    PaLM convention the estimate follows does not (forward 2 + backward 4)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from engine.config.model import ModelConfig
+    from engine.config.train import TrainConfig
+    from engine.model.estimate import training_flops_per_token
+    from engine.model.transformer import Transformer
+    from engine.train.losses import build_loss
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=32, **fields)
+    batch, seq = 2, 32
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    model = Transformer(cfg)
+    with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
+        build_loss(TrainConfig())(model, tokens[:, :-1], tokens[:, 1:]).backward()
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert counts["aten._scaled_dot_product_flash_attention_for_cpu"] > 0 and counts["aten.mm"] > 0
+    assert ("aten._grouped_mm" in counts) == bool(fields)
+    recomputed_scores = 2 * cfg.n_layers * cfg.dim * seq
+    assert counter.get_total_flops() == batch * seq * (training_flops_per_token(cfg, seq) + recomputed_scores)
 
 
 @pytest.mark.parametrize(("name", "dtype", "expected"), [

@@ -93,8 +93,18 @@ class OpCounter(TorchDispatchMode):
         self.counts: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is not torch.Tensor and t is not torch.nn.Parameter for t in types):
+            return NotImplemented  # a tensor subclass (float8) first: count the ops it runs, not its own
         self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
+
+
+def forward_ops(model: Transformer, dtype: torch.dtype = torch.float32) -> Counter[str]:
+    """The aten ops of one training forward and loss."""
+    batch = tokens()
+    with OpCounter() as counter, precision.autocast(torch.device("cpu"), dtype):
+        build_loss(TrainConfig())(model, batch[:, :-1], batch[:, 1:])
+    return counter.counts
 
 
 def backward_ops(model: Transformer, dtype: torch.dtype = torch.float32) -> Counter[str]:
@@ -208,9 +218,13 @@ def test_fp8_composes_with_selective_checkpointing(recipe):
         model = build(fields)
         convert_to_float8(model, recipe)
         apply_activation_checkpointing(model, mode)
+        converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        forward = forward_ops(copy.deepcopy(model), torch.bfloat16)
+        assert converted == 7 * fields["n_layers"] and forward["aten._scaled_mm.default"] == converted, mode
         ops.append(backward_ops(copy.deepcopy(model), torch.bfloat16))
         results.append(train(model, 3, torch.bfloat16)[0])
     assert results[1] == pytest.approx(results[0], abs=1e-6)
+    assert ops[0]["aten._scaled_mm.default"] == 2 * converted  # input and weight gradients, in float8 too
     recomputed = ops[1] - ops[0]
     assert recomputed["aten.mm.default"] == 0 and recomputed["aten._scaled_mm.default"] == 0
     assert recomputed["aten.max.default"] == 0 and recomputed["aten.amax.default"] == 0

@@ -185,8 +185,34 @@ def checkpoints_are_finite(root: Path) -> list[int]:
     return steps
 
 
+class Snapshots(Faults):
+    """Faults, plus a copy of the weights and the optimizer state as each step starts."""
+
+    def __init__(self, **faults) -> None:
+        super().__init__(**faults)
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def before_step(self, step, job) -> None:
+        super().before_step(step, job)
+        optimizer = job.optimizer.state_dict()["state"]
+        self.states[step] = {**{f"model.{k}": v.detach().clone() for k, v in job.model.state_dict().items()},
+                             **{f"optimizer.{i}.{k}": v.clone() for i, state in optimizer.items()
+                                for k, v in state.items()}}
+
+
+def changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> list[str]:
+    """The names whose tensors are not bitwise equal (or exist on one side only)."""
+    return sorted(k for k in before.keys() | after.keys() if k not in before or k not in after
+                  or not torch.equal(before[k], after[k]))
+
+
 def test_nan_gradient_and_loss_spike_are_skipped_without_touching_weights(tmp_path):
-    summary, records = faulty_run(tmp_path, Faults(nan_grad_steps=[6], spike_steps=[9]), "train.max_steps=12")
+    hooks = Snapshots(nan_grad_steps=[6], spike_steps=[9])
+    summary, records = faulty_run(tmp_path, hooks, "train.max_steps=12")
+    states = hooks.states
+    assert any(k.endswith(".exp_avg") for k in states[6]), "AdamW has moments to compare"
+    assert changed(states[6], states[7]) == [] and changed(states[9], states[10]) == []  # skipped: nothing moves
+    assert changed(states[5], states[6]) == changed(states[8], states[9]) == sorted(states[6])  # a good step: all
     assert summary["skipped_steps"] == 2 and summary["rollbacks"] == 0
     by_step = {r["step"]: r for r in records}
     assert by_step[6]["grad_norm"] is None and by_step[6]["skipped_steps"] == 1  # NaN is written as null
