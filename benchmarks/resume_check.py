@@ -5,6 +5,8 @@ step's loss and grad norm equal the uninterrupted run's. Uses /tmp/r.
 
     python benchmarks/resume_check.py
 """
+
+import contextlib
 import json
 import shutil
 import signal
@@ -13,8 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-ARGS = ["presets/debug.toml", "--train.max_steps=1000", "--checkpoint.interval=200", "--metrics.log_interval=1",
-        "--eval.interval=300"]
+ARGS = [
+    "presets/debug.toml",
+    "--train.max_steps=1000",
+    "--checkpoint.interval=200",
+    "--metrics.log_interval=1",
+    "--eval.interval=300",
+]
 
 
 def forge(run_dir, *extra, wait=True):
@@ -26,10 +33,8 @@ def forge(run_dir, *extra, wait=True):
 def losses(run_dir):
     recs = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
+        with contextlib.suppress(ValueError):  # a line still being written
             recs.append(json.loads(line))
-        except ValueError:  # a line still being written
-            pass
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in recs if "loss" in r}
 
 
@@ -56,9 +61,14 @@ def main() -> None:
         stopped = max(losses(run))
         resumed = forge(run)
         ours, theirs = losses(run), losses(whole)
-        report[name] = {"exit_code": exit_code, "stopped_after_step": stopped, "resume_exit": resumed,
-                        "steps_equal": sum(ours[s] == theirs[s] for s in theirs), "steps": len(theirs),
-                        "bitwise_equal": ours == theirs}
+        report[name] = {
+            "exit_code": exit_code,
+            "stopped_after_step": stopped,
+            "resume_exit": resumed,
+            "steps_equal": sum(ours[s] == theirs[s] for s in theirs),
+            "steps": len(theirs),
+            "bitwise_equal": ours == theirs,
+        }
     print(json.dumps(report, indent=2))
 
 

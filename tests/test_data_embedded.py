@@ -41,7 +41,7 @@ def test_training_uses_the_embedded_corpus_built_once(cache: Path, monkeypatch: 
     assert train.manifest.tokenizer_sha256 == evaluation.manifest.tokenizer_sha256
     assert train.tokenizer_file == train.directory / "tokenizer.json"
     assert train.manifest.total_tokens > 1_000_000 and train.manifest.total_documents == 40
-    x, y = next(train.batches())
+    x, _y = next(train.batches())
     assert x.shape == (4, 16) and int(x.max()) < 4096
     assert [p.name for p in (cache / "corpus").iterdir()] == [train.directory.parent.name]
 

@@ -32,7 +32,7 @@ def test_non_finite_steps_are_problems_unless_the_grad_scaler_owns_them():
 def test_spike_rule_waits_for_half_a_window_then_uses_mean_plus_sigma_std():
     g = guard(spike_window=8, spike_sigma=3.0)
     losses = [4.0, 4.2, 3.8, 4.1]
-    for i, loss in enumerate(losses[:3]):
+    for _i, loss in enumerate(losses[:3]):
         assert g.problem(100.0, 1.0) is None, "fewer than half a window: never a spike"
         g.accept(loss)
     g.accept(losses[3])
@@ -52,7 +52,7 @@ def test_rollback_after_max_bad_steps_and_stop_after_max_rollbacks():
     g.reject()
     g.accept(1.0)  # a good step resets the run of bad ones
     assert [g.reject() for _ in range(3)] == [False, False, True]
-    with pytest.raises(TrainingDiverged, match="3 bad steps in a row after 1 rollback.*max_rollbacks = 1"):
+    with pytest.raises(TrainingDiverged, match=r"3 bad steps in a row after 1 rollback.*max_rollbacks = 1"):
         g.rolled_back("3 bad steps in a row", None)
 
 
@@ -140,17 +140,32 @@ from engine.model.transformer import Transformer  # noqa: E402
 from engine.train.hooks import TrainHooks  # noqa: E402
 from engine.train.trainer import train  # noqa: E402
 
-TINY = ["model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2", "train.seq_len=32",
-        "model.max_seq_len=32", "train.batch_size=2", "metrics.log_interval=1", "eval.enabled=false",
-        "scheduler.warmup_steps=1", "train.spike_window=6", "checkpoint.interval=4",
-        "checkpoint.keep_last_n=10"]
+TINY = [
+    "model.dim=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "train.seq_len=32",
+    "model.max_seq_len=32",
+    "train.batch_size=2",
+    "metrics.log_interval=1",
+    "eval.enabled=false",
+    "scheduler.warmup_steps=1",
+    "train.spike_window=6",
+    "checkpoint.interval=4",
+    "checkpoint.keep_last_n=10",
+]
 
 
 class Faults(TrainHooks):
     """NaN gradients at `nan_grad_steps`, logits × `spike_scale` at `spike_steps`, NaN weights at `nan_weight_steps`."""
 
     def __init__(self, nan_grad_steps=(), spike_steps=(), nan_weight_steps=(), spike_scale=30.0) -> None:
-        self.nan_grad_steps, self.spike_steps, self.nan_weight_steps = set(nan_grad_steps), set(spike_steps), set(nan_weight_steps)
+        self.nan_grad_steps, self.spike_steps, self.nan_weight_steps = (
+            set(nan_grad_steps),
+            set(spike_steps),
+            set(nan_weight_steps),
+        )
         self.spike_scale, self.handle = spike_scale, None
 
     def before_step(self, step, job) -> None:
@@ -195,15 +210,19 @@ class Snapshots(Faults):
     def before_step(self, step, job) -> None:
         super().before_step(step, job)
         optimizer = job.optimizer.state_dict()["state"]
-        self.states[step] = {**{f"model.{k}": v.detach().clone() for k, v in job.model.state_dict().items()},
-                             **{f"optimizer.{i}.{k}": v.clone() for i, state in optimizer.items()
-                                for k, v in state.items()}}
+        self.states[step] = {
+            **{f"model.{k}": v.detach().clone() for k, v in job.model.state_dict().items()},
+            **{f"optimizer.{i}.{k}": v.clone() for i, state in optimizer.items() for k, v in state.items()},
+        }
 
 
 def changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> list[str]:
     """The names whose tensors are not bitwise equal (or exist on one side only)."""
-    return sorted(k for k in before.keys() | after.keys() if k not in before or k not in after
-                  or not torch.equal(before[k], after[k]))
+    return sorted(
+        k
+        for k in before.keys() | after.keys()
+        if k not in before or k not in after or not torch.equal(before[k], after[k])
+    )
 
 
 def test_nan_gradient_and_loss_spike_are_skipped_without_touching_weights(tmp_path):
@@ -252,8 +271,13 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
 
 def test_a_run_that_keeps_diverging_stops_with_a_clear_message(tmp_path):
     with pytest.raises(TrainingDiverged, match="after 1 rollback"):
-        faulty_run(tmp_path, Faults(nan_grad_steps=range(6, 40)), "train.max_steps=40", "train.max_bad_steps=2",
-                   "train.max_rollbacks=1")
+        faulty_run(
+            tmp_path,
+            Faults(nan_grad_steps=range(6, 40)),
+            "train.max_steps=40",
+            "train.max_bad_steps=2",
+            "train.max_rollbacks=1",
+        )
     # step 8 came during a run of bad steps: its checkpoint would only have repeated step 4's weights
     assert checkpoints_are_finite(tmp_path / "run" / "checkpoints") == [4]
     with pytest.raises(TrainingDiverged, match="before the first checkpoint"):

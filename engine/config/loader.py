@@ -44,7 +44,9 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     try:
         return tomlkit.parse(path.read_text()).unwrap()
     except (TOMLKitError, UnicodeDecodeError) as e:
-        raise ConfigError([ConfigIssue(str(path), f"not valid TOML: {e}", "fix the syntax at the line shown")], str(path)) from None
+        raise ConfigError(
+            [ConfigIssue(str(path), f"not valid TOML: {e}", "fix the syntax at the line shown")], str(path)
+        ) from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -98,7 +100,7 @@ def issue_from_pydantic(err: dict[str, Any]) -> ConfigIssue:
     if kind == "extra_forbidden":
         valid = fields_at(JobConfig, loc[:-1])
         close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
-        hint = f"did you mean {'.'.join(loc[:-1] + [close[0]])!r}?" if close else f"valid keys: {', '.join(valid)}"
+        hint = f"did you mean {'.'.join([*loc[:-1], close[0]])!r}?" if close else f"valid keys: {', '.join(valid)}"
         return ConfigIssue(path, "unknown key", hint)
     message = err["msg"].removeprefix("Value error, ")
     if kind in {"literal_error", "enum"}:
