@@ -318,15 +318,8 @@ class Run:
             raise DataError(
                 "no documents found: every document in the inputs is empty", "check the inputs and --text-field"
             )
-        manifest = Manifest(
-            encoder.sha256,
-            encoder.vocab_size,
-            encoder.eos_id,
-            encoder.eos_token,
-            str(encoder.dtype),
-            tuple(state.shards),
-            {"key": key, "text_field": self.text_field, "inputs": self.source.describe()},
-        )
+        source = {"key": key, "text_field": self.text_field, "inputs": self.source.describe()}
+        manifest = manifest_of(encoder, state.shards, source)
         write_manifest(self.out_dir, manifest)
         (self.out_dir / STATE).unlink()
         return manifest, reused
@@ -442,14 +435,13 @@ def tokenize_texts(
     for index, ids in enumerate(encoder.encode(list(texts))):
         writer.add(index, ids)
     writer.close()
-    manifest = Manifest(
-        encoder.sha256,
-        encoder.vocab_size,
-        encoder.eos_id,
-        encoder.eos_token,
-        str(encoder.dtype),
-        tuple(writer.written),
-        source,
-    )
+    manifest = manifest_of(encoder, writer.written, source)
     write_manifest(out_dir, manifest)
     return manifest
+
+
+def manifest_of(encoder: Encoder, shards: Sequence[ShardInfo], source: dict) -> Manifest:
+    """The manifest of shards `encoder` wrote: its tokenizer's fingerprint, vocabulary, EOS and dtype."""
+    return Manifest(
+        encoder.sha256, encoder.vocab_size, encoder.eos_id, encoder.eos_token, str(encoder.dtype), tuple(shards), source
+    )
