@@ -8,6 +8,8 @@ and never cross a shard boundary. Which samples each micro-step gets is decided 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
@@ -26,6 +28,8 @@ from engine.data.sampler import BatchLayout, EpochOrder, EvalBatchSampler, Train
 from engine.data.shards import MANIFEST, TOKENIZER_FILE, Manifest, ShardInfo, open_shard, read_manifest
 from engine.data.tokenizer import file_sha256
 from engine.errors import DataError
+
+IDENTITY_SAMPLE_TOKENS = 4096  # tokens at each end of a shard that its identity covers
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -100,6 +104,19 @@ class TrainData(TokenData):
         `start_step` on: grad_accum_steps micro-batches per step, the same global batch for any layout."""
         order = EpochOrder(self.num_samples, self.seed)
         return iter(self.loader(TrainBatchSampler(order, self.layout, start_step)))
+
+    def identity(self) -> str:
+        """The training data as a resume must find it again: the tokenizer, and for every shard training reads
+        its length and first and last IDENTITY_SAMPLE_TOKENS tokens (so reordered or replaced text of the same
+        length is caught without reading the whole data set). Where the text came from, the file format and
+        the file names are left out: tokenized again from the same text, or moved, it is the same data."""
+        m = self.manifest
+        digest = hashlib.sha256(json.dumps([m.tokenizer_sha256, m.vocab_size, m.eos_id, m.dtype]).encode())
+        for tokens in self.dataset.arrays:
+            digest.update(len(tokens).to_bytes(8, "little"))
+            digest.update(np.ascontiguousarray(tokens[:IDENTITY_SAMPLE_TOKENS]).tobytes())
+            digest.update(np.ascontiguousarray(tokens[-IDENTITY_SAMPLE_TOKENS:]).tobytes())
+        return digest.hexdigest()[:16]
 
 
 @dataclass

@@ -9,8 +9,6 @@ newest checkpoint (`restore`; `train_state` is what a checkpoint holds for it).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import random
 from collections.abc import Callable
@@ -50,7 +48,6 @@ from engine.train.schedules import build_scheduler, default_decay_steps
 from engine.train.summary import job_summary
 
 log = logging.getLogger("forge.train")
-IDENTITY_SAMPLE_TOKENS = 4096
 
 
 @dataclass
@@ -67,7 +64,7 @@ class Job:
     scaler: torch.amp.GradScaler
     train_data: Any
     eval_data: Any
-    data_identity: str  # what a resume checks the training data against (`data_identity`)
+    data_identity: str  # what a resume checks the training data against (`TrainData.identity`)
     summary: dict[str, Any]
     peak_flops: float | None
     checkpointer: Checkpointer
@@ -179,7 +176,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         scaler=precision.grad_scaler(device, dtype),
         train_data=train_data,
         eval_data=eval_data,
-        data_identity=data_identity(train_data),
+        data_identity=train_data.identity(),
         summary=job_summary(cfg, place.world_size),
         peak_flops=peak_flops(device, dtype),
         checkpointer=Checkpointer(checkpoint_root(cfg, run_dir), cfg.checkpoint, device),
@@ -340,17 +337,3 @@ def check_same_data(job: Job, path: Path, state: dict[str, Any]) -> None:
         "point data.dataset_path (or data.hf_dataset_name, with data.hf_dataset_revision for a Hub "
         "dataset) at the data the run trained on, or train into a new --run-dir",
     )
-
-
-def data_identity(train_data: Any) -> str:
-    """The training data as a resume must find it again: the tokenizer, and for every shard training reads
-    its length and first and last IDENTITY_SAMPLE_TOKENS tokens (so reordered or replaced text of the same
-    length is caught without reading the whole data set). Where the text came from, the file format and
-    the file names are left out: tokenized again from the same text, or moved, it is the same data."""
-    m = train_data.manifest
-    digest = hashlib.sha256(json.dumps([m.tokenizer_sha256, m.vocab_size, m.eos_id, m.dtype]).encode())
-    for tokens in train_data.dataset.arrays:
-        digest.update(len(tokens).to_bytes(8, "little"))
-        digest.update(np.ascontiguousarray(tokens[:IDENTITY_SAMPLE_TOKENS]).tobytes())
-        digest.update(np.ascontiguousarray(tokens[-IDENTITY_SAMPLE_TOKENS:]).tobytes())
-    return digest.hexdigest()[:16]
