@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.prompt import Confirm, IntPrompt, Prompt
 
+from forgecli.completion import complete_preset
 from forgecli.ui import console, user_errors
 
 if TYPE_CHECKING:
@@ -24,10 +25,10 @@ DATA_CHOICES = {"embedded": "the embedded Shakespeare corpus (no download)",
 
 @user_errors
 def init(
-    preset: Path = typer.Argument(Path("forge.toml"), help="Where to write the preset."),
+    preset: Path = typer.Argument(Path("forge.toml"), help="Where to write the preset.", autocompletion=complete_preset),
     defaults: bool = typer.Option(False, "--defaults", help="Ask nothing: the first preset found (or the built-in "
                                   "defaults) on the embedded corpus, one process."),
-    base: Path | None = typer.Option(None, "--from", exists=True, dir_okay=False,
+    base: Path | None = typer.Option(None, "--from", exists=True, dir_okay=False, autocompletion=complete_preset,
                                         help="Ask nothing: a commented copy of this preset."),
     force: bool = typer.Option(False, "--force", help="Overwrite the file if it exists."),
 ) -> None:
