@@ -96,8 +96,8 @@ def ask(presets: dict[str, Path]) -> InitAnswers:
         answers = replace(answers, dims=dims)
     answers = replace(answers, moe=Confirm.ask("Mixture of experts?", console=console, default=answers.moe))
     answers = ask_data(answers)
-    answers = replace(answers, gpus_per_node=positive("GPUs per node (1 on a CPU)", 1),
-                      nodes=positive("Nodes", 1))
+    answers = replace(answers, gpus_per_node=positive("GPUs per node (1 on a CPU)", answers.gpus_per_node),
+                      nodes=positive("Nodes", answers.nodes))
     answers = replace(answers, precision=Prompt.ask(
         "Precision (auto = bf16 where the GPU has it, else fp32)", console=console,
         choices=["auto", "bf16", "fp16", "fp32", "fp8"], default=answers.precision))

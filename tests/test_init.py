@@ -94,6 +94,37 @@ def test_from_preset_is_a_commented_copy(tmp_path):
     assert "# routed experts per MoE block; 0 = dense model\nnum_experts = 8" in out.read_text()
 
 
+def test_from_keeps_every_field_of_its_preset(tmp_path):
+    """A preset far from the defaults (Hugging Face data and eval, lion, wsd, HSDP × TP over 8 ranks, a long
+    warmup) comes back field for field, checked for the world size its layout implies."""
+    rich = tmp_path / "rich.toml"
+    rich.write_text(DEBUG.read_text().replace("warmup_steps = 20", "warmup_steps = 200").replace(
+        'name = "cosine"', 'name = "wsd"\nstable_steps = 50\ndecay_steps = 40').replace(
+        'name = "adamw"\nlr = 2e-3', 'name = "lion"\nlr = 1e-4') + """
+[data]
+hf_dataset_name = "roneneldan/TinyStories"
+hf_dataset_config = "default"
+hf_dataset_split = "train[:1%]"
+hf_dataset_text_field = "story"
+hf_streaming = true
+tokenizer_path = "tok/tokenizer.json"
+
+[distributed]
+dp_replicate = 2
+dp_shard = 2
+tp = 2
+""")
+    rich.write_text(rich.read_text().replace("[eval]\nenabled = true", '[eval]\nenabled = true\nhf_dataset_name = "x/y"'))
+    out = tmp_path / "copy.toml"
+    result = forge_init(str(out), "--from", str(rich))
+    assert result.exit_code == 0, result.output
+    assert load_job_config(out).validate(8).model_dump() == load_job_config(rich).validate(8).model_dump()
+    cfg = load_job_config(out)
+    assert (cfg.optimizer.name, cfg.scheduler.name, cfg.scheduler.warmup_steps, cfg.eval.hf_dataset_name) == (
+        "lion", "wsd", 200, "x/y")
+    assert "world size 8" in result.output and "derived: 2 nodes" in out.read_text()
+
+
 def test_no_terminal_no_overwrite(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a short path: the error panel does not wrap it
     out = Path("p.toml")

@@ -80,10 +80,12 @@ def answers_from(base: Path | None) -> InitAnswers:
     writes, and the defaults the prompts offer."""
     cfg = build_job_config(read_toml(base), str(base)) if base is not None else JobConfig()
     data: DataKind = "hf" if cfg.data.hf_dataset_name else "shards" if cfg.data.dataset_path else "embedded"
+    d = cfg.distributed
+    per_node = max(d.dp_shard, 1) * d.tp * d.pp * d.cp  # dp_shard = -1 fills what it is given: 1 GPU at least
     return InitAnswers(base=base, moe=cfg.model.is_moe, data=data, dataset_path=cfg.data.dataset_path,
                        hf_dataset_name=cfg.data.hf_dataset_name, tokenizer_path=cfg.data.tokenizer_path,
-                       precision=cfg.train.mixed_precision, optimizer=cfg.optimizer.name,
-                       max_steps=cfg.train.max_steps)
+                       gpus_per_node=per_node, nodes=d.dp_replicate, precision=cfg.train.mixed_precision,
+                       optimizer=cfg.optimizer.name, max_steps=cfg.train.max_steps)
 
 
 def build_preset(answers: InitAnswers, name: str = "preset") -> WrittenPreset:
@@ -124,6 +126,10 @@ def apply_data(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, str
     """One training source; evaluation on the embedded corpus's held-out split, else off until held-out
     data is named."""
     data, evaluation = section(raw, "data"), section(raw, "eval")
+    source = {"embedded": (None, None), "shards": (answers.dataset_path, None), "hf": (None, answers.hf_dataset_name)}
+    if (data.get("dataset_path"), data.get("hf_dataset_name")) == source[answers.data] and (
+            answers.data != "hf" or data.get("tokenizer_path") == answers.tokenizer_path):
+        return  # the base's own source, with the rest of its [data] and [eval]
     for key in ("dataset_path", "hf_dataset_name", "hf_dataset_config", "hf_dataset_split", "hf_dataset_revision",
                 "hf_dataset_text_field", "hf_streaming", "tokenizer_path"):
         data.pop(key, None)
@@ -139,18 +145,21 @@ def apply_data(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, str
 
 
 def apply_layout(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, str]) -> None:
-    """One process per GPU. On one node every rank shards the model (FSDP); on several, each node holds a
-    sharded replica (HSDP), so the parameter all-gathers stay inside a node."""
+    """One process per GPU. On one node the ranks left by the base's tp × pp × cp shard the model (FSDP); on
+    several, each node holds a sharded replica (HSDP), so the parameter all-gathers stay inside a node."""
     distributed = section(raw, "distributed")
+    model_parallel = math.prod(distributed.get(key, 1) for key in ("tp", "pp", "cp"))
     for key in ("dp_shard", "dp_replicate"):
         distributed.pop(key, None)
     if answers.nodes > 1:
-        distributed["dp_replicate"], distributed["dp_shard"] = answers.nodes, answers.gpus_per_node
+        distributed["dp_replicate"] = answers.nodes
+        distributed["dp_shard"] = answers.gpus_per_node // model_parallel
         derived["distributed.dp_replicate"] = f"{answers.nodes} nodes: one replica of the sharded model per node"
-        derived["distributed.dp_shard"] = f"{answers.gpus_per_node} GPUs per node shard the model"
-    elif answers.world_size > 1:
+        derived["distributed.dp_shard"] = (f"{answers.gpus_per_node} GPUs per node / (tp × pp × cp = "
+                                           f"{model_parallel}) shard the model")
+    elif answers.world_size > model_parallel:
         distributed["dp_shard"] = -1
-        derived["distributed.dp_shard"] = f"all {answers.world_size} GPUs shard the model (FSDP)"
+        derived["distributed.dp_shard"] = f"the {answers.world_size} GPUs left by tp × pp × cp shard the model (FSDP)"
 
 
 def apply_precision(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, str]) -> None:
@@ -174,7 +183,7 @@ def apply_optimizer(raw: dict[str, Any], answers: InitAnswers, derived: dict[str
         optimizer["weight_decay"] = float(f"{optimizer.get('weight_decay', 0.1) * LION_LR_DIVISOR:.3g}")
         derived["optimizer.lr"] = f"{before}'s lr / {LION_LR_DIVISOR}: lion's updates are larger"
         derived["optimizer.weight_decay"] = f"{before}'s weight decay × {LION_LR_DIVISOR}, to keep lr × decay"
-    if answers.optimizer == "schedule_free_adamw":
+    if answers.optimizer == "schedule_free_adamw" and before != "schedule_free_adamw":
         warmup = scheduler.pop("warmup_steps", 0)
         scheduler.clear()
         scheduler["name"] = "constant"
@@ -188,20 +197,25 @@ def apply_optimizer(raw: dict[str, Any], answers: InitAnswers, derived: dict[str
 
 
 def apply_budget(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, str]) -> None:
-    """Steps, or a token budget turned into steps; a warmup longer than a tenth of a shorter run is cut."""
+    """Steps, or a token budget turned into steps; when that changes the base's length, a warmup longer than
+    a tenth of the run is cut to a tenth."""
     train, scheduler, optimizer = section(raw, "train"), section(raw, "scheduler"), section(raw, "optimizer")
+    before = train.get("max_steps", JobConfig().train.max_steps)
     if answers.tokens is not None:
         per_step = build_job_config(raw).tokens_per_step(answers.world_size)
         train["max_steps"] = max(1, math.ceil(answers.tokens / per_step))
         derived["train.max_steps"] = f"{answers.tokens:,} tokens / {per_step:,} tokens per step, rounded up"
     elif answers.max_steps is not None:
         train["max_steps"] = answers.max_steps
-    steps = train.get("max_steps", JobConfig().train.max_steps)
-    for table, key in ((scheduler, "scheduler.warmup_steps"), (optimizer, "optimizer.schedule_free_warmup_steps")):
-        warmup = table.get(key.split(".")[1], 0)
+    steps = train.get("max_steps", before)
+    if steps == before:
+        return
+    for table, name, key in ((scheduler, "scheduler", "warmup_steps"),
+                             (optimizer, "optimizer", "schedule_free_warmup_steps")):
+        warmup = table.get(key, 0)
         if warmup > steps // 10:
-            table[key.split(".")[1]] = steps // 10
-            derived[key] = f"the base's {warmup} cut to a tenth of the {steps} steps"
+            table[key] = steps // 10
+            derived[f"{name}.{key}"] = f"the base's {warmup} cut to a tenth of the {steps} steps"
 
 
 def render(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, str], name: str) -> str:
