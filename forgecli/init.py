@@ -51,6 +51,8 @@ def init(
     from engine.durable import write_durably
     from engine.errors import UserError
 
+    if preset.is_dir():
+        raise UserError(f"{preset} is a directory", "name the TOML file to write, e.g. my_run.toml")
     if preset.exists() and not force:
         raise UserError(f"{preset} already exists", "pass --force to overwrite it, or name another file")
     if not (defaults or base) and not stdin_is_terminal():
@@ -64,6 +66,7 @@ def init(
     else:
         answers = ask(presets)
     written = build_preset(answers, str(preset))
+    preset.parent.mkdir(parents=True, exist_ok=True)
     write_durably(preset, written.text)
     show(preset, written)
 

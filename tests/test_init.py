@@ -135,6 +135,9 @@ def test_no_terminal_no_overwrite(tmp_path, monkeypatch):
     result = forge_init(str(out), "--defaults")
     assert result.exit_code == 2 and "already exists" in result.output and out.read_text() == "# mine\n"
     assert forge_init(str(out), "--defaults", "--force").exit_code == 0 and "[model]" in out.read_text()
+    result = forge_init(".", "--defaults", "--force")
+    assert result.exit_code == 2 and "is a directory" in result.output
+    assert forge_init("new/dir/p.toml", "--defaults").exit_code == 0 and Path("new/dir/p.toml").is_file()
 
 
 def test_a_closed_stdin_in_a_subprocess_is_an_error_not_a_hang(tmp_path):
