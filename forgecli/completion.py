@@ -41,8 +41,11 @@ def complete_override(incomplete: str, args: list[str]) -> list[CompletionItem]:
         return [CompletionItem(value) for value in docs[named].choices if value.startswith(incomplete)]
     if not incomplete.startswith("--"):
         return []
-    return [CompletionItem(f"{option}=", help=doc.description) for option, doc in docs.items()
-            if option.startswith(incomplete)]
+    return [
+        CompletionItem(f"{option}=", help=doc.description)
+        for option, doc in docs.items()
+        if option.startswith(incomplete)
+    ]
 
 
 class OverrideCommand(TyperCommand):

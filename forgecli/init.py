@@ -18,18 +18,31 @@ if TYPE_CHECKING:
     from engine.config.writer import InitAnswers, WrittenPreset
 
 CUSTOM = "custom"
-DATA_CHOICES = {"embedded": "the embedded Shakespeare corpus (no download)",
-                "shards": "a directory of token shards written by forge tokenize",
-                "hf": "a Hugging Face dataset, tokenized on first use with a tokenizer you name"}
+DATA_CHOICES = {
+    "embedded": "the embedded Shakespeare corpus (no download)",
+    "shards": "a directory of token shards written by forge tokenize",
+    "hf": "a Hugging Face dataset, tokenized on first use with a tokenizer you name",
+}
 
 
 @user_errors
 def init(
-    preset: Path = typer.Argument(Path("forge.toml"), help="Where to write the preset.", autocompletion=complete_preset),
-    defaults: bool = typer.Option(False, "--defaults", help="Ask nothing: the first preset found (or the built-in "
-                                  "defaults) on the embedded corpus, one process."),
-    base: Path | None = typer.Option(None, "--from", exists=True, dir_okay=False, autocompletion=complete_preset,
-                                        help="Ask nothing: a commented copy of this preset."),
+    preset: Path = typer.Argument(
+        Path("forge.toml"), help="Where to write the preset.", autocompletion=complete_preset
+    ),
+    defaults: bool = typer.Option(
+        False,
+        "--defaults",
+        help="Ask nothing: the first preset found (or the built-in defaults) on the embedded corpus, one process.",
+    ),
+    base: Path | None = typer.Option(
+        None,
+        "--from",
+        exists=True,
+        dir_okay=False,
+        autocompletion=complete_preset,
+        help="Ask nothing: a commented copy of this preset.",
+    ),
     force: bool = typer.Option(False, "--force", help="Overwrite the file if it exists."),
 ) -> None:
     """Write a commented preset from a few questions and check it like validate-config.
@@ -56,8 +69,9 @@ def init(
     if preset.exists() and not force:
         raise UserError(f"{preset} already exists", "pass --force to overwrite it, or name another file")
     if not (defaults or base) and not stdin_is_terminal():
-        raise UserError("forge init asks questions, but its input is not a terminal",
-                        "in scripts, use --defaults or --from PRESET")
+        raise UserError(
+            "forge init asks questions, but its input is not a terminal", "in scripts, use --defaults or --from PRESET"
+        )
     presets = preset_choices()
     if base is not None:
         answers = answers_from(base)
@@ -89,23 +103,45 @@ def ask(presets: dict[str, Path]) -> InitAnswers:
     from engine.config.writer import answers_from
 
     console.print("[bold]forge init[/bold]: a few questions; Enter takes the default in brackets.")
-    size = Prompt.ask("Model size (a preset's model, or custom dimensions)", console=console,
-                      choices=[*presets, CUSTOM], default=next(iter(presets), CUSTOM))
+    size = Prompt.ask(
+        "Model size (a preset's model, or custom dimensions)",
+        console=console,
+        choices=[*presets, CUSTOM],
+        default=next(iter(presets), CUSTOM),
+    )
     answers = answers_from(presets.get(size, next(iter(presets.values()), None)))  # custom: sized anew
     if size == CUSTOM:
-        dims = (IntPrompt.ask("  hidden size (dim)", console=console, default=256),
-                IntPrompt.ask("  transformer blocks (n_layers)", console=console, default=4),
-                IntPrompt.ask("  attention heads (n_heads, dividing dim)", console=console, default=4))
+        dims = (
+            IntPrompt.ask("  hidden size (dim)", console=console, default=256),
+            IntPrompt.ask("  transformer blocks (n_layers)", console=console, default=4),
+            IntPrompt.ask("  attention heads (n_heads, dividing dim)", console=console, default=4),
+        )
         answers = replace(answers, dims=dims)
     answers = replace(answers, moe=Confirm.ask("Mixture of experts?", console=console, default=answers.moe))
     answers = ask_data(answers)
-    answers = replace(answers, gpus_per_node=positive("GPUs per node (1 on a CPU)", answers.gpus_per_node),
-                      nodes=positive("Nodes", answers.nodes))
-    answers = replace(answers, precision=Prompt.ask(
-        "Precision (auto = bf16 where the GPU has it, else fp32)", console=console,
-        choices=["auto", "bf16", "fp16", "fp32", "fp8"], default=answers.precision))
-    answers = replace(answers, optimizer=Prompt.ask("Optimizer", console=console, default=answers.optimizer,
-                                                    choices=["adamw", "lion", "muon", "schedule_free_adamw"]))
+    answers = replace(
+        answers,
+        gpus_per_node=positive("GPUs per node (1 on a CPU)", answers.gpus_per_node),
+        nodes=positive("Nodes", answers.nodes),
+    )
+    answers = replace(
+        answers,
+        precision=Prompt.ask(
+            "Precision (auto = bf16 where the GPU has it, else fp32)",
+            console=console,
+            choices=["auto", "bf16", "fp16", "fp32", "fp8"],
+            default=answers.precision,
+        ),
+    )
+    answers = replace(
+        answers,
+        optimizer=Prompt.ask(
+            "Optimizer",
+            console=console,
+            default=answers.optimizer,
+            choices=["adamw", "lion", "muon", "schedule_free_adamw"],
+        ),
+    )
     return ask_budget(answers)
 
 
@@ -116,15 +152,20 @@ def ask_data(answers: InitAnswers) -> InitAnswers:
     if kind == "shards":
         return replace(answers, data=kind, dataset_path=required("  shard directory", answers.dataset_path))
     if kind == "hf":
-        return replace(answers, data=kind,
-                       hf_dataset_name=required("  dataset (Hub id or local folder)", answers.hf_dataset_name),
-                       tokenizer_path=required("  tokenizer.json", answers.tokenizer_path))
+        return replace(
+            answers,
+            data=kind,
+            hf_dataset_name=required("  dataset (Hub id or local folder)", answers.hf_dataset_name),
+            tokenizer_path=required("  tokenizer.json", answers.tokenizer_path),
+        )
     return replace(answers, data=kind)
 
 
 def required(question: str, default: str | None) -> str:
     while True:
-        value = Prompt.ask(question, console=console, default=default) if default else Prompt.ask(question, console=console)
+        value = (
+            Prompt.ask(question, console=console, default=default) if default else Prompt.ask(question, console=console)
+        )
         if value.strip():
             return value.strip()
         console.print("[red]an answer is needed here[/red]")
@@ -143,8 +184,9 @@ def ask_budget(answers: InitAnswers) -> InitAnswers:
     from engine.config.writer import with_budget
 
     while True:
-        budget = Prompt.ask("Train for how long (steps, or tokens: 50M, 2B)", console=console,
-                            default=str(answers.max_steps))
+        budget = Prompt.ask(
+            "Train for how long (steps, or tokens: 50M, 2B)", console=console, default=str(answers.max_steps)
+        )
         try:
             return with_budget(answers, budget)
         except ValueError:

@@ -34,9 +34,25 @@ def forge_init(*args: str, answers: list[str] | None = None):
 def train(preset: Path, run_dir: Path, *overrides: str) -> dict:
     """`forge train PRESET --train.max_steps=2` in a subprocess; its JSON summary."""
     env = {**os.environ, "NO_COLOR": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-m", "forgecli.app", "train", str(preset), "--run-dir", str(run_dir),
-                             "--train.max_steps=2", "--json", *overrides], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "forgecli.app",
+            "train",
+            str(preset),
+            "--run-dir",
+            str(run_dir),
+            "--train.max_steps=2",
+            "--json",
+            *overrides,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 
@@ -98,9 +114,12 @@ def test_from_keeps_every_field_of_its_preset(tmp_path):
     """A preset far from the defaults (Hugging Face data and eval, lion, wsd, HSDP × TP over 8 ranks, a long
     warmup) comes back field for field, checked for the world size its layout implies."""
     rich = tmp_path / "rich.toml"
-    rich.write_text(DEBUG.read_text().replace("warmup_steps = 20", "warmup_steps = 200").replace(
-        'name = "cosine"', 'name = "wsd"\nstable_steps = 50\ndecay_steps = 40').replace(
-        'name = "adamw"\nlr = 2e-3', 'name = "lion"\nlr = 1e-4') + """
+    rich.write_text(
+        DEBUG.read_text()
+        .replace("warmup_steps = 20", "warmup_steps = 200")
+        .replace('name = "cosine"', 'name = "wsd"\nstable_steps = 50\ndecay_steps = 40')
+        .replace('name = "adamw"\nlr = 2e-3', 'name = "lion"\nlr = 1e-4')
+        + """
 [data]
 hf_dataset_name = "roneneldan/TinyStories"
 hf_dataset_config = "default"
@@ -113,15 +132,22 @@ tokenizer_path = "tok/tokenizer.json"
 dp_replicate = 2
 dp_shard = 2
 tp = 2
-""")
-    rich.write_text(rich.read_text().replace("[eval]\nenabled = true", '[eval]\nenabled = true\nhf_dataset_name = "x/y"'))
+"""
+    )
+    rich.write_text(
+        rich.read_text().replace("[eval]\nenabled = true", '[eval]\nenabled = true\nhf_dataset_name = "x/y"')
+    )
     out = tmp_path / "copy.toml"
     result = forge_init(str(out), "--from", str(rich))
     assert result.exit_code == 0, result.output
     assert load_job_config(out).validate(8).model_dump() == load_job_config(rich).validate(8).model_dump()
     cfg = load_job_config(out)
     assert (cfg.optimizer.name, cfg.scheduler.name, cfg.scheduler.warmup_steps, cfg.eval.hf_dataset_name) == (
-        "lion", "wsd", 200, "x/y")
+        "lion",
+        "wsd",
+        200,
+        "x/y",
+    )
     assert "world size 8" in result.output and "derived: 2 nodes" in out.read_text()
 
 
@@ -141,9 +167,15 @@ def test_no_terminal_no_overwrite(tmp_path, monkeypatch):
 
 
 def test_a_closed_stdin_in_a_subprocess_is_an_error_not_a_hang(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "forgecli.app", "init", str(tmp_path / "p.toml")], cwd=REPO,
-                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    result = subprocess.run(
+        [sys.executable, "-m", "forgecli.app", "init", str(tmp_path / "p.toml")],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert result.returncode == 2 and "not a terminal" in result.stderr
 
 
@@ -153,19 +185,32 @@ def test_layout_and_budget_for_several_nodes():
     written = build_preset(answers, "big.toml")
     d = written.config.distributed
     assert (d.dp_replicate, d.dp_shard, written.world_size) == (2, 8, 16)
-    assert written.config.train.max_steps == -(-10**9 // (8 * 256 * 16))
+    assert written.config.train.max_steps == -(-(10**9) // (8 * 256 * 16))
     assert "distributed.dp_replicate" in written.derived and "torchrun or srun" in written.text
 
 
-@pytest.mark.parametrize("answers,expected", [
-    (InitAnswers(base=DEBUG_MOE, moe=False), {"model.num_experts": 0, "model.moe_router": "softmax_topk"}),
-    (InitAnswers(base=DEBUG, optimizer="schedule_free_adamw"),
-     {"scheduler.name": "constant", "optimizer.schedule_free_warmup_steps": 20, "scheduler.warmup_steps": 0}),
-    (InitAnswers(base=DEBUG, data="shards", dataset_path="data/shards"),
-     {"data.dataset_path": "data/shards", "eval.enabled": False}),
-    (InitAnswers(base=DEBUG, data="hf", hf_dataset_name="roneneldan/TinyStories", tokenizer_path="tok.json"),
-     {"data.hf_dataset_name": "roneneldan/TinyStories", "data.tokenizer_path": "tok.json", "eval.enabled": False}),
-])
+@pytest.mark.parametrize(
+    "answers,expected",
+    [
+        (InitAnswers(base=DEBUG_MOE, moe=False), {"model.num_experts": 0, "model.moe_router": "softmax_topk"}),
+        (
+            InitAnswers(base=DEBUG, optimizer="schedule_free_adamw"),
+            {"scheduler.name": "constant", "optimizer.schedule_free_warmup_steps": 20, "scheduler.warmup_steps": 0},
+        ),
+        (
+            InitAnswers(base=DEBUG, data="shards", dataset_path="data/shards"),
+            {"data.dataset_path": "data/shards", "eval.enabled": False},
+        ),
+        (
+            InitAnswers(base=DEBUG, data="hf", hf_dataset_name="roneneldan/TinyStories", tokenizer_path="tok.json"),
+            {
+                "data.hf_dataset_name": "roneneldan/TinyStories",
+                "data.tokenizer_path": "tok.json",
+                "eval.enabled": False,
+            },
+        ),
+    ],
+)
 def test_answers_that_change_other_fields(answers, expected):
     """Going dense drops the MoE fields, schedule-free takes the constant schedule, own data turns off
     evaluation until held-out data is named: each written preset validates."""
@@ -187,8 +232,14 @@ def test_prompts_on_a_real_terminal(tmp_path):
     """Through a pseudo-terminal, as a user types: every prompt is answered with Enter (the defaults)."""
     out = tmp_path / "tty.toml"
     main, follower = pty.openpty()
-    process = subprocess.Popen([sys.executable, "-m", "forgecli.app", "init", str(out)], cwd=REPO, stdin=follower,
-                               stdout=follower, stderr=follower, env={**os.environ, "PYTHONPATH": str(REPO)})
+    process = subprocess.Popen(
+        [sys.executable, "-m", "forgecli.app", "init", str(out)],
+        cwd=REPO,
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     os.close(follower)
     seen, deadline = b"", time.monotonic() + 60
     while process.poll() is None and time.monotonic() < deadline:

@@ -15,18 +15,20 @@ class CheckpointConfig(Section):
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = Field(
         "disabled",
         description="disabled = the loop waits for the save; async = it waits only while the state is copied, the "
-                        "files are written in the background; async_with_pinned_mem = the copy too runs in the "
-                        "background, overlapping the next step's forward and backward (into pinned memory on a GPU)",
+        "files are written in the background; async_with_pinned_mem = the copy too runs in the "
+        "background, overlapping the next step's forward and backward (into pinned memory on a GPU)",
     )
     keep_last_n: int | None = Field(None, gt=0, description="delete older step_N checkpoints; unset = keep all")
     load_path: str | None = Field(
-        None, description="a new run starts from these weights (not their optimizer state, schedule or step): a "
-                              "step_N folder, a checkpoint folder or a run directory (its newest complete "
-                              "checkpoint). A run resuming from its own checkpoint ignores it"
+        None,
+        description="a new run starts from these weights (not their optimizer state, schedule or step): a "
+        "step_N folder, a checkpoint folder or a run directory (its newest complete "
+        "checkpoint). A run resuming from its own checkpoint ignores it",
     )
     exclude_from_loading: list[str] = Field(
-        default_factory=list, description="parameter-name prefixes (e.g. 'output.') that keep their fresh "
-                                              "initialisation instead of being loaded from load_path"
+        default_factory=list,
+        description="parameter-name prefixes (e.g. 'output.') that keep their fresh "
+        "initialisation instead of being loaded from load_path",
     )
 
     readers: ClassVar[dict[str, str]] = {
@@ -40,7 +42,7 @@ class CheckpointConfig(Section):
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
     @model_validator(mode="after")
-    def _exclusions_need_a_source(self) -> "CheckpointConfig":
+    def _exclusions_need_a_source(self) -> CheckpointConfig:
         if self.exclude_from_loading and self.load_path is None:
             raise ValueError("exclude_from_loading applies to checkpoint.load_path, which is not set")
         return self

@@ -16,8 +16,9 @@ class HubDatasetFields(Section):
     takes them from a base listed after this one (see DataConfig, EvalConfig)."""
 
     hf_dataset_name: str | None = Field(
-        None, description="a Hugging Face dataset (Hub id or local folder) instead of dataset_path: tokenized once "
-                          "with data.tokenizer_path into the Forge cache, then read like shards"
+        None,
+        description="a Hugging Face dataset (Hub id or local folder) instead of dataset_path: tokenized once "
+        "with data.tokenizer_path into the Forge cache, then read like shards",
     )
     hf_dataset_config: str | None = Field(None, description="hf_dataset_name's configuration (subset)")
     hf_dataset_split: str = Field("train", description="hf_dataset_name's split")
@@ -30,21 +31,25 @@ class DataFiles(Section):
     """The fields `[data]` lists before its Hugging Face dataset fields."""
 
     dataset_path: str | None = Field(
-        None, description="directory written by `forge tokenize`; unset (and no hf_dataset_name) = the embedded "
-                          "Shakespeare corpus"
+        None,
+        description="directory written by `forge tokenize`; unset (and no hf_dataset_name) = the embedded "
+        "Shakespeare corpus",
     )
     file_pattern: str = Field("*.npy", description="glob of shard files inside dataset_path")
     tokenizer_path: str | None = Field(
-        None, description="tokenizer.json; must match the manifest's tokenizer. Unset = the one beside the shards. "
-                              "Required with hf_dataset_name"
+        None,
+        description="tokenizer.json; must match the manifest's tokenizer. Unset = the one beside the shards. "
+        "Required with hf_dataset_name",
     )
 
 
 class DataConfig(HubDatasetFields, DataFiles):
-    hf_dataset_text_field: str = Field("text", description="the column that holds the text (also for eval.hf_dataset_name)")
+    hf_dataset_text_field: str = Field(
+        "text", description="the column that holds the text (also for eval.hf_dataset_name)"
+    )
     hf_streaming: bool = Field(
-        False, description="tokenize from a stream instead of downloading the dataset first (also for "
-                               "eval.hf_dataset_name)"
+        False,
+        description="tokenize from a stream instead of downloading the dataset first (also for eval.hf_dataset_name)",
     )
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
     pin_memory: bool = Field(False, description="pin host batches (GPU only)")
@@ -67,7 +72,7 @@ class DataConfig(HubDatasetFields, DataFiles):
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
     @model_validator(mode="after")
-    def _prefetch_needs_workers(self) -> "DataConfig":
+    def _prefetch_needs_workers(self) -> DataConfig:
         if self.prefetch_factor is not None and self.num_workers == 0:
             raise ValueError("prefetch_factor needs num_workers > 0")
         return self

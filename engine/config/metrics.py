@@ -15,7 +15,9 @@ class MetricsConfig(Section):
     enable_tensorboard: bool = Field(False, description="write TensorBoard event files (needs the tensorboard extra)")
     wandb_project: str = Field("forge", description="the W&B project the run is logged to")
     wandb_run_name: str | None = Field(None, description="unset = the run directory's name")
-    tensorboard_dir: str | None = Field(None, description="unset = RUN_DIR/tensorboard; relative = inside the run directory")
+    tensorboard_dir: str | None = Field(
+        None, description="unset = RUN_DIR/tensorboard; relative = inside the run directory"
+    )
 
     readers: ClassVar[dict[str, str]] = {
         "log_interval": "train/trainer.py",

@@ -13,32 +13,39 @@ from pydantic import Field
 
 from engine.config.base import Section
 
-
 Beta = Annotated[float, Field(ge=0, lt=1)]
 OptimizerName = Literal["adamw", "lion", "muon", "schedule_free_adamw"]
 
 
 class OptimizerConfig(Section):
     name: OptimizerName = Field("adamw", description="the optimizer (docs/training.md#optimizers)")
-    lr: float = Field(3e-4, gt=0, description="peak learning rate; muon: of the hidden matrices (its update is "
-            "scaled to AdamW's RMS, so AdamW's lr carries over); lion: use 3–10× less than AdamW")
-    weight_decay: float = Field(0.1, ge=0, description="decoupled decay on matrices (not norms, biases, "
-            "embeddings); lion: use 3–10× more than AdamW")
-    betas: tuple[Beta, Beta] = Field(
-        (0.9, 0.95), description="AdamW's moment decay rates, each in [0, 1); also muon's AdamW fallback and "
-                                     "schedule_free_adamw's (β1 > 0, the paper uses (0.9, 0.999)); lion: "
-                                     "(interpolation, momentum) decay, the paper uses (0.9, 0.99)"
+    lr: float = Field(
+        3e-4,
+        gt=0,
+        description="peak learning rate; muon: of the hidden matrices (its update is "
+        "scaled to AdamW's RMS, so AdamW's lr carries over); lion: use 3–10× less than AdamW",
     )
-    eps: float = Field(1e-8, gt=0, description="added to Adam's denominator; adamw, muon (fallback), "
-            "schedule_free_adamw")
-    fused: bool | None = Field(None, description="adamw only: fused AdamW kernel; unset = use it where the device "
-            "supports it")
+    weight_decay: float = Field(
+        0.1,
+        ge=0,
+        description="decoupled decay on matrices (not norms, biases, embeddings); lion: use 3–10× more than AdamW",
+    )
+    betas: tuple[Beta, Beta] = Field(
+        (0.9, 0.95),
+        description="AdamW's moment decay rates, each in [0, 1); also muon's AdamW fallback and "
+        "schedule_free_adamw's (β1 > 0, the paper uses (0.9, 0.999)); lion: "
+        "(interpolation, momentum) decay, the paper uses (0.9, 0.99)",
+    )
+    eps: float = Field(
+        1e-8, gt=0, description="added to Adam's denominator; adamw, muon (fallback), schedule_free_adamw"
+    )
+    fused: bool | None = Field(
+        None, description="adamw only: fused AdamW kernel; unset = use it where the device supports it"
+    )
     muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon only: Nesterov momentum of the hidden matrices")
-    muon_ns_steps: int = Field(5, ge=1, le=20, description="muon only: Newton–Schulz iterations per "
-            "orthogonalization")
+    muon_ns_steps: int = Field(5, ge=1, le=20, description="muon only: Newton–Schulz iterations per orthogonalization")
     muon_adam_lr: float | None = Field(
-        None, gt=0, description="muon only: peak lr of the AdamW fallback (embeddings, output head, norms); unset "
-                                    "= lr"
+        None, gt=0, description="muon only: peak lr of the AdamW fallback (embeddings, output head, norms); unset = lr"
     )
     schedule_free_warmup_steps: int = Field(
         0, ge=0, description="schedule_free_adamw only: its own linear warmup, lr · (k+1)/N for step k < N"

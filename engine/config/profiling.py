@@ -13,8 +13,9 @@ class ProfilingConfig(Section):
     enable: bool = Field(False, description="record a torch.profiler trace of the steps start_step … end_step")
     start_step: int = Field(5, gt=0, description="first profiled step")
     end_step: int = Field(7, gt=0, description="last profiled step")
-    trace_dir: str = Field("profile", description="where the trace is written; relative paths are inside the run "
-            "directory")
+    trace_dir: str = Field(
+        "profile", description="where the trace is written; relative paths are inside the run directory"
+    )
 
     readers: ClassVar[dict[str, str]] = {
         "enable": "train/profiling.py",
@@ -25,7 +26,7 @@ class ProfilingConfig(Section):
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
     @model_validator(mode="after")
-    def _window(self) -> "ProfilingConfig":
+    def _window(self) -> ProfilingConfig:
         if self.end_step < self.start_step:
             raise ValueError(f"end_step ({self.end_step}) must be >= start_step ({self.start_step})")
         return self

@@ -82,10 +82,19 @@ def answers_from(base: Path | None) -> InitAnswers:
     data: DataKind = "hf" if cfg.data.hf_dataset_name else "shards" if cfg.data.dataset_path else "embedded"
     d = cfg.distributed
     per_node = max(d.dp_shard, 1) * d.tp * d.pp * d.cp  # dp_shard = -1 fills what it is given: 1 GPU at least
-    return InitAnswers(base=base, moe=cfg.model.is_moe, data=data, dataset_path=cfg.data.dataset_path,
-                       hf_dataset_name=cfg.data.hf_dataset_name, tokenizer_path=cfg.data.tokenizer_path,
-                       gpus_per_node=per_node, nodes=d.dp_replicate, precision=cfg.train.mixed_precision,
-                       optimizer=cfg.optimizer.name, max_steps=cfg.train.max_steps)
+    return InitAnswers(
+        base=base,
+        moe=cfg.model.is_moe,
+        data=data,
+        dataset_path=cfg.data.dataset_path,
+        hf_dataset_name=cfg.data.hf_dataset_name,
+        tokenizer_path=cfg.data.tokenizer_path,
+        gpus_per_node=per_node,
+        nodes=d.dp_replicate,
+        precision=cfg.train.mixed_precision,
+        optimizer=cfg.optimizer.name,
+        max_steps=cfg.train.max_steps,
+    )
 
 
 def build_preset(answers: InitAnswers, name: str = "preset") -> WrittenPreset:
@@ -115,8 +124,9 @@ def apply_model(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, st
     is_moe = model.get("num_experts", 0) > 0
     if answers.moe and not is_moe:
         model.update(MOE_DEFAULTS)
-        derived.update({f"model.{key}": "MoE asked for; the other MoE fields keep their defaults"
-                        for key in MOE_DEFAULTS})
+        derived.update(
+            {f"model.{key}": "MoE asked for; the other MoE fields keep their defaults" for key in MOE_DEFAULTS}
+        )
     elif not answers.moe and is_moe:
         for key in ("num_experts", *MOE_FIELDS):
             model.pop(key, None)
@@ -128,20 +138,33 @@ def apply_data(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, str
     data, evaluation = section(raw, "data"), section(raw, "eval")
     source = {"embedded": (None, None), "shards": (answers.dataset_path, None), "hf": (None, answers.hf_dataset_name)}
     if (data.get("dataset_path"), data.get("hf_dataset_name")) == source[answers.data] and (
-            answers.data != "hf" or data.get("tokenizer_path") == answers.tokenizer_path):
+        answers.data != "hf" or data.get("tokenizer_path") == answers.tokenizer_path
+    ):
         return  # the base's own source, with the rest of its [data] and [eval]
-    for key in ("dataset_path", "hf_dataset_name", "hf_dataset_config", "hf_dataset_split", "hf_dataset_revision",
-                "hf_dataset_text_field", "hf_streaming", "tokenizer_path"):
+    for key in (
+        "dataset_path",
+        "hf_dataset_name",
+        "hf_dataset_config",
+        "hf_dataset_split",
+        "hf_dataset_revision",
+        "hf_dataset_text_field",
+        "hf_streaming",
+        "tokenizer_path",
+    ):
         data.pop(key, None)
     if answers.data == "shards":
         data["dataset_path"] = answers.dataset_path
     elif answers.data == "hf":
         data["hf_dataset_name"], data["tokenizer_path"] = answers.hf_dataset_name, answers.tokenizer_path
-    if answers.data != "embedded" and evaluation.get("enabled") and not (
-            evaluation.get("dataset_path") or evaluation.get("hf_dataset_name")):
+    if (
+        answers.data != "embedded"
+        and evaluation.get("enabled")
+        and not (evaluation.get("dataset_path") or evaluation.get("hf_dataset_name"))
+    ):
         evaluation["enabled"] = False
-        derived["eval.enabled"] = ("no held-out data was named: set eval.dataset_path (or eval.hf_dataset_name) "
-                                   "and enabled = true to evaluate")
+        derived["eval.enabled"] = (
+            "no held-out data was named: set eval.dataset_path (or eval.hf_dataset_name) and enabled = true to evaluate"
+        )
 
 
 def apply_layout(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, str]) -> None:
@@ -155,8 +178,9 @@ def apply_layout(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, s
         distributed["dp_replicate"] = answers.nodes
         distributed["dp_shard"] = answers.gpus_per_node // model_parallel
         derived["distributed.dp_replicate"] = f"{answers.nodes} nodes: one replica of the sharded model per node"
-        derived["distributed.dp_shard"] = (f"{answers.gpus_per_node} GPUs per node / (tp × pp × cp = "
-                                           f"{model_parallel}) shard the model")
+        derived["distributed.dp_shard"] = (
+            f"{answers.gpus_per_node} GPUs per node / (tp × pp × cp = {model_parallel}) shard the model"
+        )
     elif answers.world_size > model_parallel:
         distributed["dp_shard"] = -1
         derived["distributed.dp_shard"] = f"the {answers.world_size} GPUs left by tp × pp × cp shard the model (FSDP)"
@@ -210,8 +234,10 @@ def apply_budget(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, s
     steps = train.get("max_steps", before)
     if steps == before:
         return
-    for table, name, key in ((scheduler, "scheduler", "warmup_steps"),
-                             (optimizer, "optimizer", "schedule_free_warmup_steps")):
+    for table, name, key in (
+        (scheduler, "scheduler", "warmup_steps"),
+        (optimizer, "optimizer", "schedule_free_warmup_steps"),
+    ):
         warmup = table.get(key, 0)
         if warmup > steps // 10:
             table[key] = steps // 10
@@ -252,9 +278,11 @@ def header(answers: InitAnswers, name: str) -> list[str]:
     launch = f"forge train {name}"
     if answers.gpus_per_node > 1:
         launch += f" --nproc-per-node {answers.gpus_per_node}"
-    lines = [f"Written by forge init {source}. Check it with: forge validate-config {name}"
-             + (f" --world-size {answers.world_size}" if answers.world_size > 1 else ""),
-             f"Train it with: {launch}"]
+    lines = [
+        f"Written by forge init {source}. Check it with: forge validate-config {name}"
+        + (f" --world-size {answers.world_size}" if answers.world_size > 1 else ""),
+        f"Train it with: {launch}",
+    ]
     if answers.nodes > 1:
         lines.append(f"(on each of the {answers.nodes} nodes, one process per GPU: torchrun or srun)")
     lines.append("Every field is explained by the comment above it; 'derived:' marks values computed from the answers.")
