@@ -6,26 +6,27 @@ import sys
 
 import typer
 
-from forgecli import convert, doctor, generate, resume, tokenize, train, validate_config
+from forgecli import convert, doctor, generate, init, resume, tokenize, train, validate_config
+from forgecli.completion import OverrideCommand
 
 app = typer.Typer(
     name="forge",
     help="Pretrain dense and mixture-of-experts language models, from one CPU to many GPU nodes.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_show_locals=False,
     rich_markup_mode="rich",
 )
 
 EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 
-app.command("train", context_settings=EXTRA_ARGS)(train.train)
-app.command("resume", context_settings=EXTRA_ARGS)(resume.resume)
-app.command("validate-config", context_settings=EXTRA_ARGS)(validate_config.validate_config)
+app.command("train", cls=OverrideCommand, context_settings=EXTRA_ARGS)(train.train)
+app.command("resume", cls=OverrideCommand, context_settings=EXTRA_ARGS)(resume.resume)
+app.command("validate-config", cls=OverrideCommand, context_settings=EXTRA_ARGS)(validate_config.validate_config)
 app.command("tokenize")(tokenize.tokenize)
 app.command("doctor")(doctor.doctor)
 app.add_typer(convert.app, name="convert")
 app.command("generate")(generate.generate)
+app.command("init")(init.init)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from forgecli.completion import complete_preset
 from forgecli.dashboard import LiveDashboard, PlainReporter
 from forgecli.overrides import collect_overrides
 from forgecli.ui import console, err_console, is_interactive, print_json, show_run_failure, user_errors
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 @user_errors
 def train(
     ctx: typer.Context,
-    preset: Path = typer.Argument(..., help="TOML preset (or a run's config.toml)."),
+    preset: Path = typer.Argument(..., help="TOML preset (or a run's config.toml).", autocompletion=complete_preset),
     run_dir: Path | None = typer.Option(
         None, "--run-dir", help="Where the run is written. Default: runs/<preset name>."
     ),

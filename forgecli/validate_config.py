@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from forgecli.completion import complete_preset
 from forgecli.overrides import collect_overrides
 from forgecli.ui import console, print_json, user_errors
 
@@ -19,7 +20,7 @@ from forgecli.ui import console, print_json, user_errors
 @user_errors
 def validate_config(
     ctx: typer.Context,
-    preset: Path = typer.Argument(..., help="TOML preset to check."),
+    preset: Path = typer.Argument(..., help="TOML preset to check.", autocompletion=complete_preset),
     world_size: int = typer.Option(1, "--world-size", help="Number of processes the layout must fit."),
     as_json: bool = typer.Option(False, "--json", help="Print the resolved config and estimates as JSON."),
     gpu_memory_gib: float | None = typer.Option(

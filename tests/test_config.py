@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
 import pytest
+from pydantic import Field, create_model
 
-from engine.config import JobConfig, dump_toml, load_job_config
+from engine.config import JobConfig, dump_toml, load_job_config, reference
 from engine.config.loader import parse_literal
+from engine.config.model import ModelConfig
 from engine.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -222,8 +226,52 @@ def test_configuration_doc_lists_every_field():
     doc = (REPO / "docs" / "configuration.md").read_text()
     for section, info in JobConfig.model_fields.items():
         assert f"## `[{section}]`" in doc
+        table = doc.split(reference.BEGIN.format(section=section))[1].split(reference.END.format(section=section))[0]
         for field in info.annotation.model_fields:
-            assert f"| `{field}` |" in doc, f"docs/configuration.md misses {section}.{field}"
+            assert f"| `{field}` |" in table, f"docs/configuration.md misses {section}.{field}"
+
+
+def test_configuration_reference_is_up_to_date():
+    """docs/configuration.md's tables are what `python -m engine.config.reference` generates from the schema."""
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.config.reference", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_every_field_has_a_description_and_the_modules_that_read_it():
+    for doc in reference.all_field_docs():
+        assert doc.description, f"{doc.section}.{doc.name}"
+        for path in doc.read_by.split(", "):
+            assert (REPO / "engine" / path).exists(), f"{doc.section}.{doc.name}: engine/{path} does not exist"
+    for info in JobConfig.model_fields.values():
+        assert set(info.annotation.readers) == set(info.annotation.model_fields), info.annotation.__name__
+
+
+def test_reference_goes_stale_when_a_field_is_added(tmp_path):
+    """A field added to a section without regenerating makes the check fail; one without a reader or a
+    description cannot be generated at all."""
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    assert reference.render(doc) == doc
+    new_field = (int, Field(3, ge=0, description="a field nobody documented yet"))
+    model = create_model("ModelPlus", __base__=ModelConfig, new_knob=new_field)
+    model.readers = {**ModelConfig.readers, "new_knob": "model/transformer.py"}
+    job = create_model("JobPlus", __base__=JobConfig, model=(model, Field(default_factory=model)))
+    stale = reference.render(doc, job)
+    assert stale != doc and "| `new_knob` | int | `3` | >= 0 | a field nobody documented yet |" in stale
+    unread = create_model("ModelUnread", __base__=ModelConfig, new_knob=new_field)
+    with pytest.raises(ValueError, match=r"model\.new_knob needs"):
+        reference.render(
+            doc, create_model("JobUnread", __base__=JobConfig, model=(unread, Field(default_factory=unread)))
+        )
+    path = tmp_path / "configuration.md"
+    path.write_text(doc.replace("| `dim` | int | `256` |", "| `dim` | int | `255` |"))
+    assert reference.main(["--check", str(path)]) == 1
+    assert reference.main([str(path)]) == 0 and path.read_text() == doc
 
 
 @pytest.mark.parametrize(

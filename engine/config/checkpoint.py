@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -14,17 +14,32 @@ class CheckpointConfig(Section):
     interval: int | None = Field(None, gt=0, description="save every N steps; a final checkpoint is always written")
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = Field(
         "disabled",
-        description="disabled = the loop waits for the save; async = it waits only for a copy of the state, "
-        "the write runs in the background; async_with_pinned_mem = the copy also overlaps the next "
-        "step's forward and backward (into pinned memory on a GPU)",
+        description="disabled = the loop waits for the save; async = it waits only while the state is copied, the "
+        "files are written in the background; async_with_pinned_mem = the copy too runs in the "
+        "background, overlapping the next step's forward and backward (into pinned memory on a GPU)",
     )
     keep_last_n: int | None = Field(None, gt=0, description="delete older step_N checkpoints; unset = keep all")
     load_path: str | None = Field(
-        None, description="a new run starts from these weights: a step_N folder or a checkpoint folder (its newest)"
+        None,
+        description="a new run starts from these weights (not their optimizer state, schedule or step): a "
+        "step_N folder, a checkpoint folder or a run directory (its newest complete "
+        "checkpoint). A run resuming from its own checkpoint ignores it",
     )
     exclude_from_loading: list[str] = Field(
-        default_factory=list, description="parameter-name prefixes re-initialised instead of loaded from load_path"
+        default_factory=list,
+        description="parameter-name prefixes (e.g. 'output.') that keep their fresh "
+        "initialisation instead of being loaded from load_path",
     )
+
+    readers: ClassVar[dict[str, str]] = {
+        "dir": "train/job.py, checkpoint/locate.py",
+        "interval": "train/trainer.py",
+        "async_mode": "checkpoint/manager.py",
+        "keep_last_n": "checkpoint/manager.py",
+        "load_path": "train/job.py, checkpoint/manager.py",
+        "exclude_from_loading": "train/job.py, checkpoint/manager.py",
+    }
+    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
     @model_validator(mode="after")
     def _exclusions_need_a_source(self) -> CheckpointConfig:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field, model_validator
 
 from engine.config.base import Section
@@ -35,7 +37,9 @@ class DataFiles(Section):
     )
     file_pattern: str = Field("*.npy", description="glob of shard files inside dataset_path")
     tokenizer_path: str | None = Field(
-        None, description="tokenizer.json; must match the manifest's tokenizer. Unset = the one beside the shards"
+        None,
+        description="tokenizer.json; must match the manifest's tokenizer. Unset = the one beside the shards. "
+        "Required with hf_dataset_name",
     )
 
 
@@ -44,11 +48,28 @@ class DataConfig(HubDatasetFields, DataFiles):
         "text", description="the column that holds the text (also for eval.hf_dataset_name)"
     )
     hf_streaming: bool = Field(
-        False, description="tokenize hf datasets from a stream instead of downloading them first (also for eval)"
+        False,
+        description="tokenize from a stream instead of downloading the dataset first (also for eval.hf_dataset_name)",
     )
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
     pin_memory: bool = Field(False, description="pin host batches (GPU only)")
     prefetch_factor: int | None = Field(None, gt=0, description="batches prefetched per worker (needs num_workers > 0)")
+
+    readers: ClassVar[dict[str, str]] = {
+        "dataset_path": "data/loader.py",
+        "file_pattern": "data/loader.py",
+        "tokenizer_path": "data/loader.py, data/hub_cache.py",
+        "hf_dataset_name": "data/hub_cache.py",
+        "hf_dataset_config": "data/hub_cache.py",
+        "hf_dataset_split": "data/hub_cache.py",
+        "hf_dataset_revision": "data/hub_cache.py",
+        "hf_dataset_text_field": "data/hub_cache.py",
+        "hf_streaming": "data/hub_cache.py",
+        "num_workers": "data/loader.py",
+        "pin_memory": "data/loader.py",
+        "prefetch_factor": "data/loader.py",
+    }
+    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
     @model_validator(mode="after")
     def _prefetch_needs_workers(self) -> DataConfig:

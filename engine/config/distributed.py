@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -14,15 +14,33 @@ class DistributedConfig(Section):
     dp_replicate: int = Field(1, gt=0, description="replicas of the sharded group (HSDP)")
     tp: int = Field(1, gt=0, description="tensor-parallel degree")
     pp: int = Field(1, gt=0, description="pipeline-parallel degree")
-    cp: int = Field(1, gt=0, description="context-parallel degree")
+    cp: int = Field(1, gt=0, description="context-parallel degree (not supported yet: must be 1)")
     ep: int = Field(1, gt=0, description="expert-parallel degree (MoE): experts sharded over ep of the dp_shard ranks")
     pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
         "1f1b", description="pipeline schedule when pp > 1; interleaved_1f1b runs two stages per rank"
     )
     nccl_timeout_sec: float = Field(
-        300.0, gt=0, description="deadline of every collective (the process group's timeout) and of the health check"
+        300.0,
+        gt=0,
+        description="deadline of every collective (the process group's timeout) and of the health "
+        "check (train.nccl_health_check_interval)",
     )
-    backend: str = Field("cpu:gloo,cuda:nccl", description="torch.distributed backend per device type")
+    backend: str = Field(
+        "cpu:gloo,cuda:nccl", description="torch.distributed backend per device type; a CPU run uses the cpu entry"
+    )
+
+    readers: ClassVar[dict[str, str]] = {
+        "dp_shard": "parallel/mesh.py",
+        "dp_replicate": "parallel/mesh.py",
+        "tp": "parallel/mesh.py, parallel/tp.py",
+        "pp": "parallel/mesh.py, parallel/pipeline.py",
+        "cp": "parallel/mesh.py",
+        "ep": "parallel/mesh.py, parallel/expert.py",
+        "pp_schedule": "parallel/pipeline.py",
+        "nccl_timeout_sec": "train/job.py, train/trainer.py",
+        "backend": "parallel/launch.py, train/job.py",
+    }
+    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
     @field_validator("backend")
     @classmethod

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 
 from engine.config.base import Section
@@ -11,7 +13,7 @@ from engine.config.data import HubDatasetFields
 class EvalSchedule(Section):
     """The fields `[eval]` lists before its Hugging Face dataset fields."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="evaluate on held-out data during training")
     interval: int = Field(100, gt=0, description="evaluate every N training steps (and after the last)")
     steps: int = Field(10, gt=0, description="batches per evaluation")
     dataset_path: str | None = Field(
@@ -19,8 +21,21 @@ class EvalSchedule(Section):
         description="held-out shards; unset only with the embedded corpus (whose held-out split is used) "
         "or with hf_dataset_name",
     )
-    file_pattern: str = "*.npy"
+    file_pattern: str = Field("*.npy", description="glob of shard files inside dataset_path")
 
 
 class EvalConfig(HubDatasetFields, EvalSchedule):
     hf_dataset_split: str = Field("validation", description="eval.hf_dataset_name's held-out split")
+
+    readers: ClassVar[dict[str, str]] = {
+        "enabled": "data/loader.py",
+        "interval": "train/trainer.py",
+        "steps": "train/step.py",
+        "dataset_path": "data/loader.py",
+        "file_pattern": "data/loader.py",
+        "hf_dataset_name": "data/hub_cache.py",
+        "hf_dataset_config": "data/hub_cache.py",
+        "hf_dataset_split": "data/hub_cache.py",
+        "hf_dataset_revision": "data/hub_cache.py",
+    }
+    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""

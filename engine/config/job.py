@@ -42,6 +42,12 @@ class JobConfig(Section):
             raise ConfigError(issues)
         return self
 
+    def tokens_per_step(self, world_size: int = 1) -> int:
+        """Tokens one optimizer step trains on, summed over the data-parallel ranks."""
+        d, t = self.distributed, self.train
+        dp = d.dp_replicate * d.resolved_dp_shard(world_size)
+        return t.batch_size * t.seq_len * t.grad_accum_steps * max(dp, 1)
+
 
 def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []

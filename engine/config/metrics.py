@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 
 from engine.config.base import Section
@@ -9,10 +11,20 @@ from engine.config.base import Section
 
 class MetricsConfig(Section):
     log_interval: int = Field(10, gt=0, description="log every N steps (and the last)")
-    enable_wandb: bool = False
-    enable_tensorboard: bool = False
-    wandb_project: str = "forge"
+    enable_wandb: bool = Field(False, description="log metrics to Weights & Biases (needs the wandb extra)")
+    enable_tensorboard: bool = Field(False, description="write TensorBoard event files (needs the tensorboard extra)")
+    wandb_project: str = Field("forge", description="the W&B project the run is logged to")
     wandb_run_name: str | None = Field(None, description="unset = the run directory's name")
     tensorboard_dir: str | None = Field(
         None, description="unset = RUN_DIR/tensorboard; relative = inside the run directory"
     )
+
+    readers: ClassVar[dict[str, str]] = {
+        "log_interval": "train/trainer.py",
+        "enable_wandb": "metrics/trackers.py",
+        "enable_tensorboard": "metrics/trackers.py",
+        "wandb_project": "metrics/trackers.py",
+        "wandb_run_name": "metrics/trackers.py",
+        "tensorboard_dir": "metrics/trackers.py",
+    }
+    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -15,12 +15,14 @@ class ModelConfig(Section):
     dim: int = Field(256, gt=0, description="hidden size")
     n_layers: int = Field(4, gt=0, description="number of transformer blocks")
     n_heads: int = Field(4, gt=0, description="attention heads")
-    n_kv_heads: int | None = Field(None, gt=0, description="key/value heads for GQA; None = n_heads")
+    n_kv_heads: int | None = Field(None, gt=0, description="key/value heads for GQA; unset = n_heads")
     vocab_size: int = Field(32000, gt=0, description="embedding table size (>= the tokenizer's vocabulary)")
     ffn_dim_multiplier: float = Field(1.0, gt=0, description="scales the Llama-style FFN width")
     ffn_hidden_dim: int | None = Field(None, gt=0, description="explicit FFN width; overrides the computed one")
-    norm_type: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    norm_eps: float = Field(1e-5, gt=0)
+    norm_type: Literal["rmsnorm", "layernorm"] = Field(
+        "rmsnorm", description="normalization of every block and the final norm"
+    )
+    norm_eps: float = Field(1e-5, gt=0, description="epsilon added inside the norms")
     activation: Literal["silu", "gelu", "relu"] = Field(
         "silu", description="gate non-linearity of the gated MLP: silu = SwiGLU, gelu = GeGLU, relu = ReGLU"
     )
@@ -31,7 +33,9 @@ class ModelConfig(Section):
     init_std: float = Field(
         0.02, gt=0, description="std of the normal weight init; output projections get init_std/sqrt(2*n_layers)"
     )
-    model_type: Literal["transformer"] = "transformer"
+    model_type: Literal["transformer"] = Field(
+        "transformer", description="the model class, by its name in the MODELS registry"
+    )
     sdpa_backend: Literal["auto", "math", "flash", "efficient", "cudnn"] = Field(
         "auto", description="restrict scaled_dot_product_attention to one kernel; auto lets PyTorch choose"
     )
@@ -39,11 +43,12 @@ class ModelConfig(Section):
     # Mixture of experts (engine/model/moe.py). The defaults give a dense model; every other MoE field is
     # read only when num_experts > 0 (config validation rejects them otherwise).
     num_experts: int = Field(0, ge=0, description="routed experts per MoE block; 0 = dense model")
-    moe_top_k: int = Field(2, gt=0, description="experts each token is routed to")
+    moe_top_k: int = Field(2, gt=0, description="experts each token is routed to (<= num_experts)")
     moe_frequency: int = Field(
         1,
         gt=0,
-        description="MoE in every N-th block: block i (from 0) is MoE when (i + 1) % N == 0; 1 = all, 2 = every other",
+        description="MoE in every N-th block: block i (from 0) is MoE when (i + 1) % N == 0; 1 = all, 2 = "
+        "blocks 1, 3, … (<= n_layers)",
     )
     moe_router: Literal["softmax_topk", "sigmoid_topk"] = Field(
         "softmax_topk",
@@ -59,8 +64,8 @@ class ModelConfig(Section):
     moe_capacity_factor: float | None = Field(
         None,
         gt=0,
-        description="expert capacity = ceil(factor · tokens · top_k / num_experts); assignments beyond it "
-        "are dropped (counted); None = no capacity limit",
+        description="expert capacity = ceil(factor · tokens · top_k / num_experts); assignments beyond "
+        "it are dropped (counted); unset = no capacity limit",
     )
     moe_sequence_aux_loss_weight: float = Field(
         0.0, ge=0, description="sequence-level balance loss weight (DeepSeek-V3); 0 = off"
@@ -72,11 +77,12 @@ class ModelConfig(Section):
     )
     moe_bias_schedule: list[tuple[int, float]] = Field(
         default_factory=lambda: [(0, 1e-3)],
-        description="sigmoid_topk balancing-bias update rate as [[from_update, rate], …]: after each training "
-        "forward, bias += rate · sign(mean load − expert load); updates are counted per forward (micro-batch)",
+        description="sigmoid_topk only: balancing-bias update rate as [[from_update, rate], …]; after each "
+        "training forward, bias += rate · sign(mean load − expert load); updates are counted per "
+        "forward (micro-batch)",
     )
     moe_packed_experts: bool = Field(
-        True, description="store each projection of all experts as one [experts, …] tensor"
+        True, description="store each projection of all experts as one [experts, …] tensor (else one module per expert)"
     )
     moe_expert_ffn_multiplier: float = Field(
         1.0, gt=0, description="expert width = round(ffn_dim · multiplier); < 1 gives fine-grained experts"
@@ -84,6 +90,40 @@ class ModelConfig(Section):
     moe_router_z_loss_weight: float = Field(
         0.0, ge=0, description="router z-loss weight: mean logsumexp(router logits)²"
     )
+
+    readers: ClassVar[dict[str, str]] = {
+        "dim": "model/transformer.py, model/attention.py, model/mlp.py",
+        "n_layers": "model/transformer.py",
+        "n_heads": "model/attention.py",
+        "n_kv_heads": "model/attention.py",
+        "vocab_size": "model/transformer.py, data/loader.py",
+        "ffn_dim_multiplier": "model/mlp.py",
+        "ffn_hidden_dim": "model/mlp.py",
+        "norm_type": "model/norms.py",
+        "norm_eps": "model/transformer.py, model/attention.py",
+        "activation": "model/mlp.py",
+        "max_seq_len": "model/transformer.py",
+        "rope_theta": "model/transformer.py",
+        "tie_embeddings": "model/transformer.py",
+        "qk_norm": "model/attention.py",
+        "init_std": "model/transformer.py",
+        "model_type": "model/__init__.py",
+        "sdpa_backend": "model/attention.py",
+        "num_experts": "model/transformer.py, model/moe.py",
+        "moe_top_k": "model/routers.py",
+        "moe_frequency": "model/transformer.py",
+        "moe_router": "model/routers.py",
+        "moe_shared_experts": "model/moe.py",
+        "moe_aux_loss_weight": "model/moe.py",
+        "moe_capacity_factor": "model/moe.py",
+        "moe_sequence_aux_loss_weight": "model/moe.py",
+        "moe_gradient_scale": "model/moe.py",
+        "moe_bias_schedule": "model/routers.py",
+        "moe_packed_experts": "model/moe.py",
+        "moe_expert_ffn_multiplier": "model/moe.py",
+        "moe_router_z_loss_weight": "model/moe.py",
+    }
+    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelConfig:

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -18,24 +18,52 @@ OptimizerName = Literal["adamw", "lion", "muon", "schedule_free_adamw"]
 
 
 class OptimizerConfig(Section):
-    name: OptimizerName = Field("adamw", description="adamw, lion, muon or schedule_free_adamw")
-    lr: float = Field(3e-4, gt=0, description="peak learning rate (muon: of the hidden matrices)")
-    weight_decay: float = Field(0.1, ge=0, description="decoupled decay on matrices (not norms, biases, embeddings)")
+    name: OptimizerName = Field("adamw", description="the optimizer (docs/training.md#optimizers)")
+    lr: float = Field(
+        3e-4,
+        gt=0,
+        description="peak learning rate; muon: of the hidden matrices (its update is "
+        "scaled to AdamW's RMS, so AdamW's lr carries over); lion: use 3–10× less than AdamW",
+    )
+    weight_decay: float = Field(
+        0.1,
+        ge=0,
+        description="decoupled decay on matrices (not norms, biases, embeddings); lion: use 3–10× more than AdamW",
+    )
     betas: tuple[Beta, Beta] = Field(
-        (0.9, 0.95), description="AdamW moment decay rates, each in [0, 1); lion: (interpolation, momentum) decay"
+        (0.9, 0.95),
+        description="AdamW's moment decay rates, each in [0, 1); also muon's AdamW fallback and "
+        "schedule_free_adamw's (β1 > 0, the paper uses (0.9, 0.999)); lion: "
+        "(interpolation, momentum) decay, the paper uses (0.9, 0.99)",
     )
-    eps: float = Field(1e-8, gt=0, description="added to Adam's denominator (not read by lion)")
+    eps: float = Field(
+        1e-8, gt=0, description="added to Adam's denominator; adamw, muon (fallback), schedule_free_adamw"
+    )
     fused: bool | None = Field(
-        None, description="fused AdamW kernel (adamw only); unset = use it where the device supports it"
+        None, description="adamw only: fused AdamW kernel; unset = use it where the device supports it"
     )
-    muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon: Nesterov momentum of the hidden matrices")
-    muon_ns_steps: int = Field(5, ge=1, le=20, description="muon: Newton–Schulz iterations per orthogonalization")
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon only: Nesterov momentum of the hidden matrices")
+    muon_ns_steps: int = Field(5, ge=1, le=20, description="muon only: Newton–Schulz iterations per orthogonalization")
     muon_adam_lr: float | None = Field(
-        None, gt=0, description="muon: peak lr of the AdamW fallback (embeddings, head, norms); unset = lr"
+        None, gt=0, description="muon only: peak lr of the AdamW fallback (embeddings, output head, norms); unset = lr"
     )
     schedule_free_warmup_steps: int = Field(
-        0, ge=0, description="schedule_free_adamw: linear warmup inside the optimizer, lr·(k+1)/N for step k < N"
+        0, ge=0, description="schedule_free_adamw only: its own linear warmup, lr · (k+1)/N for step k < N"
     )
+
+    readers: ClassVar[dict[str, str]] = {
+        "name": "train/optim/__init__.py",
+        "lr": "train/optim/, train/schedules.py",
+        "weight_decay": "train/optim/groups.py",
+        "betas": "train/optim/",
+        "eps": "train/optim/adamw.py, train/optim/muon.py, train/optim/schedule_free.py",
+        "fused": "train/optim/adamw.py",
+        "muon_momentum": "train/optim/muon.py",
+        "muon_ns_steps": "train/optim/muon.py",
+        "muon_adam_lr": "train/optim/muon.py",
+        "schedule_free_warmup_steps": "train/optim/schedule_free.py",
+    }
+    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
 
 ADAM_FAMILY = ("adamw", "muon", "schedule_free_adamw")

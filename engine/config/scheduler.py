@@ -8,7 +8,7 @@ schedule, so that a resumed run keeps its schedule.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -18,13 +18,33 @@ SchedulerName = Literal["cosine", "linear", "wsd", "constant", "rex", "none"]
 
 
 class SchedulerConfig(Section):
-    name: SchedulerName = Field("cosine", description="cosine, linear, wsd, constant, rex or none")
+    name: SchedulerName = Field("cosine", description="the schedule: a multiplier on optimizer.lr over the steps")
     warmup_steps: int = Field(0, ge=0, description="linear warmup from lr/(warmup_steps+1) to lr")
-    decay_steps: int | None = Field(None, gt=0, description="length of the decay; unset = it ends on the last step")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="floor of the decay as a fraction of lr")
-    stable_steps: int = Field(0, ge=0, description="wsd: steps at the peak lr between warmup and decay")
-    wsd_decay_type: Literal["cosine", "linear", "sqrt"] = Field("cosine", description="wsd: shape of the decay")
-    rex_alpha: float = Field(1.0, gt=0, description="rex: exponent on the REX profile; 1 = the paper's schedule")
+    decay_steps: int | None = Field(
+        None,
+        gt=0,
+        description="length of the decay; unset = it ends on the last step "
+        "(max_steps - warmup_steps - stable_steps - 1); the run directory records the resolved value",
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="floor of the decay as a fraction of lr; cosine, linear, wsd, rex"
+    )
+    stable_steps: int = Field(
+        0, ge=0, description="wsd only: steps at the peak lr between warmup and decay (> 0 needs decay_steps)"
+    )
+    wsd_decay_type: Literal["cosine", "linear", "sqrt"] = Field("cosine", description="wsd only: shape of the decay")
+    rex_alpha: float = Field(1.0, gt=0, description="rex only: exponent on the REX profile; 1 = the paper's schedule")
+
+    readers: ClassVar[dict[str, str]] = {
+        "name": "train/schedules.py",
+        "warmup_steps": "train/schedules.py",
+        "decay_steps": "train/schedules.py",
+        "min_lr_ratio": "train/schedules.py",
+        "stable_steps": "train/schedules.py",
+        "wsd_decay_type": "train/schedules.py",
+        "rex_alpha": "train/schedules.py",
+    }
+    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
     @model_validator(mode="after")
     def _none_has_no_warmup(self) -> SchedulerConfig:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -14,9 +14,11 @@ class TrainConfig(Section):
     seq_len: int = Field(512, gt=0, description="tokens per sequence")
     max_steps: int = Field(1000, gt=0, description="optimizer steps to train for")
     grad_accum_steps: int = Field(1, gt=0, description="micro-steps accumulated per optimizer step")
-    grad_clip_norm: float = Field(1.0, ge=0, description="clip the global grad norm to this; 0 = no clipping")
+    grad_clip_norm: float = Field(
+        1.0, ge=0, description="clip the global grad norm to this; 0 = no clipping (the norm is still reported)"
+    )
     seed: int = Field(42, ge=0, description="seed for weights init and every RNG")
-    data_seed: int | None = Field(None, ge=0, description="seed for the data order; None = seed")
+    data_seed: int | None = Field(None, ge=0, description="seed for the data order; unset = seed")
     compile_model: bool = Field(False, description="torch.compile each transformer block")
     mixed_precision: Literal["auto", "bf16", "fp16", "fp32", "fp8"] = Field(
         "auto",
@@ -25,8 +27,9 @@ class TrainConfig(Section):
     )
     fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
         "tensorwise",
-        description='float8 scaling, used only with mixed_precision = "fp8": tensorwise = one scale '
-        "per tensor (fastest, float8 FSDP all-gather), rowwise = one per row (more accurate)",
+        description='float8 scaling, only with mixed_precision = "fp8": tensorwise = one scale per '
+        "tensor (fastest, float8 FSDP all-gather), rowwise = one per row (more "
+        "accurate)",
     )
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none",
@@ -34,28 +37,78 @@ class TrainConfig(Section):
         "and attention outputs, recompute the pointwise ops (norms, activations, RoPE)",
     )
     loss_fn: Literal["cross_entropy", "chunked_cross_entropy"] = Field(
-        "cross_entropy", description="chunked_cross_entropy never holds the full [tokens, vocab] logits (same loss)"
+        "cross_entropy",
+        description="the training loss; chunked_cross_entropy gives the same loss without ever "
+        "holding the [tokens, vocab] logits",
     )
-    z_loss_weight: float = Field(0.0, ge=0, description="adds weight · mean(logsumexp(logits)²) to the loss; 0 = off")
+    z_loss_weight: float = Field(
+        0.0,
+        ge=0,
+        description="adds z_loss_weight · mean(logsumexp(logits)²) to the "
+        "training loss (PaLM uses 1e-4); 0 = off; never in eval loss",
+    )
     ce_chunk_size: int = Field(
-        1024, gt=0, description="chunked_cross_entropy: tokens per chunk through the output head"
+        1024,
+        gt=0,
+        description="chunked_cross_entropy only: tokens per chunk through the "
+        "output head; peak extra memory is a few [ce_chunk_size, vocab] fp32 buffers",
     )
     shutdown_timeout_sec: float = Field(
-        300.0, gt=0, description="after SIGTERM/SIGUSR1, force the process to exit if the emergency save takes longer"
+        300.0,
+        gt=0,
+        description="after SIGTERM/SIGUSR1 the run saves and exits with code 75; if that takes "
+        "longer, a watchdog ends the process with code 76",
     )
     nccl_health_check_interval: int = Field(
-        0, ge=0, description="every N steps time a small all-reduce across ranks and stop if it hangs; 0 = off"
+        0,
+        ge=0,
+        description="multi-process runs: every N steps a timed all-reduce (deadline "
+        "distributed.nccl_timeout_sec); a hung rank stops the run with a message naming "
+        "it; 0 = off",
     )
     spike_sigma: float = Field(
-        6.0, ge=0, description="skip a step whose loss is this many standard deviations above the recent mean; 0 = off"
+        6.0,
+        ge=0,
+        description="skip a step whose loss is this many standard deviations above the mean of the last "
+        "spike_window accepted steps; 0 = off",
     )
-    spike_window: int = Field(128, ge=2, description="accepted steps the loss mean and deviation are taken over")
+    spike_window: int = Field(
+        128,
+        ge=2,
+        description="accepted steps the spike rule's mean and deviation are taken "
+        "over; the rule starts once half of it is filled",
+    )
     max_bad_steps: int = Field(
         5,
         gt=0,
-        description="consecutive skipped steps (non-finite or spike) before rolling back to the last checkpoint",
+        description="consecutive skipped steps (non-finite loss or gradient norm, or a spike) before "
+        "rolling back to the last checkpoint",
     )
-    max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed before the run stops as diverged")
+    max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed before the run stops as diverged (exit code 1)")
+
+    readers: ClassVar[dict[str, str]] = {
+        "batch_size": "data/loader.py",
+        "seq_len": "data/loader.py",
+        "max_steps": "train/trainer.py, train/schedules.py",
+        "grad_accum_steps": "train/step.py, data/loader.py",
+        "grad_clip_norm": "train/step.py",
+        "seed": "train/job.py",
+        "data_seed": "data/loader.py",
+        "compile_model": "parallel/apply.py",
+        "mixed_precision": "train/job.py, parallel/apply.py",
+        "fp8_recipe": "parallel/float8.py",
+        "activation_checkpointing": "parallel/activation_checkpoint.py",
+        "loss_fn": "train/losses.py",
+        "z_loss_weight": "train/losses.py",
+        "ce_chunk_size": "train/losses.py",
+        "shutdown_timeout_sec": "resilience/signals.py",
+        "nccl_health_check_interval": "train/trainer.py, resilience/health.py",
+        "spike_sigma": "resilience/anomaly.py",
+        "spike_window": "resilience/anomaly.py",
+        "max_bad_steps": "resilience/anomaly.py",
+        "max_rollbacks": "train/trainer.py",
+    }
+    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
     @property
     def effective_data_seed(self) -> int:

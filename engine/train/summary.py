@@ -10,7 +10,7 @@ from engine.model.estimate import param_counts, training_flops_per_token
 
 def job_summary(cfg: JobConfig, world_size: int = 1) -> dict[str, Any]:
     dp = cfg.distributed.dp_replicate * cfg.distributed.resolved_dp_shard(world_size)
-    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum_steps * max(dp, 1)
+    tokens_per_step = cfg.tokens_per_step(world_size)
     flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
     return {
         "world_size": world_size,
