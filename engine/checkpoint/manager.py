@@ -13,10 +13,11 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from engine.checkpoint.dcp import (COMPLETE, STEP_DIR, UNREADABLE, complete_checkpoints, describe, finish_save,
+from engine.checkpoint.dcp import (COMPLETE, UNREADABLE, complete_checkpoints, describe, finish_save,
                                    is_writer, latest_checkpoint, load_checkpoint, load_weights, new_step_dir,
                                    prune_checkpoints, save_checkpoint, start_async_save, training_state)
 from engine.checkpoint.hf import is_hf_folder, load_hf_weights
+from engine.checkpoint.layout import STEP_DIR
 from engine.config.checkpoint import CheckpointConfig
 from engine.errors import UserError
 from engine.resilience.collectives import distributed, every_rank
