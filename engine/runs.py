@@ -5,8 +5,8 @@ A run's status:
   running     a process holds the run directory's lock (`engine.run_lock.lock_holder`);
   complete, preempted, failed
               how its last attempt ended, as training recorded it in `attempts.jsonl` (`record_attempt`);
-  failed      with "killed": the last attempt recorded its start and no end (SIGKILL, the OOM killer, a lost
-              node, the shutdown watchdog's exit), and nothing holds the lock any more.
+  failed      with "killed (no end recorded)": the last attempt recorded its start and no end (SIGKILL, the
+              OOM killer, a lost node, the shutdown watchdog's exit), and nothing holds the lock any more.
 A run directory from before `attempts.jsonl` is complete when its metrics reach `train.max_steps`, else failed.
 """
 
@@ -90,7 +90,7 @@ def run_status(run_dir: Path, last_step: int | None, max_steps: int | None) -> t
             return "preempted", f"{end.get('signal', 'a signal')} at step {end.get('step')}"
         return end.get("reason", "failed"), end.get("error", "")
     if attempts:
-        return "failed", "killed: its last attempt ended without a record (SIGKILL, out of memory, a lost node)"
+        return "failed", "killed (no end recorded)"
     if last_step is not None and max_steps is not None and last_step >= max_steps:
         return "complete", ""
     return "failed", "stopped before max_steps (no attempt record)"
