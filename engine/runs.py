@@ -13,6 +13,7 @@ A run directory from before `attempts.jsonl` is complete when its metrics reach 
 from __future__ import annotations
 
 import json
+import os
 import time
 import tomllib
 from dataclasses import dataclass
@@ -59,19 +60,26 @@ class RunSummary:
 
 
 def find_runs(root: Path) -> list[Path]:
-    """Every run directory (a folder with a config.toml) at or under `root`, by path."""
+    """Every run directory (a folder with a config.toml) at or under `root`, by path. The search does not go
+    into a run directory: its checkpoints and tracker folders can hold many thousands of files."""
     if not root.is_dir():
         raise UserError(f"{root} is not a folder", "pass the folder your runs are in (default: runs/)")
-    return sorted(path.parent for path in root.rglob(RUN_CONFIG))
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        if RUN_CONFIG in files:
+            found.append(Path(folder))
+            subfolders.clear()
+    return sorted(found)
 
 
 def summarize_run(run_dir: Path, name: str | None = None) -> RunSummary:
     records = metric_records(run_dir)
     train = next((r for r in reversed(records) if "loss" in r), {})
     evals = next((r for r in reversed(records) if "eval_loss" in r), {})
-    max_steps = run_config(run_dir).get("train", {}).get("max_steps")
+    config = run_config(run_dir)
+    max_steps = config.get("train", {}).get("max_steps")
     status, detail = run_status(run_dir, train.get("step"), max_steps)
-    checkpoints = complete_checkpoints(run_dir / "checkpoints")
+    checkpoints = complete_checkpoints(run_dir / config.get("checkpoint", {}).get("dir", "checkpoints"))
     written = [(run_dir / f).stat().st_mtime for f in ACTIVITY_FILES if (run_dir / f).is_file()]
     return RunSummary(name or run_dir.name, str(run_dir), status, detail, train.get("step"), max_steps,
                       train.get("tokens_seen"), train.get("loss"), evals.get("eval_loss"), train.get("tokens_per_sec"),

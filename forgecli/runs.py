@@ -138,11 +138,11 @@ def compare(
 
     """
     from engine.errors import UserError
-    from engine.runs import config_differences, curves, summarize_run
+    from engine.runs import RUN_CONFIG, config_differences, curves, summarize_run
 
     for path in run_dirs:
-        if not (path / "config.toml").is_file():
-            raise UserError(f"{path} is not a Forge run directory (it has no config.toml)",
+        if not (path / RUN_CONFIG).is_file():
+            raise UserError(f"{path} is not a Forge run directory (it has no {RUN_CONFIG})",
                             "pass folders `forge train` wrote, e.g. runs/debug")
     names = unique_names(run_dirs)
     runs = [summarize_run(path, name) for path, name in zip(run_dirs, names)]
