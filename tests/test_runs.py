@@ -138,3 +138,14 @@ def test_config_differences_name_only_the_fields_that_differ(runs):
     differences = config_differences([runs / "complete", runs / "preempted"])
     assert differences == {"optimizer.lr": [2e-3, 1e-3], "train.max_steps": [6, 100000],
                            "checkpoint.interval": [4, 100000], "scheduler.decay_steps": [2, 99996]}
+
+
+def test_listing_runs_does_not_load_torch(runs):
+    """`forge runs` is typed often, in a hurry: it reads files and never imports torch."""
+    code = ("import sys\nfrom forgecli.app import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    result = subprocess.run([sys.executable, "-c", code, "runs", str(runs), "--json"], cwd=REPO, env=child_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert {run["name"] for run in json.loads(result.stdout)} >= {"complete", "preempted"}
