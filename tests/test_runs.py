@@ -149,3 +149,13 @@ def test_listing_runs_does_not_load_torch(runs):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert {run["name"] for run in json.loads(result.stdout)} >= {"complete", "preempted"}
+
+
+def test_a_run_stopped_by_an_error_is_failed_with_that_error(tmp_path):
+    run_dir = tmp_path / "diverged"
+    result = subprocess.run([sys.executable, "-m", "forgecli.app", "train", "presets/debug.toml", "--run-dir",
+                             str(run_dir), *TINY, "--train.max_steps=30", "--optimizer.lr=1e12"], cwd=REPO,
+                            env=child_env(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 1, result.stderr
+    run = statuses(tmp_path)["diverged"]
+    assert run["status"] == "failed" and run["detail"].startswith("TrainingDiverged: 5 bad steps in a row")
