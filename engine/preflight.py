@@ -17,11 +17,12 @@ import socket
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 Status = Literal["ok", "warn", "fail", "info"]
 
@@ -41,11 +42,11 @@ EXTRAS: dict[str, tuple[str, str]] = {
 }
 
 
-
 def release(version: str) -> tuple[int, int]:
     """(major, minor) of a version string like '2.13.0+cpu', compared as numbers ('2.9' < '2.13')."""
     major, minor = version.split("+")[0].split(".")[:2]
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
 
 @dataclass(frozen=True)
 class CheckResult:
@@ -88,8 +89,11 @@ def run_checks(directory: Path) -> Iterator[CheckResult]:
         try:
             outcome = check()
         except Exception as e:  # a doctor must report a broken environment, not die of it
-            outcome = Outcome("fail" if required else "warn", f"check crashed: {type(e).__name__}: {e}",
-                              "a broken install or a bug in the check: share the output of `forge doctor --json`")
+            outcome = Outcome(
+                "fail" if required else "warn",
+                f"check crashed: {type(e).__name__}: {e}",
+                "a broken install or a bug in the check: share the output of `forge doctor --json`",
+            )
         if outcome is not None:
             yield CheckResult(name, *outcome)
 
@@ -111,12 +115,16 @@ def check_torch() -> Outcome:
     try:
         import torch
     except ImportError as e:
-        return Outcome("fail", f"cannot import torch: {e}",
-                       f"pip install 'torch>={MIN_TORCH_TEXT}' (see README: Installing torch)")
+        return Outcome(
+            "fail", f"cannot import torch: {e}", f"pip install 'torch>={MIN_TORCH_TEXT}' (see README: Installing torch)"
+        )
     build = torch_build(torch)
     if release(torch.__version__) < MIN_TORCH:
-        return Outcome("fail", f"{torch.__version__} ({build}) is older than {MIN_TORCH_TEXT}",
-                       f"pip install --upgrade 'torch>={MIN_TORCH_TEXT}'")
+        return Outcome(
+            "fail",
+            f"{torch.__version__} ({build}) is older than {MIN_TORCH_TEXT}",
+            f"pip install --upgrade 'torch>={MIN_TORCH_TEXT}'",
+        )
     return Outcome("ok", f"{torch.__version__} ({build})")
 
 
@@ -136,8 +144,11 @@ def check_gpus() -> Outcome:
     gpu_build = bool(torch.version.cuda or torch.version.hip)
     if not torch.cuda.is_available():
         if gpu_build:
-            return Outcome("warn", "torch has GPU support but sees no GPU",
-                           "check `nvidia-smi`, the driver, and CUDA_VISIBLE_DEVICES")
+            return Outcome(
+                "warn",
+                "torch has GPU support but sees no GPU",
+                "check `nvidia-smi`, the driver, and CUDA_VISIBLE_DEVICES",
+            )
         return Outcome("info", "CPU only (this torch build has no GPU support)")
     return Outcome("ok", "; ".join(describe_gpu(torch, i) for i in range(torch.cuda.device_count())))
 
@@ -145,8 +156,7 @@ def check_gpus() -> Outcome:
 def describe_gpu(torch: Any, index: int) -> str:
     props = torch.cuda.get_device_properties(index)
     free, total = torch.cuda.mem_get_info(index)
-    return (f"{index}: {props.name} (sm_{props.major}{props.minor}, "
-            f"{total / GIB:.1f} GiB, {free / GIB:.1f} GiB free)")
+    return f"{index}: {props.name} (sm_{props.major}{props.minor}, {total / GIB:.1f} GiB, {free / GIB:.1f} GiB free)"
 
 
 def check_nccl() -> Outcome | None:
@@ -157,8 +167,11 @@ def check_nccl() -> Outcome | None:
     if not torch.cuda.is_available():
         return None
     if not dist.is_nccl_available():
-        return Outcome("warn", "this torch build has no NCCL: multi-GPU training will not work",
-                       "install a CUDA build of torch from pytorch.org")
+        return Outcome(
+            "warn",
+            "this torch build has no NCCL: multi-GPU training will not work",
+            "install a CUDA build of torch from pytorch.org",
+        )
     version = ".".join(map(str, torch.cuda.nccl.version()))
     return Outcome("ok", version)
 
@@ -182,8 +195,11 @@ def check_writable(directory: Path) -> Outcome:
             f.write(b"ok")
             f.flush()
     except OSError as e:
-        return Outcome("fail", f"cannot write in {directory}: {e.strerror or e}",
-                       "run from a directory you can write to, or fix its permissions")
+        return Outcome(
+            "fail",
+            f"cannot write in {directory}: {e.strerror or e}",
+            "run from a directory you can write to, or fix its permissions",
+        )
     return Outcome("ok", f"can create and delete files in {directory}")
 
 
@@ -193,20 +209,25 @@ def check_gloo() -> Outcome:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available():
-        return Outcome("fail", "this torch build has no gloo backend",
-                       "install an official torch build from pytorch.org")
+        return Outcome(
+            "fail", "this torch build has no gloo backend", "install an official torch build from pytorch.org"
+        )
     if dist.is_initialized():
         return Outcome("info", "skipped: a process group is already running in this process")
     port = free_port()
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                                timeout=GLOO_TIMEOUT)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=GLOO_TIMEOUT
+        )
         value = torch.ones(4)
         dist.all_reduce(value)
         assert value.tolist() == [1.0] * 4, "all_reduce over one process must be the identity"
     except (RuntimeError, ValueError, OSError) as e:
-        return Outcome("fail", f"{type(e).__name__}: {e}".splitlines()[0],
-                       "set GLOO_SOCKET_IFNAME to a working interface (e.g. lo) and make sure `hostname` resolves")
+        return Outcome(
+            "fail",
+            f"{type(e).__name__}: {e}".splitlines()[0],
+            "set GLOO_SOCKET_IFNAME to a working interface (e.g. lo) and make sure `hostname` resolves",
+        )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

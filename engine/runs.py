@@ -81,9 +81,20 @@ def summarize_run(run_dir: Path, name: str | None = None) -> RunSummary:
     status, detail = run_status(run_dir, train.get("step"), max_steps)
     checkpoints = complete_checkpoints(run_dir / config.get("checkpoint", {}).get("dir", "checkpoints"))
     written = [(run_dir / f).stat().st_mtime for f in ACTIVITY_FILES if (run_dir / f).is_file()]
-    return RunSummary(name or run_dir.name, str(run_dir), status, detail, train.get("step"), max_steps,
-                      train.get("tokens_seen"), train.get("loss"), evals.get("eval_loss"), train.get("tokens_per_sec"),
-                      checkpoints[-1][0] if checkpoints else None, max(written, default=None))
+    return RunSummary(
+        name or run_dir.name,
+        str(run_dir),
+        status,
+        detail,
+        train.get("step"),
+        max_steps,
+        train.get("tokens_seen"),
+        train.get("loss"),
+        evals.get("eval_loss"),
+        train.get("tokens_per_sec"),
+        checkpoints[-1][0] if checkpoints else None,
+        max(written, default=None),
+    )
 
 
 def run_status(run_dir: Path, last_step: int | None, max_steps: int | None) -> tuple[str, str]:
@@ -137,8 +148,15 @@ def run_config(run_dir: Path) -> dict[str, Any]:
 
 def config_differences(run_dirs: list[Path]) -> dict[str, list[Any]]:
     """`section.key` → each run's value, for the fields whose values are not all the same (None: not set)."""
-    flat = [{f"{section}.{key}": value for section, fields in run_config(d).items() if isinstance(fields, dict)
-             for key, value in fields.items()} for d in run_dirs]
+    flat = [
+        {
+            f"{section}.{key}": value
+            for section, fields in run_config(d).items()
+            if isinstance(fields, dict)
+            for key, value in fields.items()
+        }
+        for d in run_dirs
+    ]
     table = {key: [f.get(key) for f in flat] for key in sorted(set().union(*flat))}
     return {key: values for key, values in table.items() if len({json.dumps(v) for v in values}) > 1}
 
@@ -149,5 +167,8 @@ def curves(run_dir: Path, x: Literal["steps", "tokens"] = "steps") -> dict[str, 
     records = metric_records(run_dir)
     per_step = next((r["tokens_seen"] / r["step"] for r in reversed(records) if r.get("tokens_seen") and r["step"]), 0)
     scale = per_step if x == "tokens" else 1
-    return {key: ([r["step"] * scale for r in points], [r[key] for r in points])
-            for key in CURVES if (points := [r for r in records if r.get(key) is not None])}
+    return {
+        key: ([r["step"] * scale for r in points], [r[key] for r in points])
+        for key in CURVES
+        if (points := [r for r in records if r.get(key) is not None])
+    }

@@ -88,11 +88,18 @@ def runs_table(runs: list[RunSummary]) -> Table:
     table.add_column("detail")  # the one column Rich narrows first; each cell cut, not wrapped (whole in --json)
     now = time.time()
     for run in runs:
-        table.add_row(escape(run.name), f"[{STATUS_STYLES.get(run.status, '')}]{run.status}[/]",
-                      f"{fmt(run.step)}/{fmt(run.max_steps)}", human(run.tokens_seen), fmt(run.loss, ".4f"),
-                      fmt(run.eval_loss, ".4f"), fmt(run.tokens_per_sec, ",.0f"), fmt(run.last_checkpoint),
-                      age(now - run.updated) if run.updated else "-",
-                      Text(run.detail, no_wrap=True, overflow="ellipsis"))
+        table.add_row(
+            escape(run.name),
+            f"[{STATUS_STYLES.get(run.status, '')}]{run.status}[/]",
+            f"{fmt(run.step)}/{fmt(run.max_steps)}",
+            human(run.tokens_seen),
+            fmt(run.loss, ".4f"),
+            fmt(run.eval_loss, ".4f"),
+            fmt(run.tokens_per_sec, ",.0f"),
+            fmt(run.last_checkpoint),
+            age(now - run.updated) if run.updated else "-",
+            Text(run.detail, no_wrap=True, overflow="ellipsis"),
+        )
     return table
 
 
@@ -121,11 +128,16 @@ def age(seconds: float) -> str:
 @user_errors
 def compare(
     run_dirs: list[Path] = typer.Argument(..., help="Run directories to compare."),
-    plot: Path | None = typer.Option(None, "--plot", help="Write training and eval loss, lr and tokens/s to this "
-                                        "PNG (needs matplotlib: pip install 'forge-lm\\[plot]')."),
+    plot: Path | None = typer.Option(
+        None,
+        "--plot",
+        help="Write training and eval loss, lr and tokens/s to this "
+        "PNG (needs matplotlib: pip install 'forge-lm\\[plot]').",
+    ),
     x: XAxis = typer.Option(XAxis.steps, "--x", help="What the curves are plotted against."),
-    as_json: bool = typer.Option(False, "--json", help="Print the differing config fields, final metrics and "
-                                 "curves as JSON."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the differing config fields, final metrics and curves as JSON."
+    ),
 ) -> None:
     """Several runs side by side: the config fields that differ, their final metrics, and their loss curves
     (in the terminal, or with --plot as a PNG of training and eval loss, learning rate and tokens/s).
@@ -142,8 +154,10 @@ def compare(
 
     for path in run_dirs:
         if not (path / RUN_CONFIG).is_file():
-            raise UserError(f"{path} is not a Forge run directory (it has no {RUN_CONFIG})",
-                            "pass folders `forge train` wrote, e.g. runs/debug")
+            raise UserError(
+                f"{path} is not a Forge run directory (it has no {RUN_CONFIG})",
+                "pass folders `forge train` wrote, e.g. runs/debug",
+            )
     names = unique_names(run_dirs)
     runs = [summarize_run(path, name) for path, name in zip(run_dirs, names)]
     differences = config_differences(run_dirs)
@@ -158,8 +172,12 @@ def compare(
     console.print(differences_table(names, differences))
     console.print(runs_table(runs))
     terminal_width = min(console.width, 120)
-    losses = [(f"{name} {label}", *run[key]) for name, run in series.items()
-              for key, label in (("loss", "train"), ("eval_loss", "eval")) if key in run]
+    losses = [
+        (f"{name} {label}", *run[key])
+        for name, run in series.items()
+        for key, label in (("loss", "train"), ("eval_loss", "eval"))
+        if key in run
+    ]
     console.print(line_plot(losses, width=max(terminal_width - 12, 20), height=16, title="loss", x_label=x.value))
     if plot is not None:
         console.print(f"plot: {plot}", markup=False, highlight=False)
@@ -172,9 +190,13 @@ def unique_names(run_dirs: list[Path]) -> list[str]:
 
 
 def differences_table(names: list[str], differences: dict[str, list[Any]]) -> Table:
-    table = Table(box=box.SIMPLE_HEAD if is_interactive() else None, header_style="bold", pad_edge=False,
-                  title="config fields that differ" if differences else "the configs are identical",
-                  title_justify="left")
+    table = Table(
+        box=box.SIMPLE_HEAD if is_interactive() else None,
+        header_style="bold",
+        pad_edge=False,
+        title="config fields that differ" if differences else "the configs are identical",
+        title_justify="left",
+    )
     table.add_column("field", no_wrap=True)
     for name in names:
         table.add_column(escape(name))
@@ -193,8 +215,10 @@ def save_plot(series: dict[str, dict[str, tuple[list[float], list[float]]]], pat
         matplotlib.use("Agg")  # no display needed, and none is opened
         from matplotlib.figure import Figure
     except ImportError:
-        raise UserError("--plot needs matplotlib, which is not installed",
-                        "pip install 'forge-lm[plot]' (or pip install matplotlib)") from None
+        raise UserError(
+            "--plot needs matplotlib, which is not installed",
+            "pip install 'forge-lm[plot]' (or pip install matplotlib)",
+        ) from None
     figure = Figure(figsize=(10, 6.5), layout="constrained")
     for axes, (key, label) in zip(figure.subplots(2, 2).flat, PLOTTED.items()):
         for name, curves_of_run in series.items():

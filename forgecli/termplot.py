@@ -28,8 +28,10 @@ def line_plot(series: list[Series], width: int = 72, height: int = 16, title: st
     cells: dict[tuple[int, int], tuple[int, str]] = {}
 
     def dot_of(x: float, y: float) -> tuple[int, int]:
-        return (rows - 1 - round((y - y0) / ((y1 - y0) or 1) * (rows - 1)),
-                round((x - x0) / ((x1 - x0) or 1) * (cols - 1)))
+        return (
+            rows - 1 - round((y - y0) / ((y1 - y0) or 1) * (rows - 1)),
+            round((x - x0) / ((x1 - x0) or 1) * (cols - 1)),
+        )
 
     def cell_of(x: float, y: float) -> tuple[int, int]:
         r, c = dot_of(x, y)
@@ -55,8 +57,15 @@ def line_plot(series: list[Series], width: int = 72, height: int = 16, title: st
     return render(cells, series, width, height, (x0, x1, y0, y1), title, x_label)
 
 
-def render(cells: dict[tuple[int, int], tuple[int, str]], series: list[Series], width: int, height: int,
-           bounds: tuple[float, float, float, float], title: str, x_label: str) -> Text:
+def render(
+    cells: dict[tuple[int, int], tuple[int, str]],
+    series: list[Series],
+    width: int,
+    height: int,
+    bounds: tuple[float, float, float, float],
+    title: str,
+    x_label: str,
+) -> Text:
     """The canvas with a y axis (top, middle, bottom values), an x axis (first and last), and a legend."""
     x0, x1, y0, y1 = bounds
     labels = {0: f"{y1:.4g}", height // 2: f"{(y0 + y1) / 2:.4g}", height - 1: f"{y0:.4g}"}
@@ -72,5 +81,7 @@ def render(cells: dict[tuple[int, int], tuple[int, str]], series: list[Series], 
     out.append(" " * margin + "└" + "─" * width + "\n")
     out.append(" " * (margin + 1) + left + x_label.center(width - len(left) - len(right)) + right + "\n")
     for i, (label, _, _) in enumerate(series):
-        out.append(" " * (margin + 1)).append(f"{(i + 1) % 10} ━━ ", style=COLOURS[i % len(COLOURS)]).append(label + "\n")
+        out.append(" " * (margin + 1)).append(f"{(i + 1) % 10} ━━ ", style=COLOURS[i % len(COLOURS)]).append(
+            label + "\n"
+        )
     return out

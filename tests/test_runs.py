@@ -29,9 +29,13 @@ def forge_runs(*args: str):
 
 
 def start_training(run_dir: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "forgecli.app", "train", "presets/debug.toml", "--run-dir",
-                             str(run_dir), *TINY, *extra], cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-m", "forgecli.app", "train", "presets/debug.toml", "--run-dir", str(run_dir), *TINY, *extra],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
@@ -74,7 +78,10 @@ def test_each_run_shows_how_it_ended(runs):
         live.send_signal(signal.SIGKILL)
         live.wait()
     assert {name: run["status"] for name, run in seen.items()} == {
-        "complete": "complete", "preempted": "preempted", "killed": "running"}
+        "complete": "complete",
+        "preempted": "preempted",
+        "killed": "running",
+    }
     assert seen["killed"]["detail"] == f"pid {live.pid}"
     assert seen["complete"]["step"] == seen["complete"]["max_steps"] == seen["complete"]["last_checkpoint"] == 6
     assert seen["complete"]["tokens_seen"] == 6 * 4 * 64 and seen["complete"]["eval_loss"] is not None
@@ -94,10 +101,19 @@ def test_a_run_whose_lock_is_held_is_running(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.toml").write_text("[train]\nmax_steps = 10\n")
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from engine.run_lock import RunLock; RunLock.acquire(Path(sys.argv[1])); "
-                               "print('locked', flush=True); time.sleep(60)", str(run_dir)],
-                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from engine.run_lock import RunLock; RunLock.acquire(Path(sys.argv[1])); "
+            "print('locked', flush=True); time.sleep(60)",
+            str(run_dir),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         assert lock_holder(run_dir) == holder.pid
@@ -117,8 +133,7 @@ def test_compare_plots_the_runs_own_metrics(runs, tmp_path, monkeypatch):
     savefig = Figure.savefig
     monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (saved.append(self), savefig(self, *a, **k))[1])
     png = tmp_path / "compare.png"
-    result = forge_runs("compare", str(runs / "complete"), str(runs / "preempted"), "--plot", str(png),
-                        "--x", "tokens")
+    result = forge_runs("compare", str(runs / "complete"), str(runs / "preempted"), "--plot", str(png), "--x", "tokens")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(saved) == 1
     assert "optimizer.lr" in result.stdout and "train.max_steps" in result.stdout  # the fields that differ
     assert "complete train" in result.stdout and "preempted eval" in result.stdout  # the terminal plot's legend
@@ -136,26 +151,54 @@ def test_compare_plots_the_runs_own_metrics(runs, tmp_path, monkeypatch):
 
 def test_config_differences_name_only_the_fields_that_differ(runs):
     differences = config_differences([runs / "complete", runs / "preempted"])
-    assert differences == {"optimizer.lr": [2e-3, 1e-3], "train.max_steps": [6, 100000],
-                           "checkpoint.interval": [4, 100000], "scheduler.decay_steps": [2, 99996]}
+    assert differences == {
+        "optimizer.lr": [2e-3, 1e-3],
+        "train.max_steps": [6, 100000],
+        "checkpoint.interval": [4, 100000],
+        "scheduler.decay_steps": [2, 99996],
+    }
 
 
 def test_listing_runs_does_not_load_torch(runs):
     """`forge runs` is typed often, in a hurry: it reads files and never imports torch."""
-    code = ("import sys\nfrom forgecli.app import main\n"
-            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")
-    result = subprocess.run([sys.executable, "-c", code, "runs", str(runs), "--json"], cwd=REPO, env=child_env(),
-                            capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys\nfrom forgecli.app import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, "runs", str(runs), "--json"],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert {run["name"] for run in json.loads(result.stdout)} >= {"complete", "preempted"}
 
 
 def test_a_run_stopped_by_an_error_is_failed_with_that_error(tmp_path):
     run_dir = tmp_path / "diverged"
-    result = subprocess.run([sys.executable, "-m", "forgecli.app", "train", "presets/debug.toml", "--run-dir",
-                             str(run_dir), *TINY, "--train.max_steps=30", "--optimizer.lr=1e12"], cwd=REPO,
-                            env=child_env(), capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "forgecli.app",
+            "train",
+            "presets/debug.toml",
+            "--run-dir",
+            str(run_dir),
+            *TINY,
+            "--train.max_steps=30",
+            "--optimizer.lr=1e12",
+        ],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 1, result.stderr
     run = statuses(tmp_path)["diverged"]
     assert run["status"] == "failed" and run["detail"].startswith("TrainingDiverged: 5 bad steps in a row")
