@@ -18,12 +18,16 @@ import fcntl
 import logging
 import os
 import socket
+import struct
+import sys
 import time
 from pathlib import Path
 
 from engine.errors import UserError
 
 LOCK_FILE = ".forge.lock"
+# `struct flock` as fcntl(F_GETLK) reads and writes it: Linux, and the BSD layout of macOS and FreeBSD.
+FLOCK_LAYOUT = "hhqqi" if sys.platform.startswith("linux") else "qqihh"
 
 log = logging.getLogger("forge.run_lock")
 
@@ -62,3 +66,37 @@ class RunLock:
         if self.fd is not None:
             os.close(self.fd)  # closing the descriptor drops the lock
             self.fd = None
+
+
+def lock_holder(run_dir: Path) -> int | None:
+    """The pid of the process writing `run_dir` (as the kernel reports it; 0 when the holder is on another
+    node of a network file system), or None when no process holds its lock.
+
+    Asks with F_GETLK, which tests for a conflicting lock without taking one: a probe that took the lock,
+    even for a moment, could make a run starting at that moment fail as a second writer. A file system
+    that cannot lock answers None too: there a run cannot be told running from stopped by its lock."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        answer = fcntl.fcntl(fd, fcntl.F_GETLK, flock_struct(fcntl.F_WRLCK))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    kind, pid = flock_fields(answer)
+    return None if kind == fcntl.F_UNLCK else pid
+
+
+def flock_struct(kind: int) -> bytes:
+    """A whole-file `struct flock` of `kind` (start 0, length 0 = to the end)."""
+    if FLOCK_LAYOUT == "hhqqi":
+        return struct.pack(FLOCK_LAYOUT, kind, os.SEEK_SET, 0, 0, 0)
+    return struct.pack(FLOCK_LAYOUT, 0, 0, 0, kind, os.SEEK_SET)
+
+
+def flock_fields(data: bytes) -> tuple[int, int]:
+    """(lock type, holder pid) of a `struct flock` filled in by F_GETLK."""
+    values = struct.unpack(FLOCK_LAYOUT, data)
+    return (values[0], values[4]) if FLOCK_LAYOUT == "hhqqi" else (values[3], values[2])

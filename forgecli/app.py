@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from forgecli import convert, doctor, generate, init, resume, tokenize, train, validate_config
+from forgecli import convert, doctor, generate, init, resume, runs, tokenize, train, validate_config
 from forgecli.completion import OverrideCommand
 
 app = typer.Typer(
@@ -27,6 +27,7 @@ app.command("doctor")(doctor.doctor)
 app.add_typer(convert.app, name="convert")
 app.command("generate")(generate.generate)
 app.command("init")(init.init)
+app.add_typer(runs.app, name="runs")
 
 
 def main() -> None:

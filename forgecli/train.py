@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +18,7 @@ from forgecli.ui import console, err_console, is_interactive, print_json, show_r
 
 if TYPE_CHECKING:
     from engine.config import JobConfig
+    from engine.data.tokenize import Progress as TokenizeProgress
 
 
 @user_errors
@@ -118,25 +121,38 @@ def worker_argv(argv: list[str]) -> list[str]:
     return out
 
 
+@contextlib.contextmanager
+def cache_build_bar(name: str) -> Iterator[Callable[[TokenizeProgress], None]]:
+    """A dataset named in the config is tokenized into the cache before training starts (once): on a terminal
+    with `forge tokenize`'s bar, which ends before the dashboard begins."""
+    from forgecli.tokenize import RichProgressView
+
+    with RichProgressView(console) as view:
+        yield view.update
+
+
 def run_training(cfg: JobConfig, run_dir: Path, as_json: bool) -> None:
     """Train with the console output that fits; shared by `forge train` and `forge resume`."""
     from engine.parallel.place import process_place
     from engine.train.trainer import train as train_job
 
     main_rank = process_place().rank == 0  # the other ranks of a multi-process run print nothing
+    live = main_rank and not as_json and is_interactive()
     if not main_rank:
         reporter = None
     elif as_json:  # stdout carries only the JSON summary; progress lines go to stderr
         reporter = PlainReporter(sys.stderr)
     else:
-        reporter = LiveDashboard() if is_interactive() else PlainReporter()
+        reporter = LiveDashboard() if live else PlainReporter()
     from engine.checkpoint.manager import CheckpointWriteError
+    from engine.data.hub_cache import progress_shown_by
     from engine.resilience.anomaly import TrainingDiverged
     from engine.resilience.health import CollectiveTimeout
     from engine.resilience.signals import PREEMPTED_EXIT, Preempted
 
     try:
-        summary = train_job(cfg, run_dir, reporter)
+        with progress_shown_by(cache_build_bar) if live else contextlib.nullcontext():
+            summary = train_job(cfg, run_dir, reporter)
     except Preempted as stopped:
         if not main_rank:
             raise typer.Exit(PREEMPTED_EXIT) from None

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from engine.data.hub import HubSource
+from engine.data.hub_cache import hub_shards
 from engine.data.tokenize import STATE, open_source, tokenize, tokenize_files
 from engine.errors import DataError
 from tests.conftest import REPO
@@ -444,3 +445,31 @@ def test_mistakes_in_a_named_dataset_name_its_fields_and_cost_no_tokenizing(
     with pytest.raises(DataError, match=r"more than model.vocab_size = 100"):
         open_train_data(load_job_config(None, [*named, "model.vocab_size=100"]))
     assert not (tmp_path / "cache" / "hf").exists()
+
+
+def test_a_cache_build_reports_through_the_view_the_cli_installs(
+    tmp_path: Path, tok: Path, dataset_repo: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """`forge train` on a terminal shows the build of a config-named dataset as a Rich bar: the engine hands
+    its progress to whatever view is installed, from the first batch to the whole input read."""
+    import contextlib
+
+    from engine.config import load_job_config
+    from engine.data.hub_cache import progress_shown_by
+
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = load_job_config(
+        None, [f"data.hf_dataset_name={dataset_repo}", f"data.tokenizer_path={tok}", "model.vocab_size=512"]
+    )
+    seen: list[tuple[str, object]] = []
+
+    @contextlib.contextmanager
+    def view(name: str):
+        yield lambda p: seen.append((name, p))
+
+    with progress_shown_by(view):
+        entry = hub_shards(cfg, "data", tok)
+    assert seen and {name for name, _ in seen} == {f"hf:{dataset_repo} split 'train'"}
+    last = seen[-1][1]
+    assert last.phase == "tokenizing" and last.done == last.total == len(TEXTS)
+    assert last.tokens == all_tokens(entry).size

@@ -25,7 +25,6 @@ import io
 import json
 import logging
 import pickle
-import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -49,12 +48,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from engine.checkpoint.layout import COMPLETE, complete_checkpoints, step_dirs
 from engine.durable import fsync_dir, fsync_file, write_durably
 from engine.resilience.collectives import distributed
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAIN_STATE = "train_state.json"
-COMPLETE = "COMPLETE"
 LATEST = "latest"
 
 log = logging.getLogger("forge.checkpoint")
@@ -81,17 +79,6 @@ def single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         yield
-
-
-def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every step_N folder under root, complete or not, oldest first."""
-    if not root.is_dir():
-        return []
-    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
-
-
-def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    return [(step, path) for step, path in step_dirs(root) if (path / COMPLETE).is_file()]
 
 
 def latest_checkpoint(root: Path) -> tuple[int, Path] | None:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint.dcp import COMPLETE, STEP_DIR, latest_checkpoint, read_state, step_dirs
+from engine.checkpoint.dcp import COMPLETE, latest_checkpoint, read_state, step_dirs
+from engine.checkpoint.layout import STEP_DIR
 from engine.config.job import JobConfig
 from engine.config.loader import load_job_config
 from engine.config.model import ModelConfig

@@ -16,7 +16,6 @@ from torch import nn
 
 from engine.checkpoint.dcp import (
     COMPLETE,
-    STEP_DIR,
     UNREADABLE,
     complete_checkpoints,
     describe,
@@ -32,6 +31,7 @@ from engine.checkpoint.dcp import (
     training_state,
 )
 from engine.checkpoint.hf import is_hf_folder, load_hf_weights
+from engine.checkpoint.layout import STEP_DIR
 from engine.config.checkpoint import CheckpointConfig
 from engine.errors import UserError
 from engine.resilience.collectives import distributed, every_rank

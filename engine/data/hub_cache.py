@@ -26,7 +26,7 @@ from engine.data import DEFAULT_SHARD_TOKENS
 from engine.data.embedded import cache_dir
 from engine.data.hub import HubSource
 from engine.data.shards import MANIFEST
-from engine.data.tokenize import Progress, run_key, tokenize
+from engine.data.tokenize import Progress, ProgressFn, run_key, tokenize
 from engine.data.tokenizer import Encoder
 from engine.errors import DataError
 
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from engine.config.job import JobConfig
 
 PROGRESS_INTERVAL_S = 60.0
+ProgressView = Callable[[str], contextlib.AbstractContextManager[ProgressFn]]
+PROGRESS_VIEWS: list[ProgressView] = []  # the innermost `progress_shown_by` last
 NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL)
 
 
@@ -73,13 +75,10 @@ def hub_shards(cfg: JobConfig, section: str, tokenizer: Path) -> Path:
         if not (entry / MANIFEST).is_file():  # another process may have built it while this one waited
             say(f"tokenizing {source} into {entry} (once: later runs reuse it)")
             try:
-                report = tokenize(
-                    source,
-                    entry,
-                    tokenizer=tokenizer,
-                    text_field=d.hf_dataset_text_field,
-                    progress=progress_lines(str(source)),
-                )
+                with (PROGRESS_VIEWS[-1] if PROGRESS_VIEWS else progress_lines)(str(source)) as progress:
+                    report = tokenize(
+                        source, entry, tokenizer=tokenizer, text_field=d.hf_dataset_text_field, progress=progress
+                    )
             except DataError as e:
                 raise DataError(
                     f"{section}.hf_dataset_name: {e.message}", f"{e.hint} (config fields: {fields})"
@@ -93,7 +92,20 @@ def say(line: str) -> None:
     print(f"forge: {line}", file=sys.stderr, flush=True)
 
 
-def progress_lines(name: str) -> Callable[[Progress], None]:
+@contextlib.contextmanager
+def progress_shown_by(view: ProgressView) -> Iterator[None]:
+    """While the block runs, a cache build in this process reports through `view` (given the dataset's name, a
+    context that yields the progress callback): the CLI's Rich bar on a terminal. Otherwise the build says
+    where it is on stderr once a minute (`progress_lines`), which suits a job's log."""
+    PROGRESS_VIEWS.append(view)
+    try:
+        yield
+    finally:
+        PROGRESS_VIEWS.remove(view)
+
+
+@contextlib.contextmanager
+def progress_lines(name: str) -> Iterator[ProgressFn]:
     last = time.monotonic()
 
     def report(p: Progress) -> None:
@@ -103,7 +115,7 @@ def progress_lines(name: str) -> Callable[[Progress], None]:
             share = f" of {p.total:,}" if p.total is not None else ""
             say(f"{name}: {p.phase}, {p.done:,}{share} {p.unit}, {p.tokens:,} tokens")
 
-    return report
+    yield report
 
 
 @contextlib.contextmanager

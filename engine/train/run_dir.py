@@ -22,8 +22,11 @@ from engine.durable import write_durably
 from engine.errors import ConfigError, UserError
 from engine.metrics.trackers import MetricsLogger, build_trackers
 from engine.run_lock import RunLock
+from engine.runs import record_attempt
 
 RUN_CONFIG = "config.toml"
+
+log = logging.getLogger("forge.train")
 
 
 def run_config(run_dir: Path, overrides: list[str] = ()) -> JobConfig:
@@ -60,9 +63,17 @@ class RunOutputs:
 
     trackers: MetricsLogger
     lock: RunLock | None = None
+    run_dir: Path | None = None  # rank 0's: where the attempt's end is recorded
 
-    def close(self) -> None:
+    def close(self, ending: dict[str, Any]) -> None:
+        """Close the sinks, record how this attempt ended (`engine.runs`: complete, preempted or failed, with
+        details), then let go of the lock, so that a reader who finds the lock free finds the record too."""
         self.trackers.close()
+        if self.run_dir is not None:
+            try:
+                record_attempt(self.run_dir, "end", **ending)
+            except OSError as err:  # a full disk must not hide why the run ended
+                log.warning("could not record the end of this attempt in %s: %s", self.run_dir, err)
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -86,7 +97,9 @@ def open_run_dir(
             eos = json.dumps({"eos_token": train_data.manifest.eos_token}, indent=2) + "\n"
             write_if_changed(run_dir / "tokenizer_config.json", eos.encode())
         resumed_from = start_step if (run_dir / "metrics.jsonl").exists() and not created else None
-        return RunOutputs(build_trackers(cfg, run_dir, run_dir.name, resumed_from, wandb_run_id), lock)
+        outputs = RunOutputs(build_trackers(cfg, run_dir, run_dir.name, resumed_from, wandb_run_id), lock, run_dir)
+        record_attempt(run_dir, "start", step=start_step)
+        return outputs
     except UserError:
         for path in [run_dir] if created else set(run_dir.iterdir()) - before:
             if path.is_dir():

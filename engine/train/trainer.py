@@ -63,19 +63,31 @@ def train(
             }
         outputs = open_run_dir_on_main(job)
         with logging_to(job.run_dir / "train.log") if job.is_main else contextlib.nullcontext():
+            ending: dict[str, Any] = {"reason": "failed"}
             try:
-                return run_loop(
+                summary = run_loop(
                     job,
                     outputs.trackers,
                     (reporter or SilentReporter()) if job.is_main else SilentReporter(),
                     hooks or TrainHooks(),
                     stop,
                 )
-            except BaseException:
+                ending = {"reason": "complete", "step": summary["steps"]}
+                return summary
+            except BaseException as err:
+                ending = attempt_end(err)
                 finish_pending_save(job)
                 raise
             finally:
-                outputs.close()
+                outputs.close(ending)
+
+
+def attempt_end(err: BaseException) -> dict[str, Any]:
+    """How an attempt that raised ended, for the run's attempt log (`forge runs` shows it)."""
+    if isinstance(err, Preempted):
+        return {"reason": "preempted", "step": err.step, "signal": err.signal_name}
+    message = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    return {"reason": "failed", "error": message[:500]}
 
 
 @contextlib.contextmanager
