@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from forgecli import convert, doctor, generate, resume, tokenize, train, validate_config
+from forgecli import convert, doctor, generate, resume, slurm, tokenize, train, validate_config
 
 app = typer.Typer(
     name="forge",
@@ -26,6 +26,7 @@ app.command("tokenize")(tokenize.tokenize)
 app.command("doctor")(doctor.doctor)
 app.add_typer(convert.app, name="convert")
 app.command("generate")(generate.generate)
+app.add_typer(slurm.app, name="slurm")
 
 
 def main() -> None:
