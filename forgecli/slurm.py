@@ -6,7 +6,6 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -32,24 +31,24 @@ def submit(
     preset: Path = typer.Argument(..., help="TOML preset; overrides follow as --section.key=value."),
     nodes: int = typer.Option(1, "--nodes", min=1, help="Nodes to allocate."),
     gpus_per_node: int = typer.Option(0, "--gpus-per-node", min=0, help="GPUs per node (0 = a CPU job)."),
-    ntasks_per_node: Optional[int] = typer.Option(None, "--ntasks-per-node", min=1,
+    ntasks_per_node: int | None = typer.Option(None, "--ntasks-per-node", min=1,
                                                   help="Ranks per node. Default: one per GPU (1 for a CPU job)."),
     cpus_per_task: int = typer.Option(1, "--cpus-per-task", min=1, help="CPU cores per rank (OMP_NUM_THREADS)."),
-    time_limit: Optional[str] = typer.Option(None, "--time", help="Time limit, e.g. 24:00:00. Default: the partition's."),
-    partition: Optional[str] = typer.Option(None, "--partition"),
-    account: Optional[str] = typer.Option(None, "--account"),
-    qos: Optional[str] = typer.Option(None, "--qos"),
-    job_name: Optional[str] = typer.Option(None, "--job-name", help="Default: the run directory's name."),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir",
+    time_limit: str | None = typer.Option(None, "--time", help="Time limit, e.g. 24:00:00. Default: the partition's."),
+    partition: str | None = typer.Option(None, "--partition"),
+    account: str | None = typer.Option(None, "--account"),
+    qos: str | None = typer.Option(None, "--qos"),
+    job_name: str | None = typer.Option(None, "--job-name", help="Default: the run directory's name."),
+    run_dir: Path | None = typer.Option(None, "--run-dir",
                                            help="Run directory (a sweep: the folder of its points). Default: runs/<preset name>."),
     signal_lead: int = typer.Option(600, "--signal-lead", min=1,
                                     help="Seconds before the time limit the ranks get SIGUSR1 to save and stop."),
     max_requeues: int = typer.Option(3, "--max-requeues", min=0, help="Times the job requeues itself after a preemption."),
     sbatch_arg: list[str] = typer.Option([], "--sbatch-arg", help="Extra sbatch option, passed through (repeatable)."),
     sweep: list[str] = typer.Option([], "--sweep", help="section.key=v1,v2,… (repeatable): one array task per point."),
-    after: Optional[str] = typer.Option(None, "--after", help="Start after this job ends (any outcome)."),
-    after_ok: Optional[str] = typer.Option(None, "--after-ok", help="Start after this job succeeds."),
-    template: Optional[Path] = typer.Option(None, "--template", help="sbatch template (Jinja2). Default: templates/slurm.sbatch."),
+    after: str | None = typer.Option(None, "--after", help="Start after this job ends (any outcome)."),
+    after_ok: str | None = typer.Option(None, "--after-ok", help="Start after this job succeeds."),
+    template: Path | None = typer.Option(None, "--template", help="sbatch template (Jinja2). Default: templates/slurm.sbatch."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check and print the script; submit nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print the job id and run directories as JSON."),
 ) -> None:
@@ -114,6 +113,8 @@ def status(
     say(f"run directory: {info['run_dir']}")
     say(f"elapsed: {info['elapsed'] or '-'}   restarts: {info['restarts']}   nodes: {info['nodes'] or '-'}")
     say(f"last step: {last['step']}, loss {last['loss']:.4f}" if last else "last step: none logged yet")
+    if info["outcome"]:
+        say(f"outcome: {info['outcome']}")
     for attempt in info["attempts"]:
         end = f"{attempt['outcome']} (exit {attempt['exit_code']}) at {attempt['end']}" if attempt["end"] else "running"
         say(f"  attempt {attempt['attempt']}: started {attempt['start']} on {attempt['nodes']}, {end}")

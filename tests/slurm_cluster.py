@@ -11,6 +11,7 @@ munged is shared by the whole machine; it is started only if none answers and th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -124,7 +125,7 @@ class Cluster:
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.started_munge = False
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         install_packages()
         self.started_munge = start_munge()
         for sub in ("state", "spool"):
@@ -145,10 +146,8 @@ class Cluster:
             pid_files.append(MUNGE_RUN / "munged.pid")
         for pid_file in pid_files:
             if pid_file.exists() and pid_file.read_text().strip():
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid_file.read_text()), signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
 
 
 def main(argv: list[str]) -> None:

@@ -15,10 +15,10 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Iterator
 
 from engine.errors import UserError
 from engine.slurm.render import (
@@ -114,7 +114,7 @@ def submit(sub: Submission) -> str:
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def append_record(run_dir: Path, record: dict) -> None:
@@ -223,6 +223,7 @@ def job_status(run_dir: Path) -> dict:
         "nodes": info.get("NodeList") or (tries[-1].nodes if tries else None),
         "exit_code": info.get("ExitCode"), "submitted_at": record["submitted_at"],
         "last": last_step(run_dir), "attempts": [asdict(a) for a in tries],
+        "outcome": describe_end(tries[-1]) if tries and state not in ACTIVE_STATES else None,
         "source": "scontrol" if "Restarts" in info else ("sacct" if info else "run directory"),
     }
 
@@ -233,7 +234,8 @@ def describe_end(attempt: Attempt) -> str:
         return "UNKNOWN (the last attempt logged no end)"
     if attempt.outcome == "end":
         return "COMPLETED" if attempt.exit_code == 0 else f"FAILED (exit {attempt.exit_code})"
-    return {"gave-up": "STOPPED (preempted more than --max-requeues times)",
+    return {"gave-up": "STOPPED: preempted more than --max-requeues times; the newest checkpoint is kept, "
+                       "submit again with the same --run-dir to continue",
             "stopped": "STOPPED (forge slurm cancel --graceful)", "requeue": "REQUEUED"}[attempt.outcome]
 
 
@@ -290,19 +292,3 @@ def cancel(run_dir: Path, graceful: bool, wait_seconds: float) -> str:
         return f"job {job_id} did not stop within {wait_seconds:g} s of the signal: cancelled"
     return f"job {job_id} saved a checkpoint and stopped"
 
-
-def tool_versions() -> dict[str, str | None]:
-    """For `forge doctor`: where sbatch is, SLURM's version, whether a controller answers (scontrol ping)."""
-    sbatch = shutil.which("sbatch")
-    if sbatch is None:
-        return {"sbatch": None}
-    out: dict[str, str | None] = {"sbatch": sbatch}
-    try:
-        out["version"] = subprocess.run([sbatch, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
-        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=15,
-                              env={**os.environ})
-        out["controller"] = (ping.stdout.strip() or ping.stderr.strip()) if ping.returncode == 0 else None
-        out["controller_error"] = None if ping.returncode == 0 else (ping.stderr.strip() or ping.stdout.strip())
-    except (OSError, subprocess.TimeoutExpired) as err:
-        out["controller_error"] = str(err)
-    return out
