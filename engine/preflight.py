@@ -253,12 +253,16 @@ def check_slurm() -> Outcome:
         return Outcome("info", (", ".join(found) or "sbatch/srun/scontrol not on PATH")
                        + " (needed only for `forge slurm`)" + inside)
     try:
-        version = subprocess.run([tools["sbatch"], "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+        version = subprocess.run([tools["sbatch"], "--version"], capture_output=True, text=True, timeout=10)
         ping = subprocess.run([tools["scontrol"], "ping"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as err:
         return Outcome("warn", f"{', '.join(found)}: {err}", "check the SLURM client installation")
-    answer = " ".join((ping.stdout.strip() or ping.stderr.strip()).split())
+    if version.returncode != 0:  # the tools read slurm.conf before anything else, --version included
+        said = (version.stderr.strip() or version.stdout.strip()).splitlines()
+        return Outcome("warn", f"{', '.join(found)}, but no SLURM configuration: {said[-1] if said else 'no output'}{inside}",
+                       "set SLURM_CONF to the cluster's slurm.conf, or run on a login node")
+    version, answer = version.stdout.strip(), " ".join((ping.stdout.strip() or ping.stderr.strip()).split())
     if ping.returncode != 0 or " is UP" not in answer:
         return Outcome("warn", f"{version}; no controller answers: {answer}{inside}",
-                       "check SLURM_CONF / the cluster's slurm.conf, or run on a login node")
+                       "check that slurmctld runs and SLURM_CONF names the cluster's slurm.conf")
     return Outcome("ok", f"{version}; controller {answer}; {', '.join(found)}{inside}")

@@ -97,6 +97,14 @@ def test_bad_submissions_are_refused_before_anything_is_written(tmp_path, args, 
     assert message in " ".join(result.output.split()).replace("│", "").replace("  ", " ") or message in result.output
 
 
+def test_a_run_dir_holding_another_run_is_refused_at_submit(tmp_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.toml").write_text((REPO / "presets" / "debug.toml").read_text())
+    assert dry_run("--run-dir", str(tmp_path / "r")).exit_code == 0  # the same run: it continues
+    result = dry_run("--run-dir", str(tmp_path / "r"), "--model.dim=96")
+    assert result.exit_code == 2 and "model.dim" in result.output and "an existing run" in result.output
+
+
 def test_missing_sbatch_is_a_clear_user_error(tmp_path):
     result = runner.invoke(app, ["slurm", "submit", "presets/debug.toml", "--run-dir", str(tmp_path / "r")],
                            env={"PATH": str(tmp_path), "NO_COLOR": "1", "COLUMNS": "200"})
@@ -250,6 +258,7 @@ def test_a_job_preempted_more_than_max_requeues_stops_with_a_clear_message(clust
     assert job(job_id)["Restarts"] == "0" and job(job_id)["ExitCode"] == "75:0"
     log = forge("slurm", "logs", str(run_dir), cwd=tmp_path).stdout
     assert "preempted 1 times, more than --max-requeues 0: not requeued" in log
+    assert forge("slurm", "logs", str(run_dir), "-f", cwd=tmp_path).stdout == log  # an ended job: all of it, then done
     status = forge("slurm", "status", str(run_dir), cwd=tmp_path).stdout
     assert "preempted more than --max-requeues times" in status and "restarts: 0" in status
     assert (run_dir / "checkpoints").is_dir()

@@ -10,7 +10,6 @@ and from those files after, so a finished job can still be described on a cluste
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.errors import UserError
 from engine.slurm.render import (
@@ -30,6 +30,9 @@ from engine.slurm.render import (
     sweep_points,
     template_context,
 )
+
+if TYPE_CHECKING:
+    from engine.config import JobConfig
 
 SLURM_DIR = "slurm"
 RECORDS = "jobs.jsonl"
@@ -81,7 +84,6 @@ def prepare(req: SlurmRequest, template: Path, argv: list[str]) -> Submission:
     does (cross-section rules and the memory estimate), check the signal lead, and render the script."""
     from engine.config import load_job_config
     from engine.parallel.memory import estimate_memory
-    from engine.train.run_dir import check_run_dir
 
     points = sweep_points(req.sweep, req.run_dir) if req.sweep else []
     shutdown = 0.0
@@ -89,10 +91,22 @@ def prepare(req: SlurmRequest, template: Path, argv: list[str]) -> Submission:
         cfg = load_job_config(req.preset, overrides).validate(req.world_size)
         stages = estimate_memory(cfg, req.world_size)
         check_signal_lead(req.signal_lead, cfg.train.shutdown_timeout_sec, max(s.params + s.optimizer for s in stages))
-        check_run_dir(cfg, run_dir)
+        check_existing_run(cfg, run_dir)
         shutdown = max(shutdown, cfg.train.shutdown_timeout_sec)
     script = render(template, template_context(req, points, Path.cwd(), shutdown))
     return Submission(req, script, points, argv)
+
+
+def check_existing_run(cfg: JobConfig, run_dir: Path) -> None:
+    """A run directory that already holds a run must be one `cfg` may continue (what `forge train` will check
+    when the job starts, said now rather than in the job's log)."""
+    from engine.config import load_job_config
+    from engine.config.changes import resume_issues
+    from engine.errors import ConfigError
+
+    saved = run_dir / "config.toml"
+    if saved.is_file() and (issues := resume_issues(load_job_config(saved), cfg)):
+        raise ConfigError(issues, f"{run_dir} (an existing run: it resumes with its own config)")
 
 
 def submit(sub: Submission) -> str:
