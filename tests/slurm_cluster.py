@@ -81,7 +81,8 @@ def wait_for(ready, seconds: float, failure: str) -> None:
 
 def slurm_conf(base: Path) -> str:
     """One node named as `hostname -s` (slurmd insists), reached on 127.0.0.1 so no name lookup is needed,
-    with the CPUs and memory slurmd detects; requeue allowed; jobs start as soon as they are submitted."""
+    with the CPUs and memory slurmd detects; requeue allowed, and soon restarted; jobs start as soon as they
+    are submitted."""
     host = socket.gethostname().split(".")[0]
     node = run("slurmd", "-C").stdout.splitlines()[0]
     return "\n".join([
@@ -90,6 +91,9 @@ def slurm_conf(base: Path) -> str:
         "SlurmUser=root",
         "SlurmdUser=root",
         "AuthType=auth/munge",
+        # A requeued job waits for its old credentials to expire before it may start again (120 s by default;
+        # started sooner, SLURM kills it: "Job credential revoked"); 10 s keeps the requeue tests short.
+        "AuthInfo=cred_expire=10",
         f"StateSaveLocation={base}/state",
         f"SlurmdSpoolDir={base}/spool",
         f"SlurmctldPidFile={base}/slurmctld.pid",
