@@ -97,6 +97,20 @@ def test_bad_submissions_are_refused_before_anything_is_written(tmp_path, args, 
     assert message in " ".join(result.output.split()).replace("│", "").replace("  ", " ") or message in result.output
 
 
+@pytest.mark.parametrize("lead,timeout,shard,message", [
+    (600, 300, 200e9, "cannot be saved within the shutdown timeout"),  # 400 s at 500 MB/s
+    (420, 300, 100e9, "--signal-lead 420 s is too short"),              # 300 s + 200 s
+    (70000, 300, 1e9, "more than SLURM accepts"),
+])
+def test_signal_lead_must_cover_the_shutdown_and_the_save(lead, timeout, shard, message):
+    from engine.errors import UserError
+    from engine.slurm.render import check_signal_lead
+
+    check_signal_lead(600, 300, 1e9)  # the defaults, for a 1 GB shard
+    with pytest.raises(UserError, match=message):
+        check_signal_lead(lead, timeout, int(shard))
+
+
 def test_a_run_dir_holding_another_run_is_refused_at_submit(tmp_path):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "config.toml").write_text((REPO / "presets" / "debug.toml").read_text())

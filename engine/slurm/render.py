@@ -90,7 +90,7 @@ def check_signal_lead(lead: int, shutdown_timeout: float, checkpoint_bytes: int)
     the job: refuse a lead shorter than train.shutdown_timeout_sec (the longest the ranks take before their
     watchdog ends them) plus the estimated save time, and a shutdown timeout the save itself cannot fit in."""
     save = save_seconds(checkpoint_bytes)
-    facts = (f"train.shutdown_timeout_sec = {shutdown_timeout:g} s, estimated checkpoint save {save:.0f} s "
+    facts = (f"train.shutdown_timeout_sec = {shutdown_timeout:g} s, estimated checkpoint save {save:.1f} s "
              f"({checkpoint_bytes / 2**30:.2f} GiB per rank at an assumed {SAVE_BYTES_PER_SEC / 1e6:.0f} MB/s)")
     if shutdown_timeout < save:
         raise UserError(f"the emergency checkpoint cannot be saved within the shutdown timeout: {facts}",
