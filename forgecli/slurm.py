@@ -159,8 +159,9 @@ def cancel(
 
       forge slurm cancel runs/debug --graceful
     """
+    from engine.config import load_job_config
     from engine.slurm.jobs import cancel as cancel_job
-    from engine.train.run_dir import run_config
 
-    wait = run_config(run_dir).train.shutdown_timeout_sec + 60 if graceful else 0
+    saved = run_dir / "config.toml"  # written when training starts; a job still pending is cancelled at once
+    wait = load_job_config(saved).train.shutdown_timeout_sec + 60 if graceful and saved.is_file() else 60
     say(cancel_job(run_dir, graceful, wait))
