@@ -31,24 +31,31 @@ def submit(
     preset: Path = typer.Argument(..., help="TOML preset; overrides follow as --section.key=value."),
     nodes: int = typer.Option(1, "--nodes", min=1, help="Nodes to allocate."),
     gpus_per_node: int = typer.Option(0, "--gpus-per-node", min=0, help="GPUs per node (0 = a CPU job)."),
-    ntasks_per_node: int | None = typer.Option(None, "--ntasks-per-node", min=1,
-                                                  help="Ranks per node. Default: one per GPU (1 for a CPU job)."),
+    ntasks_per_node: int | None = typer.Option(
+        None, "--ntasks-per-node", min=1, help="Ranks per node. Default: one per GPU (1 for a CPU job)."
+    ),
     cpus_per_task: int = typer.Option(1, "--cpus-per-task", min=1, help="CPU cores per rank (OMP_NUM_THREADS)."),
     time_limit: str | None = typer.Option(None, "--time", help="Time limit, e.g. 24:00:00. Default: the partition's."),
     partition: str | None = typer.Option(None, "--partition"),
     account: str | None = typer.Option(None, "--account"),
     qos: str | None = typer.Option(None, "--qos"),
     job_name: str | None = typer.Option(None, "--job-name", help="Default: the run directory's name."),
-    run_dir: Path | None = typer.Option(None, "--run-dir",
-                                           help="Run directory (a sweep: the folder of its points). Default: runs/<preset name>."),
-    signal_lead: int = typer.Option(600, "--signal-lead", min=1,
-                                    help="Seconds before the time limit the ranks get SIGUSR1 to save and stop."),
-    max_requeues: int = typer.Option(3, "--max-requeues", min=0, help="Times the job requeues itself after a preemption."),
+    run_dir: Path | None = typer.Option(
+        None, "--run-dir", help="Run directory (a sweep: the folder of its points). Default: runs/<preset name>."
+    ),
+    signal_lead: int = typer.Option(
+        600, "--signal-lead", min=1, help="Seconds before the time limit the ranks get SIGUSR1 to save and stop."
+    ),
+    max_requeues: int = typer.Option(
+        3, "--max-requeues", min=0, help="Times the job requeues itself after a preemption."
+    ),
     sbatch_arg: list[str] = typer.Option([], "--sbatch-arg", help="Extra sbatch option, passed through (repeatable)."),
     sweep: list[str] = typer.Option([], "--sweep", help="section.key=v1,v2,… (repeatable): one array task per point."),
     after: str | None = typer.Option(None, "--after", help="Start after this job ends (any outcome)."),
     after_ok: str | None = typer.Option(None, "--after-ok", help="Start after this job succeeds."),
-    template: Path | None = typer.Option(None, "--template", help="sbatch template (Jinja2). Default: templates/slurm.sbatch."),
+    template: Path | None = typer.Option(
+        None, "--template", help="sbatch template (Jinja2). Default: templates/slurm.sbatch."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check and print the script; submit nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print the job id and run directories as JSON."),
 ) -> None:
@@ -68,11 +75,25 @@ def submit(
     from engine.slurm.render import DEFAULT_TEMPLATE, SlurmRequest
 
     req = SlurmRequest(
-        preset=preset.resolve(), overrides=collect_overrides(ctx.args),
-        run_dir=(run_dir or Path("runs") / preset.stem).resolve(), nodes=nodes, gpus_per_node=gpus_per_node,
-        ntasks_per_node=ntasks_per_node, cpus_per_task=cpus_per_task, time=time_limit, partition=partition,
-        account=account, qos=qos, job_name=job_name, signal_lead=signal_lead, max_requeues=max_requeues,
-        sbatch_args=sbatch_arg, sweep=sweep, after=after, after_ok=after_ok)
+        preset=preset.resolve(),
+        overrides=collect_overrides(ctx.args),
+        run_dir=(run_dir or Path("runs") / preset.stem).resolve(),
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        ntasks_per_node=ntasks_per_node,
+        cpus_per_task=cpus_per_task,
+        time=time_limit,
+        partition=partition,
+        account=account,
+        qos=qos,
+        job_name=job_name,
+        signal_lead=signal_lead,
+        max_requeues=max_requeues,
+        sbatch_args=sbatch_arg,
+        sweep=sweep,
+        after=after,
+        after_ok=after_ok,
+    )
     sub = prepare(req, template or DEFAULT_TEMPLATE, ["forge", *sys.argv[1:]])
     if dry_run:
         sys.stdout.write(sub.script)
@@ -85,7 +106,9 @@ def submit(
     say(f"script: {sub.script_path}")
     for run in sub.run_dirs:
         target = shlex.quote(str(run))
-        say(f"follow: forge slurm status {target}   forge slurm logs {target} -f   forge slurm cancel {target} --graceful")
+        say(
+            f"follow: forge slurm status {target}   forge slurm logs {target} -f   forge slurm cancel {target} --graceful"
+        )
 
 
 @app.command("status")
@@ -109,7 +132,10 @@ def status(
         print_json(info)
         return
     last = info["last"]
-    say(f"job {info['job_id']}: {info['state']}" + (f" ({info['reason']})" if info["reason"] not in (None, "None") else ""))
+    say(
+        f"job {info['job_id']}: {info['state']}"
+        + (f" ({info['reason']})" if info["reason"] not in (None, "None") else "")
+    )
     say(f"run directory: {info['run_dir']}")
     say(f"elapsed: {info['elapsed'] or '-'}   restarts: {info['restarts']}   nodes: {info['nodes'] or '-'}")
     say(f"last step: {last['step']}, loss {last['loss']:.4f}" if last else "last step: none logged yet")
@@ -150,8 +176,9 @@ def logs(
 @user_errors
 def cancel(
     run_dir: Path = typer.Argument(..., help="Run directory of the job."),
-    graceful: bool = typer.Option(False, "--graceful",
-                                  help="Signal the ranks first so they save a checkpoint; cancel only if they do not stop."),
+    graceful: bool = typer.Option(
+        False, "--graceful", help="Signal the ranks first so they save a checkpoint; cancel only if they do not stop."
+    ),
 ) -> None:
     """Stop a job. --graceful keeps its progress: a checkpoint is taken and the job is not requeued.
 

@@ -85,39 +85,41 @@ def slurm_conf(base: Path) -> str:
     are submitted."""
     host = socket.gethostname().split(".")[0]
     node = run("slurmd", "-C").stdout.splitlines()[0]
-    return "\n".join([
-        "ClusterName=forgetest",
-        f"SlurmctldHost={host}(127.0.0.1)",
-        "SlurmUser=root",
-        "SlurmdUser=root",
-        "AuthType=auth/munge",
-        # A requeued job waits for its old credentials to expire before it may start again (120 s by default;
-        # started sooner, SLURM kills it: "Job credential revoked"); 10 s keeps the requeue tests short.
-        "AuthInfo=cred_expire=10",
-        f"StateSaveLocation={base}/state",
-        f"SlurmdSpoolDir={base}/spool",
-        f"SlurmctldPidFile={base}/slurmctld.pid",
-        f"SlurmdPidFile={base}/slurmd.pid",
-        f"SlurmctldLogFile={base}/slurmctld.log",
-        f"SlurmdLogFile={base}/slurmd.log",
-        "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/none",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_Core",
-        "MpiDefault=none",
-        "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none",
-        "MailProg=/bin/true",
-        "JobRequeue=1",
-        "ReturnToService=2",
-        "SlurmdTimeout=10",
-        "KillWait=5",
-        "MinJobAge=600",
-        "SchedulerParameters=batch_sched_delay=0",
-        f"{node} NodeAddr=127.0.0.1 State=UNKNOWN",
-        f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP",
-        "",
-    ])
+    return "\n".join(
+        [
+            "ClusterName=forgetest",
+            f"SlurmctldHost={host}(127.0.0.1)",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            # A requeued job waits for its old credentials to expire before it may start again (120 s by default;
+            # started sooner, SLURM kills it: "Job credential revoked"); 10 s keeps the requeue tests short.
+            "AuthInfo=cred_expire=10",
+            f"StateSaveLocation={base}/state",
+            f"SlurmdSpoolDir={base}/spool",
+            f"SlurmctldPidFile={base}/slurmctld.pid",
+            f"SlurmdPidFile={base}/slurmd.pid",
+            f"SlurmctldLogFile={base}/slurmctld.log",
+            f"SlurmdLogFile={base}/slurmd.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "MpiDefault=none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "MailProg=/bin/true",
+            "JobRequeue=1",
+            "ReturnToService=2",
+            "SlurmdTimeout=10",
+            "KillWait=5",
+            "MinJobAge=600",
+            "SchedulerParameters=batch_sched_delay=0",
+            f"{node} NodeAddr=127.0.0.1 State=UNKNOWN",
+            f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP",
+            "",
+        ]
+    )
 
 
 class Cluster:

@@ -24,8 +24,15 @@ from tests.slurm_cluster import Cluster, can_host
 
 GOLDEN = REPO / "tests" / "golden"
 # A 2-rank CPU job that takes some seconds: long enough to be signalled mid-run, short enough for 2 cores.
-TINY = ["--train.seq_len=64", "--model.max_seq_len=64", "--metrics.log_interval=1", "--eval.enabled=false",
-        "--scheduler.warmup_steps=3", "--train.shutdown_timeout_sec=60", "--checkpoint.interval=1000"]
+TINY = [
+    "--train.seq_len=64",
+    "--model.max_seq_len=64",
+    "--metrics.log_interval=1",
+    "--eval.enabled=false",
+    "--scheduler.warmup_steps=3",
+    "--train.shutdown_timeout_sec=60",
+    "--checkpoint.interval=1000",
+]
 FAST = ["--signal-lead", "120"]
 EVIL = '$(touch pwned)"; touch pwned2 #'
 runner = CliRunner()
@@ -34,21 +41,45 @@ pytestmark = pytest.mark.xdist_group("slurm")
 
 
 def dry_run(*args: str, env: dict | None = None):
-    return runner.invoke(app, ["slurm", "submit", "presets/debug.toml", "--dry-run", *args],
-                         env={"NO_COLOR": "1", "COLUMNS": "200", **(env or {})})
+    return runner.invoke(
+        app,
+        ["slurm", "submit", "presets/debug.toml", "--dry-run", *args],
+        env={"NO_COLOR": "1", "COLUMNS": "200", **(env or {})},
+    )
 
 
 def placeholders(script: str, run_dir: Path) -> str:
     """The machine-specific paths of a rendered script as names, so the golden files hold on any machine."""
-    return (script.replace(sys.executable, "{PYTHON}").replace(str(run_dir), "{RUN_DIR}")
-            .replace(str(REPO), "{REPO}").replace(str(Path.cwd()), "{CWD}"))
+    return (
+        script.replace(sys.executable, "{PYTHON}")
+        .replace(str(run_dir), "{RUN_DIR}")
+        .replace(str(REPO), "{REPO}")
+        .replace(str(Path.cwd()), "{CWD}")
+    )
 
 
 GOLDEN_CASES = {
     "slurm_1node.sbatch": ["--ntasks-per-node", "2", "--train.max_steps=20"],
-    "slurm_4x8gpu.sbatch": ["--nodes", "4", "--gpus-per-node", "8", "--cpus-per-task", "12", "--time", "24:00:00",
-                            "--partition", "gpu", "--account", "proj", "--qos", "high", "--max-requeues", "5",
-                            "--sbatch-arg=--exclusive", "--distributed.tp=2"],
+    "slurm_4x8gpu.sbatch": [
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--cpus-per-task",
+        "12",
+        "--time",
+        "24:00:00",
+        "--partition",
+        "gpu",
+        "--account",
+        "proj",
+        "--qos",
+        "high",
+        "--max-requeues",
+        "5",
+        "--sbatch-arg=--exclusive",
+        "--distributed.tp=2",
+    ],
 }
 
 
@@ -70,38 +101,59 @@ def test_values_are_quoted_so_the_shell_runs_nothing(tmp_path):
     result = dry_run("--run-dir", str(run_dir), f"--metrics.wandb_run_name={EVIL}", "--job-name", "x'; touch pwned4 #")
     assert result.exit_code == 0, result.output
     body = result.stdout.split("\nmkdir -p")[0]  # the assignments, before anything runs
-    shown = subprocess.run(["bash", "-c", body + '\nprintf "%s\\n" "$RUN_DIR" "${OVERRIDES[@]}"'], cwd=tmp_path,
-                           capture_output=True, text=True, check=True).stdout.splitlines()
+    shown = subprocess.run(
+        ["bash", "-c", body + '\nprintf "%s\\n" "$RUN_DIR" "${OVERRIDES[@]}"'],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert shown == [str(run_dir), f"--metrics.wandb_run_name={EVIL}"]
     assert not list(tmp_path.glob("pwned*"))
     assert "#SBATCH --job-name='x'\"'\"'; touch pwned4 #'" in result.stdout
 
 
 def test_sweep_renders_one_array_with_a_run_dir_per_point(tmp_path):
-    result = dry_run("--run-dir", str(tmp_path / "sw"), "--sweep", "optimizer.lr=1e-3,3e-4", "--sweep",
-                     "train.seed=1,2", "--after-ok", "77", "--after", "78")
+    result = dry_run(
+        "--run-dir",
+        str(tmp_path / "sw"),
+        "--sweep",
+        "optimizer.lr=1e-3,3e-4",
+        "--sweep",
+        "train.seed=1,2",
+        "--after-ok",
+        "77",
+        "--after",
+        "78",
+    )
     assert result.exit_code == 0, result.output
     assert "#SBATCH --array=0-3" in result.stdout
     assert "#SBATCH --dependency=afterany:78,afterok:77" in result.stdout
     assert f"3) RUN_DIR={tmp_path}/sw/lr=3e-4_seed=2; POINT=(--optimizer.lr=3e-4 --train.seed=2) ;;" in result.stdout
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--signal-lead", "100"], "--signal-lead 100 s is too short: train.shutdown_timeout_sec = 300 s"),
-    (["--ntasks-per-node", "2", "--distributed.tp=4"], "world size"),
-    (["--sweep", "optimizer.lr"], "is not section.key=value1,value2"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--signal-lead", "100"], "--signal-lead 100 s is too short: train.shutdown_timeout_sec = 300 s"),
+        (["--ntasks-per-node", "2", "--distributed.tp=4"], "world size"),
+        (["--sweep", "optimizer.lr"], "is not section.key=value1,value2"),
+    ],
+)
 def test_bad_submissions_are_refused_before_anything_is_written(tmp_path, args, message):
     result = dry_run("--run-dir", str(tmp_path / "r"), *args)
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split()).replace("│", "").replace("  ", " ") or message in result.output
 
 
-@pytest.mark.parametrize("lead,timeout,shard,message", [
-    (600, 300, 200e9, "cannot be saved within the shutdown timeout"),  # 400 s at 500 MB/s
-    (420, 300, 100e9, "--signal-lead 420 s is too short"),              # 300 s + 200 s
-    (70000, 300, 1e9, "more than SLURM accepts"),
-])
+@pytest.mark.parametrize(
+    "lead,timeout,shard,message",
+    [
+        (600, 300, 200e9, "cannot be saved within the shutdown timeout"),  # 400 s at 500 MB/s
+        (420, 300, 100e9, "--signal-lead 420 s is too short"),  # 300 s + 200 s
+        (70000, 300, 1e9, "more than SLURM accepts"),
+    ],
+)
 def test_signal_lead_must_cover_the_shutdown_and_the_save(lead, timeout, shard, message):
     from engine.errors import UserError
     from engine.slurm.render import check_signal_lead
@@ -120,8 +172,11 @@ def test_a_run_dir_holding_another_run_is_refused_at_submit(tmp_path):
 
 
 def test_missing_sbatch_is_a_clear_user_error(tmp_path):
-    result = runner.invoke(app, ["slurm", "submit", "presets/debug.toml", "--run-dir", str(tmp_path / "r")],
-                           env={"PATH": str(tmp_path), "NO_COLOR": "1", "COLUMNS": "200"})
+    result = runner.invoke(
+        app,
+        ["slurm", "submit", "presets/debug.toml", "--run-dir", str(tmp_path / "r")],
+        env={"PATH": str(tmp_path), "NO_COLOR": "1", "COLUMNS": "200"},
+    )
     assert result.exit_code == 2, result.output
     assert "sbatch not found on PATH" in result.output
     assert not (tmp_path / "r").exists()
@@ -148,8 +203,9 @@ def cluster(tmp_path_factory):
 
 def forge(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "forgecli.app", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "forgecli.app", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def submit(*args: str, cwd: Path) -> str:
@@ -270,8 +326,17 @@ def tomllib_load(path: Path) -> dict:
 @pytest.mark.slurm
 def test_a_job_preempted_more_than_max_requeues_stops_with_a_clear_message(cluster, tmp_path):
     run_dir = tmp_path / "bounded"
-    job_id = submit("presets/debug.toml", "--run-dir", str(run_dir), "--max-requeues", "0", *FAST, *TINY,
-                    "--train.max_steps=60", cwd=REPO)
+    job_id = submit(
+        "presets/debug.toml",
+        "--run-dir",
+        str(run_dir),
+        "--max-requeues",
+        "0",
+        *FAST,
+        *TINY,
+        "--train.max_steps=60",
+        cwd=REPO,
+    )
     preempt_at(job_id, run_dir, 3)
     wait_for(lambda: finished(job_id), 90, "the job to end")
     assert job(job_id)["Restarts"] == "0" and job(job_id)["ExitCode"] == "75:0"
@@ -287,11 +352,26 @@ def test_a_job_preempted_more_than_max_requeues_stops_with_a_clear_message(clust
 def test_sweep_is_one_array_job_chained_after_another(cluster, tmp_path):
     """Two points run as tasks of one array job, once the job they wait for has succeeded; each leaves a
     complete run directory with its own value."""
-    held = subprocess.run(["sbatch", "--parsable", "--hold", "-o", "/dev/null", "--wrap", "true"], check=True,
-                          capture_output=True, text=True).stdout.strip()
+    held = subprocess.run(
+        ["sbatch", "--parsable", "--hold", "-o", "/dev/null", "--wrap", "true"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     sweep = tmp_path / "sweep"
-    array = submit("presets/debug.toml", "--run-dir", str(sweep), "--sweep", "optimizer.lr=1e-3,3e-4",
-                   "--after-ok", held, *FAST, *TINY, "--train.max_steps=3", cwd=REPO)
+    array = submit(
+        "presets/debug.toml",
+        "--run-dir",
+        str(sweep),
+        "--sweep",
+        "optimizer.lr=1e-3,3e-4",
+        "--after-ok",
+        held,
+        *FAST,
+        *TINY,
+        "--train.max_steps=3",
+        cwd=REPO,
+    )
     assert job(array)["Dependency"] == f"afterok:{held}(unfulfilled)" and job(array)["JobState"] == "PENDING"
     subprocess.run(["scontrol", "release", held], check=True)
     for index in (0, 1):
@@ -328,8 +408,12 @@ def test_sbatch_test_only_accepts_the_rendered_scripts(cluster, tmp_path, name):
     script = tmp_path / "job.sbatch"
     script.write_text(result.stdout)
     fits_here = ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0", "--partition=debug", "--cpus-per-task=1"]
-    checked = subprocess.run(["sbatch", "--test-only", *(fits_here if "gpu" in name else []), str(script)],
-                             capture_output=True, text=True, cwd=tmp_path)
+    checked = subprocess.run(
+        ["sbatch", "--test-only", *(fits_here if "gpu" in name else []), str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert checked.returncode == 0, checked.stderr
     assert "to start at" in checked.stderr
 

@@ -39,17 +39,31 @@ RECORDS = "jobs.jsonl"
 OUTPUT = "output.log"
 EVENTS = "events.log"
 STOP_MARKER = "stop"
-ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING",
-                 "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT"}
+ACTIVE_STATES = {
+    "PENDING",
+    "RUNNING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "CONFIGURING",
+    "COMPLETING",
+    "RESIZING",
+    "SUSPENDED",
+    "STOPPED",
+    "SIGNALING",
+    "STAGE_OUT",
+}
 TOOL_TIMEOUT = 60
 
 
 def require_tool(tool: str) -> str:
     path = shutil.which(tool)
     if path is None:
-        raise UserError(f"{tool} not found on PATH: `forge slurm` needs SLURM's client tools",
-                        "run it on a login node of the cluster (or `module load slurm`); "
-                        "`forge slurm submit --dry-run` prints the script without them")
+        raise UserError(
+            f"{tool} not found on PATH: `forge slurm` needs SLURM's client tools",
+            "run it on a login node of the cluster (or `module load slurm`); "
+            "`forge slurm submit --dry-run` prints the script without them",
+        )
     return path
 
 
@@ -87,7 +101,9 @@ def prepare(req: SlurmRequest, template: Path, argv: list[str]) -> Submission:
 
     points = sweep_points(req.sweep, req.run_dir) if req.sweep else []
     shutdown = 0.0
-    for overrides, run_dir in ((req.overrides + p.overrides, p.run_dir) for p in points) if points else [(req.overrides, req.run_dir)]:
+    for overrides, run_dir in (
+        ((req.overrides + p.overrides, p.run_dir) for p in points) if points else [(req.overrides, req.run_dir)]
+    ):
         cfg = load_job_config(req.preset, overrides).validate(req.world_size)
         stages = estimate_memory(cfg, req.world_size)
         check_signal_lead(req.signal_lead, cfg.train.shutdown_timeout_sec, max(s.params + s.optimizer for s in stages))
@@ -121,8 +137,10 @@ def submit(sub: Submission) -> str:
     if sub.points:
         record["points"] = [str(p.run_dir) for p in sub.points]
         for index, point in enumerate(sub.points):
-            append_record(point.run_dir, {**record, "job_id": f"{job_id}_{index}", "array_job": job_id,
-                                          "overrides": point.overrides})
+            append_record(
+                point.run_dir,
+                {**record, "job_id": f"{job_id}_{index}", "array_job": job_id, "overrides": point.overrides},
+            )
     append_record(sub.request.run_dir, record)
     return job_id
 
@@ -139,8 +157,10 @@ def append_record(run_dir: Path, record: dict) -> None:
 def latest_record(run_dir: Path) -> dict:
     path = run_dir / SLURM_DIR / RECORDS
     if not path.is_file():
-        raise UserError(f"{run_dir} holds no `forge slurm` job ({path} is missing)",
-                        "pass the --run-dir given to `forge slurm submit`, or a job id")
+        raise UserError(
+            f"{run_dir} holds no `forge slurm` job ({path} is missing)",
+            "pass the --run-dir given to `forge slurm submit`, or a job id",
+        )
     return json.loads(path.read_text().splitlines()[-1])
 
 
@@ -232,11 +252,17 @@ def job_status(run_dir: Path) -> dict:
     restarts = int(info["Restarts"]) if "Restarts" in info else sum(a.outcome == "requeue" for a in tries)
     state = info.get("JobState") or (describe_end(tries[-1]) if tries else "UNKNOWN")
     return {
-        "job_id": job_id, "run_dir": str(run_dir), "state": state, "reason": info.get("Reason"),
-        "elapsed": info.get("RunTime"), "restarts": restarts,
+        "job_id": job_id,
+        "run_dir": str(run_dir),
+        "state": state,
+        "reason": info.get("Reason"),
+        "elapsed": info.get("RunTime"),
+        "restarts": restarts,
         "nodes": info.get("NodeList") or (tries[-1].nodes if tries else None),
-        "exit_code": info.get("ExitCode"), "submitted_at": record["submitted_at"],
-        "last": last_step(run_dir), "attempts": [asdict(a) for a in tries],
+        "exit_code": info.get("ExitCode"),
+        "submitted_at": record["submitted_at"],
+        "last": last_step(run_dir),
+        "attempts": [asdict(a) for a in tries],
         "outcome": describe_end(tries[-1]) if tries and state not in ACTIVE_STATES else None,
         "source": "scontrol" if "Restarts" in info else ("sacct" if info else "run directory"),
     }
@@ -248,9 +274,12 @@ def describe_end(attempt: Attempt) -> str:
         return "UNKNOWN (the last attempt logged no end)"
     if attempt.outcome == "end":
         return "COMPLETED" if attempt.exit_code == 0 else f"FAILED (exit {attempt.exit_code})"
-    return {"gave-up": "STOPPED: preempted more than --max-requeues times; the newest checkpoint is kept, "
-                       "submit again with the same --run-dir to continue",
-            "stopped": "STOPPED (forge slurm cancel --graceful)", "requeue": "REQUEUED"}[attempt.outcome]
+    return {
+        "gave-up": "STOPPED: preempted more than --max-requeues times; the newest checkpoint is kept, "
+        "submit again with the same --run-dir to continue",
+        "stopped": "STOPPED (forge slurm cancel --graceful)",
+        "requeue": "REQUEUED",
+    }[attempt.outcome]
 
 
 def is_active(job_id: str) -> bool:
@@ -305,4 +334,3 @@ def cancel(run_dir: Path, graceful: bool, wait_seconds: float) -> str:
         slurm("scancel", job_id)
         return f"job {job_id} did not stop within {wait_seconds:g} s of the signal: cancelled"
     return f"job {job_id} saved a checkpoint and stopped"
-

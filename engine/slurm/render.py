@@ -68,7 +68,9 @@ def sweep_points(sweep: list[str], base: Path) -> list[SweepPoint]:
     for axis in sweep:
         key, sep, values = axis.removeprefix("--").partition("=")
         if not sep or key.count(".") != 1 or not values:
-            raise UserError(f"--sweep {axis!r} is not section.key=value1,value2,…", "e.g. --sweep optimizer.lr=1e-3,3e-4")
+            raise UserError(
+                f"--sweep {axis!r} is not section.key=value1,value2,…", "e.g. --sweep optimizer.lr=1e-3,3e-4"
+            )
         axes.append([(key, value.strip()) for value in values.split(",")])
     points = []
     for combo in itertools.product(*axes):
@@ -90,15 +92,21 @@ def check_signal_lead(lead: int, shutdown_timeout: float, checkpoint_bytes: int)
     the job: refuse a lead shorter than train.shutdown_timeout_sec (the longest the ranks take before their
     watchdog ends them) plus the estimated save time, and a shutdown timeout the save itself cannot fit in."""
     save = save_seconds(checkpoint_bytes)
-    facts = (f"train.shutdown_timeout_sec = {shutdown_timeout:g} s, estimated checkpoint save {save:.1f} s "
-             f"({checkpoint_bytes / 2**30:.2f} GiB per rank at an assumed {SAVE_BYTES_PER_SEC / 1e6:.0f} MB/s)")
+    facts = (
+        f"train.shutdown_timeout_sec = {shutdown_timeout:g} s, estimated checkpoint save {save:.1f} s "
+        f"({checkpoint_bytes / 2**30:.2f} GiB per rank at an assumed {SAVE_BYTES_PER_SEC / 1e6:.0f} MB/s)"
+    )
     if shutdown_timeout < save:
-        raise UserError(f"the emergency checkpoint cannot be saved within the shutdown timeout: {facts}",
-                        f"raise train.shutdown_timeout_sec to at least {math.ceil(save)}")
+        raise UserError(
+            f"the emergency checkpoint cannot be saved within the shutdown timeout: {facts}",
+            f"raise train.shutdown_timeout_sec to at least {math.ceil(save)}",
+        )
     needed = math.ceil(shutdown_timeout + save)
     if lead < needed:
-        raise UserError(f"--signal-lead {lead} s is too short: {facts}, so the ranks need up to {needed} s",
-                        f"pass --signal-lead {needed} or more, or lower train.shutdown_timeout_sec")
+        raise UserError(
+            f"--signal-lead {lead} s is too short: {facts}, so the ranks need up to {needed} s",
+            f"pass --signal-lead {needed} or more, or lower train.shutdown_timeout_sec",
+        )
     if lead > SLURM_MAX_SIGNAL_LEAD:
         raise UserError(f"--signal-lead {lead} s is more than SLURM accepts ({SLURM_MAX_SIGNAL_LEAD} s)", "")
 
@@ -109,11 +117,15 @@ def check_directive(name: str, value: str | None) -> None:
         raise UserError(f"{name} contains a line break", "remove it")
 
 
-def template_context(req: SlurmRequest, points: list[SweepPoint], workdir: Path, shutdown_timeout: float) -> dict[str, object]:
+def template_context(
+    req: SlurmRequest, points: list[SweepPoint], workdir: Path, shutdown_timeout: float
+) -> dict[str, object]:
     """The values the template sees (each is shell-quoted when rendered). srun waits for the other ranks the
     shutdown timeout plus a minute after the first one ends (they may still be saving)."""
     for name in ("--time", "--partition", "--account", "--qos", "--job-name", "--run-dir", "--after", "--after-ok"):
-        check_directive(name, getattr(req, name[2:].replace("-", "_"), None) if name != "--run-dir" else str(req.run_dir))
+        check_directive(
+            name, getattr(req, name[2:].replace("-", "_"), None) if name != "--run-dir" else str(req.run_dir)
+        )
     for arg in req.sbatch_args:
         check_directive("--sbatch-arg", arg)
     if "%" in str(req.run_dir):
@@ -121,13 +133,28 @@ def template_context(req: SlurmRequest, points: list[SweepPoint], workdir: Path,
     dependency = ",".join(f"{kind}:{job}" for kind, job in (("afterany", req.after), ("afterok", req.after_ok)) if job)
     output = req.run_dir / ("slurm-%A_%a.out" if points else "slurm/output.log")
     return {
-        "job_name": req.job_name or req.run_dir.name, "nodes": req.nodes, "ntasks_per_node": req.tasks_per_node,
-        "cpus_per_task": req.cpus_per_task, "gpus_per_node": req.gpus_per_node, "time": req.time,
-        "partition": req.partition, "account": req.account, "qos": req.qos, "signal_lead": req.signal_lead,
-        "workdir": workdir, "output": output, "array": f"0-{len(points) - 1}" if points else None,
-        "dependency": dependency, "sbatch_args": req.sbatch_args, "preset": req.preset,
-        "max_requeues": req.max_requeues, "overrides": req.overrides, "points": points, "run_dir": req.run_dir,
-        "python": sys.executable, "srun_wait": math.ceil(shutdown_timeout) + 60,
+        "job_name": req.job_name or req.run_dir.name,
+        "nodes": req.nodes,
+        "ntasks_per_node": req.tasks_per_node,
+        "cpus_per_task": req.cpus_per_task,
+        "gpus_per_node": req.gpus_per_node,
+        "time": req.time,
+        "partition": req.partition,
+        "account": req.account,
+        "qos": req.qos,
+        "signal_lead": req.signal_lead,
+        "workdir": workdir,
+        "output": output,
+        "array": f"0-{len(points) - 1}" if points else None,
+        "dependency": dependency,
+        "sbatch_args": req.sbatch_args,
+        "preset": req.preset,
+        "max_requeues": req.max_requeues,
+        "overrides": req.overrides,
+        "points": points,
+        "run_dir": req.run_dir,
+        "python": sys.executable,
+        "srun_wait": math.ceil(shutdown_timeout) + 60,
     }
 
 
@@ -136,10 +163,16 @@ def render(template: Path, context: dict[str, object]) -> str:
     import jinja2
 
     if not template.is_file():
-        raise UserError(f"sbatch template {template} not found",
-                        "pass --template FILE (a copy of templates/slurm.sbatch from the Forge repository)")
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False,
-                             finalize=lambda value: shlex.quote(str(value)))
+        raise UserError(
+            f"sbatch template {template} not found",
+            "pass --template FILE (a copy of templates/slurm.sbatch from the Forge repository)",
+        )
+    env = jinja2.Environment(
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+        finalize=lambda value: shlex.quote(str(value)),
+    )
     try:
         return env.from_string(template.read_text()).render(context)
     except jinja2.TemplateError as err:
