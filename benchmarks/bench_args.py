@@ -33,8 +33,14 @@ def model_parser(doc: str | None, batch_size: int, warmup: int, steps: int) -> a
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                       vocab_size=args.vocab_size, max_seq_len=args.seq_len)
+    return ModelConfig(
+        dim=args.dim,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads,
+        vocab_size=args.vocab_size,
+        max_seq_len=args.seq_len,
+    )
 
 
 def emit(report: dict[str, Any], out: str | None) -> None:

@@ -23,9 +23,9 @@ import torch
 from engine.checkpoint.manager import Checkpointer
 from engine.config.checkpoint import CheckpointConfig
 from engine.config.model import ModelConfig
+from engine.config.optimizer import OptimizerConfig
 from engine.model import build_model
 from engine.model.transformer import Transformer
-from engine.config.optimizer import OptimizerConfig
 from engine.train.optim import build_optimizer
 
 
@@ -62,11 +62,15 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/forge-bench-ckpt"))
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--device", default="cpu", help="where the model and optimizer live (cuda: staging copies to host)")
+    parser.add_argument(
+        "--device", default="cpu", help="where the model and optimizer live (cuda: staging copies to host)"
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.dim // 64, vocab_size=args.vocab, max_seq_len=128)
+    cfg = ModelConfig(
+        dim=args.dim, n_layers=args.layers, n_heads=args.dim // 64, vocab_size=args.vocab, max_seq_len=128
+    )
     device = torch.device(args.device)
     model = build_model(cfg).to(device)
     optimizer = build_optimizer(model, OptimizerConfig(lr=1e-4))
@@ -104,13 +108,17 @@ def main() -> None:
 
     sync = min(results["disabled"])  # best of the repeats, for every mode alike
     gpu = f"; {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus{gpu}; torch {torch.__version__}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus{gpu}; torch {torch.__version__}"
+    )
     print(f"model: {params / 1e6:.1f}M parameters; checkpoint {size / 2**30:.2f} GiB (weights + AdamW moments)")
     print(f"disk sequential write + fsync (best of {args.repeats}): {disk / 2**20:.0f} MiB/s")
     print(f"sync save: {sync:.2f} s = {size / sync / 2**20:.0f} MiB/s ({size / sync / disk:.2f}× the disk)")
     for mode in ("async", "async_with_pinned_mem"):
         stall = min(results[mode])
-        print(f"{mode}: stall {stall:.3f} s = {stall / sync:.1%} of sync save; save done after {min(totals[mode]):.2f} s")
+        print(
+            f"{mode}: stall {stall:.3f} s = {stall / sync:.1%} of sync save; save done after {min(totals[mode]):.2f} s"
+        )
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

@@ -60,8 +60,12 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"extra_bytes": peak - before, "seconds": time.perf_counter() - start, "loss": value.item(),
-            "grad_weight_norm": weight.grad.norm().item()}
+    return {
+        "extra_bytes": peak - before,
+        "seconds": time.perf_counter() - start,
+        "loss": value.item(),
+        "grad_weight_norm": weight.grad.norm().item(),
+    }
 
 
 def main() -> None:
@@ -89,9 +93,17 @@ def main() -> None:
     gib = 2**30
     logits_gib = args.tokens * args.vocab * 4 / gib
     report = {
-        "setup": {"vocab": args.vocab, "tokens": args.tokens, "dim": args.dim, "chunk_size": args.chunk_size,
-                  "z_loss": args.z_loss, "device": args.device, "torch": torch.__version__,
-                  "python": platform.python_version(), "threads": torch.get_num_threads()},
+        "setup": {
+            "vocab": args.vocab,
+            "tokens": args.tokens,
+            "dim": args.dim,
+            "chunk_size": args.chunk_size,
+            "z_loss": args.z_loss,
+            "device": args.device,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "threads": torch.get_num_threads(),
+        },
         "fp32_logits_gib": logits_gib,
         **{loss: {**r, "extra_gib": r["extra_bytes"] / gib} for loss, r in results.items()},
         "memory_ratio_chunked_over_plain": results["chunked"]["extra_bytes"] / results["plain"]["extra_bytes"],

@@ -27,9 +27,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_variant(preset: str, nproc: int, steps: int, overrides: list[str], run_dir: Path) -> dict:
-    command = [sys.executable, "-m", "forgecli.app", "train", preset, "--run-dir", str(run_dir),
-               f"--train.max_steps={steps}", "--metrics.log_interval=1", "--eval.enabled=false",
-               "--scheduler.warmup_steps=1", *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "forgecli.app",
+        "train",
+        preset,
+        "--run-dir",
+        str(run_dir),
+        f"--train.max_steps={steps}",
+        "--metrics.log_interval=1",
+        "--eval.enabled=false",
+        "--scheduler.warmup_steps=1",
+        *overrides,
+    ]
     if nproc > 1:
         command.append(f"--nproc-per-node={nproc}")
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
@@ -40,12 +51,16 @@ def run_variant(preset: str, nproc: int, steps: int, overrides: list[str], run_d
 
 def summarize(records: list[dict]) -> dict:
     steps = [r for r in records if "tokens_per_sec" in r]
-    steady = steps[len(steps) // 4:] or steps  # the first quarter warms up
+    steady = steps[len(steps) // 4 :] or steps  # the first quarter warms up
     per_rank = {k: v for k, v in steady[-1].items() if k.startswith("mem_peak_gib")}
     mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
-    return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steady),
-            "mfu": statistics.median(mfus) if mfus else None, "final_loss": steps[-1]["loss"],
-            "steps_measured": len(steady), **per_rank}
+    return {
+        "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steady),
+        "mfu": statistics.median(mfus) if mfus else None,
+        "final_loss": steps[-1]["loss"],
+        "steps_measured": len(steady),
+        **per_rank,
+    }
 
 
 def main() -> None:
@@ -53,16 +68,21 @@ def main() -> None:
     parser.add_argument("preset")
     parser.add_argument("--nproc-per-node", type=int, default=1)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--variant", action="append", default=[],
-                        help="NAME=OVERRIDES (space-separated forge overrides); the first is the reference")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME=OVERRIDES (space-separated forge overrides); the first is the reference",
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
     args = parser.parse_args()
     variants = [v.split("=", 1) for v in args.variant or ["default="]]
     report = {"preset": args.preset, "nproc_per_node": args.nproc_per_node, "steps": args.steps, "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in variants:
-            report["variants"][name] = run_variant(args.preset, args.nproc_per_node, args.steps,
-                                                   shlex.split(overrides), Path(tmp) / name)
+            report["variants"][name] = run_variant(
+                args.preset, args.nproc_per_node, args.steps, shlex.split(overrides), Path(tmp) / name
+            )
     reference = next(iter(report["variants"].values()))["tokens_per_sec"]
     for result in report["variants"].values():
         result["speed_vs_first"] = result["tokens_per_sec"] / reference

@@ -17,8 +17,8 @@ import statistics
 import time
 
 import torch
-
 from bench_args import emit
+
 from engine.config.model import ModelConfig
 from engine.model.moe import GROUPED_MM, MoE
 
@@ -92,10 +92,15 @@ def bench(args: argparse.Namespace, experts: int) -> dict:
 def main() -> None:
     args = parse_args()
     setup = {k: v for k, v in vars(args).items() if k != "out"}
-    report = {"setup": setup, "torch": torch.__version__, "python": platform.python_version(),
-              "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-              "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-              "results": [bench(args, e) for e in args.experts]}
+    report = {
+        "setup": setup,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "results": [bench(args, e) for e in args.experts],
+    }
     emit(report, args.out)
 
 

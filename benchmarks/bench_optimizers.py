@@ -16,14 +16,14 @@ import statistics
 import time
 
 import torch
+from bench_args import emit, model_config, model_parser
 
 from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
 from engine.model import build_model
+from engine.precision import COMPUTE_DTYPES, autocast
 from engine.train.losses import cross_entropy
 from engine.train.optim import build_optimizer
-from bench_args import emit, model_config, model_parser
-from engine.precision import COMPUTE_DTYPES, autocast
 
 OPTIMIZERS = ("adamw", "lion", "muon", "schedule_free_adamw")
 
@@ -67,8 +67,9 @@ def main() -> None:
 
     device, dtype = torch.device(args.device), COMPUTE_DTYPES[args.dtype]
     cfg = model_config(args)
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1),
-                           generator=torch.Generator().manual_seed(1)).to(device)
+    tokens = torch.randint(
+        0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=torch.Generator().manual_seed(1)
+    ).to(device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     runs = {name: Timed(name, cfg, device, dtype) for name in OPTIMIZERS}
     for run in runs.values():
@@ -81,14 +82,24 @@ def main() -> None:
 
     base = runs["adamw"]
     report = {
-        "setup": {**vars(args), "parameters": sum(p.numel() for p in base.model.parameters()),
-                  "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-                  "device_name": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()},
-        **{name: {"median_step_ms": 1e3 * statistics.median(run.step_times),
-                  "median_optimizer_step_ms": 1e3 * statistics.median(run.optimizer_times),
-                  "step_time_vs_adamw": statistics.median(run.step_times) / statistics.median(base.step_times),
-                  "optimizer_time_vs_adamw": statistics.median(run.optimizer_times) / statistics.median(base.optimizer_times)}
-           for name, run in runs.items()},
+        "setup": {
+            **vars(args),
+            "parameters": sum(p.numel() for p in base.model.parameters()),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "threads": torch.get_num_threads(),
+            "device_name": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+        },
+        **{
+            name: {
+                "median_step_ms": 1e3 * statistics.median(run.step_times),
+                "median_optimizer_step_ms": 1e3 * statistics.median(run.optimizer_times),
+                "step_time_vs_adamw": statistics.median(run.step_times) / statistics.median(base.step_times),
+                "optimizer_time_vs_adamw": statistics.median(run.optimizer_times)
+                / statistics.median(base.optimizer_times),
+            }
+            for name, run in runs.items()
+        },
     }
     emit(report, args.out)
 

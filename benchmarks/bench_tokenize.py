@@ -119,21 +119,36 @@ def run_json(cmd: list[str], **env: str) -> tuple[float, dict]:
 def run_forge(work: Path, source: Path, tokenizer: Path) -> dict:
     out = work / "forge-out"
     shutil.rmtree(out, ignore_errors=True)
-    wall, report = run_json([sys.executable, "-m", "forgecli.app", "tokenize", str(source), "--tokenizer", str(tokenizer),
-                             "--out", str(out), "--json"])
+    wall, report = run_json(
+        [
+            sys.executable,
+            "-m",
+            "forgecli.app",
+            "tokenize",
+            str(source),
+            "--tokenizer",
+            str(tokenizer),
+            "--out",
+            str(out),
+            "--json",
+        ]
+    )
     return {"wall": wall, "seconds": report["seconds"], "tokens": report["manifest"]["total_tokens"]}
 
 
 def run_datasets(work: Path, source: Path, tokenizer: Path, num_proc: int, method: str = "encode_batch_fast") -> dict:
     cache = work / "hf-cache"
     shutil.rmtree(cache, ignore_errors=True)
-    wall, report = run_json([sys.executable, "-c", DATASETS_JOB, str(source), str(tokenizer), str(cache), str(num_proc), method])
+    wall, report = run_json(
+        [sys.executable, "-c", DATASETS_JOB, str(source), str(tokenizer), str(cache), str(num_proc), method]
+    )
     return {"wall": wall, **report}
 
 
 def run_pool(source: Path, tokenizer: Path, processes: int) -> dict:
-    wall, report = run_json([sys.executable, "-c", POOL_JOB, str(source), str(tokenizer), str(processes)],
-                            TOKENIZERS_PARALLELISM="false")
+    wall, report = run_json(
+        [sys.executable, "-c", POOL_JOB, str(source), str(tokenizer), str(processes)], TOKENIZERS_PARALLELISM="false"
+    )
     return {"wall": wall, **report}
 
 
@@ -154,23 +169,31 @@ def main() -> None:
         size = write_input(source, args.mb)
         tokenizer = work / "tokenizer.json"
         tokenizer.write_bytes(Encoder.trained(documents(), args.vocab_size).json_bytes)
-        contenders = {"forge tokenize": lambda: run_forge(work, source, tokenizer),
-                      "process pool of 2 single-threaded encoders": lambda: run_pool(source, tokenizer, 2),
-                      "datasets map, num_proc=None": lambda: run_datasets(work, source, tokenizer, 0),
-                      "datasets map, num_proc=2": lambda: run_datasets(work, source, tokenizer, 2),
-                      "datasets map with encode_batch, num_proc=None": lambda: run_datasets(work, source, tokenizer, 0, "encode_batch")}
+        contenders = {
+            "forge tokenize": lambda: run_forge(work, source, tokenizer),
+            "process pool of 2 single-threaded encoders": lambda: run_pool(source, tokenizer, 2),
+            "datasets map, num_proc=None": lambda: run_datasets(work, source, tokenizer, 0),
+            "datasets map, num_proc=2": lambda: run_datasets(work, source, tokenizer, 2),
+            "datasets map with encode_batch, num_proc=None": lambda: run_datasets(
+                work, source, tokenizer, 0, "encode_batch"
+            ),
+        }
         runs: dict[str, list[dict]] = {name: [] for name in contenders}
         for _ in range(args.rounds):
             for name, run in contenders.items():
                 runs[name].append(run())
         print(f"input: {size / 1e6:.1f} MB JSONL; tokenizer: byte-level BPE, vocab {args.vocab_size}; {versions()}\n")
-        print("| pipeline | tokens | median wall s | median in-process s | M tokens/s (wall) | M tokens/s (in-process) |")
+        print(
+            "| pipeline | tokens | median wall s | median in-process s | M tokens/s (wall) | M tokens/s (in-process) |"
+        )
         print("|---|---|---|---|---|---|")
         for name, results in runs.items():
             wall = statistics.median(r["wall"] for r in results)
             inner = statistics.median(r["seconds"] for r in results)
             tokens = results[0]["tokens"]
-            print(f"| {name} | {tokens:,} | {wall:.2f} | {inner:.2f} | {tokens / wall / 1e6:.2f} | {tokens / inner / 1e6:.2f} |")
+            print(
+                f"| {name} | {tokens:,} | {wall:.2f} | {inner:.2f} | {tokens / wall / 1e6:.2f} | {tokens / inner / 1e6:.2f} |"
+            )
         print("\nall runs (wall s):", json.dumps({n: [round(r["wall"], 2) for r in rs] for n, rs in runs.items()}))
 
 

@@ -19,22 +19,32 @@ import time
 
 import torch
 import transformers
+from bench_args import emit, model_config, model_parser
 
 from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
 from engine.model import build_model
+from engine.precision import COMPUTE_DTYPES, autocast
 from engine.train.losses import cross_entropy
 from engine.train.optim import build_optimizer
-from bench_args import emit, model_config, model_parser
-from engine.precision import COMPUTE_DTYPES, autocast
 
 
 def hf_llama(cfg: ModelConfig) -> torch.nn.Module:
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
-        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-        attention_bias=False, mlp_bias=False, attn_implementation="sdpa")
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        attn_implementation="sdpa",
+    )
     return transformers.LlamaForCausalLM(hf_cfg)
 
 
@@ -70,9 +80,17 @@ def main() -> None:
     adamw = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     timers = {
         "forge": step_timer(ours, build_optimizer(ours, OptimizerConfig()), lambda m, x: m(x), batch, device, dtype),
-        "transformers": step_timer(theirs, torch.optim.AdamW(theirs.parameters(), **adamw), hf_logits, batch, device, dtype),
-        "transformers_fused_adamw": step_timer(theirs_fused, torch.optim.AdamW(theirs_fused.parameters(), fused=True, **adamw),
-                                               hf_logits, batch, device, dtype),
+        "transformers": step_timer(
+            theirs, torch.optim.AdamW(theirs.parameters(), **adamw), hf_logits, batch, device, dtype
+        ),
+        "transformers_fused_adamw": step_timer(
+            theirs_fused,
+            torch.optim.AdamW(theirs_fused.parameters(), fused=True, **adamw),
+            hf_logits,
+            batch,
+            device,
+            dtype,
+        ),
     }
     for step in timers.values():
         for _ in range(args.warmup):
@@ -82,14 +100,25 @@ def main() -> None:
         for name, step in timers.items():
             times[name] += [step() for _ in range(args.steps)]
     tokens = args.batch_size * args.seq_len
-    result = {name: {"median_step_sec": statistics.median(t), "tokens_per_sec": tokens / statistics.median(t)}
-              for name, t in times.items()}
+    result = {
+        name: {"median_step_sec": statistics.median(t), "tokens_per_sec": tokens / statistics.median(t)}
+        for name, t in times.items()
+    }
     for name in ("transformers", "transformers_fused_adamw"):
         result[f"ratio_forge_over_{name}"] = result["forge"]["tokens_per_sec"] / result[name]["tokens_per_sec"]
-    result["setup"] = {**vars(args), "parameters": ours.num_parameters(), "threads": torch.get_num_threads(),
-                       "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-                       "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-                       "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"}
+    result["setup"] = {
+        **vars(args),
+        "parameters": ours.num_parameters(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU ({torch.get_num_threads()} threads)",
+    }
     emit(result, args.out)
 
 

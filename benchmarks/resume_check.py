@@ -5,6 +5,7 @@ step's loss and grad norm equal the uninterrupted run's. Uses /tmp/r.
 
     python benchmarks/resume_check.py
 """
+
 import json
 import shutil
 import signal
@@ -13,8 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-ARGS = ["presets/debug.toml", "--train.max_steps=1000", "--checkpoint.interval=200", "--metrics.log_interval=1",
-        "--eval.interval=300"]
+ARGS = [
+    "presets/debug.toml",
+    "--train.max_steps=1000",
+    "--checkpoint.interval=200",
+    "--metrics.log_interval=1",
+    "--eval.interval=300",
+]
 
 
 def forge(run_dir, *extra, wait=True):
@@ -56,9 +62,14 @@ def main() -> None:
         stopped = max(losses(run))
         resumed = forge(run)
         ours, theirs = losses(run), losses(whole)
-        report[name] = {"exit_code": exit_code, "stopped_after_step": stopped, "resume_exit": resumed,
-                        "steps_equal": sum(ours[s] == theirs[s] for s in theirs), "steps": len(theirs),
-                        "bitwise_equal": ours == theirs}
+        report[name] = {
+            "exit_code": exit_code,
+            "stopped_after_step": stopped,
+            "resume_exit": resumed,
+            "steps_equal": sum(ours[s] == theirs[s] for s in theirs),
+            "steps": len(theirs),
+            "bitwise_equal": ours == theirs,
+        }
     print(json.dumps(report, indent=2))
 
 

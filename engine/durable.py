@@ -7,8 +7,9 @@ the rewritten metrics log.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 TMP_SUFFIX = ".tmp"
 

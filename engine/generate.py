@@ -7,10 +7,10 @@ them; `TextStream` turns the ids back into text piece by piece without ever spli
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 from tokenizers import Tokenizer
@@ -40,8 +40,10 @@ def load_model(target: Path, device: torch.device) -> tuple[Transformer, Encoder
         cfg, tokenizer = ckpt.model, ckpt.tokenizer
         load_weights = partial(load_forge_weights, ckpt=ckpt)
     if tokenizer is None or not tokenizer.is_file():  # checked before the (possibly large) weights are read
-        raise UserError(f"{target} has no {TOKENIZER} to turn text into tokens and back",
-                        f"copy the tokenizer the model was trained with there as {TOKENIZER}")
+        raise UserError(
+            f"{target} has no {TOKENIZER} to turn text into tokens and back",
+            f"copy the tokenizer the model was trained with there as {TOKENIZER}",
+        )
     encoder = Encoder.from_file(tokenizer)
     # Sampling runs in fp32: a kernel the run pinned for training (flash needs bf16/fp16) may not apply.
     with torch.device(device):
@@ -51,8 +53,10 @@ def load_model(target: Path, device: torch.device) -> tuple[Transformer, Encoder
     except UserError:
         raise
     except UNREADABLE as err:
-        raise UserError(f"cannot load the weights of {target} ({describe(err)})",
-                        "its files are damaged, or config.toml no longer matches them") from None
+        raise UserError(
+            f"cannot load the weights of {target} ({describe(err)})",
+            "its files are damaged, or config.toml no longer matches them",
+        ) from None
     return model.eval(), encoder
 
 
@@ -85,7 +89,9 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise UserError(f"--temperature {self.temperature} is negative", "use 0 for greedy decoding, or a value > 0")
+            raise UserError(
+                f"--temperature {self.temperature} is negative", "use 0 for greedy decoding, or a value > 0"
+            )
         if self.top_k < 0:
             raise UserError(f"--top-k {self.top_k} is negative", "use 0 to sample from every token")
         if not 0 < self.top_p <= 1:
@@ -101,8 +107,14 @@ class Sampling:
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling,
-             stop_ids: Sequence[int] = (), generator: torch.Generator | None = None) -> Iterator[int]:
+def generate(
+    model: Transformer,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    sampling: Sampling,
+    stop_ids: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+) -> Iterator[int]:
     """Yield up to `max_new_tokens` ids that continue `prompt`, stopping early after one of `stop_ids`.
 
     The prompt is run once to fill the cache; each further step feeds only the newest token. Pass a
@@ -132,9 +144,11 @@ def check_lengths(model: Transformer, prompt_len: int, max_new_tokens: int) -> N
         raise UserError(f"--max-new-tokens {max_new_tokens} must be at least 1")
     if prompt_len + max_new_tokens > limit:
         room = limit - prompt_len
-        raise UserError(f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new_tokens} exceed the model's "
-                        f"context of {limit} tokens (model.max_seq_len)",
-                        f"use --max-new-tokens {room} or less" if room > 0 else "shorten the prompt")
+        raise UserError(
+            f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new_tokens} exceed the model's "
+            f"context of {limit} tokens (model.max_seq_len)",
+            f"use --max-new-tokens {room} or less" if room > 0 else "shorten the prompt",
+        )
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:

@@ -18,11 +18,12 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 Status = Literal["ok", "warn", "fail", "info"]
 
@@ -42,11 +43,11 @@ EXTRAS: dict[str, tuple[str, str]] = {
 }
 
 
-
 def release(version: str) -> tuple[int, int]:
     """(major, minor) of a version string like '2.13.0+cpu', compared as numbers ('2.9' < '2.13')."""
     major, minor = version.split("+")[0].split(".")[:2]
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
 
 @dataclass(frozen=True)
 class CheckResult:
@@ -89,8 +90,11 @@ def run_checks(directory: Path) -> Iterator[CheckResult]:
         try:
             outcome = check()
         except Exception as e:  # a doctor must report a broken environment, not die of it
-            outcome = Outcome("fail" if required else "warn", f"check crashed: {type(e).__name__}: {e}",
-                              "a broken install or a bug in the check: share the output of `forge doctor --json`")
+            outcome = Outcome(
+                "fail" if required else "warn",
+                f"check crashed: {type(e).__name__}: {e}",
+                "a broken install or a bug in the check: share the output of `forge doctor --json`",
+            )
         if outcome is not None:
             yield CheckResult(name, *outcome)
 
@@ -112,12 +116,16 @@ def check_torch() -> Outcome:
     try:
         import torch
     except ImportError as e:
-        return Outcome("fail", f"cannot import torch: {e}",
-                       f"pip install 'torch>={MIN_TORCH_TEXT}' (see README: Installing torch)")
+        return Outcome(
+            "fail", f"cannot import torch: {e}", f"pip install 'torch>={MIN_TORCH_TEXT}' (see README: Installing torch)"
+        )
     build = torch_build(torch)
     if release(torch.__version__) < MIN_TORCH:
-        return Outcome("fail", f"{torch.__version__} ({build}) is older than {MIN_TORCH_TEXT}",
-                       f"pip install --upgrade 'torch>={MIN_TORCH_TEXT}'")
+        return Outcome(
+            "fail",
+            f"{torch.__version__} ({build}) is older than {MIN_TORCH_TEXT}",
+            f"pip install --upgrade 'torch>={MIN_TORCH_TEXT}'",
+        )
     return Outcome("ok", f"{torch.__version__} ({build})")
 
 
@@ -137,8 +145,11 @@ def check_gpus() -> Outcome:
     gpu_build = bool(torch.version.cuda or torch.version.hip)
     if not torch.cuda.is_available():
         if gpu_build:
-            return Outcome("warn", "torch has GPU support but sees no GPU",
-                           "check `nvidia-smi`, the driver, and CUDA_VISIBLE_DEVICES")
+            return Outcome(
+                "warn",
+                "torch has GPU support but sees no GPU",
+                "check `nvidia-smi`, the driver, and CUDA_VISIBLE_DEVICES",
+            )
         return Outcome("info", "CPU only (this torch build has no GPU support)")
     return Outcome("ok", "; ".join(describe_gpu(torch, i) for i in range(torch.cuda.device_count())))
 
@@ -146,8 +157,7 @@ def check_gpus() -> Outcome:
 def describe_gpu(torch: Any, index: int) -> str:
     props = torch.cuda.get_device_properties(index)
     free, total = torch.cuda.mem_get_info(index)
-    return (f"{index}: {props.name} (sm_{props.major}{props.minor}, "
-            f"{total / GIB:.1f} GiB, {free / GIB:.1f} GiB free)")
+    return f"{index}: {props.name} (sm_{props.major}{props.minor}, {total / GIB:.1f} GiB, {free / GIB:.1f} GiB free)"
 
 
 def check_nccl() -> Outcome | None:
@@ -158,8 +168,11 @@ def check_nccl() -> Outcome | None:
     if not torch.cuda.is_available():
         return None
     if not dist.is_nccl_available():
-        return Outcome("warn", "this torch build has no NCCL: multi-GPU training will not work",
-                       "install a CUDA build of torch from pytorch.org")
+        return Outcome(
+            "warn",
+            "this torch build has no NCCL: multi-GPU training will not work",
+            "install a CUDA build of torch from pytorch.org",
+        )
     version = ".".join(map(str, torch.cuda.nccl.version()))
     return Outcome("ok", version)
 
@@ -183,8 +196,11 @@ def check_writable(directory: Path) -> Outcome:
             f.write(b"ok")
             f.flush()
     except OSError as e:
-        return Outcome("fail", f"cannot write in {directory}: {e.strerror or e}",
-                       "run from a directory you can write to, or fix its permissions")
+        return Outcome(
+            "fail",
+            f"cannot write in {directory}: {e.strerror or e}",
+            "run from a directory you can write to, or fix its permissions",
+        )
     return Outcome("ok", f"can create and delete files in {directory}")
 
 
@@ -194,20 +210,25 @@ def check_gloo() -> Outcome:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available():
-        return Outcome("fail", "this torch build has no gloo backend",
-                       "install an official torch build from pytorch.org")
+        return Outcome(
+            "fail", "this torch build has no gloo backend", "install an official torch build from pytorch.org"
+        )
     if dist.is_initialized():
         return Outcome("info", "skipped: a process group is already running in this process")
     port = free_port()
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                                timeout=GLOO_TIMEOUT)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=GLOO_TIMEOUT
+        )
         value = torch.ones(4)
         dist.all_reduce(value)
         assert value.tolist() == [1.0] * 4, "all_reduce over one process must be the identity"
     except (RuntimeError, ValueError, OSError) as e:
-        return Outcome("fail", f"{type(e).__name__}: {e}".splitlines()[0],
-                       "set GLOO_SOCKET_IFNAME to a working interface (e.g. lo) and make sure `hostname` resolves")
+        return Outcome(
+            "fail",
+            f"{type(e).__name__}: {e}".splitlines()[0],
+            "set GLOO_SOCKET_IFNAME to a working interface (e.g. lo) and make sure `hostname` resolves",
+        )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -250,8 +271,10 @@ def check_slurm() -> Outcome:
     inside = f"; inside SLURM job {job}" if job else ""
     found = [f"{tool} ({path})" for tool, path in tools.items() if path]
     if not tools["sbatch"] or not tools["scontrol"]:
-        return Outcome("info", (", ".join(found) or "sbatch/srun/scontrol not on PATH")
-                       + " (needed only for `forge slurm`)" + inside)
+        return Outcome(
+            "info",
+            (", ".join(found) or "sbatch/srun/scontrol not on PATH") + " (needed only for `forge slurm`)" + inside,
+        )
     try:
         version = subprocess.run([tools["sbatch"], "--version"], capture_output=True, text=True, timeout=10)
         ping = subprocess.run([tools["scontrol"], "ping"], capture_output=True, text=True, timeout=20)
@@ -259,10 +282,16 @@ def check_slurm() -> Outcome:
         return Outcome("warn", f"{', '.join(found)}: {err}", "check the SLURM client installation")
     if version.returncode != 0:  # the tools read slurm.conf before anything else, --version included
         said = (version.stderr.strip() or version.stdout.strip()).splitlines()
-        return Outcome("warn", f"{', '.join(found)}, but no SLURM configuration: {said[-1] if said else 'no output'}{inside}",
-                       "set SLURM_CONF to the cluster's slurm.conf, or run on a login node")
+        return Outcome(
+            "warn",
+            f"{', '.join(found)}, but no SLURM configuration: {said[-1] if said else 'no output'}{inside}",
+            "set SLURM_CONF to the cluster's slurm.conf, or run on a login node",
+        )
     version, answer = version.stdout.strip(), " ".join((ping.stdout.strip() or ping.stderr.strip()).split())
     if ping.returncode != 0 or " is UP" not in answer:
-        return Outcome("warn", f"{version}; no controller answers: {answer}{inside}",
-                       "check that slurmctld runs and SLURM_CONF names the cluster's slurm.conf")
+        return Outcome(
+            "warn",
+            f"{version}; no controller answers: {answer}{inside}",
+            "check that slurmctld runs and SLURM_CONF names the cluster's slurm.conf",
+        )
     return Outcome("ok", f"{version}; controller {answer}; {', '.join(found)}{inside}")

@@ -35,7 +35,7 @@ class RunLock:
         self.fd: int | None = fd
 
     @classmethod
-    def acquire(cls, run_dir: Path) -> "RunLock | None":
+    def acquire(cls, run_dir: Path) -> RunLock | None:
         """Lock `run_dir` (which must exist); None where the file system cannot lock. Raises `UserError`
         naming the holder when another process has it."""
         path = run_dir / LOCK_FILE
@@ -46,13 +46,16 @@ class RunLock:
             holder = os.read(fd, 512).decode(errors="replace").strip()
             os.close(fd)
             if err.errno in (errno.EACCES, errno.EAGAIN):
-                raise UserError(f"{run_dir} is being written by another forge process ({holder or 'holder unknown'})",
-                                "wait for that run to end or stop it, or give this one another --run-dir") from None
+                raise UserError(
+                    f"{run_dir} is being written by another forge process ({holder or 'holder unknown'})",
+                    "wait for that run to end or stop it, or give this one another --run-dir",
+                ) from None
             log.warning("cannot lock %s (%s): a second process writing this run would go unnoticed", path, err)
             return None
         os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-                 .encode())
+        os.write(
+            fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode()
+        )
         return cls(fd)
 
     def release(self) -> None:

@@ -30,8 +30,11 @@ app = typer.Typer(
 @app.command("to-hf")
 @user_errors
 def to_hf(
-    source: Path = typer.Argument(..., metavar="RUN_DIR|CKPT", help=(
-        "A run directory (its newest complete checkpoint), a checkpoint folder, or one step_N folder.")),
+    source: Path = typer.Argument(
+        ...,
+        metavar="RUN_DIR|CKPT",
+        help=("A run directory (its newest complete checkpoint), a checkpoint folder, or one step_N folder."),
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="The Hugging Face model folder to write; must not exist yet."),
     dtype: str = typer.Option("float32", "--dtype", help="Weight dtype of the export: float32, bfloat16 or float16."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON; progress goes to stderr."),
@@ -63,8 +66,11 @@ def to_hf(
 @app.command("from-hf")
 @user_errors
 def from_hf(
-    hf_dir: Path = typer.Argument(..., metavar="HF_DIR", help=(
-        "A local Hugging Face Llama, Qwen3, Qwen2-MoE, Qwen3-MoE or GLM-4-MoE model folder.")),
+    hf_dir: Path = typer.Argument(
+        ...,
+        metavar="HF_DIR",
+        help=("A local Hugging Face Llama, Qwen3, Qwen2-MoE, Qwen3-MoE or GLM-4-MoE model folder."),
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="The Forge checkpoint folder to write; must not exist yet."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON; progress goes to stderr."),
 ) -> None:
@@ -92,11 +98,19 @@ def from_hf(
         console.print(model_toml(report.model), markup=False, highlight=False, soft_wrap=True)
 
 
-def show(report: "ConvertReport", as_json: bool, title: str) -> None:
+def show(report: ConvertReport, as_json: bool, title: str) -> None:
     if as_json:
-        print_json({"source": str(report.source), "out": str(report.out), "architecture": report.architecture,
-                    "parameters": report.parameters, "bytes": report.bytes, "files": report.files,
-                    "model": report.model.model_dump(mode="json", exclude_none=True)})
+        print_json(
+            {
+                "source": str(report.source),
+                "out": str(report.out),
+                "architecture": report.architecture,
+                "parameters": report.parameters,
+                "bytes": report.bytes,
+                "files": report.files,
+                "model": report.model.model_dump(mode="json", exclude_none=True),
+            }
+        )
         return
     table = Table(title=title, show_header=False, expand=False)
     table.add_column(style="bold")
@@ -109,7 +123,7 @@ def show(report: "ConvertReport", as_json: bool, title: str) -> None:
     console.print(table)
 
 
-def progress_view(target: Console, what: str) -> "RichProgressView | PlainProgressView":
+def progress_view(target: Console, what: str) -> RichProgressView | PlainProgressView:
     if target.is_terminal and not target.is_dumb_terminal:
         return RichProgressView(target, what)
     return PlainProgressView(target, what)
@@ -119,18 +133,25 @@ class RichProgressView:
     """A live bar over the parameters converted so far."""
 
     def __init__(self, target: Console, what: str) -> None:
-        self.bar = Progress(TextColumn(what), BarColumn(), TaskProgressColumn(), TextColumn("{task.fields[tensor]}"),
-                            TimeRemainingColumn(), console=target, transient=True)
+        self.bar = Progress(
+            TextColumn(what),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[tensor]}"),
+            TimeRemainingColumn(),
+            console=target,
+            transient=True,
+        )
         self.task = self.bar.add_task(what, total=None, tensor="")
 
-    def __enter__(self) -> "RichProgressView":
+    def __enter__(self) -> RichProgressView:
         self.bar.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.bar.stop()
 
-    def update(self, p: "ConvertProgress") -> None:
+    def update(self, p: ConvertProgress) -> None:
         self.bar.update(self.task, completed=p.done, total=p.total, tensor=escape(p.tensor))
 
 
@@ -141,15 +162,19 @@ class PlainProgressView:
         self.target, self.what = target, what
         self.last = time.perf_counter()
 
-    def __enter__(self) -> "PlainProgressView":
+    def __enter__(self) -> PlainProgressView:
         return self
 
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def update(self, p: "ConvertProgress") -> None:
+    def update(self, p: ConvertProgress) -> None:
         now = time.perf_counter()
         if now - self.last >= PLAIN_INTERVAL_S:
             self.last = now
-            self.target.print(f"{self.what}: {100 * p.done / max(p.total, 1):.0f}% of {p.total:,} parameters",
-                              markup=False, highlight=False, soft_wrap=True)
+            self.target.print(
+                f"{self.what}: {100 * p.done / max(p.total, 1):.0f}% of {p.total:,} parameters",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )

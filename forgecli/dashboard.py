@@ -34,9 +34,13 @@ def fmt_metrics(metrics: dict[str, Any]) -> dict[str, str]:
 def start_line(info: dict[str, Any]) -> str:
     resumed = f", resuming after step {info['start_step']}" if info["start_step"] else ""
     params = info["parameters"]
-    active = f" ({params['active']:,} active per token)" if params.get("active", params["total"]) != params["total"] else ""
-    return (f"training {params['total']:,} parameters{active} on {info['device']} ({info['dtype']}), "
-            f"{info['max_steps']} steps × {info['tokens_per_step']:,} tokens{resumed} → {info['run_dir']}")
+    active = (
+        f" ({params['active']:,} active per token)" if params.get("active", params["total"]) != params["total"] else ""
+    )
+    return (
+        f"training {params['total']:,} parameters{active} on {info['device']} ({info['dtype']}), "
+        f"{info['max_steps']} steps × {info['tokens_per_step']:,} tokens{resumed} → {info['run_dir']}"
+    )
 
 
 class PlainReporter:
@@ -68,16 +72,23 @@ class PlainReporter:
         self._line(f"checkpoint step {step} → {path}")
 
     def on_end(self, summary: dict[str, Any]) -> None:
-        self._line(f"done: {summary['steps']} steps, {summary['tokens_seen']:,} tokens in {summary['train_time_sec']:.1f}s, "
-                   f"final loss {summary['final_loss']:.4f}")
+        self._line(
+            f"done: {summary['steps']} steps, {summary['tokens_seen']:,} tokens in {summary['train_time_sec']:.1f}s, "
+            f"final loss {summary['final_loss']:.4f}"
+        )
 
 
 class LiveDashboard:
     """A progress bar with ETA and a table of the latest metrics, redrawn in place."""
 
     def __init__(self) -> None:
-        self.progress = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
-                                 TaskProgressColumn(), TimeRemainingColumn(), console=console)
+        self.progress = Progress(
+            TextColumn("[bold]step {task.completed}/{task.total}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        )
         self.task = self.progress.add_task("train", total=1)
         self.metrics: dict[str, str] = {}
         self.eval: dict[str, str] = {}
@@ -114,8 +125,10 @@ class LiveDashboard:
     def on_end(self, summary: dict[str, Any]) -> None:
         self.live.update(self._render())
         self.live.stop()
-        console.print(f"[green]✓ done[/green]: {summary['steps']} steps, {summary['tokens_seen']:,} tokens in "
-                      f"{summary['train_time_sec']:.1f}s, final loss {summary['final_loss']:.4f}")
+        console.print(
+            f"[green]✓ done[/green]: {summary['steps']} steps, {summary['tokens_seen']:,} tokens in "
+            f"{summary['train_time_sec']:.1f}s, final loss {summary['final_loss']:.4f}"
+        )
 
     def stop(self) -> None:
         if self.live.is_started:

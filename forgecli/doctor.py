@@ -19,10 +19,16 @@ NAME_WIDTH = 20
 
 def doctor(
     directory: Path = typer.Option(
-        Path("."), "--dir", exists=True, file_okay=False, resolve_path=True,
+        Path("."),
+        "--dir",
+        exists=True,
+        file_okay=False,
+        resolve_path=True,
         help="Where run directories and checkpoints will go: its free space and write permission are checked.",
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print the checks as a JSON list of {name, status, detail, fix}."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the checks as a JSON list of {name, status, detail, fix}."
+    ),
 ) -> None:
     """Check this machine before training: Python, torch, GPUs, NCCL, disk, permissions, gloo, extras, SLURM.
 
@@ -54,8 +60,13 @@ def doctor(
 def check_line(result: CheckResult) -> Text:
     """`mark name detail`, plus an aligned `fix:` line; printed unwrapped so log files keep one line per check."""
     mark, style = MARKS[result.status]
-    line = Text.assemble((mark, style), " ", (result.name.ljust(NAME_WIDTH), "bold" if result.status == "fail" else ""),
-                         " ", result.detail)
+    line = Text.assemble(
+        (mark, style),
+        " ",
+        (result.name.ljust(NAME_WIDTH), "bold" if result.status == "fail" else ""),
+        " ",
+        result.detail,
+    )
     if result.fix:
         line.append("\n" + " " * (NAME_WIDTH + 3)).append("fix: ", style="bold").append(result.fix)
     return line

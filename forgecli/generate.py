@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -20,17 +20,33 @@ if TYPE_CHECKING:  # the engine is imported when the command runs, not when `for
 
 @user_errors
 def generate(
-    target: Path = typer.Argument(..., metavar="RUN_DIR|CKPT", help=(
-        "A run directory (its newest complete checkpoint), a checkpoint folder, one step_N folder, "
-        "or a Hugging Face model folder.")),
+    target: Path = typer.Argument(
+        ...,
+        metavar="RUN_DIR|CKPT",
+        help=(
+            "A run directory (its newest complete checkpoint), a checkpoint folder, one step_N folder, "
+            "or a Hugging Face model folder."
+        ),
+    ),
     prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue. Empty: start a new document."),
-    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", help="Most tokens to generate (fewer if the "
-                                       "model ends the document); prompt + these must fit in model.max_seq_len."),
-    temperature: float = typer.Option(0.8, "--temperature", "-t", help="Softmax temperature; 0 = greedy (always the most likely token)."),
+    max_new_tokens: int = typer.Option(
+        200,
+        "--max-new-tokens",
+        "-n",
+        help="Most tokens to generate (fewer if the "
+        "model ends the document); prompt + these must fit in model.max_seq_len.",
+    ),
+    temperature: float = typer.Option(
+        0.8, "--temperature", "-t", help="Softmax temperature; 0 = greedy (always the most likely token)."
+    ),
     top_k: int = typer.Option(50, "--top-k", help="Sample among the k most likely tokens only; 0 = all."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Sample among the most likely tokens whose probability reaches p; 1 = all."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler: the same seed gives the same text."),
-    interactive: bool = typer.Option(False, "--interactive", "-i", help="Ask for prompts in a loop (an empty line or Ctrl-D quits)."),
+    top_p: float = typer.Option(
+        1.0, "--top-p", help="Sample among the most likely tokens whose probability reaches p; 1 = all."
+    ),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of the sampler: the same seed gives the same text."),
+    interactive: bool = typer.Option(
+        False, "--interactive", "-i", help="Ask for prompts in a loop (an empty line or Ctrl-D quits)."
+    ),
 ) -> None:
     """Generate text from a checkpoint with its run's tokenizer, streaming it as it is sampled.
 
@@ -70,10 +86,18 @@ def generate(
             show_user_error(err)
 
 
-def stream(model: "Transformer", encoder: "Encoder", prompt: str, max_new_tokens: int, sampling: "Sampling",
-           generator: "torch.Generator", echo: bool = False) -> None:
+def stream(
+    model: Transformer,
+    encoder: Encoder,
+    prompt: str,
+    max_new_tokens: int,
+    sampling: Sampling,
+    generator: torch.Generator,
+    echo: bool = False,
+) -> None:
     """Write the continuation of `prompt` (after the prompt itself when `echo`) to stdout piece by piece."""
-    from engine.generate import TextStream, check_lengths, generate as sample, prompt_ids
+    from engine.generate import TextStream, check_lengths, prompt_ids
+    from engine.generate import generate as sample
 
     ids = prompt_ids(encoder, prompt)
     check_lengths(model, len(ids), max_new_tokens)  # before anything is printed

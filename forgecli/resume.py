@@ -15,9 +15,15 @@ from forgecli.ui import user_errors
 def resume(
     ctx: typer.Context,
     run_dir: Path = typer.Argument(..., help="A run directory written by forge train."),
-    as_json: bool = typer.Option(False, "--json", help="Print the final summary as JSON on stdout (progress lines go to stderr)."),
-    nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1,
-                                       help="Processes on this node (one per GPU), started by PyTorch's elastic launcher."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the final summary as JSON on stdout (progress lines go to stderr)."
+    ),
+    nproc_per_node: int = typer.Option(
+        1,
+        "--nproc-per-node",
+        min=1,
+        help="Processes on this node (one per GPU), started by PyTorch's elastic launcher.",
+    ),
 ) -> None:
     """Continue a run from its newest complete checkpoint, with the config saved in it.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -17,34 +17,61 @@ from engine.data import DEFAULT_SHARD_TOKENS
 from forgecli.ui import console, err_console, print_json, user_errors
 
 if TYPE_CHECKING:  # the engine is imported when the command runs, not when `forge --help` loads the app
-    from engine.data.tokenize import Progress as TokenizeProgress, TokenizeReport
+    from engine.data.tokenize import Progress as TokenizeProgress
+    from engine.data.tokenize import TokenizeReport
 
 PLAIN_INTERVAL_S = 10.0
 
 
 @user_errors
 def tokenize(
-    inputs: list[str] = typer.Argument(..., metavar="INPUT", show_default=False, help=(
-        ".txt files (one document each), .jsonl files (one document per line), .parquet files (one per row), "
-        "or directories searched recursively for them; or one Hugging Face dataset as hf:NAME (a Hub id, a local "
-        "folder of data files, or a save_to_disk folder), one document per row.")),
-    out: Path = typer.Option(..., "--out", "-o", help="Output directory: shard-NNNNN.npy, manifest.json, tokenizer.json."),
-    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="A Hugging Face tokenizer.json to encode with."),
-    train_tokenizer: bool = typer.Option(False, "--train-tokenizer",
-                                         help="Train a byte-level BPE on the inputs instead (needs --vocab-size)."),
-    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="Vocabulary size for --train-tokenizer."),
-    eos_token: Optional[str] = typer.Option(None, "--eos-token", help=(
-        "Token appended after every document. Default: <|endoftext|> when training; for --tokenizer, the eos_token "
-        "of a tokenizer_config.json beside it, else a well-known end-of-text token in its vocabulary.")),
-    text_field: str = typer.Option("text", "--text-field", help="JSONL field / Parquet or dataset column that holds the text."),
-    shard_tokens: int = typer.Option(DEFAULT_SHARD_TOKENS, "--shard-tokens", help="Tokens per shard (the last one holds the rest)."),
-    hf_config: Optional[str] = typer.Option(None, "--hf-config", help="hf:NAME only: the dataset's configuration (subset)."),
-    split: Optional[str] = typer.Option(None, "--split", help=(
-        "hf:NAME only: the split to tokenize. Default: train (a save_to_disk Dataset: its own).")),
-    streaming: bool = typer.Option(False, "--streaming", help=(
-        "hf:NAME only: read rows as they are tokenized instead of downloading the split first.")),
-    revision: Optional[str] = typer.Option(None, "--revision", help="hf:NAME only: a Hub branch, tag or commit."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result (manifest included) as JSON; progress goes to stderr."),
+    inputs: list[str] = typer.Argument(
+        ...,
+        metavar="INPUT",
+        show_default=False,
+        help=(
+            ".txt files (one document each), .jsonl files (one document per line), .parquet files (one per row), "
+            "or directories searched recursively for them; or one Hugging Face dataset as hf:NAME (a Hub id, a local "
+            "folder of data files, or a save_to_disk folder), one document per row."
+        ),
+    ),
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="Output directory: shard-NNNNN.npy, manifest.json, tokenizer.json."
+    ),
+    tokenizer: Path | None = typer.Option(None, "--tokenizer", help="A Hugging Face tokenizer.json to encode with."),
+    train_tokenizer: bool = typer.Option(
+        False, "--train-tokenizer", help="Train a byte-level BPE on the inputs instead (needs --vocab-size)."
+    ),
+    vocab_size: int | None = typer.Option(None, "--vocab-size", help="Vocabulary size for --train-tokenizer."),
+    eos_token: str | None = typer.Option(
+        None,
+        "--eos-token",
+        help=(
+            "Token appended after every document. Default: <|endoftext|> when training; for --tokenizer, the eos_token "
+            "of a tokenizer_config.json beside it, else a well-known end-of-text token in its vocabulary."
+        ),
+    ),
+    text_field: str = typer.Option(
+        "text", "--text-field", help="JSONL field / Parquet or dataset column that holds the text."
+    ),
+    shard_tokens: int = typer.Option(
+        DEFAULT_SHARD_TOKENS, "--shard-tokens", help="Tokens per shard (the last one holds the rest)."
+    ),
+    hf_config: str | None = typer.Option(
+        None, "--hf-config", help="hf:NAME only: the dataset's configuration (subset)."
+    ),
+    split: str | None = typer.Option(
+        None, "--split", help=("hf:NAME only: the split to tokenize. Default: train (a save_to_disk Dataset: its own).")
+    ),
+    streaming: bool = typer.Option(
+        False,
+        "--streaming",
+        help=("hf:NAME only: read rows as they are tokenized instead of downloading the split first."),
+    ),
+    revision: str | None = typer.Option(None, "--revision", help="hf:NAME only: a Hub branch, tag or commit."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the result (manifest included) as JSON; progress goes to stderr."
+    ),
 ) -> None:
     """Tokenize text into memory-mapped token shards for `forge train` (data.dataset_path = OUT).
 
@@ -61,16 +88,24 @@ def tokenize(
       forge tokenize hf:HuggingFaceFW/fineweb-edu --hf-config sample-10BT --streaming --tokenizer tok.json --out data/fw
 
     """
-    from engine.data.tokenize import check_request, open_source, tokenize as tokenize_source
+    from engine.data.tokenize import check_request, open_source
+    from engine.data.tokenize import tokenize as tokenize_source
 
     train_vocab_size = trained_vocab_size(train_tokenizer, vocab_size)
     check_request(out, tokenizer, train_vocab_size, eos_token, shard_tokens)  # before a dataset downloads
     source = open_source(inputs, hf_config, split, streaming, revision)
     view = progress_view(err_console if as_json else console)
     with view:
-        report = tokenize_source(source, out, tokenizer=tokenizer, train_vocab_size=train_vocab_size,
-                                 eos_token=eos_token, text_field=text_field, shard_tokens=shard_tokens,
-                                 progress=view.update)
+        report = tokenize_source(
+            source,
+            out,
+            tokenizer=tokenizer,
+            train_vocab_size=train_vocab_size,
+            eos_token=eos_token,
+            text_field=text_field,
+            shard_tokens=shard_tokens,
+            progress=view.update,
+        )
     if as_json:
         print_json(report_json(report))
     else:
@@ -84,12 +119,14 @@ def trained_vocab_size(train_tokenizer: bool, vocab_size: int | None) -> int | N
     if train_tokenizer and vocab_size is None:
         raise DataError("--train-tokenizer needs --vocab-size N", "e.g. --train-tokenizer --vocab-size 32000")
     if vocab_size is not None and not train_tokenizer:
-        raise DataError("--vocab-size only applies with --train-tokenizer",
-                        "add --train-tokenizer, or drop --vocab-size to keep the vocabulary of --tokenizer")
+        raise DataError(
+            "--vocab-size only applies with --train-tokenizer",
+            "add --train-tokenizer, or drop --vocab-size to keep the vocabulary of --tokenizer",
+        )
     return vocab_size
 
 
-def progress_view(target: Console) -> "RichProgressView | PlainProgressView":
+def progress_view(target: Console) -> RichProgressView | PlainProgressView:
     return RichProgressView(target) if target.is_terminal and not target.is_dumb_terminal else PlainProgressView(target)
 
 
@@ -98,19 +135,25 @@ class RichProgressView:
     A stream of unknown length shows a moving bar."""
 
     def __init__(self, target: Console) -> None:
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-                            TextColumn("{task.fields[detail]}"), TimeRemainingColumn(), console=target)
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[detail]}"),
+            TimeRemainingColumn(),
+            console=target,
+        )
         self.tasks: dict[str, int] = {}
         self.started = self.last = time.perf_counter()
 
-    def __enter__(self) -> "RichProgressView":
+    def __enter__(self) -> RichProgressView:
         self.bar.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.bar.stop()
 
-    def update(self, p: "TokenizeProgress") -> None:
+    def update(self, p: TokenizeProgress) -> None:
         if p.phase not in self.tasks:
             for task in self.tasks.values():  # the earlier phase is over, however long its stream was
                 done = self.bar.tasks[task].total or self.bar.tasks[task].completed
@@ -130,13 +173,13 @@ class PlainProgressView:
         self.started = self.last_event = self.last_line = time.perf_counter()
         self.phase, self.shards = "", 0
 
-    def __enter__(self) -> "PlainProgressView":
+    def __enter__(self) -> PlainProgressView:
         return self
 
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def update(self, p: "TokenizeProgress") -> None:
+    def update(self, p: TokenizeProgress) -> None:
         now = time.perf_counter()
         quiet = p.phase == self.phase and p.shards == self.shards and now - self.last_line < PLAIN_INTERVAL_S
         if p.phase != self.phase:
@@ -145,11 +188,12 @@ class PlainProgressView:
         if quiet:
             return
         self.shards, self.last_line = p.shards, now
-        self.target.print(f"{p.phase}: {amount(p)}, {detail(p, now - self.started)}",
-                          highlight=False, markup=False, soft_wrap=True)
+        self.target.print(
+            f"{p.phase}: {amount(p)}, {detail(p, now - self.started)}", highlight=False, markup=False, soft_wrap=True
+        )
 
 
-def amount(p: "TokenizeProgress") -> str:
+def amount(p: TokenizeProgress) -> str:
     """How much of the input is read: a share of its size, or a count of rows for a stream of unknown length."""
     if p.total is None:
         return f"{p.done:,} rows read"
@@ -157,26 +201,30 @@ def amount(p: "TokenizeProgress") -> str:
     return f"{100 * p.done / max(p.total, 1):.0f}% of {size}"
 
 
-def detail(p: "TokenizeProgress", seconds: float) -> str:
+def detail(p: TokenizeProgress, seconds: float) -> str:
     if p.phase != "tokenizing":
         return f"{p.documents:,} documents"
     rate = f", {p.tokens / seconds / 1e6:.2f} M tok/s" if seconds > 0 else ""
     return f"{p.tokens:,} tokens, {p.documents:,} documents, {p.shards} shards{rate}"
 
 
-def new_tokens(report: "TokenizeReport") -> int:
+def new_tokens(report: TokenizeReport) -> int:
     """Tokens encoded by this run (finished shards reused from an interrupted run are not counted)."""
-    return report.manifest.total_tokens - sum(s.tokens for s in report.manifest.shards[:report.reused_shards])
+    return report.manifest.total_tokens - sum(s.tokens for s in report.manifest.shards[: report.reused_shards])
 
 
-def report_json(report: "TokenizeReport") -> dict:
-    return {"directory": str(report.directory), "already_complete": report.already_complete,
-            "reused_shards": report.reused_shards, "seconds": round(report.seconds, 3),
-            "tokens_per_second": round(new_tokens(report) / report.seconds) if report.seconds > 0 else None,
-            "manifest": report.manifest.to_json()}
+def report_json(report: TokenizeReport) -> dict:
+    return {
+        "directory": str(report.directory),
+        "already_complete": report.already_complete,
+        "reused_shards": report.reused_shards,
+        "seconds": round(report.seconds, 3),
+        "tokens_per_second": round(new_tokens(report) / report.seconds) if report.seconds > 0 else None,
+        "manifest": report.manifest.to_json(),
+    }
 
 
-def summary_table(report: "TokenizeReport") -> Table:
+def summary_table(report: TokenizeReport) -> Table:
     m = report.manifest
     title = "already tokenized (nothing to do)" if report.already_complete else "tokenized"
     table = Table(title=title, show_header=False, expand=False)
@@ -185,9 +233,21 @@ def summary_table(report: "TokenizeReport") -> Table:
     table.add_row("directory", escape(str(report.directory)))
     table.add_row("tokens", f"{m.total_tokens:,}")
     table.add_row("documents", f"{m.total_documents:,}")
-    table.add_row("shards", f"{len(m.shards)} × {m.dtype}" + (f" ({report.reused_shards} reused from an interrupted run)"
-                                                              if report.reused_shards and not report.already_complete else ""))
-    table.add_row("tokenizer", escape(f"vocab {m.vocab_size:,}, eos {m.eos_token!r} = {m.eos_id}, sha256 {m.tokenizer_sha256[:16]}…"))
+    table.add_row(
+        "shards",
+        f"{len(m.shards)} × {m.dtype}"
+        + (
+            f" ({report.reused_shards} reused from an interrupted run)"
+            if report.reused_shards and not report.already_complete
+            else ""
+        ),
+    )
+    table.add_row(
+        "tokenizer",
+        escape(f"vocab {m.vocab_size:,}, eos {m.eos_token!r} = {m.eos_id}, sha256 {m.tokenizer_sha256[:16]}…"),
+    )
     if not report.already_complete:
-        table.add_row("time", f"{report.seconds:.1f} s, {new_tokens(report) / max(report.seconds, 1e-9) / 1e6:.2f} M tokens/s")
+        table.add_row(
+            "time", f"{report.seconds:.1f} s, {new_tokens(report) / max(report.seconds, 1e-9) / 1e6:.2f} M tokens/s"
+        )
     return table

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -21,10 +21,18 @@ if TYPE_CHECKING:
 def train(
     ctx: typer.Context,
     preset: Path = typer.Argument(..., help="TOML preset (or a run's config.toml)."),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where the run is written. Default: runs/<preset name>."),
-    as_json: bool = typer.Option(False, "--json", help="Print the final summary as JSON on stdout (progress lines go to stderr)."),
-    nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1,
-                                       help="Processes on this node (one per GPU), started by PyTorch's elastic launcher."),
+    run_dir: Path | None = typer.Option(
+        None, "--run-dir", help="Where the run is written. Default: runs/<preset name>."
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the final summary as JSON on stdout (progress lines go to stderr)."
+    ),
+    nproc_per_node: int = typer.Option(
+        1,
+        "--nproc-per-node",
+        min=1,
+        help="Processes on this node (one per GPU), started by PyTorch's elastic launcher.",
+    ),
 ) -> None:
     """Train a model into a run directory (config, metrics, logs, checkpoints).
 
@@ -48,23 +56,26 @@ def train(
     run_training(cfg, run_dir or Path("runs") / preset.stem, as_json)
 
 
-def launch(cfg: "JobConfig", nproc: int) -> None:
+def launch(cfg: JobConfig, nproc: int) -> None:
     """Check the layout for `nproc` processes here (a bad one exits 2 before anything starts), then run
     this same command line once per process and exit with the run's exit code."""
     from engine.errors import UserError
     from engine.parallel.launch import launch_local_workers
     from engine.parallel.place import process_place
-
     from engine.resilience.signals import PREEMPTED_EXIT, SIGNALS
 
     world = process_place().world_size
     if world > 1:
-        raise UserError(f"--nproc-per-node is for starting a run, but this process is already one of {world} "
-                        "(started by torchrun or srun)", "drop --nproc-per-node")
+        raise UserError(
+            f"--nproc-per-node is for starting a run, but this process is already one of {world} "
+            "(started by torchrun or srun)",
+            "drop --nproc-per-node",
+        )
     cfg.validate(world_size=nproc)
     check_gpus_for(nproc)
-    code = launch_local_workers(nproc, "forgecli.app", worker_argv(sys.argv[1:]), cfg.train.shutdown_timeout_sec,
-                                PREEMPTED_EXIT, tuple(SIGNALS))
+    code = launch_local_workers(
+        nproc, "forgecli.app", worker_argv(sys.argv[1:]), cfg.train.shutdown_timeout_sec, PREEMPTED_EXIT, tuple(SIGNALS)
+    )
     raise typer.Exit(code)
 
 
@@ -75,8 +86,10 @@ def check_gpus_for(nproc: int) -> None:
     from engine.errors import UserError
 
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
-        raise UserError(f"--nproc-per-node {nproc} starts one process per GPU, but this machine has "
-                        f"{torch.cuda.device_count()}", f"use --nproc-per-node {torch.cuda.device_count()} or fewer")
+        raise UserError(
+            f"--nproc-per-node {nproc} starts one process per GPU, but this machine has {torch.cuda.device_count()}",
+            f"use --nproc-per-node {torch.cuda.device_count()} or fewer",
+        )
 
 
 def resume_launch_hint() -> str:
@@ -104,11 +117,10 @@ def worker_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def run_training(cfg: "JobConfig", run_dir: Path, as_json: bool) -> None:
+def run_training(cfg: JobConfig, run_dir: Path, as_json: bool) -> None:
     """Train with the console output that fits; shared by `forge train` and `forge resume`."""
-    from engine.train.trainer import train as train_job
-
     from engine.parallel.place import process_place
+    from engine.train.trainer import train as train_job
 
     main_rank = process_place().rank == 0  # the other ranks of a multi-process run print nothing
     if not main_rank:
@@ -127,10 +139,14 @@ def run_training(cfg: "JobConfig", run_dir: Path, as_json: bool) -> None:
     except Preempted as stopped:
         if not main_rank:
             raise typer.Exit(PREEMPTED_EXIT) from None
-        err_console.print(f"stopped by {stopped.signal_name} at step {stopped.step}; checkpoint: "
-                          f"{stopped.checkpoint or 'none (the run resumes from its previous one)'}. "
-                          f"Continue with: forge resume {run_dir}{resume_launch_hint()}", markup=False, highlight=False,
-                          soft_wrap=True)
+        err_console.print(
+            f"stopped by {stopped.signal_name} at step {stopped.step}; checkpoint: "
+            f"{stopped.checkpoint or 'none (the run resumes from its previous one)'}. "
+            f"Continue with: forge resume {run_dir}{resume_launch_hint()}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(PREEMPTED_EXIT) from None
     except (TrainingDiverged, CollectiveTimeout, CheckpointWriteError) as err:
         show_run_failure(str(err))
@@ -143,7 +159,11 @@ def run_training(cfg: "JobConfig", run_dir: Path, as_json: bool) -> None:
     if as_json:
         print_json(summary)
     elif summary.get("already_complete"):
-        console.print(f"run {run_dir} is already complete at step {summary['steps']}; "
-                      f"raise --train.max_steps to train further", markup=False, highlight=False, soft_wrap=True)
+        console.print(
+            f"run {run_dir} is already complete at step {summary['steps']}; raise --train.max_steps to train further",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     else:
         console.print(f"run directory: {run_dir}", markup=False, highlight=False, soft_wrap=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Group
@@ -22,8 +22,9 @@ def validate_config(
     preset: Path = typer.Argument(..., help="TOML preset to check."),
     world_size: int = typer.Option(1, "--world-size", help="Number of processes the layout must fit."),
     as_json: bool = typer.Option(False, "--json", help="Print the resolved config and estimates as JSON."),
-    gpu_memory_gib: Optional[float] = typer.Option(
-        None, "--gpu-memory-gib", min=0.0, help="Memory of one GPU: says whether each pipeline stage fits in it."),
+    gpu_memory_gib: float | None = typer.Option(
+        None, "--gpu-memory-gib", min=0.0, help="Memory of one GPU: says whether each pipeline stage fits in it."
+    ),
 ) -> None:
     """Check a preset and its overrides: every error at once, the resolved config, size and cost.
 
@@ -50,7 +51,9 @@ def validate_config(
         memory = {"stages": [stage.as_dict() for stage in stages], "gpu_memory_gib": gpu_memory_gib}
         if gpu_memory_gib is not None:
             memory["fits"] = all(stage.total <= gpu_memory_gib * GIB for stage in stages)
-        print_json({"config": cfg.model_dump(mode="json"), **summary, "memory": memory, "lr_schedule": lr_schedule(cfg)})
+        print_json(
+            {"config": cfg.model_dump(mode="json"), **summary, "memory": memory, "lr_schedule": lr_schedule(cfg)}
+        )
         return
     console.print(config_tree(cfg.model_dump(mode="json"), str(preset)))
     console.print(summary_table(summary))
@@ -92,8 +95,10 @@ GIB = 2**30
 
 def layout(cfg: Any, world_size: int) -> str:
     d = cfg.distributed
-    return (f"dp_replicate={d.dp_replicate} × dp_shard={d.resolved_dp_shard(world_size)} × tp={d.tp} × pp={d.pp} "
-            f"× cp={d.cp} = {world_size}" + (f", experts over ep={d.ep}" if d.ep > 1 else ""))
+    return (
+        f"dp_replicate={d.dp_replicate} × dp_shard={d.resolved_dp_shard(world_size)} × tp={d.tp} × pp={d.pp} "
+        f"× cp={d.cp} = {world_size}" + (f", experts over ep={d.ep}" if d.ep > 1 else "")
+    )
 
 
 def memory_table(stages: list[Any], cfg: Any, world_size: int, gpu_memory_gib: float | None) -> Table:
@@ -101,16 +106,23 @@ def memory_table(stages: list[Any], cfg: Any, world_size: int, gpu_memory_gib: f
     flight" is the number of micro-batch forwards whose activations the rank holds at its peak."""
     precision = cfg.train.mixed_precision
     dtype = "bf16 (auto, as on a bf16 GPU)" if precision == "auto" else precision
-    table = Table(title=f"Estimated memory per rank, GiB ({layout(cfg, world_size)})", expand=False,
-                  caption=f"analytic; total = estimated peak; compute in {dtype}, weights and optimizer state fp32; "
-                  "keep ~10-15 % headroom for the CUDA context, fragmentation and communication buffers")
+    table = Table(
+        title=f"Estimated memory per rank, GiB ({layout(cfg, world_size)})",
+        expand=False,
+        caption=f"analytic; total = estimated peak; compute in {dtype}, weights and optimizer state fp32; "
+        "keep ~10-15 % headroom for the CUDA context, fragmentation and communication buffers",
+    )
     for name in ("pp rank", "blocks", "in flight", "params", "grads", "optimizer", "activations", "buffers", "total"):
         table.add_column(name, justify="right")
     if gpu_memory_gib is not None:
         table.add_column(f"fits {gpu_memory_gib:g} GiB")
     for s in stages:
-        row = [str(s.pp_rank), ", ".join(f"{first}-{last}" for first, last in s.blocks), str(s.microbatches_in_flight),
-               *(f"{value / GIB:.2f}" for value in (s.params, s.grads, s.optimizer, s.activations, s.buffers, s.total))]
+        row = [
+            str(s.pp_rank),
+            ", ".join(f"{first}-{last}" for first, last in s.blocks),
+            str(s.microbatches_in_flight),
+            *(f"{value / GIB:.2f}" for value in (s.params, s.grads, s.optimizer, s.activations, s.buffers, s.total)),
+        ]
         if gpu_memory_gib is not None:
             row.append("[green]yes[/green]" if s.total <= gpu_memory_gib * GIB else "[red]no[/red]")
         table.add_row(*row)
@@ -149,7 +161,10 @@ def lr_curve(cfg: Any) -> Group:
     for point in lr_schedule(cfg):
         table.add_row(f"{point['step']:,}", f"{point['lr']:.3e}")
     return Group(
-        Text(f"Learning rate ({cfg.scheduler.name} schedule, {cfg.optimizer.name}): 0 … {cfg.optimizer.lr:g}", style="bold"),
+        Text(
+            f"Learning rate ({cfg.scheduler.name} schedule, {cfg.optimizer.name}): 0 … {cfg.optimizer.lr:g}",
+            style="bold",
+        ),
         Text(line, style="cyan"),
         Text("step 1" + last.rjust(max(len(line) - len("step 1"), len(last) + 1))),
         table,

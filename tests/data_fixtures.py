@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import gzip
 import json
-from functools import lru_cache
+from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -19,7 +19,7 @@ from engine.data.tokenize import tokenize_files
 from engine.data.tokenizer import Encoder
 
 
-@lru_cache(maxsize=None)
+@cache
 def corpus_texts(count: int = 12, chars: int = 2500) -> tuple[str, ...]:
     """`count` documents of about `chars` characters: the openings of the first works of the corpus."""
     with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
@@ -54,7 +54,7 @@ def tokenizer_file(directory: Path, vocab_size: int = 400) -> Path:
     return path
 
 
-@lru_cache(maxsize=None)
+@cache
 def trained_tokenizer_bytes(vocab_size: int) -> bytes:
     return Encoder.trained(corpus_texts(), vocab_size).json_bytes
 
@@ -85,7 +85,9 @@ class Interrupt(Exception):
 
 def interrupt_after(shards: int):
     """A tokenize progress callback that stops the run once `shards` shards are written."""
+
     def progress(p) -> None:
         if p.shards >= shards:
             raise Interrupt
+
     return progress

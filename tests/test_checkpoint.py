@@ -6,7 +6,13 @@ import json
 
 import torch
 
-from engine.checkpoint.dcp import complete_checkpoints, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from engine.checkpoint.dcp import (
+    complete_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
 from engine.model.transformer import Transformer
@@ -103,8 +109,18 @@ def listing(root):
     return sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*"))
 
 
-@pytest.mark.parametrize("damage", ["truncated shard", "missing metadata", "bad train state", "deleted latest",
-                                    "foreign pickle", "dotted name pickle", "pickled value"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "truncated shard",
+        "missing metadata",
+        "bad train state",
+        "deleted latest",
+        "foreign pickle",
+        "dotted name pickle",
+        "pickled value",
+    ],
+)
 def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, damage):
     ckpt = three_checkpoints(tmp_path)
     newest = tmp_path / "step_3"
@@ -136,8 +152,20 @@ def dotted_global_pickle(path: str) -> bytes:
     """Protocol-4 pickle calling os.system("touch PATH"), with os.system reached as the dotted name
     `os.system` inside DCP's metadata module (which imports os): what a module-level allow-list lets through."""
     module, name, command = b"torch.distributed.checkpoint.metadata", b"os.system", f"touch {path}".encode()
-    return (b"\x80\x04" + b"\x8c" + bytes([len(module)]) + module + b"\x8c" + bytes([len(name)]) + name + b"\x93"
-            + b"\x8c" + bytes([len(command)]) + command + b"\x85R.")
+    return (
+        b"\x80\x04"
+        + b"\x8c"
+        + bytes([len(module)])
+        + module
+        + b"\x8c"
+        + bytes([len(name)])
+        + name
+        + b"\x93"
+        + b"\x8c"
+        + bytes([len(command)])
+        + command
+        + b"\x85R."
+    )
 
 
 def poison_bytes_value(step_dir, value) -> None:
@@ -154,7 +182,9 @@ def poison_bytes_value(step_dir, value) -> None:
     offset = shard.stat().st_size
     with open(shard, "ab") as f:
         f.write(buffer.getvalue())
-    metadata.storage_data[index] = type(info)(info.relative_path, offset, len(buffer.getvalue()), info.transform_descriptors)
+    metadata.storage_data[index] = type(info)(
+        info.relative_path, offset, len(buffer.getvalue()), info.transform_descriptors
+    )
     (step_dir / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
@@ -199,8 +229,11 @@ def test_load_path_mistakes_are_user_errors(tmp_path):
     save_checkpoint(tmp_path, 3, source, optimizer, {"step": 3})
     (tmp_path / "step_4").mkdir()
     wider = Transformer(CFG.model_copy(update={"dim": 64}))
-    for path, message in [(tmp_path / "nope", "does not exist"), (tmp_path / "step_4", "incomplete"),
-                          (tmp_path / "step_4" / "nothing", "does not exist")]:
+    for path, message in [
+        (tmp_path / "nope", "does not exist"),
+        (tmp_path / "step_4", "incomplete"),
+        (tmp_path / "step_4" / "nothing", "does not exist"),
+    ]:
         with pytest.raises(UserError, match=message):
             initialize_from(path, Transformer(CFG), [])
     with pytest.raises(UserError, match="does not fit this model"):

@@ -14,9 +14,21 @@ import pytest
 from tests.conftest import REPO
 
 FORGE = [sys.executable, "-m", "forgecli.app"]
-TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--train.seq_len=64",
-        "--model.max_seq_len=64", "--train.batch_size=4", "--train.max_steps=6", "--metrics.log_interval=1",
-        "--eval.interval=3", "--eval.steps=2", "--checkpoint.interval=3", "--scheduler.warmup_steps=2"]
+TINY = [
+    "--model.dim=64",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--train.seq_len=64",
+    "--model.max_seq_len=64",
+    "--train.batch_size=4",
+    "--train.max_steps=6",
+    "--metrics.log_interval=1",
+    "--eval.interval=3",
+    "--eval.steps=2",
+    "--checkpoint.interval=3",
+    "--scheduler.warmup_steps=2",
+]
 
 
 def forge(*args: str, cwd: Path = REPO, timeout: int = 240, **env_vars: str) -> subprocess.CompletedProcess:
@@ -27,11 +39,13 @@ def forge(*args: str, cwd: Path = REPO, timeout: int = 240, **env_vars: str) -> 
 def test_help_is_fast_and_lists_commands():
     """`forge --help` must not import torch. Measured in the process's own CPU seconds, not wall time: the
     other test worker's ranks can hold both cores of a CI machine for the moment it runs."""
-    code = ("import resource, sys\nfrom forgecli.app import main\n"
-            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n"
-            "used = resource.getrusage(resource.RUSAGE_SELF)\n"
-            "sys.stderr.write(f'cpu={used.ru_utime + used.ru_stime}')\n")
+    code = (
+        "import resource, sys\nfrom forgecli.app import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "used = resource.getrusage(resource.RUSAGE_SELF)\n"
+        "sys.stderr.write(f'cpu={used.ru_utime + used.ru_stime}')\n"
+    )
     best = min(_cpu_seconds([sys.executable, "-c", code, "--help"]) for _ in range(3))
     out = forge("--help").stdout
     for command in ("train", "validate-config", "tokenize", "doctor"):
@@ -46,10 +60,12 @@ def _cpu_seconds(command: list[str]) -> float:
 
 
 def test_validate_config_never_imports_torch():
-    code = ("import sys; sys.argv = ['forge', 'validate-config', 'presets/debug.toml', '--json'];\n"
-            "from forgecli.app import main\n"
-            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    code = (
+        "import sys; sys.argv = ['forge', 'validate-config', 'presets/debug.toml', '--json'];\n"
+        "from forgecli.app import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -114,20 +130,23 @@ def assert_user_error(result: subprocess.CompletedProcess, *needles: str) -> Non
         assert needle in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("args,needles", [
-    (["presets/nope.toml"], ["nope.toml", "not found"]),
-    (["presets/debug.toml", "--train.bach_size=2"], ["train.bach_size", "train.batch_size"]),
-    (["presets/debug.toml", "--train.batch_size=two"], ["train.batch_size"]),
-    (["presets/debug.toml", "--optimizer.lr=-1"], ["optimizer.lr"]),
-    (["presets/debug.toml", "--train.seq_len=512"], ["train.seq_len", "max_seq_len"]),
-    (["presets/debug.toml", "--data.dataset_path=/no/such/dir", "--eval.enabled=false"], ["/no/such/dir"]),
-    (["presets/debug.toml", "--data.dataset_path=/no/such/dir"], ["eval.dataset_path"]),
-    (["presets/debug.toml", "--model.vocab_size=1000"], ["vocab"]),
-    (["presets/debug.toml", "--distributed.tp=2"], ["does not multiply to the world size 1"]),
-    (["presets/debug.toml", "stray"], ["stray"]),
-    (["presets/debug.toml", "--model.sdpa_backend=efficient"], ["model.sdpa_backend"]),
-    (["presets/debug.toml", "--data.dataset_path=/data/[red]x[/]", "--eval.enabled=false"], ["/data/[red]x[/]"]),
-])
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["presets/nope.toml"], ["nope.toml", "not found"]),
+        (["presets/debug.toml", "--train.bach_size=2"], ["train.bach_size", "train.batch_size"]),
+        (["presets/debug.toml", "--train.batch_size=two"], ["train.batch_size"]),
+        (["presets/debug.toml", "--optimizer.lr=-1"], ["optimizer.lr"]),
+        (["presets/debug.toml", "--train.seq_len=512"], ["train.seq_len", "max_seq_len"]),
+        (["presets/debug.toml", "--data.dataset_path=/no/such/dir", "--eval.enabled=false"], ["/no/such/dir"]),
+        (["presets/debug.toml", "--data.dataset_path=/no/such/dir"], ["eval.dataset_path"]),
+        (["presets/debug.toml", "--model.vocab_size=1000"], ["vocab"]),
+        (["presets/debug.toml", "--distributed.tp=2"], ["does not multiply to the world size 1"]),
+        (["presets/debug.toml", "stray"], ["stray"]),
+        (["presets/debug.toml", "--model.sdpa_backend=efficient"], ["model.sdpa_backend"]),
+        (["presets/debug.toml", "--data.dataset_path=/data/[red]x[/]", "--eval.enabled=false"], ["/data/[red]x[/]"]),
+    ],
+)
 def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, needles):
     run_dir = tmp_path / "run"
     result = forge("train", *args, "--run-dir", str(run_dir))
@@ -138,22 +157,41 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, needles):
 def test_setup_failures_after_validation_write_nothing(tmp_path):
     """Errors found while starting (a bad environment variable, a sink that cannot start) leave no run behind."""
     run_dir = tmp_path / "run"
-    assert_user_error(forge("train", "presets/debug.toml", "--run-dir", str(run_dir), FORGE_PEAK_FLOPS="fast"),
-                      "FORGE_PEAK_FLOPS")
+    assert_user_error(
+        forge("train", "presets/debug.toml", "--run-dir", str(run_dir), FORGE_PEAK_FLOPS="fast"), "FORGE_PEAK_FLOPS"
+    )
     assert not run_dir.exists()
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert_user_error(forge("train", "presets/debug.toml", "--run-dir", str(blocker)), "is a file")
-    code = ("import sys; sys.modules['torch.utils.tensorboard'] = None; sys.argv = ['forge', *sys.argv[1:]]\n"
-            "from forgecli.app import main; main()")
-    result = subprocess.run([sys.executable, "-c", code, "train", "presets/debug.toml", "--run-dir", str(run_dir),
-                             "--metrics.enable_tensorboard=true", *TINY], cwd=REPO, capture_output=True, text=True,
-                            timeout=240, env={**os.environ, "NO_COLOR": "1"})
+    code = (
+        "import sys; sys.modules['torch.utils.tensorboard'] = None; sys.argv = ['forge', *sys.argv[1:]]\n"
+        "from forgecli.app import main; main()"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "train",
+            "presets/debug.toml",
+            "--run-dir",
+            str(run_dir),
+            "--metrics.enable_tensorboard=true",
+            *TINY,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
     assert_user_error(result, "tensorboard")
     assert not run_dir.exists()
     run_dir.mkdir()  # an existing empty folder keeps existing, and stays empty
-    result = subprocess.run(result.args, cwd=REPO, capture_output=True, text=True, timeout=240,
-                            env={**os.environ, "NO_COLOR": "1"})
+    result = subprocess.run(
+        result.args, cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "NO_COLOR": "1"}
+    )
     assert_user_error(result, "tensorboard")
     assert list(run_dir.iterdir()) == []
 
@@ -182,8 +220,17 @@ def test_debug_preset_as_the_readme_runs_it(tmp_path):
 def test_empty_and_corrupt_data_directories(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert_user_error(forge("train", "presets/debug.toml", f"--data.dataset_path={empty}", "--eval.enabled=false",
-                            "--run-dir", str(tmp_path / "r1")), str(empty))
+    assert_user_error(
+        forge(
+            "train",
+            "presets/debug.toml",
+            f"--data.dataset_path={empty}",
+            "--eval.enabled=false",
+            "--run-dir",
+            str(tmp_path / "r1"),
+        ),
+        str(empty),
+    )
     assert not (tmp_path / "r1").exists()
 
     data = tmp_path / "data"
@@ -193,11 +240,18 @@ def test_empty_and_corrupt_data_directories(tmp_path):
     assert made.returncode == 0, made.stderr
     shard = sorted(data.glob("*.npy"))[0]
     shard.write_bytes(shard.read_bytes()[: len(shard.read_bytes()) // 2])
-    assert_user_error(forge("train", "presets/debug.toml", f"--data.dataset_path={data}", "--eval.enabled=false",
-                            "--run-dir", str(tmp_path / "r2")), shard.name)
+    assert_user_error(
+        forge(
+            "train",
+            "presets/debug.toml",
+            f"--data.dataset_path={data}",
+            "--eval.enabled=false",
+            "--run-dir",
+            str(tmp_path / "r2"),
+        ),
+        shard.name,
+    )
     assert not (tmp_path / "r2").exists()
-
-
 
 
 def test_a_rank_ends_with_the_code_and_output_the_interpreter_would_give(capsys):
@@ -218,10 +272,19 @@ def test_a_second_process_writing_the_same_run_is_refused_while_the_first_lives(
     touched. The lock dies with its process (here SIGKILL), so a crashed run never blocks its resume."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
-                               "from engine.run_lock import RunLock\n"
-                               "lock = RunLock.acquire(Path(sys.argv[1]))\nprint('held', flush=True)\ntime.sleep(600)",
-                               str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom pathlib import Path\n"
+            "from engine.run_lock import RunLock\n"
+            "lock = RunLock.acquire(Path(sys.argv[1]))\nprint('held', flush=True)\ntime.sleep(600)",
+            str(run_dir),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         result = forge("train", "presets/debug.toml", "--run-dir", str(run_dir), *TINY, "--train.max_steps=2")

@@ -85,8 +85,16 @@ enable = false
 
 def test_overrides_are_toml_literals_and_win_over_preset(tmp_path):
     preset = write(tmp_path, "[optimizer]\nlr = 1e-3\n")
-    cfg = load_job_config(preset, ["--optimizer.lr=5e-4", "--optimizer.betas=[0.8,0.99]", "--train.compile_model=false",
-                                   "--data.dataset_path=/data/shards", "--metrics.wandb_run_name=\"a b\""])
+    cfg = load_job_config(
+        preset,
+        [
+            "--optimizer.lr=5e-4",
+            "--optimizer.betas=[0.8,0.99]",
+            "--train.compile_model=false",
+            "--data.dataset_path=/data/shards",
+            '--metrics.wandb_run_name="a b"',
+        ],
+    )
     assert cfg.optimizer.lr == 5e-4 and cfg.optimizer.betas == (0.8, 0.99)
     assert cfg.train.compile_model is False and cfg.data.dataset_path == "/data/shards"
     assert cfg.metrics.wandb_run_name == "a b"
@@ -99,7 +107,9 @@ def test_parse_literal_falls_back_to_string():
 
 
 def test_every_error_at_once_with_suggestions(tmp_path):
-    preset = write(tmp_path, '[model]\nn_layrs = 3\nnorm_type = "batchnorm"\n[train]\nbatch_size = -1\n[optimzer]\nlr = 1\n')
+    preset = write(
+        tmp_path, '[model]\nn_layrs = 3\nnorm_type = "batchnorm"\n[train]\nbatch_size = -1\n[optimzer]\nlr = 1\n'
+    )
     with pytest.raises(ConfigError) as info:
         load_job_config(preset, ["--train.max_steps=abc"])
     issues = {i.path: i for i in info.value.issues}
@@ -122,17 +132,20 @@ def test_missing_and_malformed_preset(tmp_path):
         load_job_config(write(tmp_path, "[model\ndim = 3"))
 
 
-@pytest.mark.parametrize("override,path", [
-    ("--model.dim=100", "model"),                     # not divisible by n_heads
-    ("--model.n_kv_heads=3", "model"),                # n_heads not divisible
-    ("--scheduler.min_lr_ratio=2", "scheduler.min_lr_ratio"),
-    ("--optimizer.lr=-1", "optimizer.lr"),
-    ("--optimizer.lr=inf", "optimizer.lr"),
-    ("--optimizer.betas=[1.5,0.9]", "optimizer.betas.0"),
-    ("--train.grad_clip_norm=nan", "train.grad_clip_norm"),
-    ("--data.prefetch_factor=2", "data"),
-    ("--distributed.backend=cpu:glooo", "distributed.backend"),
-])
+@pytest.mark.parametrize(
+    "override,path",
+    [
+        ("--model.dim=100", "model"),  # not divisible by n_heads
+        ("--model.n_kv_heads=3", "model"),  # n_heads not divisible
+        ("--scheduler.min_lr_ratio=2", "scheduler.min_lr_ratio"),
+        ("--optimizer.lr=-1", "optimizer.lr"),
+        ("--optimizer.lr=inf", "optimizer.lr"),
+        ("--optimizer.betas=[1.5,0.9]", "optimizer.betas.0"),
+        ("--train.grad_clip_norm=nan", "train.grad_clip_norm"),
+        ("--data.prefetch_factor=2", "data"),
+        ("--distributed.backend=cpu:glooo", "distributed.backend"),
+    ],
+)
 def test_section_rules(override, path):
     with pytest.raises(ConfigError) as info:
         load_job_config(None, [override])
@@ -140,8 +153,17 @@ def test_section_rules(override, path):
 
 
 def test_cross_section_rules_all_reported():
-    cfg = load_job_config(None, ["--train.seq_len=4096", "--model.max_seq_len=1024", "--eval.enabled=true",
-                                 "--data.dataset_path=/x", "--scheduler.warmup_steps=5000", "--train.max_steps=100"])
+    cfg = load_job_config(
+        None,
+        [
+            "--train.seq_len=4096",
+            "--model.max_seq_len=1024",
+            "--eval.enabled=true",
+            "--data.dataset_path=/x",
+            "--scheduler.warmup_steps=5000",
+            "--train.max_steps=100",
+        ],
+    )
     with pytest.raises(ConfigError) as info:
         cfg.validate(1)
     assert set(paths(info.value)) == {"train.seq_len", "eval.dataset_path", "scheduler.warmup_steps"}
@@ -165,11 +187,11 @@ def test_resolved_config_round_trips(tmp_path):
 
 def test_registries_cover_every_choice():
     """Every string a config Literal allows has a builder registered (and nothing else)."""
-    import engine.model.mlp  # noqa: F401  (registers activations)
-    import engine.model.transformer  # noqa: F401
-    import engine.model.norms  # noqa: F401
-    import engine.train.losses  # noqa: F401
-    import engine.train.optim  # noqa: F401
+    import engine.model.mlp
+    import engine.model.norms
+    import engine.model.transformer
+    import engine.train.losses
+    import engine.train.optim
     import engine.train.schedules  # noqa: F401
     from engine.config import registry
 
@@ -204,14 +226,17 @@ def test_configuration_doc_lists_every_field():
             assert f"| `{field}` |" in doc, f"docs/configuration.md misses {section}.{field}"
 
 
-@pytest.mark.parametrize("overrides,world,expected", [
-    (["--distributed.cp=2"], 2, {"distributed.cp"}),  # not supported yet
-    (["--distributed.tp=2", "--model.ffn_hidden_dim=129"], 2, {"distributed.tp"}),
-    (["--distributed.tp=2", "--train.seq_len=63", "--model.max_seq_len=64"], 2, {"train.seq_len"}),
-    (["--distributed.tp=2", "--model.num_experts=4"], 2, {"distributed.tp"}),
-    (["--distributed.tp=2", "--train.mixed_precision=fp8"], 2, {"train.mixed_precision"}),
-    (["--distributed.dp_replicate=2", "--distributed.dp_shard=2"], 2, {"distributed"}),
-])
+@pytest.mark.parametrize(
+    "overrides,world,expected",
+    [
+        (["--distributed.cp=2"], 2, {"distributed.cp"}),  # not supported yet
+        (["--distributed.tp=2", "--model.ffn_hidden_dim=129"], 2, {"distributed.tp"}),
+        (["--distributed.tp=2", "--train.seq_len=63", "--model.max_seq_len=64"], 2, {"train.seq_len"}),
+        (["--distributed.tp=2", "--model.num_experts=4"], 2, {"distributed.tp"}),
+        (["--distributed.tp=2", "--train.mixed_precision=fp8"], 2, {"train.mixed_precision"}),
+        (["--distributed.dp_replicate=2", "--distributed.dp_shard=2"], 2, {"distributed"}),
+    ],
+)
 def test_layout_rules(overrides, world, expected):
     cfg = load_job_config(None, overrides)
     with pytest.raises(ConfigError) as info:

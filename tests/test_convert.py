@@ -31,8 +31,9 @@ transformers = pytest.importorskip("transformers")
 
 CONFIGS = {
     "mha": dict(dim=64, n_layers=2, n_heads=4),
-    "gqa-tied": dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, tie_embeddings=True, norm_eps=1e-6,
-                     rope_theta=500000.0),
+    "gqa-tied": dict(
+        dim=64, n_layers=2, n_heads=8, n_kv_heads=2, tie_embeddings=True, norm_eps=1e-6, rope_theta=500000.0
+    ),
     "mqa-ffn": dict(dim=48, n_layers=2, n_heads=4, n_kv_heads=1, ffn_hidden_dim=100, norm_eps=1e-5, rope_theta=50000.0),
     "qk_norm": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, qk_norm=True, norm_eps=1e-6),
     "qk_norm-tied": dict(dim=32, n_layers=1, n_heads=2, qk_norm=True, tie_embeddings=True, rope_theta=1e6),
@@ -83,8 +84,14 @@ def assert_same_as_transformers(hf, model, *, seq: int, prompt: int, new_tokens:
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=atol)
     start = tokens[:1, :prompt]
-    theirs = hf.generate(start, attention_mask=torch.ones_like(start), max_new_tokens=new_tokens, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)[0, prompt:].tolist()
+    theirs = hf.generate(
+        start,
+        attention_mask=torch.ones_like(start),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, prompt:].tolist()
     assert list(generate(model, start[0].tolist(), new_tokens, Sampling(temperature=0))) == theirs
 
 
@@ -139,8 +146,19 @@ def test_from_hf_writes_a_checkpoint_folder_and_its_model_section(tmp_path):
     from engine.config import load_job_config
 
     imported = load_job_config(ckpt / "model.toml").model
-    for field in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_dim", "norm_eps", "rope_theta",
-                  "tie_embeddings", "qk_norm", "max_seq_len"):
+    for field in (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "kv_heads",
+        "vocab_size",
+        "ffn_dim",
+        "norm_eps",
+        "rope_theta",
+        "tie_embeddings",
+        "qk_norm",
+        "max_seq_len",
+    ):
         assert getattr(imported, field) == getattr(cfg, field), field
     # ... and it is a checkpoint like any other: it exports again, identically.
     export_to_hf(ckpt, tmp_path / "hf2")
@@ -183,7 +201,9 @@ def _llama_bos(tokenizer) -> None:
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 400)])
 
 
-@pytest.mark.parametrize(("edit", "bos"), [(None, "<|endoftext|>"), (_byte_level, "<|endoftext|>"), (_llama_bos, "<s>")])
+@pytest.mark.parametrize(
+    ("edit", "bos"), [(None, "<|endoftext|>"), (_byte_level, "<|endoftext|>"), (_llama_bos, "<s>")]
+)
 def test_the_exported_tokenizer_encodes_raw_text_as_forge_generate_prompts_it(tmp_path, edit, bos):
     """transformers' `tok(text)` on the export gives `prompt_ids`: the end-of-text token first for a tokenizer
     that adds nothing (whatever post-processor it has), a tokenizer's own BOS kept as it is."""
@@ -204,8 +224,11 @@ def test_the_exported_tokenizer_encodes_raw_text_as_forge_generate_prompts_it(tm
     (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(exported.config))
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     for text in ("ROMEO:", " two  spaces\nand a line", "To be, or not to be"):
-        assert tok(text)["input_ids"] == prompt_ids(encoder, text) == Tokenizer.from_file(
-            str(tmp_path / "hf" / "tokenizer.json")).encode(text).ids
+        assert (
+            tok(text)["input_ids"]
+            == prompt_ids(encoder, text)
+            == Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json")).encode(text).ids
+        )
     assert tok.bos_token == bos and exported.bos_id == tok.bos_token_id == prompt_ids(encoder, "x")[0]
 
 
@@ -253,7 +276,7 @@ def test_a_checkpoint_saved_under_fsdp_exports_like_the_single_process_model(tmp
         torch.testing.assert_close(hf_model(tmp_path / "hf-fsdp")(tokens).logits, expected, rtol=1e-5, atol=1e-6)
 
 
-FSDP_SCRIPT = textwrap.dedent('''
+FSDP_SCRIPT = textwrap.dedent("""
     import json, sys
     from pathlib import Path
 
@@ -298,7 +321,7 @@ FSDP_SCRIPT = textwrap.dedent('''
     dist.destroy_process_group()
     from engine.parallel.launch import end_process
     end_process(0)  # leave without interpreter teardown while gloo's threads live (see end_process)
-''')
+""")
 
 
 # ------------------------------------------------------------------ bad input through the CLI
@@ -314,8 +337,15 @@ def forge(*args: str):
 
 
 def llama_config(**changes) -> dict:
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-              "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 50}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "vocab_size": 50,
+    }
     return {**config, **changes}
 
 
@@ -376,8 +406,9 @@ def test_from_hf_bad_input_exits_2_and_writes_nothing(tmp_path):
     scaled = hf_folder(tmp_path / "scaled", llama_config(rope_scaling={"rope_type": "llama3", "factor": 8.0}))
     biased = hf_folder(tmp_path / "biased", llama_config(attention_bias=True))
     sharded = hf_folder(tmp_path / "sharded", llama_config())
-    (sharded / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}})
+    )
     corrupt = hf_folder(tmp_path / "corrupt", llama_config())
     (corrupt / "model.safetensors").write_bytes(b"not safetensors")
     broken = tmp_path / "broken"
@@ -409,7 +440,9 @@ def test_from_hf_refuses_weights_that_do_not_match_the_config(tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
     result = forge("convert", "from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out"))
-    assert result.exit_code == 2 and "mlp.down_proj.weight has shape [64, 256], config.json implies [64, 128]" in said(result)
+    assert result.exit_code == 2 and "mlp.down_proj.weight has shape [64, 256], config.json implies [64, 128]" in said(
+        result
+    )
     assert no_leftovers(tmp_path / "out")
 
 
@@ -479,7 +512,9 @@ def test_schedule_free_runs_export_and_sample_their_averaged_weights(tmp_path):
         assert not torch.equal(param.detach(), y[name]), name
     export_to_hf(run, tmp_path / "hf")
     with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
-        torch.testing.assert_close(f.get_tensor("model.embed_tokens.weight"), x["tok_embeddings.weight"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            f.get_tensor("model.embed_tokens.weight"), x["tok_embeddings.weight"], rtol=0, atol=1e-6
+        )
 
 
 # ------------------------------------------------------------------ mixture of experts
@@ -488,18 +523,28 @@ MOE = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, num_experts=4, moe_top_k
 # name → (the [model] fields, the transformers class that must compute the same logits)
 MOE_CONFIGS = {
     "softmax": (dict(MOE), "Qwen2MoeForCausalLM"),
-    "softmax-every2nd-unpacked": (dict(MOE, moe_frequency=2, moe_packed_experts=False, moe_expert_ffn_multiplier=0.25),
-                                  "Qwen2MoeForCausalLM"),
+    "softmax-every2nd-unpacked": (
+        dict(MOE, moe_frequency=2, moe_packed_experts=False, moe_expert_ffn_multiplier=0.25),
+        "Qwen2MoeForCausalLM",
+    ),
     "softmax-qk_norm-tied": (dict(MOE, qk_norm=True, tie_embeddings=True, moe_top_k=1), "Qwen3MoeForCausalLM"),
-    "softmax-qk_norm-every2nd-unpacked": (dict(MOE, qk_norm=True, moe_frequency=2, moe_packed_experts=False),
-                                          "Qwen3MoeForCausalLM"),
-    "sigmoid-shared": (dict(MOE, moe_router="sigmoid_topk", moe_shared_experts=1, moe_expert_ffn_multiplier=0.5),
-                       "Glm4MoeForCausalLM"),
-    "sigmoid-2shared-qk_norm-unpacked": (dict(MOE, moe_router="sigmoid_topk", moe_shared_experts=2, qk_norm=True,
-                                              moe_packed_experts=False, moe_top_k=3), "Glm4MoeForCausalLM"),
+    "softmax-qk_norm-every2nd-unpacked": (
+        dict(MOE, qk_norm=True, moe_frequency=2, moe_packed_experts=False),
+        "Qwen3MoeForCausalLM",
+    ),
+    "sigmoid-shared": (
+        dict(MOE, moe_router="sigmoid_topk", moe_shared_experts=1, moe_expert_ffn_multiplier=0.5),
+        "Glm4MoeForCausalLM",
+    ),
+    "sigmoid-2shared-qk_norm-unpacked": (
+        dict(MOE, moe_router="sigmoid_topk", moe_shared_experts=2, qk_norm=True, moe_packed_experts=False, moe_top_k=3),
+        "Glm4MoeForCausalLM",
+    ),
     "sigmoid-last-block-only": (dict(MOE, moe_router="sigmoid_topk", moe_frequency=2), "Glm4MoeForCausalLM"),
-    "sigmoid-dropless-capacity": (dict(MOE, moe_router="sigmoid_topk", moe_shared_experts=1, moe_capacity_factor=2.0),
-                                  "Glm4MoeForCausalLM"),
+    "sigmoid-dropless-capacity": (
+        dict(MOE, moe_router="sigmoid_topk", moe_shared_experts=1, moe_capacity_factor=2.0),
+        "Glm4MoeForCausalLM",
+    ),
 }
 
 
@@ -541,8 +586,17 @@ def test_moe_round_trip_through_hugging_face(tmp_path, name):
     from engine.config import load_job_config
 
     imported = load_job_config(tmp_path / "back" / "model.toml").model
-    for field in ("num_experts", "moe_top_k", "moe_frequency", "moe_router", "moe_shared_experts", "expert_ffn_dim",
-                  "qk_norm", "dim", "ffn_dim"):
+    for field in (
+        "num_experts",
+        "moe_top_k",
+        "moe_frequency",
+        "moe_router",
+        "moe_shared_experts",
+        "expert_ffn_dim",
+        "qk_norm",
+        "dim",
+        "ffn_dim",
+    ):
         assert getattr(imported, field) == getattr(cfg, field), field
     assert imported.moe_packed_experts
     back = Transformer(imported).eval()
@@ -569,12 +623,15 @@ def hf_state(folder: Path) -> dict[str, torch.Tensor]:
     return dict(sorted(state.items()))
 
 
-@pytest.mark.parametrize("fields, needle", [
-    (dict(MOE, moe_shared_experts=1), "model.moe_shared_experts = 1 with moe_router = \"softmax_topk\""),
-    (dict(MOE, moe_capacity_factor=1.25), "model.moe_capacity_factor = 1.25"),
-    (dict(MOE, n_layers=4, moe_router="sigmoid_topk", moe_frequency=2), "model.moe_frequency = 2"),
-    (dict(MOE, moe_router="sigmoid_topk", num_experts=1, moe_top_k=1), "model.num_experts = 1"),
-])
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        (dict(MOE, moe_shared_experts=1), 'model.moe_shared_experts = 1 with moe_router = "softmax_topk"'),
+        (dict(MOE, moe_capacity_factor=1.25), "model.moe_capacity_factor = 1.25"),
+        (dict(MOE, n_layers=4, moe_router="sigmoid_topk", moe_frequency=2), "model.moe_frequency = 2"),
+        (dict(MOE, moe_router="sigmoid_topk", num_experts=1, moe_top_k=1), "model.num_experts = 1"),
+    ],
+)
 def test_moe_models_transformers_cannot_express_are_refused(tmp_path, fields, needle):
     model = random_model(model_config(**fields))
     result = forge("convert", "to-hf", str(make_run(tmp_path / "run", model)), "--out", str(tmp_path / "hf"))
@@ -585,8 +642,13 @@ def test_moe_models_transformers_cannot_express_are_refused(tmp_path, fields, ne
 def moe_config(model_type: str, **changes) -> dict:
     config = llama_config(model_type=model_type, architectures=[], num_experts_per_tok=2, moe_intermediate_size=32)
     if model_type == "glm4_moe":
-        config.update(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, partial_rotary_factor=1.0,
-                      num_nextn_predict_layers=0)
+        config.update(
+            n_routed_experts=4,
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            partial_rotary_factor=1.0,
+            num_nextn_predict_layers=0,
+        )
     else:
         config.update(num_experts=4, qkv_bias=False, shared_expert_intermediate_size=0)
     return {**config, **changes}

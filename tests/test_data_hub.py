@@ -45,10 +45,12 @@ def hub(name: Path | str, **options) -> HubSource:
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-def test_a_dataset_gives_the_tokens_of_the_same_rows_in_a_file(tmp_path: Path, tok: Path, dataset_repo: Path,
-                                                               streaming: bool):
-    reference = tokenize_files([dataset_repo / "data" / "train.jsonl"], tmp_path / "files", tokenizer=tok,
-                               shard_tokens=700)
+def test_a_dataset_gives_the_tokens_of_the_same_rows_in_a_file(
+    tmp_path: Path, tok: Path, dataset_repo: Path, streaming: bool
+):
+    reference = tokenize_files(
+        [dataset_repo / "data" / "train.jsonl"], tmp_path / "files", tokenizer=tok, shard_tokens=700
+    )
     report = tokenize(hub(dataset_repo, streaming=streaming), tmp_path / "hub", tokenizer=tok, shard_tokens=700)
     assert np.array_equal(all_tokens(report.directory), all_tokens(reference.directory))
     assert [s.tokens for s in report.manifest.shards] == [s.tokens for s in reference.manifest.shards]
@@ -65,14 +67,16 @@ def test_another_split_and_a_trained_tokenizer(tmp_path: Path, dataset_repo: Pat
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-def test_an_interrupted_run_resumes_to_identical_output(tmp_path: Path, tok: Path, dataset_repo: Path,
-                                                        monkeypatch: pytest.MonkeyPatch, streaming: bool):
+def test_an_interrupted_run_resumes_to_identical_output(
+    tmp_path: Path, tok: Path, dataset_repo: Path, monkeypatch: pytest.MonkeyPatch, streaming: bool
+):
     monkeypatch.setattr("engine.data.tokenize.BATCH_CHARS", 1)  # one document per batch: stop between any two
     clean = tokenize(hub(dataset_repo, streaming=streaming), tmp_path / "clean", tokenizer=tok, shard_tokens=600)
     out = tmp_path / "out"
     with pytest.raises(Interrupt):
-        tokenize(hub(dataset_repo, streaming=streaming), out, tokenizer=tok, shard_tokens=600,
-                 progress=interrupt_after(5))
+        tokenize(
+            hub(dataset_repo, streaming=streaming), out, tokenizer=tok, shard_tokens=600, progress=interrupt_after(5)
+        )
     recorded = json.loads((out / STATE).read_text())
     assert len(recorded["shards"]) >= 5 and recorded["resume"][1] > 0
     resumed = tokenize(hub(dataset_repo, streaming=streaming), out, tokenizer=tok, shard_tokens=600)
@@ -93,13 +97,21 @@ def test_a_rerun_with_another_split_restarts_instead_of_resuming(tmp_path: Path,
 def test_folders_written_by_save_to_disk(tmp_path: Path, tok: Path, dataset_repo: Path):
     import datasets
 
-    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": list(TEXTS)}),
-                                   "test": datasets.Dataset.from_dict({"text": list(HELD_OUT)})})
+    splits = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": list(TEXTS)}),
+            "test": datasets.Dataset.from_dict({"text": list(HELD_OUT)}),
+        }
+    )
     splits.save_to_disk(str(tmp_path / "dict"))
     splits["test"].save_to_disk(str(tmp_path / "one"))
     reference = tokenize_files([dataset_repo / "data" / "test.jsonl"], tmp_path / "ref", tokenizer=tok)
-    for name, split, streaming in [("dict", "test", False), ("dict", "test", True), ("one", None, False),
-                                   ("one", None, True)]:
+    for name, split, streaming in [
+        ("dict", "test", False),
+        ("dict", "test", True),
+        ("one", None, False),
+        ("one", None, True),
+    ]:
         source = hub(tmp_path / name, split=split, streaming=streaming)
         report = tokenize(source, tmp_path / f"out-{name}-{streaming}", tokenizer=tok)
         assert np.array_equal(all_tokens(report.directory), all_tokens(reference.directory)), (name, streaming)
@@ -172,8 +184,9 @@ def test_the_command_line_names_one_source(tmp_path: Path, dataset_repo: Path):
     assert isinstance(open_source([f"hf:{dataset_repo}"], split="test"), HubSource)
 
 
-def test_without_the_datasets_package_the_error_says_what_to_install(dataset_repo: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch):
+def test_without_the_datasets_package_the_error_says_what_to_install(
+    dataset_repo: Path, monkeypatch: pytest.MonkeyPatch
+):
     monkeypatch.setitem(sys.modules, "datasets", None)  # what an environment without it gives: ImportError
     with pytest.raises(DataError, match="needs the datasets package") as error:
         hub(dataset_repo)
@@ -181,33 +194,59 @@ def test_without_the_datasets_package_the_error_says_what_to_install(dataset_rep
 
 
 def forge(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "forgecli.app", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=240, env={**os.environ, "NO_COLOR": "1", "COLUMNS": "300"})
+    return subprocess.run(
+        [sys.executable, "-m", "forgecli.app", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "300"},
+    )
 
 
 def test_cli_streams_a_dataset_and_refuses_a_bad_split(tmp_path: Path, dataset_repo: Path):
     import datasets
 
-    datasets.Dataset.from_dict({"text": list(TEXTS)}).save_to_disk(str(tmp_path / "saved"))  # a stream of unknown length
+    datasets.Dataset.from_dict({"text": list(TEXTS)}).save_to_disk(
+        str(tmp_path / "saved")
+    )  # a stream of unknown length
     out = tmp_path / "out"
-    result = forge("tokenize", f"hf:{tmp_path / 'saved'}", "--streaming", "--train-tokenizer", "--vocab-size", "300",
-                   "--out", str(out))
+    result = forge(
+        "tokenize",
+        f"hf:{tmp_path / 'saved'}",
+        "--streaming",
+        "--train-tokenizer",
+        "--vocab-size",
+        "300",
+        "--out",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     assert f"{len(TEXTS)} rows read" in result.stdout  # progress counts rows when the stream's length is unknown
     assert json.loads((out / "manifest.json").read_text())["source"]["inputs"] == [f"hf:{tmp_path / 'saved'}"]
 
     # Mistakes that need no data are found before the dataset is prepared (eager mode converts every
     # split; nothing has prepared this one yet).
-    for args, message in [(("--out", str(tmp_path / "early")), "no tokenizer chosen"),
-                          (("--out", str(dataset_repo), "--train-tokenizer", "--vocab-size", "300"),
-                           "did not write")]:
+    for args, message in [
+        (("--out", str(tmp_path / "early")), "no tokenizer chosen"),
+        (("--out", str(dataset_repo), "--train-tokenizer", "--vocab-size", "300"), "did not write"),
+    ]:
         result = forge("tokenize", f"hf:{dataset_repo}", *args)
         assert result.returncode == 2 and message in result.stderr, result.stderr
         assert "Generating" not in result.stderr  # the datasets library's own progress while it prepares a split
     assert not (tmp_path / "early").exists()
 
-    bad = forge("tokenize", f"hf:{dataset_repo}", "--split", "validation", "--train-tokenizer", "--vocab-size", "300",
-                "--out", str(tmp_path / "bad"))
+    bad = forge(
+        "tokenize",
+        f"hf:{dataset_repo}",
+        "--split",
+        "validation",
+        "--train-tokenizer",
+        "--vocab-size",
+        "300",
+        "--out",
+        str(tmp_path / "bad"),
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "validation" in bad.stderr and "--split" in bad.stderr
     assert not (tmp_path / "bad").exists()
@@ -215,9 +254,22 @@ def test_cli_streams_a_dataset_and_refuses_a_bad_split(tmp_path: Path, dataset_r
 
 # --- training on a dataset named in the config (data.hf_dataset_name, eval.hf_dataset_name) ------------------
 
-TINY = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=512",
-        "train.seq_len=32", "model.max_seq_len=32", "train.batch_size=4", "train.max_steps=4",
-        "metrics.log_interval=1", "eval.enabled=true", "eval.interval=2", "eval.steps=2", "scheduler.warmup_steps=1"]
+TINY = [
+    "model.dim=32",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.vocab_size=512",
+    "train.seq_len=32",
+    "model.max_seq_len=32",
+    "train.batch_size=4",
+    "train.max_steps=4",
+    "metrics.log_interval=1",
+    "eval.enabled=true",
+    "eval.interval=2",
+    "eval.steps=2",
+    "scheduler.warmup_steps=1",
+]
 
 
 def trained_records(run_dir: Path, *overrides: str) -> list[dict]:
@@ -234,7 +286,8 @@ def numbers(records: list[dict]) -> list[tuple]:
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_training_on_a_named_dataset_equals_training_on_its_tokenized_shards(
-        tmp_path: Path, tok: Path, streaming: bool, monkeypatch: pytest.MonkeyPatch):
+    tmp_path: Path, tok: Path, streaming: bool, monkeypatch: pytest.MonkeyPatch
+):
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache"))
     repo = tmp_path / "repo"
     write_jsonl(repo / "data" / "train.jsonl", TEXTS[3:])
@@ -243,8 +296,13 @@ def test_training_on_a_named_dataset_equals_training_on_its_tokenized_shards(
     held_out = tokenize_files([repo / "data" / "test.jsonl"], tmp_path / "held-out", tokenizer=tok).directory
     reference = trained_records(tmp_path / "ref", f"data.dataset_path={shards}", f"eval.dataset_path={held_out}")
 
-    named = [f"data.hf_dataset_name={repo}", f"data.tokenizer_path={tok}", f"eval.hf_dataset_name={repo}",
-             "eval.hf_dataset_split=test", f"data.hf_streaming={str(streaming).lower()}"]
+    named = [
+        f"data.hf_dataset_name={repo}",
+        f"data.tokenizer_path={tok}",
+        f"eval.hf_dataset_name={repo}",
+        "eval.hf_dataset_split=test",
+        f"data.hf_streaming={str(streaming).lower()}",
+    ]
     records = trained_records(tmp_path / "hub", *named)
     assert numbers(records) == numbers(reference)  # the same tokens in the same order: the same run, exactly
     assert [r["eval_loss"] for r in records if "eval_loss" in r]
@@ -267,18 +325,42 @@ def test_a_named_dataset_needs_a_tokenizer_and_its_fields_need_a_name():
         return [issue.path for issue in error.value.issues]
 
     assert issues("data.hf_dataset_name=org/set") == ["data.tokenizer_path"]
-    assert issues("data.hf_dataset_name=org/set", "data.dataset_path=/x", "data.tokenizer_path=t.json") == \
-        ["data.hf_dataset_name"]
-    assert sorted(issues("data.hf_dataset_config=en", "data.hf_dataset_split=test", "data.hf_streaming=true",
-                         "data.hf_dataset_revision=v1", "eval.enabled=true", "eval.hf_dataset_split=test",
-                         "data.hf_dataset_text_field=body")) == \
-        ["data.hf_dataset_config", "data.hf_dataset_revision", "data.hf_dataset_split", "data.hf_dataset_text_field",
-         "data.hf_streaming", "eval.hf_dataset_split"]
-    assert issues("eval.enabled=true", "eval.hf_dataset_name=org/set", "eval.dataset_path=/x") == ["eval.hf_dataset_name"]
-    assert issues("data.hf_dataset_name=org/set", "data.tokenizer_path=t.json", "eval.enabled=true") == \
-        ["eval.dataset_path"]  # held-out data of its own, as with dataset_path
-    load_job_config(None, ["data.hf_dataset_name=org/set", "data.tokenizer_path=t.json", "eval.enabled=true",
-                           "eval.hf_dataset_name=org/set"]).validate(1)
+    assert issues("data.hf_dataset_name=org/set", "data.dataset_path=/x", "data.tokenizer_path=t.json") == [
+        "data.hf_dataset_name"
+    ]
+    assert sorted(
+        issues(
+            "data.hf_dataset_config=en",
+            "data.hf_dataset_split=test",
+            "data.hf_streaming=true",
+            "data.hf_dataset_revision=v1",
+            "eval.enabled=true",
+            "eval.hf_dataset_split=test",
+            "data.hf_dataset_text_field=body",
+        )
+    ) == [
+        "data.hf_dataset_config",
+        "data.hf_dataset_revision",
+        "data.hf_dataset_split",
+        "data.hf_dataset_text_field",
+        "data.hf_streaming",
+        "eval.hf_dataset_split",
+    ]
+    assert issues("eval.enabled=true", "eval.hf_dataset_name=org/set", "eval.dataset_path=/x") == [
+        "eval.hf_dataset_name"
+    ]
+    assert issues("data.hf_dataset_name=org/set", "data.tokenizer_path=t.json", "eval.enabled=true") == [
+        "eval.dataset_path"
+    ]  # held-out data of its own, as with dataset_path
+    load_job_config(
+        None,
+        [
+            "data.hf_dataset_name=org/set",
+            "data.tokenizer_path=t.json",
+            "eval.enabled=true",
+            "eval.hf_dataset_name=org/set",
+        ],
+    ).validate(1)
 
 
 BUILD_SCRIPT = """
@@ -297,8 +379,17 @@ print(hub_shards(cfg, "data", Path(sys.argv[2])), flush=True)
 def test_ranks_asking_for_the_same_dataset_at_once_tokenize_it_once(tmp_path: Path, tok: Path, dataset_repo: Path):
     env = {**os.environ, "FORGE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
     go = tmp_path / "go"
-    ranks = [subprocess.Popen([sys.executable, "-c", BUILD_SCRIPT, str(dataset_repo), str(tok), str(go)], cwd=REPO,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", BUILD_SCRIPT, str(dataset_repo), str(tok), str(go)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     time.sleep(3)
     go.touch()
     outputs = [rank.communicate(timeout=240) for rank in ranks]
@@ -316,23 +407,29 @@ def test_resuming_onto_data_that_changed_is_refused(tmp_path: Path, tok: Path, m
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache"))
     repo = tmp_path / "repo"
     write_jsonl(repo / "data" / "train.jsonl", TEXTS)
-    named = [f"data.hf_dataset_name={repo}", f"data.tokenizer_path={tok}", "eval.enabled=false", "scheduler.decay_steps=4",
-             "train.max_steps=2",
-             "checkpoint.interval=2"]
+    named = [
+        f"data.hf_dataset_name={repo}",
+        f"data.tokenizer_path={tok}",
+        "eval.enabled=false",
+        "scheduler.decay_steps=4",
+        "train.max_steps=2",
+        "checkpoint.interval=2",
+    ]
     trained_records(tmp_path / "run", *named)
     write_jsonl(repo / "data" / "train.jsonl", TEXTS[::-1])  # the dataset changes (a new commit on the Hub, say)
     with pytest.raises(UserError, match="was trained on other data"):
         trained_records(tmp_path / "run", *named[:-2], "train.max_steps=4", "checkpoint.interval=2")
     write_jsonl(repo / "data" / "train.jsonl", TEXTS)  # the data it trained on, now in another folder: it goes ahead
     moved = repo.rename(tmp_path / "moved")
-    records = trained_records(tmp_path / "run", f"data.hf_dataset_name={moved}", *named[1:-2], "train.max_steps=4",
-                              "checkpoint.interval=2")
+    records = trained_records(
+        tmp_path / "run", f"data.hf_dataset_name={moved}", *named[1:-2], "train.max_steps=4", "checkpoint.interval=2"
+    )
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
 
 
-def test_mistakes_in_a_named_dataset_name_its_fields_and_cost_no_tokenizing(tmp_path: Path, tok: Path,
-                                                                            dataset_repo: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch):
+def test_mistakes_in_a_named_dataset_name_its_fields_and_cost_no_tokenizing(
+    tmp_path: Path, tok: Path, dataset_repo: Path, monkeypatch: pytest.MonkeyPatch
+):
     from engine.config import load_job_config
     from engine.data.loader import open_train_data
 

@@ -31,8 +31,9 @@ def data_copy(data: Path, tmp_path: Path) -> Path:
     return tmp_path / "data"
 
 
-def micro_batches(cfg_overrides: tuple[str, ...], data: Path, dp_size: int = 1, start_step: int = 0,
-                  count: int = 8) -> list[list[torch.Tensor]]:
+def micro_batches(
+    cfg_overrides: tuple[str, ...], data: Path, dp_size: int = 1, start_step: int = 0, count: int = 8
+) -> list[list[torch.Tensor]]:
     """`count` micro-batches of inputs for each rank."""
     cfg = job_config(data, *cfg_overrides)
     ranks = [open_train_data(cfg, dp_rank=r, dp_size=dp_size) for r in range(dp_size)]
@@ -41,16 +42,22 @@ def micro_batches(cfg_overrides: tuple[str, ...], data: Path, dp_size: int = 1, 
 
 def global_batches(batch_size: int, grad_accum: int, dp_size: int, data: Path, steps: int = 6) -> list[torch.Tensor]:
     """The samples of each optimizer step, in order: micro-step by micro-step, rank by rank."""
-    per_rank = micro_batches((f"train.batch_size={batch_size}", f"train.grad_accum_steps={grad_accum}"), data,
-                             dp_size, count=steps * grad_accum)
-    return [torch.cat([per_rank[r][s * grad_accum + m] for m in range(grad_accum) for r in range(dp_size)])
-            for s in range(steps)]
+    per_rank = micro_batches(
+        (f"train.batch_size={batch_size}", f"train.grad_accum_steps={grad_accum}"),
+        data,
+        dp_size,
+        count=steps * grad_accum,
+    )
+    return [
+        torch.cat([per_rank[r][s * grad_accum + m] for m in range(grad_accum) for r in range(dp_size)])
+        for s in range(steps)
+    ]
 
 
 def test_samples_are_non_overlapping_windows_within_shards(data: Path):
     train = open_train_data(job_config(data))
     shards = [np.load(data / s.file) for s in train.manifest.shards]
-    expected = [s[i * 17:(i + 1) * 17] for s in shards for i in range(len(s) // 17)]
+    expected = [s[i * 17 : (i + 1) * 17] for s in shards for i in range(len(s) // 17)]
     assert train.num_samples == len(expected) == sum(len(s) // 17 for s in shards)
     for index in (0, 57, 58, len(expected) - 1):
         x, y = train.dataset[index]
@@ -180,8 +187,12 @@ def test_shard_files_must_match_the_manifest_and_pattern(data_copy: Path):
 
 
 def test_tokenizer_vocabulary_must_fit_the_model(data: Path):
-    expect_data_error(job_config(data, "model.vocab_size=300"), "400 tokens", "model.vocab_size = 300",
-                      "set model.vocab_size to at least 400")
+    expect_data_error(
+        job_config(data, "model.vocab_size=300"),
+        "400 tokens",
+        "model.vocab_size = 300",
+        "set model.vocab_size to at least 400",
+    )
 
 
 def test_tokenizer_path_must_be_the_one_that_made_the_shards(data_copy: Path, tmp_path: Path):
@@ -190,7 +201,9 @@ def test_tokenizer_path_must_be_the_one_that_made_the_shards(data_copy: Path, tm
     assert train.tokenizer_file == own
     assert open_train_data(job_config(data_copy)).tokenizer_file == data_copy / "tokenizer.json"
     other = tokenizer_file(tmp_path / "other", vocab_size=450)
-    expect_data_error(job_config(data_copy, f"data.tokenizer_path={other}"), "data.tokenizer_path", "is not the tokenizer")
+    expect_data_error(
+        job_config(data_copy, f"data.tokenizer_path={other}"), "data.tokenizer_path", "is not the tokenizer"
+    )
     expect_data_error(job_config(data_copy, f"data.tokenizer_path={tmp_path / 'none.json'}"), "none.json", "not found")
 
 
@@ -202,6 +215,7 @@ def test_eval_data_must_share_the_training_tokenizer(data: Path, tmp_path: Path)
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps({"text": corpus_texts()[0]}) + "\n")
     from engine.data.tokenize import tokenize_files
+
     other = tokenize_files([source], tmp_path / "other", train_vocab_size=300).directory
     cfg = job_config(data, "eval.enabled=true", f"eval.dataset_path={other}")
     with pytest.raises(DataError, match="different tokenizer"):

@@ -17,8 +17,16 @@ from engine.data.tokenize import STATE, tokenize_files
 from engine.data.tokenizer import Encoder
 from engine.errors import DataError
 from tests.conftest import REPO
-from tests.data_fixtures import (Interrupt, all_tokens, corpus_texts, interrupt_after, tokenizer_file, write_jsonl,
-                                 write_parquet, write_txt)
+from tests.data_fixtures import (
+    Interrupt,
+    all_tokens,
+    corpus_texts,
+    interrupt_after,
+    tokenizer_file,
+    write_jsonl,
+    write_parquet,
+    write_txt,
+)
 
 TEXTS = corpus_texts()
 
@@ -29,8 +37,11 @@ def tok(tmp_path: Path) -> Path:
 
 
 def test_txt_jsonl_parquet_give_the_same_tokens(tmp_path: Path, tok: Path):
-    sources = {"jsonl": write_jsonl(tmp_path / "a.jsonl", TEXTS), "txt": write_txt(tmp_path / "txt", TEXTS),
-               "parquet": write_parquet(tmp_path / "a.parquet", TEXTS)}
+    sources = {
+        "jsonl": write_jsonl(tmp_path / "a.jsonl", TEXTS),
+        "txt": write_txt(tmp_path / "txt", TEXTS),
+        "parquet": write_parquet(tmp_path / "a.parquet", TEXTS),
+    }
     results = {}
     for kind, source in sources.items():
         report = tokenize_files([source], tmp_path / f"out-{kind}", tokenizer=tok, shard_tokens=700)
@@ -53,7 +64,9 @@ def test_directories_are_searched_recursively(tmp_path: Path, tok: Path):
 
 def test_eos_follows_every_document_and_decodes_back(tmp_path: Path, tok: Path):
     texts = [*TEXTS[:5], "a document that mentions <|endoftext|> as plain text"]
-    report = tokenize_files([write_jsonl(tmp_path / "a.jsonl", texts)], tmp_path / "out", tokenizer=tok, shard_tokens=500)
+    report = tokenize_files(
+        [write_jsonl(tmp_path / "a.jsonl", texts)], tmp_path / "out", tokenizer=tok, shard_tokens=500
+    )
     tokens, eos = all_tokens(report.directory), report.manifest.eos_id
     assert tokens[-1] == eos and np.count_nonzero(tokens == eos) == len(texts)
     decoder = Tokenizer.from_file(str(tok))
@@ -62,12 +75,18 @@ def test_eos_follows_every_document_and_decodes_back(tmp_path: Path, tok: Path):
 
 
 def test_manifest_describes_the_shards(tmp_path: Path, tok: Path):
-    report = tokenize_files([write_jsonl(tmp_path / "a.jsonl", TEXTS)], tmp_path / "out", tokenizer=tok, shard_tokens=1000)
+    report = tokenize_files(
+        [write_jsonl(tmp_path / "a.jsonl", TEXTS)], tmp_path / "out", tokenizer=tok, shard_tokens=1000
+    )
     out, m = report.directory, report.manifest
     raw = json.loads((out / "manifest.json").read_text())
     assert raw["format"] == "forge-token-shards" and raw["version"] == 1 and raw["dtype"] == "uint16"
-    assert raw["tokenizer"] == {"sha256": hashlib.sha256(tok.read_bytes()).hexdigest(), "vocab_size": 400,
-                                "eos_id": 0, "eos_token": "<|endoftext|>"}
+    assert raw["tokenizer"] == {
+        "sha256": hashlib.sha256(tok.read_bytes()).hexdigest(),
+        "vocab_size": 400,
+        "eos_id": 0,
+        "eos_token": "<|endoftext|>",
+    }
     assert (out / "tokenizer.json").read_bytes() == tok.read_bytes()
     sizes = [np.load(out / s["file"]).size for s in raw["shards"]]
     assert sizes == [s["tokens"] for s in raw["shards"]] and set(sizes[:-1]) == {1000} and 0 < sizes[-1] <= 1000
@@ -84,8 +103,9 @@ def test_dtype_is_uint16_up_to_65536_tokens_then_uint32(tmp_path: Path):
     big = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
     big.pre_tokenizer = pre_tokenizers.Whitespace()
     big.save(str(tmp_path / "big.json"))
-    report = tokenize_files([write_jsonl(tmp_path / "a.jsonl", ["w69999 w5 w70000"])], tmp_path / "out",
-                            tokenizer=tmp_path / "big.json")
+    report = tokenize_files(
+        [write_jsonl(tmp_path / "a.jsonl", ["w69999 w5 w70000"])], tmp_path / "out", tokenizer=tmp_path / "big.json"
+    )
     assert report.manifest.dtype == "uint32" and report.manifest.vocab_size == 70_000
     assert all_tokens(report.directory).tolist() == [69999, 5, 1, 0]
 
@@ -114,9 +134,13 @@ def test_eos_token_is_found_or_must_be_named(tmp_path: Path):
 
 
 def test_trained_tokenizer_is_deterministic_across_processes(tmp_path: Path):
-    code = ("import sys; from tests.data_fixtures import corpus_texts; from engine.data.tokenizer import Encoder;"
-            "sys.stdout.write(Encoder.trained(corpus_texts(), 400).sha256)")
-    other = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+    code = (
+        "import sys; from tests.data_fixtures import corpus_texts; from engine.data.tokenizer import Encoder;"
+        "sys.stdout.write(Encoder.trained(corpus_texts(), 400).sha256)"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
+    )
     assert other.stdout == Encoder.trained(TEXTS, 400).sha256 == Encoder.trained(TEXTS, 400).sha256
 
 
@@ -137,8 +161,9 @@ def mixed_inputs(root: Path) -> Path:
 
 @pytest.mark.parametrize("stop_after", [2, 17, 27])  # inside the .jsonl, the .parquet, the .txt files
 @pytest.mark.parametrize("tokenizer", ["file", "train"])
-def test_interrupted_run_resumes_to_identical_output(tmp_path: Path, tok: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     stop_after: int, tokenizer: str):
+def test_interrupted_run_resumes_to_identical_output(
+    tmp_path: Path, tok: Path, monkeypatch: pytest.MonkeyPatch, stop_after: int, tokenizer: str
+):
     monkeypatch.setattr("engine.data.tokenize.BATCH_CHARS", 1)  # one document per batch: stop between any two
     source = mixed_inputs(tmp_path / "in")
     options = {"tokenizer": tok} if tokenizer == "file" else {"train_vocab_size": 350}

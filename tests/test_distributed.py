@@ -22,10 +22,26 @@ from tests.torchrun import kill_tree, run_bounded
 pytestmark = pytest.mark.slow
 
 GLOBAL_BATCH = 4
-TINY = ["--model.dim=32", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.vocab_size=4096",
-        "--train.seq_len=32", "--model.max_seq_len=32", "--metrics.log_interval=1", "--eval.interval=3",
-        "--eval.steps=2", "--checkpoint.interval=3", "--scheduler.warmup_steps=2", "--scheduler.decay_steps=10",
-        "--train.max_steps=6", "--optimizer.eps=1e-5", "--train.z_loss_weight=1e-3"]
+TINY = [
+    "--model.dim=32",
+    "--model.n_layers=4",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.vocab_size=4096",
+    "--train.seq_len=32",
+    "--model.max_seq_len=32",
+    "--metrics.log_interval=1",
+    "--eval.interval=3",
+    "--eval.steps=2",
+    "--checkpoint.interval=3",
+    "--scheduler.warmup_steps=2",
+    "--scheduler.decay_steps=10",
+    "--train.max_steps=6",
+    "--optimizer.eps=1e-5",
+    "--train.z_loss_weight=1e-3",
+]
+
+
 # z-loss: trained with, left out of the eval loss (the pipeline turns it off for its forward-only passes).
 # eps: Adam moves an entry with a near-zero gradient by about lr whatever the gradient's size, so a rounding-level
 # difference in a rarely seen token's embedding row could move it by 1e-5; a larger eps keeps such updates small.
@@ -34,13 +50,29 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def forge(run_dir: Path, *extra: str, nproc: int = 1, batch_size: int | None = None) -> "subprocess.CompletedProcess":
+def forge(run_dir: Path, *extra: str, nproc: int = 1, batch_size: int | None = None) -> subprocess.CompletedProcess:
     """`forge train` of the tiny model; the per-device batch keeps the global batch at GLOBAL_BATCH when all
     `nproc` ranks are data parallel (give `batch_size` for other layouts)."""
     launch = [f"--nproc-per-node={nproc}"] if nproc > 1 else []
     batch = f"--train.batch_size={batch_size or GLOBAL_BATCH // nproc}"
-    return run_bounded([sys.executable, "-m", "forgecli.app", "train", "presets/debug.toml", "--run-dir", str(run_dir),
-                        *TINY, batch, *launch, *extra], timeout=240, cwd=REPO, env=child_env())
+    return run_bounded(
+        [
+            sys.executable,
+            "-m",
+            "forgecli.app",
+            "train",
+            "presets/debug.toml",
+            "--run-dir",
+            str(run_dir),
+            *TINY,
+            batch,
+            *launch,
+            *extra,
+        ],
+        timeout=240,
+        cwd=REPO,
+        env=child_env(),
+    )
 
 
 def records(run_dir: Path, key: str = "loss") -> dict[int, dict]:
@@ -87,10 +119,20 @@ LAYOUTS = {
     "tp": (["--distributed.tp=2", "--distributed.dp_shard=1"], 4),
     "pp_gpipe": (PIPELINE + ["--distributed.pp_schedule=gpipe"], 2),
     "pp_1f1b": (PIPELINE + ["--distributed.pp_schedule=1f1b"], 2),
-    "pp_interleaved_selective_ac": (PIPELINE + ["--distributed.pp_schedule=interleaved_1f1b",
-                                                "--train.activation_checkpointing=selective"], 2),
-    "tp_chunked_ce_full_ac": (["--distributed.tp=2", "--distributed.dp_shard=1", "--train.loss_fn=chunked_cross_entropy",
-                               "--train.ce_chunk_size=48", "--train.activation_checkpointing=full"], 4),
+    "pp_interleaved_selective_ac": (
+        PIPELINE + ["--distributed.pp_schedule=interleaved_1f1b", "--train.activation_checkpointing=selective"],
+        2,
+    ),
+    "tp_chunked_ce_full_ac": (
+        [
+            "--distributed.tp=2",
+            "--distributed.dp_shard=1",
+            "--train.loss_fn=chunked_cross_entropy",
+            "--train.ce_chunk_size=48",
+            "--train.activation_checkpointing=full",
+        ],
+        4,
+    ),
 }
 
 
@@ -147,13 +189,24 @@ def test_resuming_with_another_global_batch_is_refused(tmp_path, one_process):
     assert sorted(records(run_dir)) == list(range(1, 7))
 
 
-@pytest.mark.parametrize(("layout", "message"), [
-    (["--distributed.dp_shard=4"], "does not multiply to the world size 2"),
-    (["--distributed.tp=2", "--distributed.dp_shard=1", "--model.n_kv_heads=1"], "divisible by tp"),
-    (["--distributed.ep=2"], "needs a mixture-of-experts model"),
-    (["--distributed.pp=2", "--distributed.dp_shard=1", "--distributed.pp_schedule=gpipe", "--train.grad_accum_steps=2",
-      "--eval.steps=3"], "set eval.steps to a multiple of 2"),
-])
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        (["--distributed.dp_shard=4"], "does not multiply to the world size 2"),
+        (["--distributed.tp=2", "--distributed.dp_shard=1", "--model.n_kv_heads=1"], "divisible by tp"),
+        (["--distributed.ep=2"], "needs a mixture-of-experts model"),
+        (
+            [
+                "--distributed.pp=2",
+                "--distributed.dp_shard=1",
+                "--distributed.pp_schedule=gpipe",
+                "--train.grad_accum_steps=2",
+                "--eval.steps=3",
+            ],
+            "set eval.steps to a multiple of 2",
+        ),
+    ],
+)
 def test_bad_layouts_exit_2_before_any_process_starts(tmp_path, layout, message):
     result = forge(tmp_path / "run", *layout, nproc=2)
     assert result.returncode == 2, result.stderr[-3000:]
@@ -163,14 +216,26 @@ def test_bad_layouts_exit_2_before_any_process_starts(tmp_path, layout, message)
 
 def test_pipeline_with_tensor_parallel_stages_matches_one_process(tmp_path, one_process):
     """pp = 2 × tp = 2 on four processes: each stage is tensor parallel, its activations sequence-sharded."""
-    result = forge(tmp_path / "run", *PIPELINE, "--distributed.tp=2", "--distributed.pp_schedule=interleaved_1f1b",
-                   nproc=4, batch_size=2)
+    result = forge(
+        tmp_path / "run",
+        *PIPELINE,
+        "--distributed.tp=2",
+        "--distributed.pp_schedule=interleaved_1f1b",
+        nproc=4,
+        batch_size=2,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(tmp_path / "run", one_process)
 
 
-MOE = ["--model.num_experts=4", "--model.moe_top_k=2", "--model.moe_router=sigmoid_topk", "--model.moe_shared_experts=1",
-       "--model.moe_bias_schedule=[[0,0.01]]", "--model.moe_aux_loss_weight=0.001"]
+MOE = [
+    "--model.num_experts=4",
+    "--model.moe_top_k=2",
+    "--model.moe_router=sigmoid_topk",
+    "--model.moe_shared_experts=1",
+    "--model.moe_bias_schedule=[[0,0.01]]",
+    "--model.moe_aux_loss_weight=0.001",
+]
 
 
 def test_expert_parallel_matches_plain_data_parallel(tmp_path):
@@ -191,11 +256,30 @@ def test_a_preempted_multi_process_run_exits_75_and_resumes(tmp_path):
     import time
 
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "forgecli.app", "train", "presets/debug.toml", "--run-dir", str(run_dir), *TINY,
-               "--train.batch_size=2", "--train.max_steps=400", "--eval.enabled=false", "--checkpoint.interval=1000",
-               "--nproc-per-node=2"]
-    proc = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    command = [
+        sys.executable,
+        "-m",
+        "forgecli.app",
+        "train",
+        "presets/debug.toml",
+        "--run-dir",
+        str(run_dir),
+        *TINY,
+        "--train.batch_size=2",
+        "--train.max_steps=400",
+        "--eval.enabled=false",
+        "--checkpoint.interval=1000",
+        "--nproc-per-node=2",
+    ]
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:
@@ -210,8 +294,20 @@ def test_a_preempted_multi_process_run_exits_75_and_resumes(tmp_path):
     assert "forge resume" in err and "--nproc-per-node 2" in err
     stopped = max(records(run_dir))
     assert latest_checkpoint(run_dir / "checkpoints")[0] == stopped
-    result = run_bounded([sys.executable, "-m", "forgecli.app", "resume", str(run_dir), "--nproc-per-node=2",
-                          f"--train.max_steps={stopped + 2}"], timeout=240, cwd=REPO, env=child_env())
+    result = run_bounded(
+        [
+            sys.executable,
+            "-m",
+            "forgecli.app",
+            "resume",
+            str(run_dir),
+            "--nproc-per-node=2",
+            f"--train.max_steps={stopped + 2}",
+        ],
+        timeout=240,
+        cwd=REPO,
+        env=child_env(),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(records(run_dir)) == list(range(1, stopped + 3))
 
@@ -221,13 +317,24 @@ def test_ranks_come_from_torchrun_or_srun_variables():
 
     assert process_place({}) == ProcessPlace(0, 0, 1)
     assert process_place({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}) == ProcessPlace(3, 1, 4)
-    srun = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0",
-            "SLURM_JOB_ID": "123456", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7"}
+    srun = {
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "8",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_ID": "123456",
+        "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7",
+    }
     assert process_place(srun) == ProcessPlace(5, 1, 8)
     batch_script = {k: v for k, v in srun.items() if k != "SLURM_STEP_ID"}  # sbatch's own shell is not a task
     assert process_place(batch_script) == ProcessPlace(0, 0, 1)
-    assert slurm_rendezvous_env(srun) == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8",
-                                          "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": str(20000 + 123456 % 20000)}
+    assert slurm_rendezvous_env(srun) == {
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "MASTER_ADDR": "10.0.0.7",
+        "MASTER_PORT": str(20000 + 123456 % 20000),
+    }
     assert slurm_rendezvous_env({**srun, "MASTER_ADDR": "node1", "MASTER_PORT": "29400"})["MASTER_ADDR"] == "node1"
 
 
@@ -268,17 +375,36 @@ def test_ranks_end_without_interpreter_teardown(tmp_path):
     (probe / "sitecustomize.py").write_text(
         "import atexit, os, pathlib\n"
         "if 'RANK' in os.environ:\n"
-        f"    atexit.register(pathlib.Path({str(tmp_path)!r}, 'teardown_rank' + os.environ['RANK']).touch)\n")
+        f"    atexit.register(pathlib.Path({str(tmp_path)!r}, 'teardown_rank' + os.environ['RANK']).touch)\n"
+    )
     mark = f"forge-test-{os.getpid()}-{tmp_path.name}"
     env = {**child_env(), "PYTHONPATH": f"{probe}{os.pathsep}{REPO}", "FORGE_TEST_MARK": mark}
     subprocess.run([sys.executable, "-c", "pass"], env={**env, "RANK": "7"}, check=True, timeout=60)
     assert (tmp_path / "teardown_rank7").exists(), "the probe marks a process that tears down"
     run_dir, log = tmp_path / "run", tmp_path / "out.log"
     with log.open("w") as out:  # not a pipe: waiting for the launcher alone, not for whoever holds its output
-        proc = subprocess.Popen([sys.executable, "-m", "forgecli.app", "train", "presets/debug.toml", "--run-dir",
-                                 str(run_dir), *TINY, "--train.max_steps=2", "--eval.interval=2",
-                                 "--train.batch_size=2", "--data.num_workers=1", "--nproc-per-node=2"],
-                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "forgecli.app",
+                "train",
+                "presets/debug.toml",
+                "--run-dir",
+                str(run_dir),
+                *TINY,
+                "--train.max_steps=2",
+                "--eval.interval=2",
+                "--train.batch_size=2",
+                "--data.num_workers=1",
+                "--nproc-per-node=2",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
             assert not marked_processes(mark), "data-loader workers outlived their rank"

@@ -141,16 +141,34 @@ end_process(0)  # leave without interpreter teardown while gloo's threads live (
 
 CASES = {
     "softmax": dict(layout="ep", model={}),
-    "sigmoid_shared_capacity": dict(layout="ep", activation_checkpointing="full", model=dict(
-        moe_router="sigmoid_topk", moe_shared_experts=1, moe_capacity_factor=1.0, moe_aux_loss_weight=0.0,
-        moe_sequence_aux_loss_weight=0.01, moe_bias_schedule=[(0, 0.01)])),
+    "sigmoid_shared_capacity": dict(
+        layout="ep",
+        activation_checkpointing="full",
+        model=dict(
+            moe_router="sigmoid_topk",
+            moe_shared_experts=1,
+            moe_capacity_factor=1.0,
+            moe_aux_loss_weight=0.0,
+            moe_sequence_aux_loss_weight=0.01,
+            moe_bias_schedule=[(0, 0.01)],
+        ),
+    ),
     # Experts 2 and 3 (rank 1's) are never chosen: rank 1 receives no token at all, and sends all of its own.
-    "uneven_loop": dict(layout="ep", implementation="loop", bias=[0.0, 0.0, -100.0, -100.0],
-                        model=dict(moe_router="sigmoid_topk", moe_bias_schedule=[(0, 0.0)])),
-    "uneven_grouped": dict(layout="ep", activation_checkpointing="selective", bias=[0.0, 0.0, -100.0, -100.0],
-                           model=dict(moe_router="sigmoid_topk", moe_bias_schedule=[(0, 0.0)])),
-    "fsdp": dict(layout="ep_fsdp", activation_checkpointing="full",
-                 model=dict(moe_router="sigmoid_topk", moe_shared_experts=1)),
+    "uneven_loop": dict(
+        layout="ep",
+        implementation="loop",
+        bias=[0.0, 0.0, -100.0, -100.0],
+        model=dict(moe_router="sigmoid_topk", moe_bias_schedule=[(0, 0.0)]),
+    ),
+    "uneven_grouped": dict(
+        layout="ep",
+        activation_checkpointing="selective",
+        bias=[0.0, 0.0, -100.0, -100.0],
+        model=dict(moe_router="sigmoid_topk", moe_bias_schedule=[(0, 0.0)]),
+    ),
+    "fsdp": dict(
+        layout="ep_fsdp", activation_checkpointing="full", model=dict(moe_router="sigmoid_topk", moe_shared_experts=1)
+    ),
 }
 
 
@@ -160,8 +178,7 @@ def run_cases(tmp_path: Path, nproc: int, cases: dict) -> dict[str, list[dict]]:
     script.write_text(SCRIPT)
     result = torchrun(script, nproc, str(tmp_path), json.dumps(cases), timeout=180)
     assert result.returncode == 0, result.stdout[-4000:]
-    return {name: [json.loads((tmp_path / f"{name}_rank{r}.json").read_text()) for r in range(nproc)]
-            for name in cases}
+    return {name: [json.loads((tmp_path / f"{name}_rank{r}.json").read_text()) for r in range(nproc)] for name in cases}
 
 
 @pytest.fixture(scope="module")
@@ -212,12 +229,15 @@ def ep_mesh_of_one():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fields,message", [
-    (dict(num_experts=3, moe_top_k=1), "not divisible by distributed.ep"),
-    (dict(moe_packed_experts=False), "moe_packed_experts = true"),
-    (dict(moe_gradient_scale=True), "moe_gradient_scale is not supported"),
-    (dict(num_experts=0), "needs a mixture-of-experts model"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(num_experts=3, moe_top_k=1), "not divisible by distributed.ep"),
+        (dict(moe_packed_experts=False), "moe_packed_experts = true"),
+        (dict(moe_gradient_scale=True), "moe_gradient_scale is not supported"),
+        (dict(num_experts=0), "needs a mixture-of-experts model"),
+    ],
+)
 def test_unsupported_layouts_are_user_errors(ep_mesh_of_one, monkeypatch, fields, message):
     model = moe_model(**fields)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -262,8 +282,9 @@ def test_expert_parallel_hooks_the_experts_module_and_patches_no_method(ep_mesh_
     for model in (plain, sharded):
         logits = model(tokens)
         (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum().backward()
-        grads = {k: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                 for k, p in model.named_parameters()}
+        grads = {
+            k: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for k, p in model.named_parameters()
+        }
         results.append((logits.detach(), grads))
     assert torch.equal(results[0][0], results[1][0])
     assert results[0][1].keys() == results[1][1].keys()

@@ -43,7 +43,7 @@ def greedy_without_cache(model: Transformer, prompt: list[int], steps: int) -> l
     seq = list(prompt)
     for _ in range(steps):
         seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -63,7 +63,7 @@ def test_cache_in_chunks_gives_the_full_sequence_logits(shape):
     full = model(tokens)
     cache = model.new_kv_cache(batch=2, capacity=20)
     pieces = [model(tokens[:, :5], cache), model(tokens[:, 5:12], cache)]
-    pieces += [model(tokens[:, i:i + 1], cache) for i in range(12, 20)]
+    pieces += [model(tokens[:, i : i + 1], cache) for i in range(12, 20)]
     assert cache.length == 20
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
 
@@ -96,7 +96,7 @@ def test_sampling_options():
     assert {draw(Sampling(temperature=2.0, top_k=3), seed) for seed in range(40)} <= top3
     probs = torch.softmax(logits, -1)
     order = probs.argsort(descending=True)
-    nucleus = set(order[:int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())  # smallest set reaching 0.5
+    nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())  # smallest set reaching 0.5
     assert {draw(Sampling(temperature=1.0, top_p=0.5), seed) for seed in range(40)} <= nucleus
 
 
@@ -107,9 +107,15 @@ def test_seed_makes_sampling_reproducible():
     assert sample(7) != sample(8)
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    (dict(temperature=-1), "--temperature"), (dict(top_k=-2), "--top-k"), (dict(top_p=0.0), "--top-p"),
-    (dict(top_p=1.5), "--top-p")])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(temperature=-1), "--temperature"),
+        (dict(top_k=-2), "--top-k"),
+        (dict(top_p=0.0), "--top-p"),
+        (dict(top_p=1.5), "--top-p"),
+    ],
+)
 def test_bad_sampling_options_are_user_errors(kwargs, needle):
     with pytest.raises(UserError, match=needle):
         Sampling(**kwargs)
@@ -127,7 +133,7 @@ def test_generation_stops_at_a_stop_token():
     model = random_model(SHAPES[0])
     free = list(generate(model, [5, 6], 20, Sampling(temperature=0)))
     stopped = list(generate(model, [5, 6], 20, Sampling(temperature=0), stop_ids=[free[3]]))
-    assert stopped == free[:free.index(free[3]) + 1]
+    assert stopped == free[: free.index(free[3]) + 1]
 
 
 # ------------------------------------------------------------------ the CLI on a tiny trained run
@@ -138,9 +144,19 @@ def tiny_run(tmp_path_factory) -> Path:
     from engine.train.trainer import train
 
     tmp = tmp_path_factory.mktemp("generate")
-    cfg = job_config(tokenized(tmp), "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-                     "model.max_seq_len=64", "train.seq_len=32", "train.max_steps=8", "eval.enabled=false",
-                     "scheduler.warmup_steps=1", "optimizer.lr=3e-3")
+    cfg = job_config(
+        tokenized(tmp),
+        "model.dim=64",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.max_seq_len=64",
+        "train.seq_len=32",
+        "train.max_steps=8",
+        "eval.enabled=false",
+        "scheduler.warmup_steps=1",
+        "optimizer.lr=3e-3",
+    )
     train(cfg, tmp / "run")
     return tmp / "run"
 
@@ -160,22 +176,27 @@ def test_forge_generate_streams_text_deterministically_with_a_seed(tiny_run):
     assert first.exit_code == 0, first.output
     assert first.stdout.startswith("The") and len(first.stdout.strip()) > len("The")
     assert first.stdout == second.stdout
-    step = forge("generate", str(tiny_run / "checkpoints" / "step_8"), "--prompt", "The", "--max-new-tokens", "20",
-                 "--seed", "3")
+    step = forge(
+        "generate", str(tiny_run / "checkpoints" / "step_8"), "--prompt", "The", "--max-new-tokens", "20", "--seed", "3"
+    )
     assert step.stdout == first.stdout  # the run directory means its newest checkpoint
 
 
 def test_forge_generate_interactive_loop(tiny_run):
-    result = forge("generate", str(tiny_run), "--interactive", "-n", "5", "--temperature", "0",
-                   stdin="First\nSecond\n\n")
+    result = forge(
+        "generate", str(tiny_run), "--interactive", "-n", "5", "--temperature", "0", stdin="First\nSecond\n\n"
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout.count("prompt>") == 3  # two prompts answered, the empty line quits
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--max-new-tokens", "500"], "max_seq_len"),
-    (["--top-p", "2"], "--top-p"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--max-new-tokens", "500"], "max_seq_len"),
+        (["--top-p", "2"], "--top-p"),
+    ],
+)
 def test_forge_generate_bad_flags_exit_2(tiny_run, args, needle):
     result = forge("generate", str(tiny_run), *args)
     assert result.exit_code == 2 and needle in said(result) and "Traceback" not in result.output
@@ -222,7 +243,7 @@ def test_transformers_continues_a_raw_text_prompt_of_the_export_like_forge_gener
         ids = tok(prompt, return_tensors="pt").input_ids
         assert ids[0].tolist() == prompt_ids(encoder, prompt) and ids[0, 0] == encoder.eos_id
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
-        theirs = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        theirs = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         ours = forge("generate", str(tiny_run), "--prompt", prompt, "--max-new-tokens", "20", "--temperature", "0")
         assert ours.exit_code == 0, ours.output
         assert ours.stdout == prompt + theirs + "\n"

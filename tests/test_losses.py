@@ -97,8 +97,13 @@ def test_model_losses_agree_and_eval_drops_z_loss():
         model.zero_grad()
         loss = loss_fn(model, tokens[:, :-1], tokens[:, 1:])
         loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()],
-                        loss_fn(model, tokens[:, :-1], tokens[:, 1:], z_loss=False).detach()))
+        results.append(
+            (
+                loss.detach(),
+                [p.grad.clone() for p in model.parameters()],
+                loss_fn(model, tokens[:, :-1], tokens[:, 1:], z_loss=False).detach(),
+            )
+        )
     (plain_loss, plain_grads, plain_ce), (chunked_loss, chunked_grads, chunked_ce) = results
     torch.testing.assert_close(chunked_loss, plain_loss, rtol=0, atol=1e-6)
     for a, b in zip(chunked_grads, plain_grads):

@@ -51,8 +51,16 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "lion", "muon", "schedule_free_adamw"])
-@pytest.mark.parametrize("model", [{}, {"tie_embeddings": True, "qk_norm": True, "norm_type": "layernorm"}, MOE,
-                                   {**MOE, "moe_packed_experts": False}], ids=["dense", "tied-qknorm-ln", "moe", "moe-unpacked"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        {},
+        {"tie_embeddings": True, "qk_norm": True, "norm_type": "layernorm"},
+        MOE,
+        {**MOE, "moe_packed_experts": False},
+    ],
+    ids=["dense", "tied-qknorm-ln", "moe", "moe-unpacked"],
+)
 def test_params_grads_and_optimizer_state_equal_what_the_model_holds(model, optimizer):
     scheduler = {"name": "constant", "warmup_steps": 0} if optimizer == "schedule_free_adamw" else {}
     cfg = job(model, optimizer={"name": optimizer}, scheduler=scheduler)
@@ -80,7 +88,10 @@ def saved_activation_bytes(cfg: JobConfig) -> int:
 
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len))
     bf16 = cfg.train.mixed_precision == "bf16"
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", torch.bfloat16, enabled=bf16),
+    ):
         build_loss(cfg.train)(model, tokens, tokens.clone())
     return sum(seen.values())
 
@@ -100,11 +111,18 @@ def cpu_rmsnorm_extra(cfg: JobConfig) -> int:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("model,loss", [({}, "cross_entropy"), ({}, "chunked_cross_entropy"),
-                                        ({"norm_type": "layernorm", "tie_embeddings": True}, "cross_entropy"),
-                                        ({"qk_norm": True}, "cross_entropy"), (MOE, "cross_entropy"),
-                                        ({"sdpa_backend": "math"}, "cross_entropy")],
-                         ids=["dense", "dense-chunked", "layernorm-tied", "qknorm", "moe", "math-sdpa"])
+@pytest.mark.parametrize(
+    "model,loss",
+    [
+        ({}, "cross_entropy"),
+        ({}, "chunked_cross_entropy"),
+        ({"norm_type": "layernorm", "tie_embeddings": True}, "cross_entropy"),
+        ({"qk_norm": True}, "cross_entropy"),
+        (MOE, "cross_entropy"),
+        ({"sdpa_backend": "math"}, "cross_entropy"),
+    ],
+    ids=["dense", "dense-chunked", "layernorm-tied", "qknorm", "moe", "math-sdpa"],
+)
 def test_activations_match_the_saved_tensors(model, loss, precision):
     cfg = job({"sdpa_backend": "flash", **model}, train={"mixed_precision": precision, "loss_fn": loss})
     [stage] = estimate_memory(cfg, 1)
@@ -179,8 +197,8 @@ def test_tensor_parallel_activations_match_the_saved_tensors(tmp_path):
 
 
 def test_fsdp_divides_params_grads_and_optimizer_state():
-    single, = estimate_memory(job(), 1)
-    sharded, = estimate_memory(job(distributed={"dp_shard": 8}), 8)
+    (single,) = estimate_memory(job(), 1)
+    (sharded,) = estimate_memory(job(distributed={"dp_shard": 8}), 8)
     tensors = len(param_specs(job().model))  # AdamW's scalar `step` is not sharded
     assert sharded.params * 8 == single.params and sharded.grads * 8 == single.grads
     assert (sharded.optimizer - 4 * tensors) * 8 == single.optimizer - 4 * tensors
@@ -197,8 +215,8 @@ def test_fsdp_pads_rows_to_a_multiple_of_the_shards():
 
 def test_tensor_parallel_halves_the_sharded_matrices_only():
     m = job().model
-    single, = estimate_memory(job(), 1)
-    tp, = estimate_memory(job(distributed={"tp": 2}), 2)
+    (single,) = estimate_memory(job(), 1)
+    (tp,) = estimate_memory(job(distributed={"tp": 2}), 2)
     kv = m.kv_heads * m.head_dim
     block_matrices = 2 * m.dim * m.dim + 2 * kv * m.dim + 3 * m.dim * m.ffn_dim
     split = m.n_layers * block_matrices + 2 * m.vocab_size * m.dim  # + embedding and output head
@@ -209,13 +227,15 @@ def test_tensor_parallel_halves_the_sharded_matrices_only():
 
 def test_pipeline_stages_split_the_layers():
     cfg = job({"n_layers": 4}, train={"grad_accum_steps": 4}, distributed={"pp": 2})
-    single, = estimate_memory(job({"n_layers": 4}), 1)
+    (single,) = estimate_memory(job({"n_layers": 4}), 1)
     first, last = estimate_memory(cfg, 2)
     assert (first.blocks, last.blocks) == (((0, 1),), ((2, 3),))
     assert first.params + last.params == single.params == 4 * param_counts(cfg.model)["total"]
     assert last.params - first.params == 4 * cfg.model.dim  # embedding + 2 blocks vs 2 blocks + norm + head
     assert (first.microbatches_in_flight, last.microbatches_in_flight) == (2, 1)  # 1F1B warm-up depth
-    gpipe = estimate_memory(cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"pp_schedule": "gpipe"})}), 2)
+    gpipe = estimate_memory(
+        cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"pp_schedule": "gpipe"})}), 2
+    )
     assert [r.microbatches_in_flight for r in gpipe] == [4, 4]
 
 
@@ -228,7 +248,9 @@ def test_interleaved_ranks_hold_two_stages():
     assert first.params + last.params == 4 * param_counts(cfg.model)["total"]
 
 
-@pytest.mark.parametrize("n_layers,n_stages", [(n, s) for n in (1, 2, 3, 4, 5, 8, 13, 80) for s in (1, 2, 3, 4, 8) if s <= n])
+@pytest.mark.parametrize(
+    "n_layers,n_stages", [(n, s) for n in (1, 2, 3, 4, 5, 8, 13, 80) for s in (1, 2, 3, 4, 8) if s <= n]
+)
 def test_stage_split_covers_every_layer_once_in_order(n_layers, n_stages):
     """The blocks of the stages, one after the other, are the model's blocks in order, each stage at least one,
     and no stage costs more than one block above the cheapest (first and last also hold embedding / head)."""
@@ -240,31 +262,50 @@ def test_stage_split_covers_every_layer_once_in_order(n_layers, n_stages):
 
 
 def test_gradients_and_activations_add_up_only_when_gradients_persist():
-    one, = estimate_memory(job(), 1)
-    accumulating, = estimate_memory(job(train={"grad_accum_steps": 2}), 1)
+    (one,) = estimate_memory(job(), 1)
+    (accumulating,) = estimate_memory(job(train={"grad_accum_steps": 2}), 1)
     assert one.total == one.params + one.optimizer + one.buffers + max(one.grads, one.activations)
     assert accumulating.total == one.total + min(one.grads, one.activations)
 
 
 def test_activation_checkpointing_keeps_less():
-    none, = estimate_memory(job({"n_layers": 4}), 1)
-    full, = estimate_memory(job({"n_layers": 4}, train={"activation_checkpointing": "full"}), 1)
+    (none,) = estimate_memory(job({"n_layers": 4}), 1)
+    (full,) = estimate_memory(job({"n_layers": 4}, train={"activation_checkpointing": "full"}), 1)
     assert full.activations < none.activations
-    double, = estimate_memory(job({"n_layers": 4}, train={"batch_size": 4}), 1)
+    (double,) = estimate_memory(job({"n_layers": 4}, train={"batch_size": 4}), 1)
     assert double.activations == 2 * none.activations
 
 
-LLAMA_70B = ["--model.dim=8192", "--model.n_layers=80", "--model.n_heads=64", "--model.n_kv_heads=8",
-             "--model.vocab_size=128256", "--model.ffn_hidden_dim=28672", "--model.max_seq_len=8192",
-             "--train.seq_len=4096", "--train.batch_size=1", "--train.mixed_precision=bf16",
-             "--train.activation_checkpointing=full"]
+LLAMA_70B = [
+    "--model.dim=8192",
+    "--model.n_layers=80",
+    "--model.n_heads=64",
+    "--model.n_kv_heads=8",
+    "--model.vocab_size=128256",
+    "--model.ffn_hidden_dim=28672",
+    "--model.max_seq_len=8192",
+    "--train.seq_len=4096",
+    "--train.batch_size=1",
+    "--train.mixed_precision=bf16",
+    "--train.activation_checkpointing=full",
+]
 
 
 def test_a_70b_estimate_is_instant():
-    cfg = JobConfig(model={"dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8, "vocab_size": 128256,
-                           "ffn_hidden_dim": 28672, "max_seq_len": 8192}, train={"seq_len": 4096, "batch_size": 1})
+    cfg = JobConfig(
+        model={
+            "dim": 8192,
+            "n_layers": 80,
+            "n_heads": 64,
+            "n_kv_heads": 8,
+            "vocab_size": 128256,
+            "ffn_hidden_dim": 28672,
+            "max_seq_len": 8192,
+        },
+        train={"seq_len": 4096, "batch_size": 1},
+    )
     start = time.perf_counter()
-    stage, = estimate_memory(cfg, 32)
+    (stage,) = estimate_memory(cfg, 32)
     assert time.perf_counter() - start < 0.5
     total = param_counts(cfg.model)["total"]
     assert 70.5e9 < total < 70.6e9 and stage.params * 32 == 4 * total  # every row count divides by 32
@@ -272,8 +313,9 @@ def test_a_70b_estimate_is_instant():
 
 def forge(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "forgecli.app", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "forgecli.app", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_prints_the_estimate_for_32_ranks():
@@ -292,21 +334,44 @@ def test_cli_prints_the_estimate_with_tensor_parallelism():
 
 
 def test_cli_bad_layout_exits_2_naming_the_degrees():
-    result = forge("validate-config", "presets/debug.toml", *LLAMA_70B, "--world-size", "32",
-                   "--distributed.tp=8", "--distributed.dp_shard=3")
+    result = forge(
+        "validate-config",
+        "presets/debug.toml",
+        *LLAMA_70B,
+        "--world-size",
+        "32",
+        "--distributed.tp=8",
+        "--distributed.dp_shard=3",
+    )
     assert result.returncode == 2
     assert "dp_shard=3" in result.stderr and "tp=8" in result.stderr and "world size 32" in result.stderr
     assert "Traceback" not in result.stderr and "Estimated memory" not in result.stdout
 
 
 def test_cli_json_has_the_stages():
-    result = subprocess.run([sys.executable, "-m", "forgecli.app", "validate-config", "presets/debug.toml", "--json",
-                             "--world-size", "4", "--gpu-memory-gib", "0.01"], cwd=REPO, capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "forgecli.app",
+            "validate-config",
+            "presets/debug.toml",
+            "--json",
+            "--world-size",
+            "4",
+            "--gpu-memory-gib",
+            "0.01",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     memory = json.loads(result.stdout)["memory"]
     [stage] = memory["stages"]
     assert not stage["grads_persist"]  # one micro-batch: backward trades activations for gradients
-    assert stage["total"] == (stage["params"] + stage["optimizer"] + stage["buffers"]
-                              + max(stage["grads"], stage["activations"]))
+    assert stage["total"] == (
+        stage["params"] + stage["optimizer"] + stage["buffers"] + max(stage["grads"], stage["activations"])
+    )
     assert memory["gpu_memory_gib"] == 0.01 and memory["fits"] is False

@@ -79,10 +79,12 @@ def test_wandb_offline_creates_its_run(tmp_path: Path, monkeypatch: pytest.Monke
     assert [r["step"] for r in records(run_dir)] == [1]
 
 
-@pytest.mark.parametrize(("flag", "module"),
-                         [("enable_wandb", "wandb"), ("enable_tensorboard", "torch.utils.tensorboard")])
-def test_missing_tracker_package_is_a_user_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                 flag: str, module: str):
+@pytest.mark.parametrize(
+    ("flag", "module"), [("enable_wandb", "wandb"), ("enable_tensorboard", "torch.utils.tensorboard")]
+)
+def test_missing_tracker_package_is_a_user_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str, module: str
+):
     monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(UserError, match=f"metrics.{flag} = true") as err:
         build_trackers(job(**{flag: True}), tmp_path)
@@ -94,23 +96,27 @@ def test_mfu_arithmetic():
     assert mfu(6e9, 50_000, None) is None
 
 
-@pytest.mark.parametrize(("name", "dtype", "expected"), [
-    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.5e12),
-    ("NVIDIA H100 PCIe", torch.bfloat16, 756.5e12),
-    ("NVIDIA H100 NVL", torch.float16, 835.5e12),
-    ("NVIDIA H200", torch.bfloat16, 989.5e12),
-    ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312e12),
-    ("NVIDIA A10G", torch.bfloat16, 125e12),
-    ("NVIDIA L4", torch.bfloat16, 121e12),
-    ("NVIDIA L40S", torch.bfloat16, 362e12),
-    ("NVIDIA GeForce RTX 4090", torch.float32, 82.6e12),
-    ("Tesla V100-SXM2-16GB", torch.float16, 125e12),
-    ("Tesla V100-SXM2-16GB", torch.bfloat16, None),  # no bf16 hardware: no honest peak
-    ("AMD Instinct MI300X", torch.bfloat16, 1307.4e12),
-    ("Some Future GPU", torch.bfloat16, None),
-])
-def test_peak_table_by_device_name(monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype,
-                                   expected: float | None):
+@pytest.mark.parametrize(
+    ("name", "dtype", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.5e12),
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756.5e12),
+        ("NVIDIA H100 NVL", torch.float16, 835.5e12),
+        ("NVIDIA H200", torch.bfloat16, 989.5e12),
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312e12),
+        ("NVIDIA A10G", torch.bfloat16, 125e12),
+        ("NVIDIA L4", torch.bfloat16, 121e12),
+        ("NVIDIA L40S", torch.bfloat16, 362e12),
+        ("NVIDIA GeForce RTX 4090", torch.float32, 82.6e12),
+        ("Tesla V100-SXM2-16GB", torch.float16, 125e12),
+        ("Tesla V100-SXM2-16GB", torch.bfloat16, None),  # no bf16 hardware: no honest peak
+        ("AMD Instinct MI300X", torch.bfloat16, 1307.4e12),
+        ("Some Future GPU", torch.bfloat16, None),
+    ],
+)
+def test_peak_table_by_device_name(
+    monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype, expected: float | None
+):
     monkeypatch.delenv("FORGE_PEAK_FLOPS", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_flops(torch.device("cuda"), dtype) == expected

@@ -24,8 +24,11 @@ def reference_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     """Straight from the equations, with explicit loops over heads and no SDPA, RMSNorm module or chunking."""
     cfg = model.cfg
     sd = {k: v.double() for k, v in model.state_dict().items()}
-    act = {"silu": lambda x: x * torch.sigmoid(x), "gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
-           "relu": lambda x: x.clamp_min(0)}[cfg.activation]
+    act = {
+        "silu": lambda x: x * torch.sigmoid(x),
+        "gelu": lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))),
+        "relu": lambda x: x.clamp_min(0),
+    }[cfg.activation]
 
     def norm(x, prefix):
         if cfg.norm_type == "rmsnorm":
@@ -43,7 +46,7 @@ def reference_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     ang = pos * freqs  # [T, hd/2]
 
     def rope(x):  # x [T, hd]; pairs (i, i + hd/2) rotate by ang[:, i]
-        a, b = x[:, : hd // 2], x[:, hd // 2:]
+        a, b = x[:, : hd // 2], x[:, hd // 2 :]
         return torch.cat([a * ang.cos() - b * ang.sin(), b * ang.cos() + a * ang.sin()], dim=-1)
 
     out = []
@@ -56,7 +59,11 @@ def reference_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
             heads = []
             for head in range(cfg.n_heads):
                 kv = head // (cfg.n_heads // cfg.kv_heads)
-                qh, kh, vh = q[:, head * hd:(head + 1) * hd], k[:, kv * hd:(kv + 1) * hd], v[:, kv * hd:(kv + 1) * hd]
+                qh, kh, vh = (
+                    q[:, head * hd : (head + 1) * hd],
+                    k[:, kv * hd : (kv + 1) * hd],
+                    v[:, kv * hd : (kv + 1) * hd],
+                )
                 if cfg.qk_norm:
                     qh, kh = rms(qh, sd[p + "attention.q_norm.weight"]), rms(kh, sd[p + "attention.k_norm.weight"])
                 scores = rope(qh) @ rope(kh).T / math.sqrt(hd)
@@ -115,19 +122,49 @@ def test_matches_transformers_llama():
     """Same weights in transformers' LlamaForCausalLM give the same logits (RoPE layout, GQA, eps, theta)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=101, max_seq_len=64,
-                      rope_theta=50000.0, norm_eps=1e-6, ffn_hidden_dim=160)
+    cfg = ModelConfig(
+        dim=64,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=2,
+        vocab_size=101,
+        max_seq_len=64,
+        rope_theta=50000.0,
+        norm_eps=1e-6,
+        ffn_hidden_dim=160,
+    )
     model = Transformer(cfg)
-    hf_cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-                                      rope_theta=50000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                                      attention_bias=False, mlp_bias=False)
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=50000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+    )
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    names = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-             "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-             "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-    hf_sd = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight,
-             "lm_head.weight": model.output.weight}
+    names = {
+        "attention.wq": "self_attn.q_proj",
+        "attention.wk": "self_attn.k_proj",
+        "attention.wv": "self_attn.v_proj",
+        "attention.wo": "self_attn.o_proj",
+        "feed_forward.w1": "mlp.gate_proj",
+        "feed_forward.w3": "mlp.up_proj",
+        "feed_forward.w2": "mlp.down_proj",
+        "attention_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    }
+    hf_sd = {
+        "model.embed_tokens.weight": model.tok_embeddings.weight,
+        "model.norm.weight": model.norm.weight,
+        "lm_head.weight": model.output.weight,
+    }
     for i in range(cfg.n_layers):
         for ours, theirs in names.items():
             hf_sd[f"model.layers.{i}.{theirs}.weight"] = model.state_dict()[f"layers.{i}.{ours}.weight"]

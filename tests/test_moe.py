@@ -147,7 +147,9 @@ def test_losses_equal_their_formulas_on_hand_made_inputs():
     second = 3 * (0.5 * 0.175 + 0.5 * 0.525)  # experts 2 and 1; P = [0.3, 0.175, 0.525]
     assert sequence_balance_loss(probs, experts, batch=2).item() == pytest.approx((first + second) / 2)
     logits = torch.tensor([[0.0, 0.0], [1.0, 2.0]])
-    lse = torch.tensor([torch.log(torch.tensor(2.0)), torch.log(torch.exp(torch.tensor(1.0)) + torch.exp(torch.tensor(2.0)))])
+    lse = torch.tensor(
+        [torch.log(torch.tensor(2.0)), torch.log(torch.exp(torch.tensor(1.0)) + torch.exp(torch.tensor(2.0)))]
+    )
     assert router_z_loss(logits).item() == pytest.approx(lse.square().mean().item())
     uniform = torch.full((8, 4), 0.25)
     assert balance_loss(uniform, torch.arange(8).view(8, 1) % 4).item() == pytest.approx(1.0)  # balanced → 1
@@ -179,11 +181,14 @@ def test_gradient_scale_normalises_each_experts_gradient_by_its_load():
     torch.testing.assert_close(grads[1], grads[0] * factor.view(-1, 1, 1))
 
 
-@pytest.mark.parametrize("fields", [
-    dict(num_experts=4, moe_top_k=2),
-    dict(num_experts=8, moe_top_k=2, moe_frequency=2, moe_shared_experts=2, moe_expert_ffn_multiplier=0.25),
-    dict(num_experts=3, moe_top_k=1, moe_packed_experts=False, moe_router="sigmoid_topk", tie_embeddings=True),
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(num_experts=4, moe_top_k=2),
+        dict(num_experts=8, moe_top_k=2, moe_frequency=2, moe_shared_experts=2, moe_expert_ffn_multiplier=0.25),
+        dict(num_experts=3, moe_top_k=1, moe_packed_experts=False, moe_router="sigmoid_topk", tie_embeddings=True),
+    ],
+)
 def test_parameter_counts_total_and_active(fields):
     cfg = moe_config(n_layers=3, **fields)
     counts = param_counts(cfg)
@@ -194,8 +199,9 @@ def test_parameter_counts_total_and_active(fields):
     assert counts["active"] == counts["total"] - inactive
     dense = ModelConfig(**{k: v for k, v in cfg.model_dump().items() if not k.startswith(("moe_", "num_experts"))})
     # active FLOPs: the dense model's, with each MoE block's MLP swapped for router + top_k + shared experts
-    mlp_delta = cfg.moe_layers * (cfg.num_experts * cfg.dim + (cfg.moe_top_k + cfg.moe_shared_experts) * per_expert
-                                  - 3 * cfg.dim * cfg.ffn_dim)
+    mlp_delta = cfg.moe_layers * (
+        cfg.num_experts * cfg.dim + (cfg.moe_top_k + cfg.moe_shared_experts) * per_expert - 3 * cfg.dim * cfg.ffn_dim
+    )
     assert training_flops_per_token(cfg, 16) == training_flops_per_token(dense, 16) + 6 * mlp_delta
 
 
@@ -213,9 +219,9 @@ def test_a_dense_model_is_unchanged():
 
 
 def train_steps(model: Transformer, tokens: torch.Tensor, steps: int) -> list[float]:
+    from engine.config.train import TrainConfig
     from engine.train.balancing import attach_router_balancing
     from engine.train.losses import build_loss
-    from engine.config.train import TrainConfig
 
     loss_fn = build_loss(TrainConfig())
     attach_router_balancing(model)  # as the trainer does
@@ -233,8 +239,12 @@ def train_steps(model: Transformer, tokens: torch.Tensor, steps: int) -> list[fl
 @pytest.mark.parametrize("router", ["softmax_topk", "sigmoid_topk"])
 def test_activation_checkpointing_gives_the_same_losses(router):
     """The recomputation in backward must route as the forward did and must not count aux losses twice."""
-    cfg = moe_config(moe_router=router, moe_sequence_aux_loss_weight=0.01, moe_router_z_loss_weight=0.01,
-                     moe_bias_schedule=[(0, 0.05)] if router == "sigmoid_topk" else [(0, 1e-3)])
+    cfg = moe_config(
+        moe_router=router,
+        moe_sequence_aux_loss_weight=0.01,
+        moe_router_z_loss_weight=0.01,
+        moe_bias_schedule=[(0, 0.05)] if router == "sigmoid_topk" else [(0, 1e-3)],
+    )
     torch.manual_seed(0)
     plain = Transformer(cfg)
     checkpointed = copy.deepcopy(plain)
@@ -299,13 +309,16 @@ def test_router_state_survives_a_state_dict_round_trip():
         assert torch.equal(getattr(restored.layers["1"].feed_forward.router, name), getattr(router, name))
 
 
-@pytest.mark.parametrize("overrides,field", [
-    (["model.moe_top_k=1"], "model.moe_top_k"),
-    (["model.moe_shared_experts=1"], "model.moe_shared_experts"),
-    (["model.num_experts=2", "model.moe_top_k=3"], "model.moe_top_k"),
-    (["model.num_experts=4", "model.moe_bias_schedule=[[0,0.01]]"], "model.moe_bias_schedule"),
-    (["model.num_experts=4", "model.moe_frequency=9"], "model.moe_frequency"),
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (["model.moe_top_k=1"], "model.moe_top_k"),
+        (["model.moe_shared_experts=1"], "model.moe_shared_experts"),
+        (["model.num_experts=2", "model.moe_top_k=3"], "model.moe_top_k"),
+        (["model.num_experts=4", "model.moe_bias_schedule=[[0,0.01]]"], "model.moe_bias_schedule"),
+        (["model.num_experts=4", "model.moe_frequency=9"], "model.moe_frequency"),
+    ],
+)
 def test_config_rejects_moe_fields_that_would_do_nothing_or_cannot_work(overrides, field):
     with pytest.raises(ConfigError) as err:
         load_job_config(REPO / "presets" / "debug.toml", overrides).validate()
@@ -327,10 +340,22 @@ def test_moe_fields_may_not_change_on_resume():
     assert {issue.path for issue in resume_issues(saved, changed)} == {"model.moe_aux_loss_weight", "model.moe_top_k"}
 
 
-TINY_MOE = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "train.seq_len=32",
-            "model.max_seq_len=64", "train.batch_size=4", "train.max_steps=4", "metrics.log_interval=1",
-            "eval.enabled=false", "scheduler.warmup_steps=1", "checkpoint.interval=2", "scheduler.decay_steps=3",
-            "model.moe_bias_schedule=[[0,0.01]]"]
+TINY_MOE = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "train.seq_len=32",
+    "model.max_seq_len=64",
+    "train.batch_size=4",
+    "train.max_steps=4",
+    "metrics.log_interval=1",
+    "eval.enabled=false",
+    "scheduler.warmup_steps=1",
+    "checkpoint.interval=2",
+    "scheduler.decay_steps=3",
+    "model.moe_bias_schedule=[[0,0.01]]",
+]
 
 
 def test_trainer_logs_expert_load_resumes_exactly_and_matches_under_activation_checkpointing(tmp_path):
@@ -349,16 +374,27 @@ def test_trainer_logs_expert_load_resumes_exactly_and_matches_under_activation_c
     assert [r["loss"] for r in checkpointed] == pytest.approx([r["loss"] for r in plain], abs=1e-6)
     run("resumed", "train.max_steps=2")
     resumed = run("resumed")  # continues from the step-2 checkpoint: router bias and load come back with it
-    assert [(r["loss"], r["moe/1/bias_max"]) for r in resumed if r["step"] > 2] == \
-        [(r["loss"], r["moe/1/bias_max"]) for r in plain if r["step"] > 2]
+    assert [(r["loss"], r["moe/1/bias_max"]) for r in resumed if r["step"] > 2] == [
+        (r["loss"], r["moe/1/bias_max"]) for r in plain if r["step"] > 2
+    ]
 
 
 def forge_train(tmp_path: Path, *args: str):
     from tests.test_cli import forge
 
     run_dir = tmp_path / "run"
-    result = forge("train", *args, "--run-dir", str(run_dir), "--train.max_steps=4", "--metrics.log_interval=1",
-                   "--eval.enabled=false", "--scheduler.warmup_steps=1", "--train.batch_size=2", "--train.seq_len=64")
+    result = forge(
+        "train",
+        *args,
+        "--run-dir",
+        str(run_dir),
+        "--train.max_steps=4",
+        "--metrics.log_interval=1",
+        "--eval.enabled=false",
+        "--scheduler.warmup_steps=1",
+        "--train.batch_size=2",
+        "--train.seq_len=64",
+    )
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return result.stdout, [r for r in records if "loss" in r]
@@ -373,8 +409,9 @@ def test_debug_moe_preset_trains_through_the_cli(tmp_path):
 
 @pytest.mark.slow
 def test_dense_preset_becomes_moe_by_one_field_on_the_command_line(tmp_path):
-    stdout, records = forge_train(tmp_path, "presets/debug.toml", "--model.num_experts=8", "--model.moe_top_k=2",
-                                  "--model.n_layers=2")
+    stdout, records = forge_train(
+        tmp_path, "presets/debug.toml", "--model.num_experts=8", "--model.moe_top_k=2", "--model.n_layers=2"
+    )
     assert "expert_imbalance=" in stdout and "moe/1/balance_loss" in records[-1]
 
 
@@ -382,7 +419,9 @@ def test_compiling_an_moe_model_needs_bf16():
     from engine.errors import UserError
     from engine.parallel.apply import parallelize
 
-    cfg = load_job_config(REPO / "presets" / "debug_moe.toml", ["train.compile_model=true", "train.mixed_precision=fp32"])
+    cfg = load_job_config(
+        REPO / "presets" / "debug_moe.toml", ["train.compile_model=true", "train.mixed_precision=fp32"]
+    )
     with pytest.raises(UserError, match="train.compile_model"):
         parallelize(Transformer(moe_config()), cfg)  # on the CPU, where fp32 is the compute dtype
 
@@ -392,7 +431,10 @@ def test_validate_config_reports_total_and_active_parameters():
 
     report = json.loads(forge("validate-config", "presets/debug_moe.toml", "--json").stdout)
     cfg = load_job_config(REPO / "presets" / "debug_moe.toml")
-    assert report["parameters"] == param_counts(cfg.model) and report["parameters"]["active"] < report["parameters"]["total"]
+    assert (
+        report["parameters"] == param_counts(cfg.model)
+        and report["parameters"]["active"] < report["parameters"]["total"]
+    )
     assert report["flops_per_token"] == training_flops_per_token(cfg.model, cfg.train.seq_len)
     table = forge("validate-config", "presets/debug_moe.toml").stdout
     assert "parameters (active per token)" in table and "training FLOPs per token (active)" in table

@@ -134,9 +134,19 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     optimizer = build_optimizer(model, OptimizerConfig(name="muon", lr=0.02, muon_adam_lr=1e-3))
     names = {id(p): n for n, p in model.named_parameters()}
     muon = {names[id(p)] for g in optimizer.param_groups if g["use_muon"] for p in g["params"]}
-    assert muon == {f"layers.{i}.{m}.weight" for i in range(2)
-                    for m in ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                              "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")}
+    assert muon == {
+        f"layers.{i}.{m}.weight"
+        for i in range(2)
+        for m in (
+            "attention.wq",
+            "attention.wk",
+            "attention.wv",
+            "attention.wo",
+            "feed_forward.w1",
+            "feed_forward.w2",
+            "feed_forward.w3",
+        )
+    }
     fallback = [g for g in optimizer.param_groups if not g["use_muon"]]
     assert {g["lr"] for g in fallback} == {1e-3}
     decayed = {names[id(p)] for g in fallback if g["weight_decay"] for p in g["params"]}
@@ -216,8 +226,9 @@ def test_fsdp2_equals_single_process(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:]
     for optimizer, params in torch.load(out).items():
         for name, single in params["single"].items():
-            torch.testing.assert_close(params["sharded"][name], single.detach(), rtol=0, atol=1e-6,
-                                       msg=f"{optimizer}: {name}")
+            torch.testing.assert_close(
+                params["sharded"][name], single.detach(), rtol=0, atol=1e-6, msg=f"{optimizer}: {name}"
+            )
 
 
 # --- Schedule-free AdamW ---------------------------------------------------------------------------
@@ -310,8 +321,9 @@ def test_state_round_trips_through_distributed_checkpoint(tmp_path: Path, name: 
         step_model(fresh, fresh_optimizer, seed)
     for (n, a), b in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(a, b), n
-    assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == \
-           [{k: v for k, v in g.items() if k != "params"} for g in fresh_optimizer.param_groups]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == [
+        {k: v for k, v in g.items() if k != "params"} for g in fresh_optimizer.param_groups
+    ]
 
 
 # --- every optimizer × every schedule through the trainer ------------------------------------------
@@ -322,22 +334,46 @@ SCHEDULES = {
     "cosine": ["scheduler.warmup_steps=2", "scheduler.decay_steps=7"],
     "linear": ["scheduler.warmup_steps=2", "scheduler.decay_steps=7"],
     "rex": ["scheduler.warmup_steps=2", "scheduler.decay_steps=7", "scheduler.rex_alpha=1.5"],
-    "wsd": ["scheduler.warmup_steps=2", "scheduler.stable_steps=3", "scheduler.decay_steps=4",
-            "scheduler.wsd_decay_type=sqrt"],
+    "wsd": [
+        "scheduler.warmup_steps=2",
+        "scheduler.stable_steps=3",
+        "scheduler.decay_steps=4",
+        "scheduler.wsd_decay_type=sqrt",
+    ],
     "constant": ["scheduler.warmup_steps=2", "scheduler.decay_steps=7"],
     "none": ["scheduler.decay_steps=9"],
 }
 OPTIMIZERS = {
     "adamw": ["optimizer.lr=1e-2"],
     "lion": ["optimizer.lr=3e-3", "optimizer.betas=[0.9,0.99]", "optimizer.weight_decay=0.3"],
-    "muon": ["optimizer.lr=1e-2", "optimizer.muon_adam_lr=5e-3", "train.loss_fn=chunked_cross_entropy",
-             "train.ce_chunk_size=24", "train.z_loss_weight=1e-3"],
-    "schedule_free_adamw": ["optimizer.lr=1e-2", "optimizer.schedule_free_warmup_steps=2",
-                            "optimizer.betas=[0.9,0.999]"],
+    "muon": [
+        "optimizer.lr=1e-2",
+        "optimizer.muon_adam_lr=5e-3",
+        "train.loss_fn=chunked_cross_entropy",
+        "train.ce_chunk_size=24",
+        "train.z_loss_weight=1e-3",
+    ],
+    "schedule_free_adamw": [
+        "optimizer.lr=1e-2",
+        "optimizer.schedule_free_warmup_steps=2",
+        "optimizer.betas=[0.9,0.999]",
+    ],
 }
-TINY = ["model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2", "metrics.log_interval=1",
-        "checkpoint.interval=5", "eval.enabled=true", "eval.interval=5", "eval.steps=1", "train.grad_clip_norm=1.0"]
-COMBINATIONS = [(o, s) for o in OPTIMIZERS for s in SCHEDULES if o != "schedule_free_adamw" or s in ("constant", "none")]
+TINY = [
+    "model.dim=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "metrics.log_interval=1",
+    "checkpoint.interval=5",
+    "eval.enabled=true",
+    "eval.interval=5",
+    "eval.steps=1",
+    "train.grad_clip_norm=1.0",
+]
+COMBINATIONS = [
+    (o, s) for o in OPTIMIZERS for s in SCHEDULES if o != "schedule_free_adamw" or s in ("constant", "none")
+]
 
 
 @pytest.fixture
@@ -365,8 +401,16 @@ def train_losses(dataset: Path, run_dir: Path, optimizer: str, schedule: str, ma
     from engine.train.trainer import train
     from tests.data_fixtures import job_config
 
-    cfg = job_config(dataset / "train", *TINY, f"eval.dataset_path={dataset / 'eval'}", f"train.max_steps={max_steps}",
-                     f"optimizer.name={optimizer}", *OPTIMIZERS[optimizer], f"scheduler.name={schedule}", *SCHEDULES[schedule])
+    cfg = job_config(
+        dataset / "train",
+        *TINY,
+        f"eval.dataset_path={dataset / 'eval'}",
+        f"train.max_steps={max_steps}",
+        f"optimizer.name={optimizer}",
+        *OPTIMIZERS[optimizer],
+        f"scheduler.name={schedule}",
+        *SCHEDULES[schedule],
+    )
     train(cfg, run_dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
@@ -385,19 +429,25 @@ def test_trains_and_resumes_exactly(tmp_path, dataset, one_thread, optimizer, sc
 # --- configuration ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides,field", [
-    (["--optimizer.name=schedule_free_adamw"], "scheduler.name"),  # with the default cosine schedule
-    (["--optimizer.name=schedule_free_adamw", "--scheduler.name=none", "--optimizer.betas=[0,0.99]"], "optimizer.betas"),
-    (["--optimizer.muon_ns_steps=3"], "optimizer.muon_ns_steps"),  # a Muon field while AdamW is chosen
-    (["--optimizer.name=lion", "--optimizer.eps=1e-6"], "optimizer.eps"),
-    (["--optimizer.name=muon", "--optimizer.fused=true"], "optimizer.fused"),
-    (["--optimizer.schedule_free_warmup_steps=10"], "optimizer.schedule_free_warmup_steps"),
-    (["--scheduler.stable_steps=10"], "scheduler.stable_steps"),
-    (["--scheduler.name=constant", "--scheduler.min_lr_ratio=0"], "scheduler.min_lr_ratio"),
-    (["--scheduler.name=wsd", "--scheduler.rex_alpha=2"], "scheduler.rex_alpha"),
-    (["--scheduler.name=wsd", "--scheduler.stable_steps=10"], "scheduler.decay_steps"),
-    (["--train.ce_chunk_size=64"], "train.ce_chunk_size"),
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (["--optimizer.name=schedule_free_adamw"], "scheduler.name"),  # with the default cosine schedule
+        (
+            ["--optimizer.name=schedule_free_adamw", "--scheduler.name=none", "--optimizer.betas=[0,0.99]"],
+            "optimizer.betas",
+        ),
+        (["--optimizer.muon_ns_steps=3"], "optimizer.muon_ns_steps"),  # a Muon field while AdamW is chosen
+        (["--optimizer.name=lion", "--optimizer.eps=1e-6"], "optimizer.eps"),
+        (["--optimizer.name=muon", "--optimizer.fused=true"], "optimizer.fused"),
+        (["--optimizer.schedule_free_warmup_steps=10"], "optimizer.schedule_free_warmup_steps"),
+        (["--scheduler.stable_steps=10"], "scheduler.stable_steps"),
+        (["--scheduler.name=constant", "--scheduler.min_lr_ratio=0"], "scheduler.min_lr_ratio"),
+        (["--scheduler.name=wsd", "--scheduler.rex_alpha=2"], "scheduler.rex_alpha"),
+        (["--scheduler.name=wsd", "--scheduler.stable_steps=10"], "scheduler.decay_steps"),
+        (["--train.ce_chunk_size=64"], "train.ce_chunk_size"),
+    ],
+)
 def test_fields_the_choice_does_not_read_are_errors(overrides, field):
     from engine.config import load_job_config
     from engine.errors import ConfigError
@@ -410,13 +460,24 @@ def test_fields_the_choice_does_not_read_are_errors(overrides, field):
 def test_valid_combinations_pass():
     from engine.config import load_job_config
 
-    for overrides in (["--optimizer.name=muon", "--optimizer.muon_ns_steps=3", "--optimizer.muon_adam_lr=1e-3"],
-                      ["--optimizer.name=schedule_free_adamw", "--scheduler.name=constant", "--scheduler.warmup_steps=5",
-                       "--optimizer.schedule_free_warmup_steps=10"],
-                      ["--scheduler.name=wsd", "--scheduler.stable_steps=10", "--scheduler.decay_steps=20",
-                       "--scheduler.wsd_decay_type=linear", "--train.max_steps=100"],
-                      ["--train.loss_fn=chunked_cross_entropy", "--train.ce_chunk_size=64", "--train.z_loss_weight=1e-4"],
-                      ["--scheduler.name=none", "--scheduler.decay_steps=99"]):  # pinned by every run directory
+    for overrides in (
+        ["--optimizer.name=muon", "--optimizer.muon_ns_steps=3", "--optimizer.muon_adam_lr=1e-3"],
+        [
+            "--optimizer.name=schedule_free_adamw",
+            "--scheduler.name=constant",
+            "--scheduler.warmup_steps=5",
+            "--optimizer.schedule_free_warmup_steps=10",
+        ],
+        [
+            "--scheduler.name=wsd",
+            "--scheduler.stable_steps=10",
+            "--scheduler.decay_steps=20",
+            "--scheduler.wsd_decay_type=linear",
+            "--train.max_steps=100",
+        ],
+        ["--train.loss_fn=chunked_cross_entropy", "--train.ce_chunk_size=64", "--train.z_loss_weight=1e-4"],
+        ["--scheduler.name=none", "--scheduler.decay_steps=99"],
+    ):  # pinned by every run directory
         load_job_config(None, overrides).validate(1)
 
 
@@ -428,14 +489,17 @@ def forge_cli(*args: str):
     from tests.conftest import REPO
 
     env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "forgecli.app", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "forgecli.app", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_bad_combinations_exit_2_with_the_field():
-    cases = [(["--optimizer.name=schedule_free_adamw", "--scheduler.name=cosine"], "scheduler.name"),
-             (["--optimizer.name=muon", "--optimizer.muon_nesterov=true"], "optimizer.muon_nesterov"),
-             (["--optimizer.lr=-1"], "optimizer.lr")]
+    cases = [
+        (["--optimizer.name=schedule_free_adamw", "--scheduler.name=cosine"], "scheduler.name"),
+        (["--optimizer.name=muon", "--optimizer.muon_nesterov=true"], "optimizer.muon_nesterov"),
+        (["--optimizer.lr=-1"], "optimizer.lr"),
+    ]
     for overrides, field in cases:
         result = forge_cli("validate-config", "presets/debug.toml", *overrides)
         assert result.returncode == 2, result.stderr
@@ -443,15 +507,30 @@ def test_bad_combinations_exit_2_with_the_field():
 
 
 def test_validate_config_draws_the_lr_curve():
-    result = forge_cli("validate-config", "presets/debug.toml", "--scheduler.name=wsd", "--scheduler.stable_steps=100",
-                       "--scheduler.decay_steps=100", "--scheduler.min_lr_ratio=0")
+    result = forge_cli(
+        "validate-config",
+        "presets/debug.toml",
+        "--scheduler.name=wsd",
+        "--scheduler.stable_steps=100",
+        "--scheduler.decay_steps=100",
+        "--scheduler.min_lr_ratio=0",
+    )
     assert result.returncode == 0, result.stderr
     assert "Learning rate (wsd schedule, adamw)" in result.stdout and "█" in result.stdout and "▁" in result.stdout
-    lines = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in result.stdout.splitlines()
-             if line.count("│") == 3 and line.split("│")[1].strip().isdigit()}
+    lines = {
+        line.split("│")[1].strip(): line.split("│")[2].strip()
+        for line in result.stdout.splitlines()
+        if line.count("│") == 3 and line.split("│")[1].strip().isdigit()
+    }
     # warmup 20 (preset): step 1 = lr/21, peak from step 21, decay from step 121 to 0 at step 221
-    assert lines == {"1": "9.524e-05", "20": "1.905e-03", "21": "2.000e-03", "121": "2.000e-03", "221": "0.000e+00",
-                     "300": "0.000e+00"}
+    assert lines == {
+        "1": "9.524e-05",
+        "20": "1.905e-03",
+        "21": "2.000e-03",
+        "121": "2.000e-03",
+        "221": "0.000e+00",
+        "300": "0.000e+00",
+    }
 
 
 def test_reported_lr_includes_schedule_free_warmup():

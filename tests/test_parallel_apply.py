@@ -13,14 +13,28 @@ ORDER = ["tensor_parallel", "expert_parallel", "float8", "activation_checkpointi
 
 def test_stages_run_in_the_documented_order(monkeypatch):
     calls: list[str] = []
-    for name, attr in [("tensor_parallel", "apply_tensor_parallel"), ("expert_parallel", "apply_expert_parallel"),
-                       ("float8", "convert_to_float8"), ("activation_checkpointing", "apply_activation_checkpointing"),
-                       ("compile", "apply_compile"), ("fsdp", "apply_fsdp")]:
+    for name, attr in [
+        ("tensor_parallel", "apply_tensor_parallel"),
+        ("expert_parallel", "apply_expert_parallel"),
+        ("float8", "convert_to_float8"),
+        ("activation_checkpointing", "apply_activation_checkpointing"),
+        ("compile", "apply_compile"),
+        ("fsdp", "apply_fsdp"),
+    ]:
         monkeypatch.setattr(apply, attr, lambda *args, _name=name, **kwargs: calls.append(_name))
     monkeypatch.setattr(apply, "check_compilable", lambda *args: None)
-    cfg = load_job_config(None, ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.vocab_size=64",
-                                 "--train.mixed_precision=fp8", "--train.activation_checkpointing=full",
-                                 "--train.compile_model=true"])
+    cfg = load_job_config(
+        None,
+        [
+            "--model.dim=32",
+            "--model.n_layers=1",
+            "--model.n_heads=2",
+            "--model.vocab_size=64",
+            "--train.mixed_precision=fp8",
+            "--train.activation_checkpointing=full",
+            "--train.compile_model=true",
+        ],
+    )
     submesh = SimpleNamespace(size=lambda: 2)
     mesh = SimpleNamespace(get=lambda name: submesh, fsdp=submesh)  # every dimension present
     apply.parallelize(Transformer(cfg.model), cfg, mesh)

@@ -22,9 +22,19 @@ from engine.train.losses import build_loss
 
 VOCAB, SEQ = 64, 16
 DENSE = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=SEQ)
-MOE = dict(DENSE, num_experts=4, moe_top_k=2, moe_router="sigmoid_topk", moe_shared_experts=1,
-           moe_bias_schedule=[(0, 0.05)], moe_aux_loss_weight=0.01, moe_sequence_aux_loss_weight=0.01,
-           moe_router_z_loss_weight=0.01, moe_capacity_factor=1.0, moe_gradient_scale=True)
+MOE = dict(
+    DENSE,
+    num_experts=4,
+    moe_top_k=2,
+    moe_router="sigmoid_topk",
+    moe_shared_experts=1,
+    moe_bias_schedule=[(0, 0.05)],
+    moe_aux_loss_weight=0.01,
+    moe_sequence_aux_loss_weight=0.01,
+    moe_router_z_loss_weight=0.01,
+    moe_capacity_factor=1.0,
+    moe_gradient_scale=True,
+)
 MODES = ("none", "full", "selective")
 
 
@@ -39,8 +49,11 @@ def build(fields: dict, mode: str = "none") -> Transformer:
     return model
 
 
-def train(model: Transformer, steps: int, dtype: torch.dtype = torch.float32,
-          ) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train(
+    model: Transformer,
+    steps: int,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """AdamW steps on fixed batches under the trainer's loss (CE + MoE aux losses) → losses, first step's grads."""
     loss_fn = build_loss(TrainConfig())
     attach_router_balancing(model)  # as the trainer does
@@ -165,8 +178,11 @@ def test_fp8_converts_the_block_linears_only():
     mlp = [f"feed_forward.{w}" for w in ("w1", "w3", "w2")]
     moe = build(dict(MOE, dim=64))
     converted = convert_to_float8(moe, "tensorwise")
-    assert converted == [f"layers.{i}.{m}" for i in range(2) for m in attention + [f"feed_forward.shared.{w}"
-                                                                                   for w in ("w1", "w3", "w2")]]
+    assert converted == [
+        f"layers.{i}.{m}"
+        for i in range(2)
+        for m in attention + [f"feed_forward.shared.{w}" for w in ("w1", "w3", "w2")]
+    ]
     assert type(moe.output) is torch.nn.Linear and type(moe.layers["0"].feed_forward.router.gate) is torch.nn.Linear
     dense = build(dict(DENSE, dim=64))
     assert convert_to_float8(dense, "rowwise") == [f"layers.{i}.{m}" for i in range(2) for m in attention + mlp]

@@ -22,10 +22,21 @@ def tiny(**overrides) -> ModelConfig:
     return ModelConfig(**{"dim": 32, "n_layers": 4, "n_heads": 4, "vocab_size": 64, "max_seq_len": 16, **overrides})
 
 
-@pytest.mark.parametrize(("n_layers", "n_stages", "counts"), [
-    (4, 2, [2, 2]), (4, 4, [1, 1, 1, 1]), (8, 4, [2, 2, 2, 2]), (6, 4, [1, 2, 2, 1]), (5, 2, [3, 2]),
-    (3, 2, [2, 1]), (7, 3, [2, 3, 2]), (10, 4, [2, 3, 3, 2]), (1, 1, [1]), (5, 1, [5]),
-])
+@pytest.mark.parametrize(
+    ("n_layers", "n_stages", "counts"),
+    [
+        (4, 2, [2, 2]),
+        (4, 4, [1, 1, 1, 1]),
+        (8, 4, [2, 2, 2, 2]),
+        (6, 4, [1, 2, 2, 1]),
+        (5, 2, [3, 2]),
+        (3, 2, [2, 1]),
+        (7, 3, [2, 3, 2]),
+        (10, 4, [2, 3, 3, 2]),
+        (1, 1, [1]),
+        (5, 1, [5]),
+    ],
+)
 def test_stage_layer_counts_balance_embedding_and_head_as_one_layer_each(n_layers, n_stages, counts):
     assert stage_layer_counts(n_layers, n_stages) == counts
     costs = [c + (s == 0) + (s == n_stages - 1) for s, c in enumerate(counts)]
@@ -59,11 +70,21 @@ def test_every_configurable_schedule_has_a_stage_count_and_a_torch_schedule():
     assert set(STAGES_PER_RANK) == set(SCHEDULES) == choices
 
 
-@pytest.mark.parametrize(("schedule", "pp", "n", "ok"), [
-    ("gpipe", 4, 1, True), ("1f1b", 2, 2, True), ("1f1b", 4, 3, False), ("1f1b", 2, 5, True),
-    ("interleaved_1f1b", 2, 4, True), ("interleaved_1f1b", 2, 3, True), ("interleaved_1f1b", 2, 1, True),
-    ("interleaved_1f1b", 2, 5, False), ("interleaved_1f1b", 4, 10, True), ("interleaved_1f1b", 4, 9, False),
-])
+@pytest.mark.parametrize(
+    ("schedule", "pp", "n", "ok"),
+    [
+        ("gpipe", 4, 1, True),
+        ("1f1b", 2, 2, True),
+        ("1f1b", 4, 3, False),
+        ("1f1b", 2, 5, True),
+        ("interleaved_1f1b", 2, 4, True),
+        ("interleaved_1f1b", 2, 3, True),
+        ("interleaved_1f1b", 2, 1, True),
+        ("interleaved_1f1b", 2, 5, False),
+        ("interleaved_1f1b", 4, 10, True),
+        ("interleaved_1f1b", 4, 9, False),
+    ],
+)
 def test_check_microbatches(schedule, pp, n, ok):
     if ok:
         check_microbatches(schedule, pp, n)
@@ -262,4 +283,3 @@ def test_pipeline_with_fsdp_matches_single_process(tmp_path):
     """pp = 2 × dp = 2: each stage's blocks and root sharded on the dp submesh, each dp rank half the batch."""
     schedules = ["1f1b", "interleaved_1f1b"]
     check_results(run_parity(tmp_path, 4, 2, schedules), schedules, pp=2)
-

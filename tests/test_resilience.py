@@ -140,17 +140,32 @@ from engine.model.transformer import Transformer  # noqa: E402
 from engine.train.hooks import TrainHooks  # noqa: E402
 from engine.train.trainer import train  # noqa: E402
 
-TINY = ["model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2", "train.seq_len=32",
-        "model.max_seq_len=32", "train.batch_size=2", "metrics.log_interval=1", "eval.enabled=false",
-        "scheduler.warmup_steps=1", "train.spike_window=6", "checkpoint.interval=4",
-        "checkpoint.keep_last_n=10"]
+TINY = [
+    "model.dim=32",
+    "model.n_layers=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "train.seq_len=32",
+    "model.max_seq_len=32",
+    "train.batch_size=2",
+    "metrics.log_interval=1",
+    "eval.enabled=false",
+    "scheduler.warmup_steps=1",
+    "train.spike_window=6",
+    "checkpoint.interval=4",
+    "checkpoint.keep_last_n=10",
+]
 
 
 class Faults(TrainHooks):
     """NaN gradients at `nan_grad_steps`, logits × `spike_scale` at `spike_steps`, NaN weights at `nan_weight_steps`."""
 
     def __init__(self, nan_grad_steps=(), spike_steps=(), nan_weight_steps=(), spike_scale=30.0) -> None:
-        self.nan_grad_steps, self.spike_steps, self.nan_weight_steps = set(nan_grad_steps), set(spike_steps), set(nan_weight_steps)
+        self.nan_grad_steps, self.spike_steps, self.nan_weight_steps = (
+            set(nan_grad_steps),
+            set(spike_steps),
+            set(nan_weight_steps),
+        )
         self.spike_scale, self.handle = spike_scale, None
 
     def before_step(self, step, job) -> None:
@@ -226,8 +241,13 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
 
 def test_a_run_that_keeps_diverging_stops_with_a_clear_message(tmp_path):
     with pytest.raises(TrainingDiverged, match="after 1 rollback"):
-        faulty_run(tmp_path, Faults(nan_grad_steps=range(6, 40)), "train.max_steps=40", "train.max_bad_steps=2",
-                   "train.max_rollbacks=1")
+        faulty_run(
+            tmp_path,
+            Faults(nan_grad_steps=range(6, 40)),
+            "train.max_steps=40",
+            "train.max_bad_steps=2",
+            "train.max_rollbacks=1",
+        )
     # step 8 came during a run of bad steps: its checkpoint would only have repeated step 4's weights
     assert checkpoints_are_finite(tmp_path / "run" / "checkpoints") == [4]
     with pytest.raises(TrainingDiverged, match="before the first checkpoint"):

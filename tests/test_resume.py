@@ -17,17 +17,36 @@ import torch
 from engine.checkpoint.dcp import latest_checkpoint
 from tests.conftest import REPO
 
-TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--train.seq_len=64",
-        "--model.max_seq_len=64", "--train.batch_size=4", "--metrics.log_interval=1", "--eval.interval=5",
-        "--eval.steps=2", "--checkpoint.interval=4", "--scheduler.warmup_steps=3"]
+TINY = [
+    "--model.dim=64",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--train.seq_len=64",
+    "--model.max_seq_len=64",
+    "--train.batch_size=4",
+    "--metrics.log_interval=1",
+    "--eval.interval=5",
+    "--eval.steps=2",
+    "--checkpoint.interval=4",
+    "--scheduler.warmup_steps=3",
+]
+
+
 def child_env() -> dict[str, str]:
     """Read at each call, after conftest's session fixture has set FORGE_CACHE_DIR and WANDB_MODE."""
     return {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
 
 
 def forge(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "forgecli.app", *args], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "forgecli.app", *args],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def train_args(run_dir: Path, *extra: str) -> list[str]:
@@ -50,12 +69,19 @@ def losses(run_dir: Path) -> dict[int, tuple[float, float]]:
 
 def kill_after(run_dir: Path, step: int, *extra: str) -> int:
     """Start training, SIGKILL it as soon as `step` is logged; return the last step it logged."""
-    proc = subprocess.Popen([sys.executable, "-m", "forgecli.app", *train_args(run_dir, "--train.max_steps=40", *extra)],
-                            cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "forgecli.app", *train_args(run_dir, "--train.max_steps=40", *extra)],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
-            logged = [r["step"] for r in records(run_dir) if "loss" in r] if (run_dir / "metrics.jsonl").exists() else []
+            logged = (
+                [r["step"] for r in records(run_dir) if "loss" in r] if (run_dir / "metrics.jsonl").exists() else []
+            )
             if logged and logged[-1] >= step:
                 break
             time.sleep(0.005)
@@ -150,8 +176,13 @@ def test_resume_of_something_that_is_not_a_run(tmp_path):
 
 
 def start(args: list[str], log: Path, script: str = "forgecli.app", env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", script, *args], cwd=REPO, env=env or child_env(),
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", script, *args],
+        cwd=REPO,
+        env=env or child_env(),
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
@@ -172,8 +203,12 @@ def assert_same_as(run_dir: Path, reference: Path) -> None:
 def test_sigterm_saves_exits_for_requeue_and_resumes_exactly(tmp_path, uninterrupted):
     run_dir, log, marker = tmp_path / "preempted", tmp_path / "out.txt", tmp_path / "saves.txt"
     marker.touch()
-    proc = start(train_args(run_dir, "--train.max_steps=40"), log, "tests.slow_saves",
-                 {**child_env(), "FORGE_TEST_SAVE_MARKER": str(marker)})
+    proc = start(
+        train_args(run_dir, "--train.max_steps=40"),
+        log,
+        "tests.slow_saves",
+        {**child_env(), "FORGE_TEST_SAVE_MARKER": str(marker)},
+    )
     try:
         wait_for_step(proc, run_dir, 6)
         saves = len(marker.read_text().splitlines())

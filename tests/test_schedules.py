@@ -18,11 +18,14 @@ def test_warmup_starts_at_documented_value_and_reaches_peak():
     assert f(9) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("name,closed_form", [
-    ("cosine", lambda p, m: m + (1 - m) * 0.5 * (1 + math.cos(math.pi * p))),
-    ("linear", lambda p, m: 1 - (1 - m) * p),
-    ("constant", lambda p, m: 1.0),
-])
+@pytest.mark.parametrize(
+    "name,closed_form",
+    [
+        ("cosine", lambda p, m: m + (1 - m) * 0.5 * (1 + math.cos(math.pi * p))),
+        ("linear", lambda p, m: 1 - (1 - m) * p),
+        ("constant", lambda p, m: 1.0),
+    ],
+)
 def test_decay_closed_forms(name, closed_form):
     warmup, total, floor = 10, 110, 0.2
     f = lr_multiplier(SchedulerConfig(name=name, warmup_steps=warmup, min_lr_ratio=floor), max_steps=total)
@@ -67,8 +70,17 @@ WSD_SHAPES = {
 @pytest.mark.parametrize("decay_type", sorted(WSD_SHAPES))
 def test_wsd_phases_land_on_their_steps(decay_type):
     warmup, stable, decay, floor = 5, 20, 10, 0.1
-    f = lr_multiplier(SchedulerConfig(name="wsd", warmup_steps=warmup, stable_steps=stable, decay_steps=decay,
-                                      min_lr_ratio=floor, wsd_decay_type=decay_type), max_steps=100)
+    f = lr_multiplier(
+        SchedulerConfig(
+            name="wsd",
+            warmup_steps=warmup,
+            stable_steps=stable,
+            decay_steps=decay,
+            min_lr_ratio=floor,
+            wsd_decay_type=decay_type,
+        ),
+        max_steps=100,
+    )
     assert [f(s) for s in range(warmup)] == pytest.approx([(s + 1) / 6 for s in range(warmup)])
     assert all(f(s) == 1.0 for s in range(warmup, warmup + stable + 1))  # stable 5..24, decay starts at 1.0
     for s in range(warmup + stable, warmup + stable + decay + 1):
@@ -79,7 +91,9 @@ def test_wsd_phases_land_on_their_steps(decay_type):
 
 
 def test_wsd_without_stable_steps_decays_to_the_last_step():
-    f = lr_multiplier(SchedulerConfig(name="wsd", warmup_steps=4, wsd_decay_type="linear", min_lr_ratio=0.0), max_steps=25)
+    f = lr_multiplier(
+        SchedulerConfig(name="wsd", warmup_steps=4, wsd_decay_type="linear", min_lr_ratio=0.0), max_steps=25
+    )
     assert f(4) == 1.0 and f(14) == pytest.approx(0.5) and f(24) == 0.0
 
 
@@ -87,7 +101,9 @@ def test_wsd_without_stable_steps_decays_to_the_last_step():
 def test_rex_closed_form(alpha):
     """Chen, Wolfe & Kyrillidis (2022): (1 - p) / (1/2 + (1 - p)/2), here to the power alpha."""
     warmup, total, floor = 10, 111, 0.05
-    f = lr_multiplier(SchedulerConfig(name="rex", warmup_steps=warmup, min_lr_ratio=floor, rex_alpha=alpha), max_steps=total)
+    f = lr_multiplier(
+        SchedulerConfig(name="rex", warmup_steps=warmup, min_lr_ratio=floor, rex_alpha=alpha), max_steps=total
+    )
     for step, p in ((10, 0.0), (35, 0.25), (60, 0.5), (85, 0.75), (110, 1.0)):
         rex = ((1 - p) / (0.5 + 0.5 * (1 - p))) ** alpha
         assert f(step) == pytest.approx(floor + (1 - floor) * rex)
@@ -98,12 +114,28 @@ def test_learning_rate_includes_schedule_free_warmup_and_key_steps():
     from engine.config import load_job_config
     from engine.train.schedules import key_steps, learning_rate
 
-    cfg = load_job_config(None, ["--optimizer.name=schedule_free_adamw", "--scheduler.name=constant", "--optimizer.lr=0.01",
-                                 "--optimizer.schedule_free_warmup_steps=4", "--train.max_steps=20"]).validate(1)
+    cfg = load_job_config(
+        None,
+        [
+            "--optimizer.name=schedule_free_adamw",
+            "--scheduler.name=constant",
+            "--optimizer.lr=0.01",
+            "--optimizer.schedule_free_warmup_steps=4",
+            "--train.max_steps=20",
+        ],
+    ).validate(1)
     assert [learning_rate(cfg, s) for s in range(5)] == pytest.approx([0.0025, 0.005, 0.0075, 0.01, 0.01])
     assert key_steps(cfg) == [0, 3, 19]
-    wsd = load_job_config(None, ["--scheduler.name=wsd", "--scheduler.warmup_steps=5", "--scheduler.stable_steps=20",
-                                 "--scheduler.decay_steps=10", "--train.max_steps=100"]).validate(1)
+    wsd = load_job_config(
+        None,
+        [
+            "--scheduler.name=wsd",
+            "--scheduler.warmup_steps=5",
+            "--scheduler.stable_steps=20",
+            "--scheduler.decay_steps=10",
+            "--train.max_steps=100",
+        ],
+    ).validate(1)
     assert key_steps(wsd) == [0, 4, 5, 25, 35, 99]
 
 

@@ -28,22 +28,48 @@ def flat(text: str) -> str:
 
 
 def test_tokenize_prints_a_summary(tmp_path: Path):
-    code, output = forge(write_jsonl(tmp_path / "a.jsonl", TEXTS), "--out", tmp_path / "out",
-                         "--train-tokenizer", "--vocab-size", "300", "--shard-tokens", "2000")
+    code, output = forge(
+        write_jsonl(tmp_path / "a.jsonl", TEXTS),
+        "--out",
+        tmp_path / "out",
+        "--train-tokenizer",
+        "--vocab-size",
+        "300",
+        "--shard-tokens",
+        "2000",
+    )
     assert code == 0, output
     assert "tokenizing: 100%" in output and "tokenized" in output and "6 documents" in output.replace("│", "")
-    code, output = forge(tmp_path / "a.jsonl", "--out", tmp_path / "out", "--train-tokenizer", "--vocab-size", "300",
-                         "--shard-tokens", "2000")
+    code, output = forge(
+        tmp_path / "a.jsonl",
+        "--out",
+        tmp_path / "out",
+        "--train-tokenizer",
+        "--vocab-size",
+        "300",
+        "--shard-tokens",
+        "2000",
+    )
     assert code == 0 and "already tokenized" in output
 
 
 def test_tokenize_json(tmp_path: Path):
-    code, output = forge(write_txt(tmp_path / "docs", TEXTS), "--out", tmp_path / "out",
-                         "--tokenizer", tokenizer_file(tmp_path), "--json")
+    code, output = forge(
+        write_txt(tmp_path / "docs", TEXTS),
+        "--out",
+        tmp_path / "out",
+        "--tokenizer",
+        tokenizer_file(tmp_path),
+        "--json",
+    )
     assert code == 0, output
-    report = json.loads(output[output.index("{"):])
+    report = json.loads(output[output.index("{") :])
     manifest = report["manifest"]
-    assert manifest["total_documents"] == 6 and manifest["dtype"] == "uint16" and manifest["tokenizer"]["vocab_size"] == 400
+    assert (
+        manifest["total_documents"] == 6
+        and manifest["dtype"] == "uint16"
+        and manifest["tokenizer"]["vocab_size"] == 400
+    )
     assert report["reused_shards"] == 0 and not report["already_complete"]
 
 
@@ -70,13 +96,32 @@ CASES = {
     "missing input": lambda t: ([t / "nope.txt", "--tokenizer", tok(t)], str(t / "nope.txt")),
     "empty directory": lambda t: ([made_dir(t / "emptydir"), "--tokenizer", tok(t)], str(t / "emptydir")),
     "only empty files": lambda t: ([written(t / "blank.txt", ""), "--tokenizer", tok(t)], "no documents found"),
-    "unknown extension": lambda t: ([written(t / "table.csv", "text\nhi\n"), "--tokenizer", tok(t)], str(t / "table.csv")),
-    "bad --text-field (jsonl)": lambda t: ([docs(t), "--tokenizer", tok(t), "--text-field", "body"], str(t / "docs.jsonl")),
-    "bad --text-field (parquet)": lambda t: ([write_parquet(t / "d.parquet", TEXTS), "--tokenizer", tok(t),
-                                              "--text-field", "body"], str(t / "d.parquet")),
-    "bad record late in a file": lambda t: ([written(t / "late.jsonl", docs(t).read_text() + '{"content": "x"}\n'),
-                                             "--tokenizer", tok(t), "--shard-tokens", "100"], f"{t / 'late.jsonl'} line 7"),
-    "invalid tokenizer file": lambda t: ([docs(t), "--tokenizer", written(t / "bad.json", "{not json")], str(t / "bad.json")),
+    "unknown extension": lambda t: (
+        [written(t / "table.csv", "text\nhi\n"), "--tokenizer", tok(t)],
+        str(t / "table.csv"),
+    ),
+    "bad --text-field (jsonl)": lambda t: (
+        [docs(t), "--tokenizer", tok(t), "--text-field", "body"],
+        str(t / "docs.jsonl"),
+    ),
+    "bad --text-field (parquet)": lambda t: (
+        [write_parquet(t / "d.parquet", TEXTS), "--tokenizer", tok(t), "--text-field", "body"],
+        str(t / "d.parquet"),
+    ),
+    "bad record late in a file": lambda t: (
+        [
+            written(t / "late.jsonl", docs(t).read_text() + '{"content": "x"}\n'),
+            "--tokenizer",
+            tok(t),
+            "--shard-tokens",
+            "100",
+        ],
+        f"{t / 'late.jsonl'} line 7",
+    ),
+    "invalid tokenizer file": lambda t: (
+        [docs(t), "--tokenizer", written(t / "bad.json", "{not json")],
+        str(t / "bad.json"),
+    ),
     "missing tokenizer file": lambda t: ([docs(t), "--tokenizer", t / "gone.json"], str(t / "gone.json")),
     "unknown --eos-token": lambda t: ([docs(t), "--tokenizer", tok(t), "--eos-token", "<end>"], "<end>"),
     "both tokenizers": lambda t: ([docs(t), "--tokenizer", tok(t), "--train-tokenizer", "--vocab-size", "300"], "both"),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from torchrun import torchrun
 
 PARITY_SCRIPT = """
@@ -87,15 +86,24 @@ CASES = {
     # Vocabulary-sharded logits through loss_parallel(), z-loss included.
     "loss_parallel": (2, {}, {"loss_fn": "cross_entropy", "z_loss_weight": 1e-3}),
     # Chunked CE projects through the full head itself; with tied embeddings that head is the embedding.
-    "chunked_tied": (2, {"tie_embeddings": True}, {"loss_fn": "chunked_cross_entropy", "ce_chunk_size": 24,
-                                                   "z_loss_weight": 1e-3}),
+    "chunked_tied": (
+        2,
+        {"tie_embeddings": True},
+        {"loss_fn": "chunked_cross_entropy", "ce_chunk_size": 24, "z_loss_weight": 1e-3},
+    ),
     # GQA splits query and key/value heads in the same groups; QK-norm sees head-sharded tensors; 63 rows of
     # vocabulary shard unevenly.
-    "gqa_qk_norm_tied": (2, {"n_kv_heads": 2, "qk_norm": True, "tie_embeddings": True, "vocab_size": 63},
-                         {"loss_fn": "cross_entropy"}),
+    "gqa_qk_norm_tied": (
+        2,
+        {"n_kv_heads": 2, "qk_norm": True, "tie_embeddings": True, "vocab_size": 63},
+        {"loss_fn": "cross_entropy"},
+    ),
     # FSDP2 over dp composes with TP on a 2 × 2 mesh; each dp rank trains on half the batch.
-    "fsdp_dp2_tp2": (4, {"n_kv_heads": 2, "norm_type": "layernorm"},
-                     {"loss_fn": "cross_entropy", "z_loss_weight": 1e-3}),
+    "fsdp_dp2_tp2": (
+        4,
+        {"n_kv_heads": 2, "norm_type": "layernorm"},
+        {"loss_fn": "cross_entropy", "z_loss_weight": 1e-3},
+    ),
 }
 
 

@@ -13,9 +13,19 @@ from engine.config import load_job_config
 from engine.errors import DataError
 from engine.train.trainer import train
 
-TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "train.seq_len=64",
-        "model.max_seq_len=64", "train.batch_size=4", "train.max_steps=4", "metrics.log_interval=1",
-        "eval.enabled=false", "scheduler.warmup_steps=1"]
+TINY = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "train.seq_len=64",
+    "model.max_seq_len=64",
+    "train.batch_size=4",
+    "train.max_steps=4",
+    "metrics.log_interval=1",
+    "eval.enabled=false",
+    "scheduler.warmup_steps=1",
+]
 
 
 def run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
@@ -127,8 +137,14 @@ def test_stop_and_resume_in_process_equals_one_run(tmp_path, precision):
     including fp16's loss-scaler state, the schedule and a profiler window spanning the resume."""
     from engine.train.run_dir import run_config
 
-    common = (f"train.mixed_precision={precision}", "scheduler.decay_steps=4", "checkpoint.interval=3",
-              "profiling.enable=true", "profiling.start_step=2", "profiling.end_step=5")
+    common = (
+        f"train.mixed_precision={precision}",
+        "scheduler.decay_steps=4",
+        "checkpoint.interval=3",
+        "profiling.enable=true",
+        "profiling.start_step=2",
+        "profiling.end_step=5",
+    )
     whole = losses(run(tmp_path, "whole", "train.max_steps=6", *common))
     run(tmp_path, "parts", "train.max_steps=3", *common)
     train(run_config(tmp_path / "parts", ["train.max_steps=6"]), tmp_path / "parts")

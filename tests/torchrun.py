@@ -44,16 +44,25 @@ def kill_tree(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def torchrun(script: Path, nproc: int = 2, *args: str, timeout: float = 180,
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def torchrun(
+    script: Path, nproc: int = 2, *args: str, timeout: float = 180, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run `script` on `nproc` local processes; kill every process it started if it outlives `timeout`."""
     # --standalone: the rendezvous binds a free port itself, where a port picked here and bound seconds later
     # could be taken in between by the other test worker's process groups.
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(script), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(script),
+        *args,
+    ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -72,8 +81,9 @@ def torchrun(script: Path, nproc: int = 2, *args: str, timeout: float = 180,
 def run_bounded(command: list[str], timeout: float, **popen: object) -> subprocess.CompletedProcess:
     """Run `command` (e.g. `forge train --nproc-per-node 2`, which starts workers of its own) to completion,
     killing it and everything it started if it outlives `timeout`."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, **popen)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **popen
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -28,20 +28,26 @@ import pickle
 import re
 import shutil
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from engine.durable import fsync_dir, fsync_file, write_durably
 from engine.resilience.collectives import distributed
@@ -100,6 +106,7 @@ def latest_checkpoint(root: Path) -> tuple[int, Path] | None:
 
 # --- saving ---------------------------------------------------------------------------------------------
 
+
 def is_writer() -> bool:
     """The one process that creates folders and writes markers; every rank writes its own DCP shards."""
     return not distributed() or torch.distributed.get_rank() == 0
@@ -142,8 +149,9 @@ def finish_save(root: Path, path: Path, train_state: dict[str, Any]) -> Path:
     return path
 
 
-def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    train_state: dict[str, Any]) -> Path:
+def save_checkpoint(
+    root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any]
+) -> Path:
     """Write step_N durably and mark it complete, blocking until it is on disk."""
     path = new_step_dir(root, step)
     with single_process_quiet():
@@ -155,18 +163,28 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     return path
 
 
-def start_async_save(path: Path, state: dict[str, Any], *, stage_in_background: bool, pin_memory: bool,
-                     process_group: Any = None) -> tuple[Future | None, Future]:
+def start_async_save(
+    path: Path, state: dict[str, Any], *, stage_in_background: bool, pin_memory: bool, process_group: Any = None
+) -> tuple[Future | None, Future]:
     """Begin writing `state` in a background thread. Returns (staging, upload) futures: the weights and
     optimizer may change only once staging is done (None: it already is); the files are written when
     upload is done."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    options = StagingOptions(use_pinned_memory=pin_memory, use_shared_memory=False,
-                             use_async_staging=stage_in_background, use_non_blocking_copy=pin_memory)
+    options = StagingOptions(
+        use_pinned_memory=pin_memory,
+        use_shared_memory=False,
+        use_async_staging=stage_in_background,
+        use_non_blocking_copy=pin_memory,
+    )
     with single_process_quiet():
-        response = dcp.async_save(state, storage_writer=storage_writer(path), process_group=process_group,
-                                  async_stager=DefaultStager(options), no_dist=not distributed())
+        response = dcp.async_save(
+            state,
+            storage_writer=storage_writer(path),
+            process_group=process_group,
+            async_stager=DefaultStager(options),
+            no_dist=not distributed(),
+        )
     if isinstance(response, Future):
         return None, response
     return response.staging_completion, response.upload_completion
@@ -174,17 +192,32 @@ def start_async_save(path: Path, state: dict[str, Any], *, stage_in_background: 
 
 # --- loading --------------------------------------------------------------------------------------------
 
+
 class MetadataUnpickler(pickle.Unpickler):
     """Builds only what DCP's `.metadata` holds; anything else in the pickle is refused, not run. Names
     are matched exactly (no dotted paths, which pickle would otherwise follow into a module's imports)."""
 
     ALLOWED = {
-        ("torch.distributed.checkpoint.metadata", name) for name in (
-            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-            "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-    } | {("torch", "Size"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-         ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    } | {
+        ("torch", "Size"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+    }
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self.ALLOWED:
@@ -228,8 +261,12 @@ def read_state(path: Path, state: dict[str, Any], *, local: bool = False) -> Non
     if not (path / ".metadata").is_file():  # else DCP logs two tracebacks while it looks for per-rank metadata
         raise FileNotFoundError(f"{path / '.metadata'} is missing")
     with single_process_quiet():
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=WeightsOnlyLoadPlanner(),
-                 no_dist=local or not distributed())
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(path),
+            planner=WeightsOnlyLoadPlanner(),
+            no_dist=local or not distributed(),
+        )
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:

@@ -29,9 +29,10 @@ import pickle
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -43,11 +44,27 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from engine.checkpoint.dcp import (COMPLETE, LATEST, TRAIN_STATE, SafeFileSystemReader, describe, read_state,
-                                   single_process_quiet)
-from engine.checkpoint.hf_mapping import (Piece, check_same_architecture, expected_state, forge_sources,
-                                          hf_architecture, hf_config, hf_layout, hf_shapes, model_config_from_hf,
-                                          to_hf)
+from engine.checkpoint.dcp import (
+    COMPLETE,
+    LATEST,
+    TRAIN_STATE,
+    SafeFileSystemReader,
+    describe,
+    read_state,
+    single_process_quiet,
+)
+from engine.checkpoint.hf_mapping import (
+    Piece,
+    check_same_architecture,
+    expected_state,
+    forge_sources,
+    hf_architecture,
+    hf_config,
+    hf_layout,
+    hf_shapes,
+    model_config_from_hf,
+    to_hf,
+)
 from engine.checkpoint.locate import MODEL_CONFIG, TOKENIZER, ForgeCheckpoint, averaged, find_checkpoint
 from engine.config.model import ModelConfig
 from engine.data.tokenizer import Encoder, adds_special_tokens, parse_tokenizer
@@ -78,12 +95,12 @@ ProgressFn = Callable[[ConvertProgress], None]
 
 @dataclass(frozen=True)
 class ConvertReport:
-    source: Path               # the checkpoint or HF folder read
+    source: Path  # the checkpoint or HF folder read
     out: Path
-    architecture: str          # the HF class on the HF side
+    architecture: str  # the HF class on the HF side
     model: ModelConfig
     parameters: int
-    bytes: int                 # weight bytes written
+    bytes: int  # weight bytes written
     files: list[str] = field(default_factory=list)
 
 
@@ -95,8 +112,13 @@ def is_hf_folder(path: Path) -> bool:
 # ---------------------------------------------------------------- Forge → Hugging Face
 
 
-def export_to_hf(source: Path, out: Path, dtype: str = "float32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 progress: ProgressFn | None = None) -> ConvertReport:
+def export_to_hf(
+    source: Path,
+    out: Path,
+    dtype: str = "float32",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: ProgressFn | None = None,
+) -> ConvertReport:
     """Write the newest complete checkpoint of `source` (run directory, checkpoint folder or step_N) as a
     Hugging Face model folder `out`, weights cast to `dtype`. Everything is checked before anything is written."""
     torch_dtype = export_dtype(dtype)
@@ -115,8 +137,10 @@ def export_to_hf(source: Path, out: Path, dtype: str = "float32", max_shard_byte
     with staging(out) as tmp:
         files, weight_bytes = write_safetensors(tmp, ckpt, layout, saved, shards, torch_dtype, progress)
         write_json(tmp / "config.json", hf_config(cfg, torch_dtype, eos_id, bos_id))
-        write_json(tmp / "generation_config.json",
-                   {"bos_token_id": bos_id, **({"eos_token_id": eos_id} if eos_id is not None else {})})
+        write_json(
+            tmp / "generation_config.json",
+            {"bos_token_id": bos_id, **({"eos_token_id": eos_id} if eos_id is not None else {})},
+        )
         if tokenizer is not None:
             (tmp / TOKENIZER).write_bytes(tokenizer.json_bytes)
             write_json(tmp / TOKENIZER_CONFIG, tokenizer.config)
@@ -140,17 +164,23 @@ def saved_tensors(step: Path, cfg: ModelConfig, names: list[str]) -> dict[str, T
     for name in names:
         meta = metadata.get(f"model.{name}")
         if not isinstance(meta, TensorStorageMetadata):
-            raise UserError(f"checkpoint {step} has no tensor model.{name}, which its [model] config needs",
-                            "the config beside the checkpoint does not describe it; was it edited?")
+            raise UserError(
+                f"checkpoint {step} has no tensor model.{name}, which its [model] config needs",
+                "the config beside the checkpoint does not describe it; was it edited?",
+            )
         if meta.size != shapes[name]:
-            raise UserError(f"checkpoint {step}: model.{name} has shape {list(meta.size)}, its [model] config "
-                            f"says {list(shapes[name])}", "the config beside the checkpoint does not describe it")
+            raise UserError(
+                f"checkpoint {step}: model.{name} has shape {list(meta.size)}, its [model] config "
+                f"says {list(shapes[name])}",
+                "the config beside the checkpoint does not describe it",
+            )
         saved[name] = meta
     return saved
 
 
-def plan_shards(names: list[str], saved: dict[str, TensorStorageMetadata], itemsize: int,
-                max_shard_bytes: int) -> list[list[str]]:
+def plan_shards(
+    names: list[str], saved: dict[str, TensorStorageMetadata], itemsize: int, max_shard_bytes: int
+) -> list[list[str]]:
     """Forge FQNs grouped into files of at most max_shard_bytes (a larger tensor gets a file of its own)."""
     shards: list[list[str]] = [[]]
     size = 0
@@ -164,14 +194,23 @@ def plan_shards(names: list[str], saved: dict[str, TensorStorageMetadata], items
     return shards
 
 
-def write_safetensors(out: Path, ckpt: ForgeCheckpoint, layout: dict[str, Piece],
-                      saved: dict[str, TensorStorageMetadata], shards: list[list[str]], dtype: torch.dtype,
-                      progress: ProgressFn | None) -> tuple[list[str], int]:
+def write_safetensors(
+    out: Path,
+    ckpt: ForgeCheckpoint,
+    layout: dict[str, Piece],
+    saved: dict[str, TensorStorageMetadata],
+    shards: list[list[str]],
+    dtype: torch.dtype,
+    progress: ProgressFn | None,
+) -> tuple[list[str], int]:
     """Read each file's Forge tensors from the checkpoint (DCP reassembles any sharded layout), turn them
     into their HF tensors (one per expert for packed experts), cast, write. A schedule-free run ships its
     averaged weights. Returns the files and the weight bytes written."""
-    files = [SINGLE_FILE] if len(shards) == 1 else [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                                                    for i in range(1, len(shards) + 1)]
+    files = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
     file_of = hf_files(layout, shards)
     total = sum(saved[name].size.numel() for shard in shards for name in shard)
     weight_map, done, total_bytes = {}, 0, 0
@@ -214,16 +253,18 @@ def read_checkpoint_tensors(ckpt: ForgeCheckpoint, wanted: dict[str, TensorStora
         read_state(step, {"model": tensors})
         averaged(ckpt, tensors)
     except (CheckpointException, OSError) as e:  # a shard file missing or cut short
-        raise UserError(f"cannot read checkpoint {step} ({describe(e)})",
-                        "its files are damaged or incomplete; use another step_N folder") from None
+        raise UserError(
+            f"cannot read checkpoint {step} ({describe(e)})",
+            "its files are damaged or incomplete; use another step_N folder",
+        ) from None
     return tensors
 
 
 @dataclass(frozen=True)
 class ExportedTokenizer:
-    json_bytes: bytes      # tokenizer.json
+    json_bytes: bytes  # tokenizer.json
     config: dict[str, Any]  # tokenizer_config.json
-    bos_id: int | None      # the token it starts every text with, if any
+    bos_id: int | None  # the token it starts every text with, if any
 
 
 def export_tokenizer(encoder: Encoder, max_seq_len: int) -> ExportedTokenizer:
@@ -237,17 +278,22 @@ def export_tokenizer(encoder: Encoder, max_seq_len: int) -> ExportedTokenizer:
     json_bytes = encoder.json_bytes
     if not adds_special_tokens(tokenizer):
         eos = encoder.eos_token
-        start = processors.TemplateProcessing(single=f"{eos}:0 $A:0", pair=f"{eos}:0 $A:0 {eos}:1 $B:1",
-                                              special_tokens=[(eos, encoder.eos_id)])
+        start = processors.TemplateProcessing(
+            single=f"{eos}:0 $A:0", pair=f"{eos}:0 $A:0 {eos}:1 $B:1", special_tokens=[(eos, encoder.eos_id)]
+        )
         kept = tokenizer.post_processor  # e.g. byte-level offset trimming, which adds no tokens
         tokenizer.post_processor = start if kept is None else processors.Sequence([kept, start])
         json_bytes = tokenizer.to_str(pretty=True).encode()
     first = tokenizer.encode("a")  # a special token before the text is the BOS
     bos_id = first.ids[0] if first.special_tokens_mask[:1] == [1] else None
     # No add_bos_token: transformers drops it when there is a tokenizer.json, whose post-processor decides.
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": encoder.eos_token,
-              **({"bos_token": first.tokens[0]} if bos_id is not None else {}),
-              "model_max_length": max_seq_len, "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": encoder.eos_token,
+        **({"bos_token": first.tokens[0]} if bos_id is not None else {}),
+        "model_max_length": max_seq_len,
+        "clean_up_tokenization_spaces": False,
+    }
     return ExportedTokenizer(json_bytes, config, bos_id)
 
 
@@ -283,17 +329,22 @@ def import_from_hf(hf_dir: Path, out: Path, progress: ProgressFn | None = None) 
         write_forge_checkpoint(tmp, state, cfg, hf_dir)
         for name in tokenizer_files:  # the config beside tokenizer.json names its end-of-text token
             shutil.copyfile(hf_dir / name, tmp / name)
-    return ConvertReport(hf_dir, out, architecture, cfg, total, weight_bytes,
-                         ["step_0", LATEST, MODEL_CONFIG, *tokenizer_files])
+    return ConvertReport(
+        hf_dir, out, architecture, cfg, total, weight_bytes, ["step_0", LATEST, MODEL_CONFIG, *tokenizer_files]
+    )
 
 
 def read_hf_model_config(hf_dir: Path) -> ModelConfig:
     if not hf_dir.is_dir():
-        raise UserError(f"{hf_dir} is not a folder", "pass a local Hugging Face model folder (config.json + *.safetensors)")
+        raise UserError(
+            f"{hf_dir} is not a folder", "pass a local Hugging Face model folder (config.json + *.safetensors)"
+        )
     path = hf_dir / "config.json"
     if not path.is_file():
-        raise UserError(f"{hf_dir} has no config.json, so it is not a Hugging Face model folder",
-                        "pass the folder that save_pretrained wrote (config.json + *.safetensors)")
+        raise UserError(
+            f"{hf_dir} has no config.json, so it is not a Hugging Face model folder",
+            "pass the folder that save_pretrained wrote (config.json + *.safetensors)",
+        )
     try:
         config = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
@@ -314,14 +365,18 @@ def safetensors_files(hf_dir: Path) -> list[Path]:
         files = [hf_dir / name for name in dict.fromkeys(weight_map.values())]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise UserError(f"{hf_dir} is missing weight files named in {INDEX_FILE}: {', '.join(missing)}",
-                            "download the complete model folder")
+            raise UserError(
+                f"{hf_dir} is missing weight files named in {INDEX_FILE}: {', '.join(missing)}",
+                "download the complete model folder",
+            )
         return files
     if (hf_dir / SINGLE_FILE).is_file():
         return [hf_dir / SINGLE_FILE]
     if any(hf_dir.glob("*.bin")) or any(hf_dir.glob("*.pth")):
-        raise UserError(f"{hf_dir} holds its weights as pickled .bin/.pth files, which Forge does not read",
-                        "re-save the model with safe_serialization=True (the default of save_pretrained)")
+        raise UserError(
+            f"{hf_dir} holds its weights as pickled .bin/.pth files, which Forge does not read",
+            "re-save the model with safe_serialization=True (the default of save_pretrained)",
+        )
     raise UserError(f"{hf_dir} has no {SINGLE_FILE} or {INDEX_FILE}", "download the model's *.safetensors files too")
 
 
@@ -339,18 +394,24 @@ def check_hf_tensors(hf_dir: Path, files: list[Path], cfg: ModelConfig) -> dict[
                     if name in wanted:
                         shape = list(f.get_slice(name).get_shape())
                         if shape != list(shapes[name]):
-                            raise UserError(f"{file.name}: {name} has shape {shape}, config.json implies "
-                                            f"{list(shapes[name])}", "the weights do not match config.json")
+                            raise UserError(
+                                f"{file.name}: {name} has shape {shape}, config.json implies {list(shapes[name])}",
+                                "the weights do not match config.json",
+                            )
                         found.add(name)
                     elif not (name.endswith(IGNORED_HF_SUFFIXES) or (cfg.tie_embeddings and name == "lm_head.weight")):
-                        raise UserError(f"{file.name} holds {name}, which a {hf_architecture(cfg)} of this config "
-                                        "has no place for", "is config.json the one these weights were saved with?")
+                        raise UserError(
+                            f"{file.name} holds {name}, which a {hf_architecture(cfg)} of this config has no place for",
+                            "is config.json the one these weights were saved with?",
+                        )
         except SafetensorError as e:
             raise UserError(f"{file} is not a readable safetensors file ({e})", "download it again") from None
     missing = [name for name in wanted if name not in found]
     if missing:
-        raise UserError(f"{hf_dir} lacks {len(missing)} weight(s) its config.json needs, e.g. {missing[0]}",
-                        "download the complete model folder")
+        raise UserError(
+            f"{hf_dir} lacks {len(missing)} weight(s) its config.json needs, e.g. {missing[0]}",
+            "download the complete model folder",
+        )
     return wanted
 
 
@@ -412,8 +473,9 @@ def load_hf_weights(model: nn.Module, hf_dir: Path, exclude: Sequence[str] = ())
     files = safetensors_files(hf_dir)
     # In the model's own expert layout (packed or not); hf_cfg, not model.cfg, whose training-only settings
     # (a capacity limit) would refuse an export but do not matter for loading.
-    layout = check_hf_tensors(hf_dir, files,
-                              hf_cfg.model_copy(update={"moe_packed_experts": model.cfg.moe_packed_experts}))
+    layout = check_hf_tensors(
+        hf_dir, files, hf_cfg.model_copy(update={"moe_packed_experts": model.cfg.moe_packed_experts})
+    )
     options = StateDictOptions(full_state_dict=True, strict=False)
     loaded: list[str] = []
     for completed in forge_tensors(hf_dir, files, layout):
@@ -438,8 +500,9 @@ def staging(out: Path) -> Iterator[Path]:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     except OSError as e:
-        raise UserError(f"cannot write into {out.parent} ({e.strerror or e})",
-                        "pass --out in a folder you can write") from None
+        raise UserError(
+            f"cannot write into {out.parent} ({e.strerror or e})", "pass --out in a folder you can write"
+        ) from None
     try:
         yield tmp
         umask = current_umask()

@@ -64,12 +64,32 @@ DENSE_FFN_NAMES = ("feed_forward.w1.weight", "feed_forward.w3.weight", "feed_for
 PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # The HF name of the shared expert module of an MoE block (Qwen3-MoE has none).
 SHARED = {QWEN2_MOE: "shared_expert", GLM4_MOE: "shared_experts"}
-OUTER_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-               "output.weight": "lm_head.weight"}
+OUTER_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 # Fields that decide what the weights compute; a model and an HF folder must agree on all of them.
-ARCHITECTURE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_dim", "norm_type", "norm_eps",
-                       "activation", "rope_theta", "tie_embeddings", "qk_norm", "num_experts", "moe_top_k",
-                       "moe_frequency", "moe_router", "moe_shared_experts", "expert_ffn_dim")
+ARCHITECTURE_FIELDS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "kv_heads",
+    "vocab_size",
+    "ffn_dim",
+    "norm_type",
+    "norm_eps",
+    "activation",
+    "rope_theta",
+    "tie_embeddings",
+    "qk_norm",
+    "num_experts",
+    "moe_top_k",
+    "moe_frequency",
+    "moe_router",
+    "moe_shared_experts",
+    "expert_ffn_dim",
+)
 
 
 @dataclass(frozen=True)
@@ -90,13 +110,17 @@ class Piece:
 def hf_architecture(cfg: ModelConfig) -> str:
     """The `transformers` class that computes exactly what `cfg` does, or a UserError naming the field."""
     if cfg.norm_type != "rmsnorm":
-        raise UserError(f"model.norm_type = {cfg.norm_type!r} has no equivalent in the transformers models Forge "
-                        "exports to (Llama, Qwen3, Qwen2/3-MoE, GLM-4-MoE: they use RMSNorm)",
-                        "only models trained with norm_type = \"rmsnorm\" export to Hugging Face")
+        raise UserError(
+            f"model.norm_type = {cfg.norm_type!r} has no equivalent in the transformers models Forge "
+            "exports to (Llama, Qwen3, Qwen2/3-MoE, GLM-4-MoE: they use RMSNorm)",
+            'only models trained with norm_type = "rmsnorm" export to Hugging Face',
+        )
     if cfg.activation != "silu":
-        raise UserError(f"model.activation = {cfg.activation!r} has no equivalent in the transformers models Forge "
-                        "exports to (Llama, Qwen3, Qwen2/3-MoE, GLM-4-MoE: their MLPs are SwiGLU)",
-                        "only models trained with activation = \"silu\" export to Hugging Face")
+        raise UserError(
+            f"model.activation = {cfg.activation!r} has no equivalent in the transformers models Forge "
+            "exports to (Llama, Qwen3, Qwen2/3-MoE, GLM-4-MoE: their MLPs are SwiGLU)",
+            'only models trained with activation = "silu" export to Hugging Face',
+        )
     if cfg.is_moe:
         return moe_architecture(cfg)
     return QWEN3 if cfg.qk_norm else LLAMA
@@ -106,27 +130,34 @@ def moe_architecture(cfg: ModelConfig) -> str:
     """The MoE class whose routing is exactly `cfg`'s (see the module docstring), or a UserError naming the field."""
     capacity = cfg.moe_capacity_factor
     if capacity is not None and capacity * cfg.moe_top_k < cfg.num_experts:
-        raise UserError(f"model.moe_capacity_factor = {capacity}: Forge's forward drops routed assignments beyond an "
-                        "expert's capacity, and no transformers MoE model drops any, so the export would compute "
-                        "something else",
-                        f"only a capacity factor >= num_experts / moe_top_k "
-                        f"({cfg.num_experts / cfg.moe_top_k:g}), which never drops, or none exports")
+        raise UserError(
+            f"model.moe_capacity_factor = {capacity}: Forge's forward drops routed assignments beyond an "
+            "expert's capacity, and no transformers MoE model drops any, so the export would compute "
+            "something else",
+            f"only a capacity factor >= num_experts / moe_top_k "
+            f"({cfg.num_experts / cfg.moe_top_k:g}), which never drops, or none exports",
+        )
     if cfg.moe_router == "softmax_topk":
         if cfg.moe_shared_experts:
-            raise UserError(f"model.moe_shared_experts = {cfg.moe_shared_experts} with moe_router = \"softmax_topk\" "
-                            "has no equivalent in transformers: Qwen2-MoE scales its shared expert by a learned "
-                            "sigmoid gate, Forge adds it ungated",
-                            "softmax_topk models export without shared experts; sigmoid_topk models (GLM-4-MoE) "
-                            "export with them")
+            raise UserError(
+                f'model.moe_shared_experts = {cfg.moe_shared_experts} with moe_router = "softmax_topk" '
+                "has no equivalent in transformers: Qwen2-MoE scales its shared expert by a learned "
+                "sigmoid gate, Forge adds it ungated",
+                "softmax_topk models export without shared experts; sigmoid_topk models (GLM-4-MoE) export with them",
+            )
         return QWEN3_MOE if cfg.qk_norm else QWEN2_MOE
     if cfg.num_experts < 2:
-        raise UserError(f"model.num_experts = {cfg.num_experts}: GLM-4-MoE's sigmoid router needs at least 2 experts",
-                        "sigmoid_topk models with 2 or more experts export to Hugging Face")
+        raise UserError(
+            f"model.num_experts = {cfg.num_experts}: GLM-4-MoE's sigmoid router needs at least 2 experts",
+            "sigmoid_topk models with 2 or more experts export to Hugging Face",
+        )
     if first_dense_layers(cfg) is None:
-        raise UserError(f"model.moe_frequency = {cfg.moe_frequency} with n_layers = {cfg.n_layers} interleaves dense "
-                        "and MoE blocks, but GLM-4-MoE (the transformers model with Forge's sigmoid_topk routing) "
-                        "only has its dense blocks first (first_k_dense_replace)",
-                        "sigmoid_topk models export with moe_frequency = 1, or = n_layers (only the last block MoE)")
+        raise UserError(
+            f"model.moe_frequency = {cfg.moe_frequency} with n_layers = {cfg.n_layers} interleaves dense "
+            "and MoE blocks, but GLM-4-MoE (the transformers model with Forge's sigmoid_topk routing) "
+            "only has its dense blocks first (first_k_dense_replace)",
+            "sigmoid_topk models export with moe_frequency = 1, or = n_layers (only the last block MoE)",
+        )
     return GLM4_MOE
 
 
@@ -182,17 +213,34 @@ def hf_config(cfg: ModelConfig, torch_dtype: torch.dtype, eos_id: int | None, bo
 
 def moe_config(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
     """The MoE part of config.json: Forge's routing in each architecture's terms."""
-    common = {"num_experts_per_tok": cfg.moe_top_k, "moe_intermediate_size": cfg.expert_ffn_dim,
-              "output_router_logits": False}
+    common = {
+        "num_experts_per_tok": cfg.moe_top_k,
+        "moe_intermediate_size": cfg.expert_ffn_dim,
+        "output_router_logits": False,
+    }
     if architecture == GLM4_MOE:
-        return {**common, "n_routed_experts": cfg.num_experts, "n_shared_experts": cfg.moe_shared_experts,
-                "first_k_dense_replace": first_dense_layers(cfg), "n_group": 1, "topk_group": 1,
-                "norm_topk_prob": True, "routed_scaling_factor": 1.0, "use_qk_norm": cfg.qk_norm,
-                "partial_rotary_factor": 1.0, "num_nextn_predict_layers": 0,
-                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0}}
-    config = {**common, "num_experts": cfg.num_experts, "norm_topk_prob": False,
-              "decoder_sparse_step": cfg.moe_frequency, "mlp_only_layers": [],
-              "router_aux_loss_coef": cfg.moe_aux_loss_weight}  # what their training would use; not inference
+        return {
+            **common,
+            "n_routed_experts": cfg.num_experts,
+            "n_shared_experts": cfg.moe_shared_experts,
+            "first_k_dense_replace": first_dense_layers(cfg),
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0,
+            "use_qk_norm": cfg.qk_norm,
+            "partial_rotary_factor": 1.0,
+            "num_nextn_predict_layers": 0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0},
+        }
+    config = {
+        **common,
+        "num_experts": cfg.num_experts,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": cfg.moe_frequency,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": cfg.moe_aux_loss_weight,
+    }  # what their training would use; not inference
     if architecture == QWEN2_MOE:
         config.update(shared_expert_intermediate_size=0, qkv_bias=False)
     return config
@@ -208,29 +256,43 @@ def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
     dim = required(config, "hidden_size", source)
     head_dim = config.get("head_dim") or dim // heads
     if head_dim * heads != dim:
-        raise UserError(f"{source}: head_dim ({head_dim}) × num_attention_heads ({heads}) != hidden_size ({dim})",
-                        "Forge's attention uses head_dim = hidden_size / num_attention_heads")
+        raise UserError(
+            f"{source}: head_dim ({head_dim}) × num_attention_heads ({heads}) != hidden_size ({dim})",
+            "Forge's attention uses head_dim = hidden_size / num_attention_heads",
+        )
     rope = config.get("rope_parameters") or {}
     ffn_dim = required(config, "intermediate_size", source)
     qk_norm = architecture in (QWEN3, QWEN3_MOE) or (architecture == GLM4_MOE and bool(config.get("use_qk_norm")))
     moe = moe_fields_from_hf(config, architecture, ffn_dim, source) if architecture in MOE_ARCHITECTURES else {}
     try:
         cfg = ModelConfig(
-            dim=dim, n_layers=required(config, "num_hidden_layers", source), n_heads=heads,
-            n_kv_heads=config.get("num_key_value_heads") or heads, vocab_size=required(config, "vocab_size", source),
-            ffn_hidden_dim=ffn_dim, norm_type="rmsnorm",
-            norm_eps=config.get("rms_norm_eps", 1e-6), activation="silu",
+            dim=dim,
+            n_layers=required(config, "num_hidden_layers", source),
+            n_heads=heads,
+            n_kv_heads=config.get("num_key_value_heads") or heads,
+            vocab_size=required(config, "vocab_size", source),
+            ffn_hidden_dim=ffn_dim,
+            norm_type="rmsnorm",
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            activation="silu",
             max_seq_len=config.get("max_position_embeddings", 2048),
             rope_theta=config.get("rope_theta") or rope.get("rope_theta") or 10000.0,
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)), qk_norm=qk_norm,
-            init_std=config.get("initializer_range", 0.02), **moe)
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qk_norm=qk_norm,
+            init_std=config.get("initializer_range", 0.02),
+            **moe,
+        )
     except ValidationError as e:
-        raise UserError(f"{source}: its config.json does not describe a valid Forge model: "
-                        f"{e.errors()[0]['msg']}", "check config.json") from None
+        raise UserError(
+            f"{source}: its config.json does not describe a valid Forge model: {e.errors()[0]['msg']}",
+            "check config.json",
+        ) from None
     if moe and cfg.expert_ffn_dim != config["moe_intermediate_size"]:
-        raise UserError(f"{source}: moe_intermediate_size = {config['moe_intermediate_size']} is not "
-                        f"round(intermediate_size × m) for any moe_expert_ffn_multiplier m Forge can represent",
-                        "this expert width cannot be expressed in Forge's [model] section")
+        raise UserError(
+            f"{source}: moe_intermediate_size = {config['moe_intermediate_size']} is not "
+            f"round(intermediate_size × m) for any moe_expert_ffn_multiplier m Forge can represent",
+            "this expert width cannot be expressed in Forge's [model] section",
+        )
     return cfg
 
 
@@ -238,18 +300,32 @@ def moe_fields_from_hf(config: dict[str, Any], architecture: str, ffn_dim: int, 
     """The MoE fields of the `[model]` section for a Qwen2-MoE/Qwen3-MoE/GLM-4-MoE config.json (whose
     routing `refuse_unsupported` has checked is Forge's)."""
     layers = required(config, "num_hidden_layers", source)
-    fields = {"moe_top_k": required(config, "num_experts_per_tok", source),
-              "moe_expert_ffn_multiplier": required(config, "moe_intermediate_size", source) / ffn_dim}
+    fields = {
+        "moe_top_k": required(config, "num_experts_per_tok", source),
+        "moe_expert_ffn_multiplier": required(config, "moe_intermediate_size", source) / ffn_dim,
+    }
     if architecture != GLM4_MOE:
-        return {**fields, "num_experts": required(config, "num_experts", source), "moe_router": "softmax_topk",
-                "moe_frequency": config.get("decoder_sparse_step", 1)}
+        return {
+            **fields,
+            "num_experts": required(config, "num_experts", source),
+            "moe_router": "softmax_topk",
+            "moe_frequency": config.get("decoder_sparse_step", 1),
+        }
     first_dense = config.get("first_k_dense_replace", 1)
     if first_dense not in (0, layers - 1):
-        raise UserError(f"{source}: first_k_dense_replace = {first_dense} gives {first_dense} dense blocks before "
-                        f"{layers - first_dense} MoE blocks, which Forge's moe_frequency (MoE in every N-th block) "
-                        "cannot express", "only first_k_dense_replace = 0 or num_hidden_layers - 1 converts")
-    return {**fields, "num_experts": required(config, "n_routed_experts", source), "moe_router": "sigmoid_topk",
-            "moe_shared_experts": config.get("n_shared_experts", 1), "moe_frequency": 1 if first_dense == 0 else layers}
+        raise UserError(
+            f"{source}: first_k_dense_replace = {first_dense} gives {first_dense} dense blocks before "
+            f"{layers - first_dense} MoE blocks, which Forge's moe_frequency (MoE in every N-th block) "
+            "cannot express",
+            "only first_k_dense_replace = 0 or num_hidden_layers - 1 converts",
+        )
+    return {
+        **fields,
+        "num_experts": required(config, "n_routed_experts", source),
+        "moe_router": "sigmoid_topk",
+        "moe_shared_experts": config.get("n_shared_experts", 1),
+        "moe_frequency": 1 if first_dense == 0 else layers,
+    }
 
 
 def read_architecture(config: dict[str, Any], source: str) -> str:
@@ -259,7 +335,7 @@ def read_architecture(config: dict[str, Any], source: str) -> str:
         if model_type == expected_type and (not named or architecture in named):
             return architecture
     what = f"model_type {model_type!r}" + (f" ({', '.join(map(str, named))})" if named else "")
-    readable = ", ".join(f"{name} (model_type \"{kind}\")" for name, kind in MODEL_TYPES.items())
+    readable = ", ".join(f'{name} (model_type "{kind}")' for name, kind in MODEL_TYPES.items())
     raise UserError(f"{source} holds a {what} model, which Forge cannot load", f"Forge reads {readable} folders")
 
 
@@ -279,8 +355,10 @@ def refuse_unsupported(config: dict[str, Any], architecture: str, source: str) -
     if architecture in MOE_ARCHITECTURES:
         problems += moe_problems(config, architecture)
     if problems:
-        raise UserError(f"{source}: config.json asks for what Forge's model does not implement: {'; '.join(problems)}",
-                        "only configurations Forge computes exactly convert; nothing was written")
+        raise UserError(
+            f"{source}: config.json asks for what Forge's model does not implement: {'; '.join(problems)}",
+            "only configurations Forge computes exactly convert; nothing was written",
+        )
 
 
 def moe_problems(config: dict[str, Any], architecture: str) -> list[str]:
@@ -289,8 +367,12 @@ def moe_problems(config: dict[str, Any], architecture: str) -> list[str]:
     if architecture == GLM4_MOE:
         if not config.get("norm_topk_prob", True):
             problems.append("norm_topk_prob = false (Forge's sigmoid_topk router renormalises the top-k scores)")
-        for key, wanted in (("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0),
-                            ("num_nextn_predict_layers", 0)):
+        for key, wanted in (
+            ("n_group", 1),
+            ("topk_group", 1),
+            ("routed_scaling_factor", 1.0),
+            ("num_nextn_predict_layers", 0),
+        ):
             if config.get(key, wanted) != wanted:
                 problems.append(f"{key} = {config[key]} (Forge's sigmoid_topk router is the case {key} = {wanted})")
         rope = config.get("rope_parameters") or {}
@@ -301,11 +383,14 @@ def moe_problems(config: dict[str, Any], architecture: str) -> list[str]:
     if config.get("norm_topk_prob"):
         problems.append("norm_topk_prob = true (Forge's softmax_topk router does not renormalise the top-k weights)")
     if config.get("mlp_only_layers"):
-        problems.append(f"mlp_only_layers = {config['mlp_only_layers']} (Forge places MoE blocks by moe_frequency "
-                        "only)")
+        problems.append(
+            f"mlp_only_layers = {config['mlp_only_layers']} (Forge places MoE blocks by moe_frequency only)"
+        )
     if architecture == QWEN2_MOE and config.get("shared_expert_intermediate_size", 1):
-        problems.append(f"shared_expert_intermediate_size = {config.get('shared_expert_intermediate_size')} (Qwen2-MoE "
-                        "gates its shared expert by a learned sigmoid; Forge's shared experts are ungated)")
+        problems.append(
+            f"shared_expert_intermediate_size = {config.get('shared_expert_intermediate_size')} (Qwen2-MoE "
+            "gates its shared expert by a learned sigmoid; Forge's shared experts are ungated)"
+        )
     return problems
 
 
@@ -320,8 +405,10 @@ def check_same_architecture(model_cfg: ModelConfig, hf_cfg: ModelConfig, source:
     for field in ARCHITECTURE_FIELDS:
         ours, theirs = getattr(model_cfg, field), getattr(hf_cfg, field)
         if ours != theirs:
-            raise UserError(f"model.{field} = {ours!r}, but the Hugging Face model in {source} has {theirs!r}",
-                            f"set model.{field} = {theirs!r} (`forge convert from-hf` prints the matching [model] section)")
+            raise UserError(
+                f"model.{field} = {ours!r}, but the Hugging Face model in {source} has {theirs!r}",
+                f"set model.{field} = {theirs!r} (`forge convert from-hf` prints the matching [model] section)",
+            )
 
 
 def hf_layout(cfg: ModelConfig) -> dict[str, Piece]:
@@ -353,13 +440,15 @@ def moe_layout(cfg: ModelConfig, architecture: str, layer: int) -> dict[str, Pie
         for w, proj in PROJECTIONS.items():
             source = f"{ours}.experts.{w}" if cfg.moe_packed_experts else f"{ours}.experts.{e}.{w}"
             layout[f"{theirs}.experts.{e}.{proj}.weight"] = Piece(
-                source, expert=e if cfg.moe_packed_experts else None, transpose=True)
+                source, expert=e if cfg.moe_packed_experts else None, transpose=True
+            )
     if architecture in SHARED:
         shared = f"{theirs}.{SHARED[architecture]}"
         for w, proj in PROJECTIONS.items():
             empty = (cfg.dim, 0) if w == "w2" else (0, cfg.dim)
-            layout[f"{shared}.{proj}.weight"] = (Piece(f"{ours}.shared.{w}.weight") if cfg.moe_shared_experts
-                                                 else Piece(None, shape=empty))
+            layout[f"{shared}.{proj}.weight"] = (
+                Piece(f"{ours}.shared.{w}.weight") if cfg.moe_shared_experts else Piece(None, shape=empty)
+            )
         if architecture == QWEN2_MOE:  # gates a zero-width expert: its value cannot matter
             layout[f"{theirs}.shared_expert_gate.weight"] = Piece(None, shape=(1, cfg.dim))
     return layout

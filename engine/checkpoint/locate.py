@@ -26,9 +26,9 @@ TOKENIZER = "tokenizer.json"
 
 @dataclass(frozen=True)
 class ForgeCheckpoint:
-    path: Path                # the step_N folder
+    path: Path  # the step_N folder
     model: ModelConfig
-    tokenizer: Path | None    # a tokenizer.json, when the run had one
+    tokenizer: Path | None  # a tokenizer.json, when the run had one
     averaging_beta1: float | None = None  # schedule-free AdamW's β1: the model to use is its average x
 
 
@@ -54,33 +54,45 @@ def averaged(ckpt: ForgeCheckpoint, tensors: dict[str, torch.Tensor]) -> dict[st
 def find_checkpoint(target: Path) -> ForgeCheckpoint:
     """Resolve a run directory, a checkpoint folder or a step_N folder; a UserError says what is wrong."""
     if not target.exists():
-        raise UserError(f"{target} does not exist", "pass a run directory (forge train --run-dir) or a checkpoint folder")
+        raise UserError(
+            f"{target} does not exist", "pass a run directory (forge train --run-dir) or a checkpoint folder"
+        )
     if not target.is_dir():
-        raise UserError(f"{target} is a file, not a run directory or checkpoint folder",
-                        "pass the folder forge train wrote, e.g. runs/debug")
+        raise UserError(
+            f"{target} is a file, not a run directory or checkpoint folder",
+            "pass the folder forge train wrote, e.g. runs/debug",
+        )
     if (target / RUN_CONFIG).is_file():
         cfg = load_job_config(target / RUN_CONFIG)
         step = newest_complete(target / cfg.checkpoint.dir, f"run {target}")
         return run_checkpoint(step, cfg, target)
     if STEP_DIR.match(target.name):
         if not (target / COMPLETE).is_file():
-            raise UserError(f"checkpoint {target} is incomplete (its save was interrupted)",
-                            "use an older step_N folder, or the checkpoint folder to pick the newest complete one")
+            raise UserError(
+                f"checkpoint {target} is incomplete (its save was interrupted)",
+                "use an older step_N folder, or the checkpoint folder to pick the newest complete one",
+            )
         return with_config(target, target.parent)
     if step_dirs(target) or (target / MODEL_CONFIG).is_file():
         return with_config(newest_complete(target, f"checkpoint folder {target}"), target)
     if (target / "config.json").is_file():
-        raise UserError(f"{target} is a Hugging Face model folder, not a Forge checkpoint",
-                        "convert it first: forge convert from-hf HF_DIR --out CKPT")
-    raise UserError(f"{target} is not a Forge run directory or checkpoint folder (no {RUN_CONFIG}, no step_N folders)",
-                    "pass the folder forge train wrote (e.g. runs/debug), its checkpoints/ folder, or one step_N in it")
+        raise UserError(
+            f"{target} is a Hugging Face model folder, not a Forge checkpoint",
+            "convert it first: forge convert from-hf HF_DIR --out CKPT",
+        )
+    raise UserError(
+        f"{target} is not a Forge run directory or checkpoint folder (no {RUN_CONFIG}, no step_N folders)",
+        "pass the folder forge train wrote (e.g. runs/debug), its checkpoints/ folder, or one step_N in it",
+    )
 
 
 def newest_complete(root: Path, what: str) -> Path:
     newest = latest_checkpoint(root)
     if newest is None:
-        raise UserError(f"{what} has no complete checkpoint in {root}",
-                        "train until a checkpoint is saved (checkpoint.interval, or the end of the run)")
+        raise UserError(
+            f"{what} has no complete checkpoint in {root}",
+            "train until a checkpoint is saved (checkpoint.interval, or the end of the run)",
+        )
     return newest[1]
 
 
@@ -94,9 +106,11 @@ def with_config(step: Path, root: Path) -> ForgeCheckpoint:
         cfg = load_job_config(run_dir / RUN_CONFIG)
         if (run_dir / cfg.checkpoint.dir).resolve() == root.resolve():
             return run_checkpoint(step, cfg, run_dir)
-    raise UserError(f"cannot find the model config of checkpoint {step} (no {MODEL_CONFIG} in {root} and no run "
-                    f"directory above it whose {RUN_CONFIG} saves checkpoints there)",
-                    "pass the run directory instead")
+    raise UserError(
+        f"cannot find the model config of checkpoint {step} (no {MODEL_CONFIG} in {root} and no run "
+        f"directory above it whose {RUN_CONFIG} saves checkpoints there)",
+        "pass the run directory instead",
+    )
 
 
 def tokenizer_in(folder: Path) -> Path | None:

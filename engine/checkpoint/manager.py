@@ -5,23 +5,39 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-from engine.checkpoint.dcp import (COMPLETE, STEP_DIR, UNREADABLE, complete_checkpoints, describe, finish_save,
-                                   is_writer, latest_checkpoint, load_checkpoint, load_weights, new_step_dir,
-                                   prune_checkpoints, save_checkpoint, start_async_save, training_state)
+from engine.checkpoint.dcp import (
+    COMPLETE,
+    STEP_DIR,
+    UNREADABLE,
+    complete_checkpoints,
+    describe,
+    finish_save,
+    is_writer,
+    latest_checkpoint,
+    load_checkpoint,
+    load_weights,
+    new_step_dir,
+    prune_checkpoints,
+    save_checkpoint,
+    start_async_save,
+    training_state,
+)
 from engine.checkpoint.hf import is_hf_folder, load_hf_weights
 from engine.config.checkpoint import CheckpointConfig
 from engine.errors import UserError
 from engine.resilience.collectives import distributed, every_rank
 
 log = logging.getLogger("forge.checkpoint")
+
 
 @dataclass
 class PendingSave:
@@ -49,8 +65,9 @@ class Checkpointer:
     def due(self, step: int, max_steps: int) -> bool:
         return step == max_steps or bool(self.cfg.interval and step % self.cfg.interval == 0)
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             train_state: dict[str, Any]) -> Path | None:
+    def save(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any]
+    ) -> Path | None:
         """Save step `step`. Synchronous: returns the complete checkpoint. Asynchronous: returns None at
         once; `poll` or `wait` later finish it. One save at a time: a new one first finishes the last."""
         self.wait()
@@ -61,9 +78,13 @@ class Checkpointer:
             return path
         path = new_step_dir(self.root, step)
         with write_errors(step):
-            staging, upload = start_async_save(path, training_state(model, optimizer),
-                                               stage_in_background=self.cfg.async_mode == "async_with_pinned_mem",
-                                               pin_memory=self.pin_memory, process_group=self.group)
+            staging, upload = start_async_save(
+                path,
+                training_state(model, optimizer),
+                stage_in_background=self.cfg.async_mode == "async_with_pinned_mem",
+                pin_memory=self.pin_memory,
+                process_group=self.group,
+            )
         self.pending = PendingSave(step, path, train_state, staging, upload)
         return None
 
@@ -105,7 +126,8 @@ class Checkpointer:
 
     def has(self, step: int) -> bool:
         return (self.root / f"step_{step}" / COMPLETE).is_file() or (
-            self.pending is not None and self.pending.step == step)
+            self.pending is not None and self.pending.step == step
+        )
 
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Path, dict[str, Any]] | None:
         """Load the newest complete checkpoint that reads back whole; fall back to older ones past any that
@@ -120,8 +142,10 @@ class Checkpointer:
                 log.warning("checkpoint %s cannot be read (%s); trying the one before it", path, describe(err))
                 failures.append(f"{path.name}: {describe(err)}")
         if failures:
-            raise UserError(f"no readable checkpoint in {self.root}: " + "; ".join(failures),
-                            "restore the checkpoint files, or train into a new --run-dir (nothing was deleted)")
+            raise UserError(
+                f"no readable checkpoint in {self.root}: " + "; ".join(failures),
+                "restore the checkpoint files, or train into a new --run-dir (nothing was deleted)",
+            )
         return None
 
     def rollback(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Path, dict[str, Any]] | None:
@@ -146,18 +170,24 @@ def write_errors(step: int) -> Iterator[None]:
 def resolve_load_path(path: Path) -> Path:
     """A step_N folder, a checkpoint folder (its newest complete checkpoint) or a run directory."""
     if not path.exists():
-        raise UserError(f"checkpoint.load_path {path} does not exist", "point it at a step_N folder or a checkpoint folder")
+        raise UserError(
+            f"checkpoint.load_path {path} does not exist", "point it at a step_N folder or a checkpoint folder"
+        )
     if (path / COMPLETE).is_file():
         return path
     if STEP_DIR.match(path.name) and path.is_dir():
-        raise UserError(f"checkpoint.load_path {path} is an incomplete checkpoint (its save was interrupted)",
-                        "use an older step_N folder, or the checkpoint folder to take its newest complete one")
+        raise UserError(
+            f"checkpoint.load_path {path} is an incomplete checkpoint (its save was interrupted)",
+            "use an older step_N folder, or the checkpoint folder to take its newest complete one",
+        )
     for root in (path, path / "checkpoints"):
         newest = latest_checkpoint(root)
         if newest is not None:
             return newest[1]
-    raise UserError(f"checkpoint.load_path {path} holds no complete checkpoint",
-                    "point it at a step_N folder (with COMPLETE and train_state.json) or its parent folder")
+    raise UserError(
+        f"checkpoint.load_path {path} holds no complete checkpoint",
+        "point it at a step_N folder (with COMPLETE and train_state.json) or its parent folder",
+    )
 
 
 def initialize_from(path: Path, model: nn.Module, exclude: list[str]) -> list[str]:
@@ -168,18 +198,18 @@ def initialize_from(path: Path, model: nn.Module, exclude: list[str]) -> list[st
     names = {name for name, _ in model.named_parameters()}
     unknown = [prefix for prefix in exclude if not any(name.startswith(prefix) for name in names)]
     if unknown:
-        raise UserError(f"checkpoint.exclude_from_loading has prefixes that match no parameter: {', '.join(unknown)}",
-                        "use parameter-name prefixes such as 'output.' or 'layers.3.'")
+        raise UserError(
+            f"checkpoint.exclude_from_loading has prefixes that match no parameter: {', '.join(unknown)}",
+            "use parameter-name prefixes such as 'output.' or 'layers.3.'",
+        )
     try:
         loaded = load_hf_weights(model, source, exclude) if from_hf else load_weights(source, model, exclude)
     except UserError:
         raise
     except UNREADABLE as err:
-        raise UserError(f"checkpoint.load_path {source} does not fit this model: {describe(err)}",
-                        "load a checkpoint of the same shape, or list the differing parameters in "
-                        "checkpoint.exclude_from_loading") from None
+        raise UserError(
+            f"checkpoint.load_path {source} does not fit this model: {describe(err)}",
+            "load a checkpoint of the same shape, or list the differing parameters in checkpoint.exclude_from_loading",
+        ) from None
     log.info("initialised %d tensors from %s (excluded: %s)", len(loaded), source, exclude or "none")
     return loaded
-
-
-

@@ -17,12 +17,22 @@ from engine.config.job import JobConfig
 from engine.errors import ConfigIssue
 
 SAFE_ON_RESUME = (
-    "train.max_steps", "train.compile_model", "train.activation_checkpointing", "train.shutdown_timeout_sec",
-    "train.nccl_health_check_interval", "train.max_rollbacks", "train.batch_size", "train.grad_accum_steps",
+    "train.max_steps",
+    "train.compile_model",
+    "train.activation_checkpointing",
+    "train.shutdown_timeout_sec",
+    "train.nccl_health_check_interval",
+    "train.max_rollbacks",
+    "train.batch_size",
+    "train.grad_accum_steps",
     "distributed.",
     "data.",
-    "checkpoint.interval", "checkpoint.keep_last_n", "checkpoint.async_mode",
-    "eval.", "metrics.", "profiling.",
+    "checkpoint.interval",
+    "checkpoint.keep_last_n",
+    "checkpoint.async_mode",
+    "eval.",
+    "metrics.",
+    "profiling.",
 )
 
 
@@ -33,6 +43,12 @@ def flatten(cfg: JobConfig) -> dict[str, Any]:
 def resume_issues(saved: JobConfig, new: JobConfig) -> list[ConfigIssue]:
     """One issue per field that differs from the saved run and may not change on resume."""
     before, after = flatten(saved), flatten(new)
-    return [ConfigIssue(path, f"the run was trained with {before[path]!r}, not {after[path]!r}",
-                        "keep the run's value, or train into a new --run-dir")
-            for path in before if before[path] != after[path] and not path.startswith(SAFE_ON_RESUME)]
+    return [
+        ConfigIssue(
+            path,
+            f"the run was trained with {before[path]!r}, not {after[path]!r}",
+            "keep the run's value, or train into a new --run-dir",
+        )
+        for path in before
+        if before[path] != after[path] and not path.startswith(SAFE_ON_RESUME)
+    ]

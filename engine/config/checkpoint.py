@@ -15,8 +15,8 @@ class CheckpointConfig(Section):
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = Field(
         "disabled",
         description="disabled = the loop waits for the save; async = it waits only for a copy of the state, "
-                    "the write runs in the background; async_with_pinned_mem = the copy also overlaps the next "
-                    "step's forward and backward (into pinned memory on a GPU)",
+        "the write runs in the background; async_with_pinned_mem = the copy also overlaps the next "
+        "step's forward and backward (into pinned memory on a GPU)",
     )
     keep_last_n: int | None = Field(None, gt=0, description="delete older step_N checkpoints; unset = keep all")
     load_path: str | None = Field(
@@ -27,7 +27,7 @@ class CheckpointConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _exclusions_need_a_source(self) -> "CheckpointConfig":
+    def _exclusions_need_a_source(self) -> CheckpointConfig:
         if self.exclude_from_loading and self.load_path is None:
             raise ValueError("exclude_from_loading applies to checkpoint.load_path, which is not set")
         return self

@@ -14,8 +14,9 @@ class HubDatasetFields(Section):
     takes them from a base listed after this one (see DataConfig, EvalConfig)."""
 
     hf_dataset_name: str | None = Field(
-        None, description="a Hugging Face dataset (Hub id or local folder) instead of dataset_path: tokenized once "
-                          "with data.tokenizer_path into the Forge cache, then read like shards"
+        None,
+        description="a Hugging Face dataset (Hub id or local folder) instead of dataset_path: tokenized once "
+        "with data.tokenizer_path into the Forge cache, then read like shards",
     )
     hf_dataset_config: str | None = Field(None, description="hf_dataset_name's configuration (subset)")
     hf_dataset_split: str = Field("train", description="hf_dataset_name's split")
@@ -28,8 +29,9 @@ class DataFiles(Section):
     """The fields `[data]` lists before its Hugging Face dataset fields."""
 
     dataset_path: str | None = Field(
-        None, description="directory written by `forge tokenize`; unset (and no hf_dataset_name) = the embedded "
-                          "Shakespeare corpus"
+        None,
+        description="directory written by `forge tokenize`; unset (and no hf_dataset_name) = the embedded "
+        "Shakespeare corpus",
     )
     file_pattern: str = Field("*.npy", description="glob of shard files inside dataset_path")
     tokenizer_path: str | None = Field(
@@ -38,7 +40,9 @@ class DataFiles(Section):
 
 
 class DataConfig(HubDatasetFields, DataFiles):
-    hf_dataset_text_field: str = Field("text", description="the column that holds the text (also for eval.hf_dataset_name)")
+    hf_dataset_text_field: str = Field(
+        "text", description="the column that holds the text (also for eval.hf_dataset_name)"
+    )
     hf_streaming: bool = Field(
         False, description="tokenize hf datasets from a stream instead of downloading them first (also for eval)"
     )
@@ -47,7 +51,7 @@ class DataConfig(HubDatasetFields, DataFiles):
     prefetch_factor: int | None = Field(None, gt=0, description="batches prefetched per worker (needs num_workers > 0)")
 
     @model_validator(mode="after")
-    def _prefetch_needs_workers(self) -> "DataConfig":
+    def _prefetch_needs_workers(self) -> DataConfig:
         if self.prefetch_factor is not None and self.num_workers == 0:
             raise ValueError("prefetch_factor needs num_workers > 0")
         return self

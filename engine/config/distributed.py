@@ -17,9 +17,11 @@ class DistributedConfig(Section):
     cp: int = Field(1, gt=0, description="context-parallel degree")
     ep: int = Field(1, gt=0, description="expert-parallel degree (MoE): experts sharded over ep of the dp_shard ranks")
     pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
-        "1f1b", description="pipeline schedule when pp > 1; interleaved_1f1b runs two stages per rank")
+        "1f1b", description="pipeline schedule when pp > 1; interleaved_1f1b runs two stages per rank"
+    )
     nccl_timeout_sec: float = Field(
-        300.0, gt=0, description="deadline of every collective (the process group's timeout) and of the health check")
+        300.0, gt=0, description="deadline of every collective (the process group's timeout) and of the health check"
+    )
     backend: str = Field("cpu:gloo,cuda:nccl", description="torch.distributed backend per device type")
 
     @field_validator("backend")

@@ -15,8 +15,9 @@ class EvalSchedule(Section):
     interval: int = Field(100, gt=0, description="evaluate every N training steps (and after the last)")
     steps: int = Field(10, gt=0, description="batches per evaluation")
     dataset_path: str | None = Field(
-        None, description="held-out shards; unset only with the embedded corpus (whose held-out split is used) "
-                          "or with hf_dataset_name"
+        None,
+        description="held-out shards; unset only with the embedded corpus (whose held-out split is used) "
+        "or with hf_dataset_name",
     )
     file_pattern: str = "*.npy"
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from pydantic import Field
 
+from engine.config import optimizer as optimizer_fields
+from engine.config import scheduler as scheduler_fields
 from engine.config.base import Section
 from engine.config.checkpoint import CheckpointConfig
 from engine.config.data import DataConfig, HubDatasetFields
@@ -13,7 +15,6 @@ from engine.config.distributed import DistributedConfig
 from engine.config.eval import EvalConfig
 from engine.config.metrics import MetricsConfig
 from engine.config.model import ModelConfig
-from engine.config import optimizer as optimizer_fields, scheduler as scheduler_fields
 from engine.config.optimizer import OptimizerConfig
 from engine.config.profiling import ProfilingConfig
 from engine.config.scheduler import SchedulerConfig
@@ -34,7 +35,7 @@ class JobConfig(Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
 
-    def validate(self, world_size: int = 1) -> "JobConfig":  # type: ignore[override]
+    def validate(self, world_size: int = 1) -> JobConfig:  # type: ignore[override]
         """Check the rules that span sections once the world size is known; raise every problem at once."""
         issues = cross_section_issues(self, world_size)
         if issues:
@@ -42,27 +43,44 @@ class JobConfig(Section):
         return self
 
 
-
 def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []
     m, t = cfg.model, cfg.train
 
     if t.seq_len > m.max_seq_len:
-        issues.append(ConfigIssue("train.seq_len", f"{t.seq_len} exceeds model.max_seq_len ({m.max_seq_len})",
-                                  "lower train.seq_len or raise model.max_seq_len"))
+        issues.append(
+            ConfigIssue(
+                "train.seq_len",
+                f"{t.seq_len} exceeds model.max_seq_len ({m.max_seq_len})",
+                "lower train.seq_len or raise model.max_seq_len",
+            )
+        )
     if cfg.scheduler.warmup_steps > t.max_steps:
-        issues.append(ConfigIssue("scheduler.warmup_steps",
-                                  f"{cfg.scheduler.warmup_steps} is longer than train.max_steps ({t.max_steps})",
-                                  "shorten the warmup or train longer"))
+        issues.append(
+            ConfigIssue(
+                "scheduler.warmup_steps",
+                f"{cfg.scheduler.warmup_steps} is longer than train.max_steps ({t.max_steps})",
+                "shorten the warmup or train longer",
+            )
+        )
     own_data = cfg.data.dataset_path is not None or cfg.data.hf_dataset_name is not None
     if cfg.eval.enabled and cfg.eval.dataset_path is None and cfg.eval.hf_dataset_name is None and own_data:
-        issues.append(ConfigIssue("eval.dataset_path", "eval is enabled but has no data source",
-                                  "set eval.dataset_path to held-out shards (or eval.hf_dataset_name), "
-                                  "or eval.enabled = false"))
+        issues.append(
+            ConfigIssue(
+                "eval.dataset_path",
+                "eval is enabled but has no data source",
+                "set eval.dataset_path to held-out shards (or eval.hf_dataset_name), or eval.enabled = false",
+            )
+        )
     issues += hub_data_issues(cfg)
     if cfg.profiling.enable and cfg.profiling.start_step > t.max_steps:
-        issues.append(ConfigIssue("profiling.start_step", f"{cfg.profiling.start_step} is after train.max_steps ({t.max_steps})",
-                                  "profile a window inside the run"))
+        issues.append(
+            ConfigIssue(
+                "profiling.start_step",
+                f"{cfg.profiling.start_step} is after train.max_steps ({t.max_steps})",
+                "profile a window inside the run",
+            )
+        )
     issues += optimization_issues(cfg)
     issues += moe_issues(cfg)
     issues += layout_issues(cfg, world_size)
@@ -76,42 +94,88 @@ def hub_data_issues(cfg: JobConfig) -> list[ConfigIssue]:
     fields = [field for field in HubDatasetFields.model_fields if field != "hf_dataset_name"]
     for section, values in (("data", cfg.data), ("eval", cfg.eval)):
         if values.hf_dataset_name is None:
-            issues += [ConfigIssue(f"{section}.{field}", f"is set, but {section}.hf_dataset_name is unset",
-                                   f"set {section}.hf_dataset_name, or remove it")
-                       for field in changed_fields(values, fields)]
+            issues += [
+                ConfigIssue(
+                    f"{section}.{field}",
+                    f"is set, but {section}.hf_dataset_name is unset",
+                    f"set {section}.hf_dataset_name, or remove it",
+                )
+                for field in changed_fields(values, fields)
+            ]
         elif values.dataset_path is not None:
-            issues.append(ConfigIssue(f"{section}.hf_dataset_name", f"and {section}.dataset_path are both set",
-                                      "train (or evaluate) on one of them"))
+            issues.append(
+                ConfigIssue(
+                    f"{section}.hf_dataset_name",
+                    f"and {section}.dataset_path are both set",
+                    "train (or evaluate) on one of them",
+                )
+            )
     hub_in_use = cfg.data.hf_dataset_name is not None or cfg.eval.hf_dataset_name is not None
     if not hub_in_use:
-        issues += [ConfigIssue(f"data.{field}", "is set, but neither data.hf_dataset_name nor eval.hf_dataset_name is",
-                               "name a dataset, or remove it")
-                   for field in changed_fields(cfg.data, ("hf_dataset_text_field", "hf_streaming"))]
+        issues += [
+            ConfigIssue(
+                f"data.{field}",
+                "is set, but neither data.hf_dataset_name nor eval.hf_dataset_name is",
+                "name a dataset, or remove it",
+            )
+            for field in changed_fields(cfg.data, ("hf_dataset_text_field", "hf_streaming"))
+        ]
     if cfg.data.hf_dataset_name is not None and cfg.data.tokenizer_path is None:
-        issues.append(ConfigIssue("data.tokenizer_path", "is needed to tokenize data.hf_dataset_name",
-                                  "point it at a tokenizer.json (e.g. one written by forge tokenize)"))
+        issues.append(
+            ConfigIssue(
+                "data.tokenizer_path",
+                "is needed to tokenize data.hf_dataset_name",
+                "point it at a tokenizer.json (e.g. one written by forge tokenize)",
+            )
+        )
     return issues
 
 
-MOE_FIELDS = ("moe_top_k", "moe_frequency", "moe_router", "moe_shared_experts", "moe_aux_loss_weight",
-              "moe_capacity_factor", "moe_sequence_aux_loss_weight", "moe_gradient_scale", "moe_bias_schedule",
-              "moe_packed_experts", "moe_expert_ffn_multiplier", "moe_router_z_loss_weight")
+MOE_FIELDS = (
+    "moe_top_k",
+    "moe_frequency",
+    "moe_router",
+    "moe_shared_experts",
+    "moe_aux_loss_weight",
+    "moe_capacity_factor",
+    "moe_sequence_aux_loss_weight",
+    "moe_gradient_scale",
+    "moe_bias_schedule",
+    "moe_packed_experts",
+    "moe_expert_ffn_multiplier",
+    "moe_router_z_loss_weight",
+)
 
 
 def moe_issues(cfg: JobConfig) -> list[ConfigIssue]:
     """MoE fields only when the model has experts, and routing that can work."""
     m = cfg.model
     if not m.is_moe:
-        return [ConfigIssue(f"model.{field}", "is set, but the model is dense (model.num_experts = 0)",
-                            "set model.num_experts > 0 for a mixture of experts, or remove it")
-                for field in changed_fields(m, MOE_FIELDS)]
+        return [
+            ConfigIssue(
+                f"model.{field}",
+                "is set, but the model is dense (model.num_experts = 0)",
+                "set model.num_experts > 0 for a mixture of experts, or remove it",
+            )
+            for field in changed_fields(m, MOE_FIELDS)
+        ]
     issues = unread_field_issues("model", m, m.moe_router, {"moe_bias_schedule": ("sigmoid_topk",)})
     if m.moe_top_k > m.num_experts:
-        issues.append(ConfigIssue("model.moe_top_k", f"{m.moe_top_k} exceeds model.num_experts ({m.num_experts})",
-                                  "route each token to at most num_experts experts"))
+        issues.append(
+            ConfigIssue(
+                "model.moe_top_k",
+                f"{m.moe_top_k} exceeds model.num_experts ({m.num_experts})",
+                "route each token to at most num_experts experts",
+            )
+        )
     if m.moe_frequency > m.n_layers:
-        issues.append(ConfigIssue("model.moe_frequency", f"{m.moe_frequency} > model.n_layers ({m.n_layers}) leaves "
-                                  "no MoE block", "use a frequency <= n_layers (1 = every block)"))
+        issues.append(
+            ConfigIssue(
+                "model.moe_frequency",
+                f"{m.moe_frequency} > model.n_layers ({m.n_layers}) leaves no MoE block",
+                "use a frequency <= n_layers (1 = every block)",
+            )
+        )
     return issues
 
 
@@ -124,26 +188,49 @@ def optimization_issues(cfg: JobConfig) -> list[ConfigIssue]:
     issues += unread_field_issues("train", t, t.loss_fn, {"ce_chunk_size": ("chunked_cross_entropy",)})
     issues += unread_field_issues("train", t, t.mixed_precision, {"fp8_recipe": ("fp8",)})
     if o.name == "schedule_free_adamw" and s.name not in ("constant", "none"):
-        issues.append(ConfigIssue("scheduler.name", f"schedule_free_adamw replaces the LR schedule; {s.name!r} would fight it",
-                                  "set scheduler.name = 'constant' or 'none' (warm up with "
-                                  "optimizer.schedule_free_warmup_steps)"))
+        issues.append(
+            ConfigIssue(
+                "scheduler.name",
+                f"schedule_free_adamw replaces the LR schedule; {s.name!r} would fight it",
+                "set scheduler.name = 'constant' or 'none' (warm up with optimizer.schedule_free_warmup_steps)",
+            )
+        )
     if o.name == "schedule_free_adamw" and o.betas[0] == 0:
-        issues.append(ConfigIssue("optimizer.betas", "schedule_free_adamw needs betas[0] > 0 (it interpolates between "
-                                  "its averaged and its gradient sequence with it)", "use e.g. betas = [0.9, 0.999]"))
+        issues.append(
+            ConfigIssue(
+                "optimizer.betas",
+                "schedule_free_adamw needs betas[0] > 0 (it interpolates between "
+                "its averaged and its gradient sequence with it)",
+                "use e.g. betas = [0.9, 0.999]",
+            )
+        )
     if s.name == "wsd" and s.stable_steps and s.decay_steps is None:
         to_end = t.max_steps - s.warmup_steps - s.stable_steps - 1
-        issues.append(ConfigIssue("scheduler.decay_steps", "wsd with stable_steps needs the length of its decay",
-                                  f"set scheduler.decay_steps (= {to_end} ends the decay on the last step)" if to_end > 0
-                                  else "set scheduler.decay_steps, and train longer than warmup + stable steps"))
+        issues.append(
+            ConfigIssue(
+                "scheduler.decay_steps",
+                "wsd with stable_steps needs the length of its decay",
+                f"set scheduler.decay_steps (= {to_end} ends the decay on the last step)"
+                if to_end > 0
+                else "set scheduler.decay_steps, and train longer than warmup + stable steps",
+            )
+        )
     return issues
 
 
-def unread_field_issues(section: str, values: Section, chosen: str, read_by: dict[str, tuple[str, ...]]) -> list[ConfigIssue]:
+def unread_field_issues(
+    section: str, values: Section, chosen: str, read_by: dict[str, tuple[str, ...]]
+) -> list[ConfigIssue]:
     """One issue per field set away from its default although `chosen` does not read it."""
     readers = {field: ", ".join(names) for field, names in read_by.items() if chosen not in names}
-    return [ConfigIssue(f"{section}.{field}", f"is set, but {chosen!r} does not use it (only {readers[field]} do)",
-                        f"remove it, or choose one of {readers[field]}")
-            for field in changed_fields(values, readers)]
+    return [
+        ConfigIssue(
+            f"{section}.{field}",
+            f"is set, but {chosen!r} does not use it (only {readers[field]} do)",
+            f"remove it, or choose one of {readers[field]}",
+        )
+        for field in changed_fields(values, readers)
+    ]
 
 
 def changed_fields(values: Section, fields: Iterable[str]) -> list[str]:
@@ -165,10 +252,20 @@ def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     if d.dp_shard == 0 or d.dp_shard < -1:
         issues.append(ConfigIssue("distributed.dp_shard", f"must be -1 or >= 1, got {d.dp_shard}"))
     elif dp_shard == 0 or d.dp_replicate * dp_shard * d.tp * d.pp * d.cp != world_size:
-        issues.append(ConfigIssue("distributed", f"{degrees} does not multiply to the world size {world_size}",
-                                  "make the product of the degrees equal the number of processes"))
+        issues.append(
+            ConfigIssue(
+                "distributed",
+                f"{degrees} does not multiply to the world size {world_size}",
+                "make the product of the degrees equal the number of processes",
+            )
+        )
     if m.n_heads % d.tp or m.kv_heads % d.tp:
-        issues.append(ConfigIssue("distributed.tp", f"n_heads ({m.n_heads}) and n_kv_heads ({m.kv_heads}) must be divisible by tp ({d.tp})"))
+        issues.append(
+            ConfigIssue(
+                "distributed.tp",
+                f"n_heads ({m.n_heads}) and n_kv_heads ({m.kv_heads}) must be divisible by tp ({d.tp})",
+            )
+        )
     if d.pp > m.n_layers:
         issues.append(ConfigIssue("distributed.pp", f"pp ({d.pp}) exceeds model.n_layers ({m.n_layers})"))
     if d.tp > 1:
@@ -179,7 +276,9 @@ def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
         issues += expert_parallel_issues(cfg, dp_shard)
     for name in ("cp",):
         if getattr(d, name) > 1:
-            issues.append(ConfigIssue(f"distributed.{name}", f"{name} > 1 is not supported yet", f"set distributed.{name} = 1"))
+            issues.append(
+                ConfigIssue(f"distributed.{name}", f"{name} > 1 is not supported yet", f"set distributed.{name} = 1")
+            )
     return issues
 
 
@@ -188,18 +287,37 @@ def tensor_parallel_issues(cfg: JobConfig) -> list[ConfigIssue]:
     m, t, tp = cfg.model, cfg.train, cfg.distributed.tp
     issues = []
     if m.ffn_dim % tp:
-        issues.append(ConfigIssue("distributed.tp", f"the FFN width ({m.ffn_dim}) must be divisible by tp ({tp})",
-                                  "set model.ffn_hidden_dim to a multiple of tp, or change tp"))
+        issues.append(
+            ConfigIssue(
+                "distributed.tp",
+                f"the FFN width ({m.ffn_dim}) must be divisible by tp ({tp})",
+                "set model.ffn_hidden_dim to a multiple of tp, or change tp",
+            )
+        )
     if t.seq_len % tp:
-        issues.append(ConfigIssue("train.seq_len", f"{t.seq_len} must be divisible by distributed.tp ({tp}): "
-                                  "sequence parallelism splits the positions over the tensor-parallel ranks"))
+        issues.append(
+            ConfigIssue(
+                "train.seq_len",
+                f"{t.seq_len} must be divisible by distributed.tp ({tp}): "
+                "sequence parallelism splits the positions over the tensor-parallel ranks",
+            )
+        )
     if m.is_moe:
-        issues.append(ConfigIssue("distributed.tp", f"tensor parallelism of MoE models (model.num_experts = "
-                                  f"{m.num_experts}) is not supported yet", "set distributed.tp = 1 (shard with "
-                                  "dp_shard, and the experts with distributed.ep)"))
+        issues.append(
+            ConfigIssue(
+                "distributed.tp",
+                f"tensor parallelism of MoE models (model.num_experts = {m.num_experts}) is not supported yet",
+                "set distributed.tp = 1 (shard with dp_shard, and the experts with distributed.ep)",
+            )
+        )
     if t.mixed_precision == "fp8":
-        issues.append(ConfigIssue("train.mixed_precision", "fp8 with distributed.tp > 1 is not supported yet "
-                                  "(tensor-parallel float8 layers are not wired in)", "use bf16 with tensor parallelism"))
+        issues.append(
+            ConfigIssue(
+                "train.mixed_precision",
+                "fp8 with distributed.tp > 1 is not supported yet (tensor-parallel float8 layers are not wired in)",
+                "use bf16 with tensor parallelism",
+            )
+        )
     return issues
 
 
@@ -210,35 +328,67 @@ def pipeline_issues(cfg: JobConfig) -> list[ConfigIssue]:
     stages = d.pp * stages_per_rank(d.pp_schedule)
     issues = []
     if stages > m.n_layers:
-        issues.append(ConfigIssue("distributed.pp", f"pp = {d.pp} with pp_schedule = {d.pp_schedule!r} cuts the model "
-                                  f"into {stages} stages, but model.n_layers = {m.n_layers}: every stage needs a layer",
-                                  "lower distributed.pp, use gpipe or 1f1b, or add layers"))
+        issues.append(
+            ConfigIssue(
+                "distributed.pp",
+                f"pp = {d.pp} with pp_schedule = {d.pp_schedule!r} cuts the model "
+                f"into {stages} stages, but model.n_layers = {m.n_layers}: every stage needs a layer",
+                "lower distributed.pp, use gpipe or 1f1b, or add layers",
+            )
+        )
     if d.pp_schedule == "1f1b" and t.grad_accum_steps < d.pp:
-        issues.append(ConfigIssue("train.grad_accum_steps", f"{t.grad_accum_steps} pipeline micro-batches are fewer "
-                                  f"than distributed.pp = {d.pp}, which pp_schedule = '1f1b' needs",
-                                  f"set train.grad_accum_steps >= {d.pp} (and halve train.batch_size to keep the batch)"))
+        issues.append(
+            ConfigIssue(
+                "train.grad_accum_steps",
+                f"{t.grad_accum_steps} pipeline micro-batches are fewer "
+                f"than distributed.pp = {d.pp}, which pp_schedule = '1f1b' needs",
+                f"set train.grad_accum_steps >= {d.pp} (and halve train.batch_size to keep the batch)",
+            )
+        )
     rounds = max(1, t.grad_accum_steps // d.pp)
     if d.pp_schedule == "interleaved_1f1b" and t.grad_accum_steps % rounds:
-        issues.append(ConfigIssue("train.grad_accum_steps", f"interleaved_1f1b runs the {t.grad_accum_steps} "
-                                  f"micro-batches in {rounds} rounds (grad_accum_steps // distributed.pp), which "
-                                  "must divide them evenly", f"use a multiple of {d.pp}, or fewer than {2 * d.pp}"))
+        issues.append(
+            ConfigIssue(
+                "train.grad_accum_steps",
+                f"interleaved_1f1b runs the {t.grad_accum_steps} "
+                f"micro-batches in {rounds} rounds (grad_accum_steps // distributed.pp), which "
+                "must divide them evenly",
+                f"use a multiple of {d.pp}, or fewer than {2 * d.pp}",
+            )
+        )
     if cfg.eval.enabled and cfg.eval.steps % t.grad_accum_steps:
-        issues.append(ConfigIssue("eval.steps", f"eval.steps = {cfg.eval.steps} must be a multiple of "
-                                  f"train.grad_accum_steps = {t.grad_accum_steps}: evaluation runs through the "
-                                  "pipeline schedule, one pass per grad_accum_steps batches (its micro-batches)",
-                                  f"set eval.steps to a multiple of {t.grad_accum_steps}"))
+        issues.append(
+            ConfigIssue(
+                "eval.steps",
+                f"eval.steps = {cfg.eval.steps} must be a multiple of "
+                f"train.grad_accum_steps = {t.grad_accum_steps}: evaluation runs through the "
+                "pipeline schedule, one pass per grad_accum_steps batches (its micro-batches)",
+                f"set eval.steps to a multiple of {t.grad_accum_steps}",
+            )
+        )
     unsupported = [
-        (m.tie_embeddings, "model.tie_embeddings", "tied embeddings: the embedding (first stage) and the output "
-         "head (last stage) live on different ranks"),
+        (
+            m.tie_embeddings,
+            "model.tie_embeddings",
+            "tied embeddings: the embedding (first stage) and the output head (last stage) live on different ranks",
+        ),
         (m.is_moe, "model.num_experts", "MoE models: the routers' auxiliary losses are not carried through the stages"),
-        (t.loss_fn == "chunked_cross_entropy", "train.loss_fn", "chunked cross-entropy: the last stage computes "
-         "the loss from its logits"),
+        (
+            t.loss_fn == "chunked_cross_entropy",
+            "train.loss_fn",
+            "chunked cross-entropy: the last stage computes the loss from its logits",
+        ),
         (t.mixed_precision == "fp16", "train.mixed_precision", "fp16 loss scaling"),
     ]
     for applies, field, what in unsupported:
         if applies:
-            issues.append(ConfigIssue(field, f"pipeline parallelism (distributed.pp = {d.pp}) does not support {what} yet",
-                                      "use distributed.pp = 1 for this run"))
+            issues.append(
+                ConfigIssue(
+                    field,
+                    f"pipeline parallelism (distributed.pp = {d.pp}) does not support {what} yet",
+                    "use distributed.pp = 1 for this run",
+                )
+            )
     return issues
 
 
@@ -247,23 +397,53 @@ def expert_parallel_issues(cfg: JobConfig, dp_shard: int) -> list[ConfigIssue]:
     tested with."""
     m, d, ep = cfg.model, cfg.distributed, cfg.distributed.ep
     if not m.is_moe:
-        return [ConfigIssue("distributed.ep", f"ep = {ep} needs a mixture-of-experts model (model.num_experts > 0)",
-                            "set distributed.ep = 1, or model.num_experts")]
+        return [
+            ConfigIssue(
+                "distributed.ep",
+                f"ep = {ep} needs a mixture-of-experts model (model.num_experts > 0)",
+                "set distributed.ep = 1, or model.num_experts",
+            )
+        ]
     issues = []
     if m.num_experts % ep:
-        issues.append(ConfigIssue("distributed.ep", f"model.num_experts = {m.num_experts} is not divisible by ep = {ep}"))
+        issues.append(
+            ConfigIssue("distributed.ep", f"model.num_experts = {m.num_experts} is not divisible by ep = {ep}")
+        )
     if dp_shard and dp_shard % ep:
-        issues.append(ConfigIssue("distributed.ep", f"ep = {ep} must divide dp_shard = {dp_shard}: the experts are "
-                                  "split over data-parallel shard ranks", "choose ep among the divisors of dp_shard"))
+        issues.append(
+            ConfigIssue(
+                "distributed.ep",
+                f"ep = {ep} must divide dp_shard = {dp_shard}: the experts are split over data-parallel shard ranks",
+                "choose ep among the divisors of dp_shard",
+            )
+        )
     if not m.moe_packed_experts:
-        issues.append(ConfigIssue("model.moe_packed_experts", "distributed.ep > 1 needs packed experts (one tensor "
-                                  "per projection, split over the expert dimension)", "set model.moe_packed_experts = true"))
+        issues.append(
+            ConfigIssue(
+                "model.moe_packed_experts",
+                "distributed.ep > 1 needs packed experts (one tensor per projection, split over the expert dimension)",
+                "set model.moe_packed_experts = true",
+            )
+        )
     if m.moe_gradient_scale:
-        issues.append(ConfigIssue("model.moe_gradient_scale", "is not supported with distributed.ep > 1 yet",
-                                  "set it to false, or distributed.ep = 1"))
-    for applies, field in [(d.dp_replicate > 1, "distributed.dp_replicate"), (d.cp > 1, "distributed.cp"),
-                           (cfg.train.compile_model, "train.compile_model")]:
+        issues.append(
+            ConfigIssue(
+                "model.moe_gradient_scale",
+                "is not supported with distributed.ep > 1 yet",
+                "set it to false, or distributed.ep = 1",
+            )
+        )
+    for applies, field in [
+        (d.dp_replicate > 1, "distributed.dp_replicate"),
+        (d.cp > 1, "distributed.cp"),
+        (cfg.train.compile_model, "train.compile_model"),
+    ]:
         if applies:
-            issues.append(ConfigIssue(field, "is not supported with expert parallelism (distributed.ep > 1) yet",
-                                      "use distributed.ep = 1 for this"))
+            issues.append(
+                ConfigIssue(
+                    field,
+                    "is not supported with expert parallelism (distributed.ep > 1) yet",
+                    "use distributed.ep = 1 for this",
+                )
+            )
     return issues

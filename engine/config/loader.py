@@ -44,7 +44,9 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     try:
         return tomlkit.parse(path.read_text()).unwrap()
     except (TOMLKitError, UnicodeDecodeError) as e:
-        raise ConfigError([ConfigIssue(str(path), f"not valid TOML: {e}", "fix the syntax at the line shown")], str(path)) from None
+        raise ConfigError(
+            [ConfigIssue(str(path), f"not valid TOML: {e}", "fix the syntax at the line shown")], str(path)
+        ) from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -13,4 +13,6 @@ class MetricsConfig(Section):
     enable_tensorboard: bool = False
     wandb_project: str = "forge"
     wandb_run_name: str | None = Field(None, description="unset = the run directory's name")
-    tensorboard_dir: str | None = Field(None, description="unset = RUN_DIR/tensorboard; relative = inside the run directory")
+    tensorboard_dir: str | None = Field(
+        None, description="unset = RUN_DIR/tensorboard; relative = inside the run directory"
+    )

@@ -27,7 +27,9 @@ class ModelConfig(Section):
     rope_theta: float = Field(10000.0, gt=0, description="RoPE frequency base")
     tie_embeddings: bool = Field(False, description="share the embedding matrix with the output head")
     qk_norm: bool = Field(False, description="RMSNorm over each head's queries and keys before RoPE")
-    init_std: float = Field(0.02, gt=0, description="std of the normal weight init; output projections get init_std/sqrt(2*n_layers)")
+    init_std: float = Field(
+        0.02, gt=0, description="std of the normal weight init; output projections get init_std/sqrt(2*n_layers)"
+    )
     model_type: Literal["transformer"] = "transformer"
     sdpa_backend: Literal["auto", "math", "flash", "efficient", "cudnn"] = Field(
         "auto", description="restrict scaled_dot_product_attention to one kernel; auto lets PyTorch choose"
@@ -38,36 +40,52 @@ class ModelConfig(Section):
     num_experts: int = Field(0, ge=0, description="routed experts per MoE block; 0 = dense model")
     moe_top_k: int = Field(2, gt=0, description="experts each token is routed to")
     moe_frequency: int = Field(
-        1, gt=0, description="MoE in every N-th block: block i (from 0) is MoE when (i + 1) % N == 0; 1 = all, 2 = every other"
+        1,
+        gt=0,
+        description="MoE in every N-th block: block i (from 0) is MoE when (i + 1) % N == 0; 1 = all, 2 = every other",
     )
     moe_router: Literal["softmax_topk", "sigmoid_topk"] = Field(
-        "softmax_topk", description="softmax_topk: top-k of softmax probabilities; sigmoid_topk: DeepSeek-V3 sigmoid "
-        "scores, top-k of score + balancing bias, weights = selected scores renormalised"
+        "softmax_topk",
+        description="softmax_topk: top-k of softmax probabilities; sigmoid_topk: DeepSeek-V3 sigmoid "
+        "scores, top-k of score + balancing bias, weights = selected scores renormalised",
     )
-    moe_shared_experts: int = Field(0, ge=0, description="experts (of the routed experts' width) that process every token")
-    moe_aux_loss_weight: float = Field(0.01, ge=0, description="Switch-style load-balance loss weight (over the micro-batch)")
+    moe_shared_experts: int = Field(
+        0, ge=0, description="experts (of the routed experts' width) that process every token"
+    )
+    moe_aux_loss_weight: float = Field(
+        0.01, ge=0, description="Switch-style load-balance loss weight (over the micro-batch)"
+    )
     moe_capacity_factor: float | None = Field(
-        None, gt=0, description="expert capacity = ceil(factor · tokens · top_k / num_experts); assignments beyond it "
-        "are dropped (counted); None = no capacity limit"
+        None,
+        gt=0,
+        description="expert capacity = ceil(factor · tokens · top_k / num_experts); assignments beyond it "
+        "are dropped (counted); None = no capacity limit",
     )
-    moe_sequence_aux_loss_weight: float = Field(0.0, ge=0, description="sequence-level balance loss weight (DeepSeek-V3); 0 = off")
+    moe_sequence_aux_loss_weight: float = Field(
+        0.0, ge=0, description="sequence-level balance loss weight (DeepSeek-V3); 0 = off"
+    )
     moe_gradient_scale: bool = Field(
-        False, description="divide each expert's weight gradient by its token count relative to the mean load, so "
-        "rarely chosen experts get updates of the same size as popular ones"
+        False,
+        description="divide each expert's weight gradient by its token count relative to the mean load, so "
+        "rarely chosen experts get updates of the same size as popular ones",
     )
     moe_bias_schedule: list[tuple[int, float]] = Field(
         default_factory=lambda: [(0, 1e-3)],
         description="sigmoid_topk balancing-bias update rate as [[from_update, rate], …]: after each training "
         "forward, bias += rate · sign(mean load − expert load); updates are counted per forward (micro-batch)",
     )
-    moe_packed_experts: bool = Field(True, description="store each projection of all experts as one [experts, …] tensor")
+    moe_packed_experts: bool = Field(
+        True, description="store each projection of all experts as one [experts, …] tensor"
+    )
     moe_expert_ffn_multiplier: float = Field(
         1.0, gt=0, description="expert width = round(ffn_dim · multiplier); < 1 gives fine-grained experts"
     )
-    moe_router_z_loss_weight: float = Field(0.0, ge=0, description="router z-loss weight: mean logsumexp(router logits)²")
+    moe_router_z_loss_weight: float = Field(
+        0.0, ge=0, description="router z-loss weight: mean logsumexp(router logits)²"
+    )
 
     @model_validator(mode="after")
-    def _shapes(self) -> "ModelConfig":
+    def _shapes(self) -> ModelConfig:
         if self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.kv_heads:

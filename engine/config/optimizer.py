@@ -13,7 +13,6 @@ from pydantic import Field
 
 from engine.config.base import Section
 
-
 Beta = Annotated[float, Field(ge=0, lt=1)]
 OptimizerName = Literal["adamw", "lion", "muon", "schedule_free_adamw"]
 
@@ -26,7 +25,9 @@ class OptimizerConfig(Section):
         (0.9, 0.95), description="AdamW moment decay rates, each in [0, 1); lion: (interpolation, momentum) decay"
     )
     eps: float = Field(1e-8, gt=0, description="added to Adam's denominator (not read by lion)")
-    fused: bool | None = Field(None, description="fused AdamW kernel (adamw only); unset = use it where the device supports it")
+    fused: bool | None = Field(
+        None, description="fused AdamW kernel (adamw only); unset = use it where the device supports it"
+    )
     muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon: Nesterov momentum of the hidden matrices")
     muon_ns_steps: int = Field(5, ge=1, le=20, description="muon: Newton–Schulz iterations per orthogonalization")
     muon_adam_lr: float | None = Field(

@@ -14,7 +14,7 @@ class ProfilingConfig(Section):
     trace_dir: str = Field("profile", description="relative paths are inside the run directory")
 
     @model_validator(mode="after")
-    def _window(self) -> "ProfilingConfig":
+    def _window(self) -> ProfilingConfig:
         if self.end_step < self.start_step:
             raise ValueError(f"end_step ({self.end_step}) must be >= start_step ({self.start_step})")
         return self

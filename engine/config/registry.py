@@ -7,7 +7,8 @@ is imported, and a test checks that every `Literal` option has a builder.
 from __future__ import annotations
 
 import difflib
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 T = TypeVar("T", bound=Callable)
 
@@ -22,6 +23,7 @@ class Registry(Generic[T]):
             assert name not in self._builders, f"{self.kind} {name!r} registered twice"
             self._builders[name] = builder
             return builder
+
         return add
 
     def get(self, name: str) -> T:

@@ -27,7 +27,7 @@ class SchedulerConfig(Section):
     rex_alpha: float = Field(1.0, gt=0, description="rex: exponent on the REX profile; 1 = the paper's schedule")
 
     @model_validator(mode="after")
-    def _none_has_no_warmup(self) -> "SchedulerConfig":
+    def _none_has_no_warmup(self) -> SchedulerConfig:
         if self.name == "none" and self.warmup_steps:
             raise ValueError("scheduler 'none' keeps lr fixed and has no warmup; use name = 'constant' for warmup")
         return self

@@ -56,8 +56,9 @@ def build(entry: Path) -> None:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     except OSError as e:
-        raise DataError(f"cannot write the Forge cache {entry.parent} ({e.strerror})",
-                        "set FORGE_CACHE_DIR to a writable directory") from None
+        raise DataError(
+            f"cannot write the Forge cache {entry.parent} ({e.strerror})", "set FORGE_CACHE_DIR to a writable directory"
+        ) from None
     remove_stale_builds(entry.parent, keep=tmp)
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the published entry should read like any cache file

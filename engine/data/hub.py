@@ -16,8 +16,9 @@ builder (it follows the data files' modification for local folders and the resol
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from engine.data.sources import Document
 from engine.errors import DataError
@@ -36,8 +37,14 @@ class HubSource:
 
     unit = "rows"
 
-    def __init__(self, name: str, config: str | None = None, split: str | None = None, streaming: bool = False,
-                 revision: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: str | None = None,
+        split: str | None = None,
+        streaming: bool = False,
+        revision: str | None = None,
+    ) -> None:
         if not name:
             raise DataError("hf: names no dataset", "write hf:NAME, e.g. hf:HuggingFaceFW/fineweb-edu")
         self.name, self.config, self.streaming, self.revision = name, config, streaming, revision
@@ -50,19 +57,30 @@ class HubSource:
             first = next(self.guarded(iter(self.dataset.take(1)), 0), None)
             columns = list(first) if first is not None else [text_field]
         if text_field not in columns:
-            raise DataError(f"{self} has no column {text_field!r} (columns: {', '.join(columns)})",
-                            "pass --text-field with the name of the column that holds the text")
+            raise DataError(
+                f"{self} has no column {text_field!r} (columns: {', '.join(columns)})",
+                "pass --text-field with the name of the column that holds the text",
+            )
         kind = (self.dataset.features or {}).get(text_field)
         if kind is not None and getattr(kind, "dtype", None) not in ("string", "large_string"):
-            raise DataError(f"{self}: column {text_field!r} has type {kind}, not string",
-                            "pass --text-field naming a string column")
+            raise DataError(
+                f"{self}: column {text_field!r} has type {kind}, not string", "pass --text-field naming a string column"
+            )
         if self.total == 0:
             raise DataError(f"no documents found: {self} has no rows", "check the dataset, --hf-config and --split")
 
     def identity(self) -> dict:
         """What a rerun must match to resume: which split, read how, and the data's fingerprint."""
-        return {"hf": {"name": self.name, "config": self.config, "split": self.split, "streaming": self.streaming,
-                       "revision": self.revision, "fingerprint": self.fingerprint}}
+        return {
+            "hf": {
+                "name": self.name,
+                "config": self.config,
+                "split": self.split,
+                "streaming": self.streaming,
+                "revision": self.revision,
+                "fingerprint": self.fingerprint,
+            }
+        }
 
     def describe(self) -> list[str]:
         return [str(self)]
@@ -77,11 +95,15 @@ class HubSource:
         for batch in self.guarded(rows.iter(batch_size=READ_BATCH_ROWS), row):
             for text in batch[text_field]:
                 if text is None:
-                    raise DataError(f"{self} row {row}: column {text_field!r} is null",
-                                    "drop or fill the null rows, or pass --text-field naming another column")
+                    raise DataError(
+                        f"{self} row {row}: column {text_field!r} is null",
+                        "drop or fill the null rows, or pass --text-field naming another column",
+                    )
                 if not isinstance(text, str):
-                    raise DataError(f"{self} row {row}: column {text_field!r} is {type(text).__name__}, not a string",
-                                    "pass --text-field naming a text column")
+                    raise DataError(
+                        f"{self} row {row}: column {text_field!r} is {type(text).__name__}, not a string",
+                        "pass --text-field naming a text column",
+                    )
                 if text and not text.isspace():
                     yield Document(0, row, text, row + 1)
                 row += 1
@@ -99,8 +121,10 @@ class HubSource:
             except StopIteration:
                 return
             except (KeyError, ValueError, pa.ArrowInvalid, datasets.exceptions.DatasetGenerationError) as e:
-                raise DataError(f"{self}: could not read the rows from row {row} on ({type(e).__name__}: {e})",
-                                "check the dataset's files and --text-field") from None
+                raise DataError(
+                    f"{self}: could not read the rows from row {row} on ({type(e).__name__}: {e})",
+                    "check the dataset's files and --text-field",
+                ) from None
             values = next(iter(item.values()), None)
             row += len(values) if isinstance(values, list) else 1
             yield item
@@ -114,20 +138,22 @@ class HubSource:
         return f"{PREFIX}{self.name}{config}{split}"
 
 
-def load(name: str, config: str | None, split: str | None, streaming: bool,
-         revision: str | None) -> tuple[Any, str, str | None]:
+def load(
+    name: str, config: str | None, split: str | None, streaming: bool, revision: str | None
+) -> tuple[Any, str, str | None]:
     """The split as a `datasets.Dataset` (eager) or `IterableDataset` (streaming), its fingerprint, and the
     split's name. Any failure to find or read it is a DataError that names the dataset."""
     try:
         import datasets
     except ImportError:
-        raise DataError("reading a Hugging Face dataset (hf:NAME) needs the datasets package",
-                        "pip install 'forge-lm[hf]' (or pip install datasets)") from None
+        raise DataError(
+            "reading a Hugging Face dataset (hf:NAME) needs the datasets package",
+            "pip install 'forge-lm[hf]' (or pip install datasets)",
+        ) from None
     where = f"Hugging Face dataset {name!r}" + (f" ({config})" if config else "")
     local = Path(name).is_dir()
     if local and revision is not None:
-        raise DataError(f"--revision names a version of a Hub dataset; {name} is a local folder",
-                        "drop --revision")
+        raise DataError(f"--revision names a version of a Hub dataset; {name} is a local folder", "drop --revision")
     try:
         if saved_to_disk(Path(name)):
             if config is not None:
@@ -143,10 +169,12 @@ def load(name: str, config: str | None, split: str | None, streaming: bool,
     except DataError:
         raise
     except (OSError, ValueError, RuntimeError, datasets.exceptions.DatasetsError) as e:
-        raise DataError(f"could not load {where}: {e}",
-                        "check the name (a Hub id or a local folder), --hf-config and --split; for a gated or "
-                        "private dataset log in first (`hf auth login`); offline (HF_HUB_OFFLINE=1), only "
-                        "datasets already in the cache load") from None
+        raise DataError(
+            f"could not load {where}: {e}",
+            "check the name (a Hub id or a local folder), --hf-config and --split; for a gated or "
+            "private dataset log in first (`hf auth login`); offline (HF_HUB_OFFLINE=1), only "
+            "datasets already in the cache load",
+        ) from None
 
 
 def saved_to_disk(path: Path) -> bool:
@@ -160,8 +188,9 @@ def one_split(saved: Any, split: str | None, name: str) -> Any:
     if hasattr(saved, "keys"):
         split = split or DEFAULT_SPLIT
         if split not in saved:
-            raise DataError(f"{name} has no split {split!r} (splits: {', '.join(saved.keys())})",
-                            "pass --split naming one of them")
+            raise DataError(
+                f"{name} has no split {split!r} (splits: {', '.join(saved.keys())})", "pass --split naming one of them"
+            )
         return saved[split]
     if split is not None and (saved.split is None or str(saved.split) != split):
         held = f"the split {str(saved.split)!r}" if saved.split is not None else "one data set without a split name"

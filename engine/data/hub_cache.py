@@ -17,8 +17,9 @@ import fcntl
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 from engine.config.data import HubDatasetFields
 from engine.data import DEFAULT_SHARD_TOKENS
@@ -36,39 +37,53 @@ PROGRESS_INTERVAL_S = 60.0
 NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL)
 
 
-def hub_shards(cfg: "JobConfig", section: str, tokenizer: Path) -> Path:
+def hub_shards(cfg: JobConfig, section: str, tokenizer: Path) -> Path:
     """The cache directory holding the split that `cfg.<section>.hf_dataset_name` names, tokenized with
     `tokenizer`; built on first use. What goes wrong is reported in terms of the config's fields."""
     values, d = getattr(cfg, section), cfg.data
     if not tokenizer.is_file():
-        raise DataError(f"{section}.hf_dataset_name needs a tokenizer: {tokenizer} not found",
-                        "set data.tokenizer_path to a tokenizer.json")
+        raise DataError(
+            f"{section}.hf_dataset_name needs a tokenizer: {tokenizer} not found",
+            "set data.tokenizer_path to a tokenizer.json",
+        )
     encoder = Encoder.from_file(tokenizer, None)
     if encoder.vocab_size > cfg.model.vocab_size:  # found now rather than after hours of tokenizing
-        raise DataError(f"the tokenizer {tokenizer} has {encoder.vocab_size} tokens, more than model.vocab_size = "
-                        f"{cfg.model.vocab_size}", f"set model.vocab_size to at least {encoder.vocab_size}")
+        raise DataError(
+            f"the tokenizer {tokenizer} has {encoder.vocab_size} tokens, more than model.vocab_size = "
+            f"{cfg.model.vocab_size}",
+            f"set model.vocab_size to at least {encoder.vocab_size}",
+        )
     name = values.hf_dataset_name
     name = str(Path(name).resolve()) if Path(name).is_dir() else name  # a local folder, wherever the run starts
     fields = ", ".join(f"{section}.{field}" for field in HubDatasetFields.model_fields)
     fields += " and data.hf_dataset_text_field"
     try:
-        source = HubSource(name, values.hf_dataset_config, values.hf_dataset_split, d.hf_streaming,
-                           values.hf_dataset_revision)
+        source = HubSource(
+            name, values.hf_dataset_config, values.hf_dataset_split, d.hf_streaming, values.hf_dataset_revision
+        )
         source.check(d.hf_dataset_text_field)
     except DataError as e:
         raise DataError(f"{section}.hf_dataset_name: {e.message}", f"{e.hint} (config fields: {fields})") from None
-    entry = cache_dir() / "hf" / run_key(source, d.hf_dataset_text_field, DEFAULT_SHARD_TOKENS, encoder, None, None)[:16]
+    entry = (
+        cache_dir() / "hf" / run_key(source, d.hf_dataset_text_field, DEFAULT_SHARD_TOKENS, encoder, None, None)[:16]
+    )
     if (entry / MANIFEST).is_file():
         return entry
     with locked(entry.parent / f"{entry.name}.lock", f"{source} is being tokenized into {entry} by another process"):
         if not (entry / MANIFEST).is_file():  # another process may have built it while this one waited
             say(f"tokenizing {source} into {entry} (once: later runs reuse it)")
             try:
-                report = tokenize(source, entry, tokenizer=tokenizer, text_field=d.hf_dataset_text_field,
-                                  progress=progress_lines(str(source)))
+                report = tokenize(
+                    source,
+                    entry,
+                    tokenizer=tokenizer,
+                    text_field=d.hf_dataset_text_field,
+                    progress=progress_lines(str(source)),
+                )
             except DataError as e:
-                raise DataError(f"{section}.hf_dataset_name: {e.message}",
-                                f"{e.hint} (config fields: {fields})") from None
+                raise DataError(
+                    f"{section}.hf_dataset_name: {e.message}", f"{e.hint} (config fields: {fields})"
+                ) from None
             say(f"tokenized {source}: {report.manifest.total_tokens:,} tokens in {report.seconds:.0f} s")
     return entry
 
@@ -87,6 +102,7 @@ def progress_lines(name: str) -> Callable[[Progress], None]:
             last = time.monotonic()
             share = f" of {p.total:,}" if p.total is not None else ""
             say(f"{name}: {p.phase}, {p.done:,}{share} {p.unit}, {p.tokens:,} tokens")
+
     return report
 
 
@@ -99,8 +115,9 @@ def locked(path: Path, waiting: str) -> Iterator[None]:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise DataError(f"cannot write the Forge cache {path.parent} ({e.strerror})",
-                        "set FORGE_CACHE_DIR to a writable directory") from None
+        raise DataError(
+            f"cannot write the Forge cache {path.parent} ({e.strerror})", "set FORGE_CACHE_DIR to a writable directory"
+        ) from None
     try:
         if not lock(fd, path, blocking=False):
             say(f"waiting: {waiting}")
@@ -119,9 +136,13 @@ def lock(fd: int, path: Path, blocking: bool) -> bool:
         if not blocking and e.errno in (errno.EAGAIN, errno.EACCES):
             return False
         if e.errno in NO_LOCKS:
-            raise DataError(f"the Forge cache {path.parent} is on a file system without locks",
-                            "set FORGE_CACHE_DIR to a local directory, or tokenize the dataset first "
-                            "(forge tokenize hf:NAME …) and set data.dataset_path") from None
-        raise DataError(f"could not lock {path} ({e.strerror})",
-                        "check the file system of FORGE_CACHE_DIR, or tokenize the dataset first "
-                        "(forge tokenize hf:NAME …) and set data.dataset_path") from None
+            raise DataError(
+                f"the Forge cache {path.parent} is on a file system without locks",
+                "set FORGE_CACHE_DIR to a local directory, or tokenize the dataset first "
+                "(forge tokenize hf:NAME …) and set data.dataset_path",
+            ) from None
+        raise DataError(
+            f"could not lock {path} ({e.strerror})",
+            "check the file system of FORGE_CACHE_DIR, or tokenize the dataset first "
+            "(forge tokenize hf:NAME …) and set data.dataset_path",
+        ) from None

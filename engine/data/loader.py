@@ -8,11 +8,12 @@ and never cross a shard boundary. Which samples each micro-step gets is decided 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,11 +48,13 @@ class TokenWindows(Dataset[Batch]):
     def __getitem__(self, index: int) -> Batch:
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         offset = (index - int(self.starts[shard])) * self.window
-        window = self.arrays[shard][offset:offset + self.window]
+        window = self.arrays[shard][offset : offset + self.window]
         if window.max() >= self.vocab_size:  # a shard of the right size whose bytes were damaged
-            raise DataError(f"{self.paths[shard]} holds token id {int(window.max())}, outside its tokenizer's "
-                            f"vocabulary of {self.vocab_size}: the shard is corrupt",
-                            "re-run forge tokenize for this data set")
+            raise DataError(
+                f"{self.paths[shard]} holds token id {int(window.max())}, outside its tokenizer's "
+                f"vocabulary of {self.vocab_size}: the shard is corrupt",
+                "re-run forge tokenize for this data set",
+            )
         tokens = torch.from_numpy(window.astype(np.int64))
         return tokens[:-1], tokens[1:]
 
@@ -83,8 +86,9 @@ class TokenData:
     def loader(self, batch_sampler: TrainBatchSampler | EvalBatchSampler, **extra: Any) -> DataLoader:
         # Its own generator: a DataLoader otherwise draws its workers' base seed from the global torch RNG,
         # so iterating data would shift the random stream a resumed run must reproduce.
-        return DataLoader(self.dataset, batch_sampler=batch_sampler, generator=torch.Generator(),
-                          **self.loader_options, **extra)
+        return DataLoader(
+            self.dataset, batch_sampler=batch_sampler, generator=torch.Generator(), **self.loader_options, **extra
+        )
 
 
 @dataclass
@@ -120,8 +124,9 @@ def open_train_data(cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> Train
     return TrainData(*parts, layout, loader_options(cfg), seed=cfg.train.effective_data_seed)
 
 
-def open_eval_data(cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1,
-                   train: TokenData | None = None) -> EvalData | None:
+def open_eval_data(
+    cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1, train: TokenData | None = None
+) -> EvalData | None:
     """The held-out shards of `cfg.eval` (the embedded corpus's held-out works when training uses the embedded
     corpus and eval names no data set), verified; None when evaluation is off. `train`, the opened training
     data, saves finding it again."""
@@ -137,9 +142,11 @@ def open_eval_data(cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1,
     elif d.dataset_path is None and d.hf_dataset_name is None:
         directory = embedded_corpus().val
     else:
-        raise DataError("eval is enabled but eval.dataset_path is unset",
-                        "set eval.dataset_path to held-out shards written by forge tokenize (or eval.hf_dataset_name), "
-                        "or eval.enabled = false")
+        raise DataError(
+            "eval is enabled but eval.dataset_path is unset",
+            "set eval.dataset_path to held-out shards written by forge tokenize (or eval.hf_dataset_name), "
+            "or eval.enabled = false",
+        )
     parts = verified(directory, "eval.dataset_path", cfg.eval.file_pattern, "eval.file_pattern", cfg)
     check_same_tokenizer(parts[1], directory, train_dir)
     layout = BatchLayout(cfg.train.batch_size, 1, dp_size, dp_rank)
@@ -165,8 +172,9 @@ def loader_options(cfg: JobConfig) -> dict[str, Any]:
     return options
 
 
-def verified(directory: Path, path_field: str, pattern: str, pattern_field: str,
-             cfg: JobConfig) -> tuple[Path, Manifest, Path | None, TokenWindows]:
+def verified(
+    directory: Path, path_field: str, pattern: str, pattern_field: str, cfg: JobConfig
+) -> tuple[Path, Manifest, Path | None, TokenWindows]:
     """Everything a data set must satisfy before training starts; each failure names the file and field.
     Returns the first four fields of a `TokenData`."""
     try:
@@ -174,32 +182,41 @@ def verified(directory: Path, path_field: str, pattern: str, pattern_field: str,
     except DataError as e:
         if not is_embedded_cache(directory):
             raise
-        raise DataError(e.message, f"delete {directory.parent} (the embedded corpus cache); "
-                                   "Forge rebuilds it on the next run") from None
+        raise DataError(
+            e.message, f"delete {directory.parent} (the embedded corpus cache); Forge rebuilds it on the next run"
+        ) from None
 
 
 def is_embedded_cache(directory: Path) -> bool:
     return directory.parent.parent == cache_dir() / "corpus"
 
 
-def verified_directory(directory: Path, path_field: str, pattern: str, pattern_field: str,
-                       cfg: JobConfig) -> tuple[Path, Manifest, Path | None, TokenWindows]:
+def verified_directory(
+    directory: Path, path_field: str, pattern: str, pattern_field: str, cfg: JobConfig
+) -> tuple[Path, Manifest, Path | None, TokenWindows]:
     if not directory.is_dir():
-        raise DataError(f"{path_field} {directory} is not a directory",
-                        f"tokenize text into it first (forge tokenize INPUT… --out {directory}) or fix {path_field}")
+        raise DataError(
+            f"{path_field} {directory} is not a directory",
+            f"tokenize text into it first (forge tokenize INPUT… --out {directory}) or fix {path_field}",
+        )
     manifest = read_manifest(directory)
     if manifest.vocab_size > cfg.model.vocab_size:
-        raise DataError(f"the tokenizer of {directory / MANIFEST} has {manifest.vocab_size} tokens, "
-                        f"more than model.vocab_size = {cfg.model.vocab_size}",
-                        f"set model.vocab_size to at least {manifest.vocab_size}")
+        raise DataError(
+            f"the tokenizer of {directory / MANIFEST} has {manifest.vocab_size} tokens, "
+            f"more than model.vocab_size = {cfg.model.vocab_size}",
+            f"set model.vocab_size to at least {manifest.vocab_size}",
+        )
     tokenizer_file = matching_tokenizer(directory, manifest, cfg.data.tokenizer_path)
     shards = selected_shards(directory, manifest, pattern, pattern_field)
     arrays = [open_shard(directory, info, manifest.dtype) for info in shards]
     dataset = TokenWindows(arrays, [directory / s.file for s in shards], cfg.train.seq_len, manifest.vocab_size)
     if len(dataset) == 0:
         longest = max(s.tokens for s in shards)
-        raise DataError(f"no shard of {directory} holds train.seq_len + 1 = {cfg.train.seq_len + 1} tokens "
-                        f"(the longest has {longest})", "lower train.seq_len or tokenize more text")
+        raise DataError(
+            f"no shard of {directory} holds train.seq_len + 1 = {cfg.train.seq_len + 1} tokens "
+            f"(the longest has {longest})",
+            "lower train.seq_len or tokenize more text",
+        )
     return directory, manifest, tokenizer_file, dataset
 
 
@@ -214,9 +231,11 @@ def matching_tokenizer(directory: Path, manifest: Manifest, tokenizer_path: str 
         if not path.is_file():
             return None
     if file_sha256(path) != manifest.tokenizer_sha256:
-        raise DataError(f"{name} is not the tokenizer that {directory / MANIFEST} was tokenized with "
-                        f"(sha256 {file_sha256(path)[:12]}… ≠ {manifest.tokenizer_sha256[:12]}…)",
-                        "use the tokenizer.json written beside the shards, or re-tokenize with this tokenizer")
+        raise DataError(
+            f"{name} is not the tokenizer that {directory / MANIFEST} was tokenized with "
+            f"(sha256 {file_sha256(path)[:12]}… ≠ {manifest.tokenizer_sha256[:12]}…)",
+            "use the tokenizer.json written beside the shards, or re-tokenize with this tokenizer",
+        )
     return path
 
 
@@ -226,18 +245,24 @@ def selected_shards(directory: Path, manifest: Manifest, pattern: str, pattern_f
     listed = {s.file for s in manifest.shards}
     strays = sorted(p.name for p in directory.glob(pattern) if p.name not in listed and p.is_file())
     if strays:
-        raise DataError(f"{directory / strays[0]} matches {pattern_field} {pattern!r} but is not listed in "
-                        f"{directory / MANIFEST}", f"remove it (and any other strays: {len(strays)}) or narrow {pattern_field}")
+        raise DataError(
+            f"{directory / strays[0]} matches {pattern_field} {pattern!r} but is not listed in {directory / MANIFEST}",
+            f"remove it (and any other strays: {len(strays)}) or narrow {pattern_field}",
+        )
     shards = [s for s in manifest.shards if fnmatch(s.file, pattern)]
     if not shards:
-        raise DataError(f"no shard of {directory / MANIFEST} matches {pattern_field} {pattern!r}",
-                        f"use the default '*.npy' or a pattern matching names like {manifest.shards[0].file}")
+        raise DataError(
+            f"no shard of {directory / MANIFEST} matches {pattern_field} {pattern!r}",
+            f"use the default '*.npy' or a pattern matching names like {manifest.shards[0].file}",
+        )
     return shards
 
 
 def check_same_tokenizer(eval_manifest: Manifest, eval_directory: Path, train_directory: Path) -> None:
     train_manifest = read_manifest(train_directory)
     if train_manifest.tokenizer_sha256 != eval_manifest.tokenizer_sha256:
-        raise DataError(f"eval.dataset_path {eval_directory} was tokenized with a different tokenizer than "
-                        f"data.dataset_path {train_directory}",
-                        "tokenize the held-out text with the training data's tokenizer.json (forge tokenize --tokenizer)")
+        raise DataError(
+            f"eval.dataset_path {eval_directory} was tokenized with a different tokenizer than "
+            f"data.dataset_path {train_directory}",
+            "tokenize the held-out text with the training data's tokenizer.json (forge tokenize --tokenizer)",
+        )

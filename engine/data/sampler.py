@@ -10,9 +10,9 @@ resuming at step s needs nothing but s.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import count
-from typing import Iterator
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -60,8 +60,8 @@ class EpochOrder:
         filled = 0
         while filled < count:
             epoch, offset = divmod(position + filled, self.num_samples)
-            chunk = self.permutation(epoch)[offset:offset + count - filled]
-            out[filled:filled + len(chunk)] = chunk
+            chunk = self.permutation(epoch)[offset : offset + count - filled]
+            out[filled : filled + len(chunk)] = chunk
             filled += len(chunk)
         return out
 

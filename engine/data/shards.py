@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -65,8 +66,12 @@ class Manifest:
         return {
             "format": FORMAT,
             "version": FORMAT_VERSION,
-            "tokenizer": {"sha256": self.tokenizer_sha256, "vocab_size": self.vocab_size,
-                          "eos_id": self.eos_id, "eos_token": self.eos_token},
+            "tokenizer": {
+                "sha256": self.tokenizer_sha256,
+                "vocab_size": self.vocab_size,
+                "eos_id": self.eos_id,
+                "eos_token": self.eos_token,
+            },
             "dtype": self.dtype,
             "total_tokens": self.total_tokens,
             "total_documents": self.total_documents,
@@ -80,10 +85,14 @@ def read_manifest(directory: Path) -> Manifest:
     path = directory / MANIFEST
     if not path.is_file():
         if directory.is_dir() and not any(directory.iterdir()):
-            raise DataError(f"data directory {directory} is empty",
-                            f"tokenize text into it first: forge tokenize INPUT… --out {directory}")
-        raise DataError(f"{path} not found: {directory} is not a finished `forge tokenize` output",
-                        f"point to a directory written by forge tokenize, or run: forge tokenize INPUT… --out {directory}")
+            raise DataError(
+                f"data directory {directory} is empty",
+                f"tokenize text into it first: forge tokenize INPUT… --out {directory}",
+            )
+        raise DataError(
+            f"{path} not found: {directory} is not a finished `forge tokenize` output",
+            f"point to a directory written by forge tokenize, or run: forge tokenize INPUT… --out {directory}",
+        )
     corrupt = f"delete {directory} and run forge tokenize again"
     try:
         raw = json.loads(path.read_text())
@@ -93,7 +102,9 @@ def read_manifest(directory: Path) -> Manifest:
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{path} is corrupt ({problem(e)})", corrupt) from None
     if version > FORMAT_VERSION:
-        raise DataError(f"{path} has format version {version}; this Forge reads up to {FORMAT_VERSION}", "upgrade Forge")
+        raise DataError(
+            f"{path} has format version {version}; this Forge reads up to {FORMAT_VERSION}", "upgrade Forge"
+        )
     try:
         return manifest_from_json(raw)
     except (ValueError, KeyError, TypeError) as e:
@@ -109,8 +120,15 @@ def manifest_from_json(raw: dict[str, Any]) -> Manifest:
     shards = tuple(ShardInfo(str(s["file"]), int(s["tokens"]), int(s["documents"])) for s in raw["shards"])
     if not shards:
         raise ValueError("it lists no shards")
-    manifest = Manifest(str(tok["sha256"]), int(tok["vocab_size"]), int(tok["eos_id"]), str(tok["eos_token"]),
-                        str(np.dtype(raw["dtype"])), shards, dict(raw.get("source", {})))
+    manifest = Manifest(
+        str(tok["sha256"]),
+        int(tok["vocab_size"]),
+        int(tok["eos_id"]),
+        str(tok["eos_token"]),
+        str(np.dtype(raw["dtype"])),
+        shards,
+        dict(raw.get("source", {})),
+    )
     if manifest.total_tokens != raw["total_tokens"] or manifest.total_documents != raw["total_documents"]:
         raise ValueError("total_tokens/total_documents do not add up to the shard entries")
     if manifest.dtype not in {str(token_dtype(manifest.vocab_size)), "uint32"}:
@@ -133,7 +151,9 @@ def open_shard(directory: Path, info: ShardInfo, dtype: str) -> np.memmap:
     except (ValueError, OSError, EOFError) as e:
         raise DataError(f"shard {path} is truncated or not a .npy file ({e})", fix) from None
     if array.dtype != np.dtype(dtype) or array.shape != (info.tokens,):
-        raise DataError(f"shard {path} holds {array.shape} {array.dtype}; the manifest says ({info.tokens},) {dtype}", fix)
+        raise DataError(
+            f"shard {path} holds {array.shape} {array.dtype}; the manifest says ({info.tokens},) {dtype}", fix
+        )
     extra = path.stat().st_size - array.offset - array.nbytes
     if extra:
         raise DataError(f"shard {path} has {extra} unexpected trailing bytes", fix)
@@ -149,8 +169,14 @@ class ShardWriter:
     of `key` itself are on disk.
     """
 
-    def __init__(self, directory: Path, dtype: np.dtype, shard_tokens: int, first_index: int = 0,
-                 on_shard: Callable[[ShardInfo, Any, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        dtype: np.dtype,
+        shard_tokens: int,
+        first_index: int = 0,
+        on_shard: Callable[[ShardInfo, Any, int], None] | None = None,
+    ) -> None:
         assert shard_tokens > 0
         self.directory, self.dtype, self.shard_tokens = directory, dtype, shard_tokens
         self.index = first_index

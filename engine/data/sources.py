@@ -9,10 +9,10 @@ exactly the documents that are already tokenized.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -31,7 +31,7 @@ class InputFile:
     mtime_ns: int
 
     @classmethod
-    def at(cls, path: Path) -> "InputFile":
+    def at(cls, path: Path) -> InputFile:
         st = path.stat()
         return cls(path.resolve(), st.st_size, st.st_mtime_ns)
 
@@ -133,12 +133,16 @@ def jsonl_text(line: bytes, path: Path, line_no: int, text_field: str) -> str:
     if not isinstance(record, dict):
         raise DataError(f"{where} is a JSON {type(record).__name__}, not an object", "write one JSON object per line")
     if text_field not in record:
-        raise DataError(f"{where} has no field {text_field!r} (fields: {', '.join(record) or 'none'})",
-                        "pass --text-field with the name of the field that holds the text")
+        raise DataError(
+            f"{where} has no field {text_field!r} (fields: {', '.join(record) or 'none'})",
+            "pass --text-field with the name of the field that holds the text",
+        )
     text = record[text_field]
     if not isinstance(text, str):
-        raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, not a string",
-                        "pass --text-field naming a text field, or fix the record")
+        raise DataError(
+            f"{where}: field {text_field!r} is {type(text).__name__}, not a string",
+            "pass --text-field naming a text field, or fix the record",
+        )
     return text
 
 
@@ -152,12 +156,15 @@ def open_parquet(path: Path) -> pq.ParquetFile:
 def parquet_column(parquet: pq.ParquetFile, path: Path, text_field: str) -> None:
     schema = parquet.schema_arrow
     if text_field not in schema.names:
-        raise DataError(f"{path} has no column {text_field!r} (columns: {', '.join(schema.names)})",
-                        "pass --text-field with the name of the column that holds the text")
+        raise DataError(
+            f"{path} has no column {text_field!r} (columns: {', '.join(schema.names)})",
+            "pass --text-field with the name of the column that holds the text",
+        )
     kind = schema.field(text_field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise DataError(f"{path}: column {text_field!r} has type {kind}, not string",
-                        "pass --text-field naming a string column")
+        raise DataError(
+            f"{path}: column {text_field!r} has type {kind}, not string", "pass --text-field naming a string column"
+        )
 
 
 def iter_parquet(file: InputFile, start: int, text_field: str) -> Iterator[tuple[int, str, int]]:
@@ -175,8 +182,10 @@ def iter_parquet(file: InputFile, start: int, text_field: str) -> Iterator[tuple
         for text in batch.column(0).to_pylist():
             if row >= start:
                 if text is None:
-                    raise DataError(f"{file.path} row {row}: column {text_field!r} is null",
-                                    "drop or fill the null rows, or pass --text-field naming another column")
+                    raise DataError(
+                        f"{file.path} row {row}: column {text_field!r} is null",
+                        "drop or fill the null rows, or pass --text-field naming another column",
+                    )
                 yield row, text, file.size * (row + 1) // total
             row += 1
 
@@ -193,8 +202,9 @@ class FileSource:
 
     def check(self, text_field: str) -> None:
         if self.total == 0:
-            raise DataError(f"no documents found: the input files are empty ({self.files[0].path}…)",
-                            "check the inputs")
+            raise DataError(
+                f"no documents found: the input files are empty ({self.files[0].path}…)", "check the inputs"
+            )
         for file in self.files:
             check_text_field(file, text_field)
 
@@ -209,4 +219,3 @@ class FileSource:
 
     def position(self, doc: Document) -> int:
         return self.offsets[doc.file] + doc.consumed
-

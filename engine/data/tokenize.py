@@ -19,20 +19,31 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from engine.data import DEFAULT_SHARD_TOKENS
-from engine.durable import TMP_SUFFIX, atomic_write
-from engine.data.shards import (MANIFEST, SHARD_GLOB, TOKENIZER_FILE, Manifest, ShardInfo,
-                                ShardWriter, open_shard, read_manifest, write_manifest)
-from engine.data.hub import PREFIX as HUB_PREFIX, HubSource, is_hub_input
+from engine.data.hub import PREFIX as HUB_PREFIX
+from engine.data.hub import HubSource, is_hub_input
+from engine.data.shards import (
+    MANIFEST,
+    SHARD_GLOB,
+    TOKENIZER_FILE,
+    Manifest,
+    ShardInfo,
+    ShardWriter,
+    open_shard,
+    read_manifest,
+    write_manifest,
+)
 from engine.data.sources import Document, FileSource
 from engine.data.tokenizer import DEFAULT_EOS, Encoder, check_vocab_size
+from engine.durable import TMP_SUFFIX, atomic_write
 from engine.errors import DataError
 
 BATCH_CHARS = 4_000_000  # text per encode call: enough documents to keep every core busy
@@ -90,8 +101,13 @@ class RunState:
     resume: tuple[int, int, int] = (0, 0, 0)  # file index, record index, tokens of that record already written
 
     def to_json(self) -> dict:
-        return {"key": self.key, "tokenizer_sha256": self.tokenizer_sha256, "dtype": self.dtype,
-                "shards": [vars(s) for s in self.shards], "resume": list(self.resume)}
+        return {
+            "key": self.key,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "dtype": self.dtype,
+            "shards": [vars(s) for s in self.shards],
+            "resume": list(self.resume),
+        }
 
 
 def tokenize_files(inputs: Sequence[Path], out_dir: Path, **options: Any) -> TokenizeReport:
@@ -99,28 +115,50 @@ def tokenize_files(inputs: Sequence[Path], out_dir: Path, **options: Any) -> Tok
     return tokenize(FileSource(inputs), out_dir, **options)
 
 
-def open_source(inputs: Sequence[str], hf_config: str | None = None, split: str | None = None,
-                streaming: bool = False, revision: str | None = None) -> Source:
+def open_source(
+    inputs: Sequence[str],
+    hf_config: str | None = None,
+    split: str | None = None,
+    streaming: bool = False,
+    revision: str | None = None,
+) -> Source:
     """The source the command line names: files and directories, or one `hf:NAME` dataset, whose options
     (configuration, split, streaming, revision) apply to it alone. A dataset is opened (and, when not
     streamed, downloaded) here, before any progress display starts."""
     hub = [text for text in inputs if is_hub_input(text)]
     if not hub:
-        given = [flag for flag, value in (("--hf-config", hf_config), ("--split", split), ("--streaming", streaming),
-                                          ("--revision", revision)) if value]
+        given = [
+            flag
+            for flag, value in (
+                ("--hf-config", hf_config),
+                ("--split", split),
+                ("--streaming", streaming),
+                ("--revision", revision),
+            )
+            if value
+        ]
         if given:
             verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
-            raise DataError(f"{', '.join(given)} {verb} only to a Hugging Face dataset input (hf:NAME)",
-                            f"name the dataset as hf:NAME (e.g. hf:HuggingFaceFW/fineweb-edu), or drop {them}")
+            raise DataError(
+                f"{', '.join(given)} {verb} only to a Hugging Face dataset input (hf:NAME)",
+                f"name the dataset as hf:NAME (e.g. hf:HuggingFaceFW/fineweb-edu), or drop {them}",
+            )
         return FileSource([Path(text) for text in inputs])
     if len(inputs) > 1:
-        raise DataError(f"{hub[0]} must be the only input (got {len(inputs)})",
-                        "tokenize the dataset and the files into separate directories")
-    return HubSource(hub[0][len(HUB_PREFIX):], hf_config, split, streaming, revision)
+        raise DataError(
+            f"{hub[0]} must be the only input (got {len(inputs)})",
+            "tokenize the dataset and the files into separate directories",
+        )
+    return HubSource(hub[0][len(HUB_PREFIX) :], hf_config, split, streaming, revision)
 
 
-def check_request(out_dir: Path, tokenizer: Path | None = None, train_vocab_size: int | None = None,
-                  eos_token: str | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> None:
+def check_request(
+    out_dir: Path,
+    tokenizer: Path | None = None,
+    train_vocab_size: int | None = None,
+    eos_token: str | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+) -> None:
     """The checks of `tokenize` that need no input, for a caller to run before opening a source that may
     download for hours: the options, the tokenizer file and its EOS token, and the output directory."""
     check_options(tokenizer, train_vocab_size, shard_tokens)
@@ -129,9 +167,17 @@ def check_request(out_dir: Path, tokenizer: Path | None = None, train_vocab_size
     check_out_dir(out_dir)
 
 
-def tokenize(source: Source, out_dir: Path, *, tokenizer: Path | None = None,
-             train_vocab_size: int | None = None, eos_token: str | None = None, text_field: str = "text",
-             shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: ProgressFn | None = None) -> TokenizeReport:
+def tokenize(
+    source: Source,
+    out_dir: Path,
+    *,
+    tokenizer: Path | None = None,
+    train_vocab_size: int | None = None,
+    eos_token: str | None = None,
+    text_field: str = "text",
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    progress: ProgressFn | None = None,
+) -> TokenizeReport:
     """Tokenize `source` into `out_dir` with `tokenizer` (a tokenizer.json) or a byte-level BPE of
     `train_vocab_size` trained on the source. Options, inputs, the text field (of each file's first record,
     of a dataset's columns) and the tokenizer are checked before anything is written; a bad record found
@@ -148,7 +194,8 @@ def tokenize(source: Source, out_dir: Path, *, tokenizer: Path | None = None,
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         manifest, reused = Run(out_dir, source, text_field, shard_tokens, progress or (lambda p: None)).execute(
-            key, encoder, train_vocab_size, eos_token or DEFAULT_EOS)
+            key, encoder, train_vocab_size, eos_token or DEFAULT_EOS
+        )
     except DataError:
         remove_outputs(out_dir, remove_dir=created)
         raise
@@ -158,16 +205,24 @@ def tokenize(source: Source, out_dir: Path, *, tokenizer: Path | None = None,
 def check_options(tokenizer: Path | None, train_vocab_size: int | None, shard_tokens: int) -> None:
     if (tokenizer is None) == (train_vocab_size is None):
         both = tokenizer is not None
-        raise DataError("--tokenizer and --train-tokenizer were both given" if both else "no tokenizer chosen",
-                        "pass either --tokenizer PATH/tokenizer.json or --train-tokenizer --vocab-size N")
+        raise DataError(
+            "--tokenizer and --train-tokenizer were both given" if both else "no tokenizer chosen",
+            "pass either --tokenizer PATH/tokenizer.json or --train-tokenizer --vocab-size N",
+        )
     if train_vocab_size is not None:
         check_vocab_size(train_vocab_size)
     if shard_tokens <= 0:
         raise DataError(f"--shard-tokens must be positive, got {shard_tokens}", "e.g. --shard-tokens 50000000")
 
 
-def run_key(source: Source, text_field: str, shard_tokens: int, encoder: Encoder | None,
-            train_vocab_size: int | None, eos_token: str | None) -> str:
+def run_key(
+    source: Source,
+    text_field: str,
+    shard_tokens: int,
+    encoder: Encoder | None,
+    train_vocab_size: int | None,
+    eos_token: str | None,
+) -> str:
     """A digest of everything that determines the output bytes: equal keys mean identical shards."""
     if encoder is not None:
         tokenizer = {"sha256": encoder.sha256, "eos": encoder.eos_id}
@@ -178,8 +233,9 @@ def run_key(source: Source, text_field: str, shard_tokens: int, encoder: Encoder
 
 
 def is_ours(path: Path) -> bool:
-    return (path.name in {MANIFEST, TOKENIZER_FILE, STATE} or path.match(SHARD_GLOB)
-            or path.name.endswith(TMP_SUFFIX)) and path.is_file()
+    return (
+        path.name in {MANIFEST, TOKENIZER_FILE, STATE} or path.match(SHARD_GLOB) or path.name.endswith(TMP_SUFFIX)
+    ) and path.is_file()
 
 
 def finished_output(out_dir: Path, key: str) -> Manifest | None:
@@ -192,8 +248,10 @@ def finished_output(out_dir: Path, key: str) -> Manifest | None:
         return None
     manifest = read_manifest(out_dir)
     if manifest.source.get("key") != key:
-        raise DataError(f"--out {out_dir} already holds a data set tokenized from other inputs or settings",
-                        f"choose a new directory, or delete {out_dir} to replace it")
+        raise DataError(
+            f"--out {out_dir} already holds a data set tokenized from other inputs or settings",
+            f"choose a new directory, or delete {out_dir} to replace it",
+        )
     (out_dir / STATE).unlink(missing_ok=True)
     return manifest
 
@@ -206,8 +264,10 @@ def check_out_dir(out_dir: Path) -> None:
         raise DataError(f"--out {out_dir} is a file", "pass a directory path (it is created if missing)")
     foreign = sorted(p.name for p in out_dir.iterdir() if not is_ours(p))
     if foreign:
-        raise DataError(f"--out {out_dir} holds files forge tokenize did not write ({', '.join(foreign[:3])})",
-                        "choose a new or empty directory")
+        raise DataError(
+            f"--out {out_dir} holds files forge tokenize did not write ({', '.join(foreign[:3])})",
+            "choose a new or empty directory",
+        )
 
 
 def remove_outputs(out_dir: Path, remove_dir: bool) -> None:
@@ -238,13 +298,13 @@ def write_state(out_dir: Path, state: RunState) -> None:
 class Run:
     """One tokenize run into a prepared directory: tokenizer, then shards, then the manifest."""
 
-    def __init__(self, out_dir: Path, source: Source, text_field: str, shard_tokens: int,
-                 progress: ProgressFn) -> None:
+    def __init__(self, out_dir: Path, source: Source, text_field: str, shard_tokens: int, progress: ProgressFn) -> None:
         self.out_dir, self.source, self.text_field = out_dir, source, text_field
         self.shard_tokens, self.progress = shard_tokens, progress
 
-    def execute(self, key: str, encoder: Encoder | None, train_vocab_size: int | None,
-                eos_token: str) -> tuple[Manifest, int]:
+    def execute(
+        self, key: str, encoder: Encoder | None, train_vocab_size: int | None, eos_token: str
+    ) -> tuple[Manifest, int]:
         state = self.resumable_state(key)
         encoder = encoder or self.trained_encoder(state, train_vocab_size, eos_token)
         if state.tokenizer_sha256 != encoder.sha256:
@@ -255,11 +315,18 @@ class Run:
         reused = len(state.shards)
         self.write_shards(state, encoder)
         if not state.shards:
-            raise DataError("no documents found: every document in the inputs is empty",
-                            "check the inputs and --text-field")
-        manifest = Manifest(encoder.sha256, encoder.vocab_size, encoder.eos_id, encoder.eos_token, str(encoder.dtype),
-                            tuple(state.shards), {"key": key, "text_field": self.text_field,
-                                                  "inputs": self.source.describe()})
+            raise DataError(
+                "no documents found: every document in the inputs is empty", "check the inputs and --text-field"
+            )
+        manifest = Manifest(
+            encoder.sha256,
+            encoder.vocab_size,
+            encoder.eos_id,
+            encoder.eos_token,
+            str(encoder.dtype),
+            tuple(state.shards),
+            {"key": key, "text_field": self.text_field, "inputs": self.source.describe()},
+        )
         write_manifest(self.out_dir, manifest)
         (self.out_dir / STATE).unlink()
         return manifest, reused
@@ -288,10 +355,13 @@ class Run:
             if encoder.sha256 == state.tokenizer_sha256:
                 return encoder
         documents = self.source.documents(self.text_field)
-        return Encoder.trained((doc.text for doc in self.reported("training tokenizer", documents)), vocab_size, eos_token)
+        return Encoder.trained(
+            (doc.text for doc in self.reported("training tokenizer", documents)), vocab_size, eos_token
+        )
 
     def write_shards(self, state: RunState, encoder: Encoder) -> None:
         """Encode documents from the resume point on; after each shard, record the new resume point."""
+
         def shard_done(info: ShardInfo, key: tuple[int, int], done: int) -> None:
             state.shards.append(info)
             state.resume = (*key, done)
@@ -327,12 +397,14 @@ class Run:
             count += 1
             if chars >= BATCH_CHARS:
                 chars = 0
-                self.progress(Progress(phase, self.source.position(doc), self.source.total, self.source.unit,
-                                       0, count, 0))
+                self.progress(
+                    Progress(phase, self.source.position(doc), self.source.total, self.source.unit, 0, count, 0)
+                )
 
 
-def encode_ahead(batches: Iterable[list[Document]],
-                 encoder: Encoder) -> Iterator[tuple[list[Document], list[np.ndarray]]]:
+def encode_ahead(
+    batches: Iterable[list[Document]], encoder: Encoder
+) -> Iterator[tuple[list[Document], list[np.ndarray]]]:
     """Each batch with its token arrays. Batch k is encoded on a helper thread (the Rust encoder releases the
     GIL) while the caller reads batch k + 1 and writes batch k - 1, so the cores do not wait on Python."""
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -360,8 +432,9 @@ def batches(documents: Iterable[Document], max_chars: int) -> Iterator[list[Docu
         yield batch
 
 
-def tokenize_texts(texts: Sequence[str], out_dir: Path, encoder: Encoder, source: dict,
-                   shard_tokens: int = DEFAULT_SHARD_TOKENS) -> Manifest:
+def tokenize_texts(
+    texts: Sequence[str], out_dir: Path, encoder: Encoder, source: dict, shard_tokens: int = DEFAULT_SHARD_TOKENS
+) -> Manifest:
     """In-memory documents → a finished data set in a new directory, in one encode call (small inputs only;
     no resume: the caller builds in a temporary directory)."""
     out_dir.mkdir(parents=True)
@@ -370,7 +443,14 @@ def tokenize_texts(texts: Sequence[str], out_dir: Path, encoder: Encoder, source
     for index, ids in enumerate(encoder.encode(list(texts))):
         writer.add(index, ids)
     writer.close()
-    manifest = Manifest(encoder.sha256, encoder.vocab_size, encoder.eos_id, encoder.eos_token, str(encoder.dtype),
-                        tuple(writer.written), source)
+    manifest = Manifest(
+        encoder.sha256,
+        encoder.vocab_size,
+        encoder.eos_id,
+        encoder.eos_token,
+        str(encoder.dtype),
+        tuple(writer.written),
+        source,
+    )
     write_manifest(out_dir, manifest)
     return manifest

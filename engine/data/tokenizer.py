@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -34,17 +34,19 @@ class Encoder:
     eos_id: int
 
     @classmethod
-    def from_file(cls, path: Path, eos_token: str | None = None) -> "Encoder":
+    def from_file(cls, path: Path, eos_token: str | None = None) -> Encoder:
         """Load a user's tokenizer.json; a missing or malformed file is a DataError naming it."""
         if not path.is_file():
-            raise DataError(f"tokenizer file {path} not found",
-                            "pass the path of a Hugging Face tokenizer.json, or use --train-tokenizer --vocab-size N")
+            raise DataError(
+                f"tokenizer file {path} not found",
+                "pass the path of a Hugging Face tokenizer.json, or use --train-tokenizer --vocab-size N",
+            )
         data = path.read_bytes()
         tokenizer = parse_tokenizer(data, str(path))
         return cls(data, *find_eos(tokenizer, path, eos_token))
 
     @classmethod
-    def trained(cls, texts: Iterable[str], vocab_size: int, eos_token: str = DEFAULT_EOS) -> "Encoder":
+    def trained(cls, texts: Iterable[str], vocab_size: int, eos_token: str = DEFAULT_EOS) -> Encoder:
         tokenizer = train_bpe(texts, vocab_size, eos_token)
         return cls(tokenizer.to_str(pretty=True).encode(), eos_token, tokenizer.token_to_id(eos_token))
 
@@ -85,8 +87,10 @@ def parse_tokenizer(data: bytes, name: str) -> Tokenizer:
     try:
         return Tokenizer.from_str(data.decode("utf-8"))
     except Exception as e:  # the Rust binding raises a bare Exception for every parse error
-        raise DataError(f"{name} is not a valid tokenizer.json ({e})",
-                        "pass a tokenizer.json saved by the Hugging Face `tokenizers` library") from None
+        raise DataError(
+            f"{name} is not a valid tokenizer.json ({e})",
+            "pass a tokenizer.json saved by the Hugging Face `tokenizers` library",
+        ) from None
 
 
 def adds_special_tokens(tokenizer: Tokenizer) -> bool:
@@ -107,15 +111,19 @@ def find_eos(tokenizer: Tokenizer, path: Path, eos_token: str | None = None) -> 
     if eos_token is not None:
         token_id = tokenizer.token_to_id(eos_token)
         if token_id is None:
-            raise DataError(f"--eos-token {eos_token!r} is not in the vocabulary of {path}",
-                            "pass a token that the tokenizer knows, e.g. its end-of-text special token")
+            raise DataError(
+                f"--eos-token {eos_token!r} is not in the vocabulary of {path}",
+                "pass a token that the tokenizer knows, e.g. its end-of-text special token",
+            )
         return eos_token, token_id
     for name in (*configured_eos(path), *EOS_CANDIDATES):
         token_id = tokenizer.token_to_id(name)
         if token_id is not None:
             return name, token_id
-    raise DataError(f"cannot tell which token of {path} ends a document (none of {', '.join(EOS_CANDIDATES)})",
-                    "pass --eos-token TOKEN with the tokenizer's end-of-text token")
+    raise DataError(
+        f"cannot tell which token of {path} ends a document (none of {', '.join(EOS_CANDIDATES)})",
+        "pass --eos-token TOKEN with the tokenizer's end-of-text token",
+    )
 
 
 def configured_eos(path: Path) -> list[str]:
@@ -140,13 +148,19 @@ def train_bpe(texts: Iterable[str], vocab_size: int, eos_token: str = DEFAULT_EO
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eos_token],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 
 
 def check_vocab_size(vocab_size: int) -> None:
     if vocab_size < MIN_VOCAB:
-        raise DataError(f"--vocab-size {vocab_size} is too small",
-                        f"use at least {MIN_VOCAB} (256 byte symbols + the end-of-text token)")
+        raise DataError(
+            f"--vocab-size {vocab_size} is too small",
+            f"use at least {MIN_VOCAB} (256 byte symbols + the end-of-text token)",
+        )

@@ -85,8 +85,10 @@ def parse_override(text: str) -> float:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise UserError(f"{PEAK_ENV}={text!r} is not a positive number of FLOP/s",
-                        f"set it to the device's dense peak, e.g. {PEAK_ENV}=989e12, or unset it")
+        raise UserError(
+            f"{PEAK_ENV}={text!r} is not a positive number of FLOP/s",
+            f"set it to the device's dense peak, e.g. {PEAK_ENV}=989e12, or unset it",
+        )
     return value
 
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 from engine.config.job import JobConfig
 from engine.durable import write_durably
@@ -49,16 +50,22 @@ class MetricsLogger:
         """The W&B run's id, saved in checkpoints so a resumed run logs into the same W&B run."""
         return next((sink.run.id for sink in self.sinks if isinstance(sink, WandbSink)), None)
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 
-def build_trackers(cfg: JobConfig, run_dir: str | Path, run_name: str | None = None,
-                   resumed_from: int | None = None, wandb_run_id: str | None = None) -> MetricsLogger:
+def build_trackers(
+    cfg: JobConfig,
+    run_dir: str | Path,
+    run_name: str | None = None,
+    resumed_from: int | None = None,
+    wandb_run_id: str | None = None,
+) -> MetricsLogger:
     """The sinks `cfg.metrics` asks for, writing under `run_dir`.
 
     `run_name` names the W&B run when `metrics.wandb_run_name` is unset (default: the run directory's name).
@@ -122,8 +129,10 @@ def record_step(path: Path, line: str) -> int:
     try:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
-        raise UserError(f"{path} has a line that is not a metrics record: {line.strip()[:80]!r}",
-                        "move the file aside; the resumed run will start a new one") from None
+        raise UserError(
+            f"{path} has a line that is not a metrics record: {line.strip()[:80]!r}",
+            "move the file aside; the resumed run will start a new one",
+        ) from None
 
 
 class TensorBoardSink:
@@ -133,9 +142,10 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise UserError("metrics.enable_tensorboard = true but tensorboard is not installed",
-                            "pip install tensorboard (or 'forge-lm[tracking]'), "
-                            "or set metrics.enable_tensorboard = false") from None
+            raise UserError(
+                "metrics.enable_tensorboard = true but tensorboard is not installed",
+                "pip install tensorboard (or 'forge-lm[tracking]'), or set metrics.enable_tensorboard = false",
+            ) from None
         purge = resumed_from + 1 if resumed_from is not None else None
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
 
@@ -157,18 +167,26 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            raise UserError("metrics.enable_wandb = true but wandb is not installed",
-                            "pip install wandb (or 'forge-lm[tracking]'), "
-                            "or set metrics.enable_wandb = false") from None
+            raise UserError(
+                "metrics.enable_wandb = true but wandb is not installed",
+                "pip install wandb (or 'forge-lm[tracking]'), or set metrics.enable_wandb = false",
+            ) from None
         run_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self.run = wandb.init(project=cfg.metrics.wandb_project, name=name, dir=run_dir, id=run_id,
-                                  resume="allow" if run_id else None, config=cfg.model_dump(mode="json"),
-                                  allow_val_change=True)
+            self.run = wandb.init(
+                project=cfg.metrics.wandb_project,
+                name=name,
+                dir=run_dir,
+                id=run_id,
+                resume="allow" if run_id else None,
+                config=cfg.model_dump(mode="json"),
+                allow_val_change=True,
+            )
         except wandb.errors.Error as e:
-            raise UserError(f"W&B could not start a run: {e}",
-                            "run `wandb login`, or set WANDB_MODE=offline to log locally, "
-                            "or set metrics.enable_wandb = false") from None
+            raise UserError(
+                f"W&B could not start a run: {e}",
+                "run `wandb login`, or set WANDB_MODE=offline to log locally, or set metrics.enable_wandb = false",
+            ) from None
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from engine.model.transformer import Transformer
 
 
-def build_model(cfg: ModelConfig) -> "Transformer":
+def build_model(cfg: ModelConfig) -> Transformer:
     """A freshly initialised model of `cfg` on the current default device (`with torch.device(...)`)."""
     import engine.model.transformer  # noqa: F401  (registers the model types)
 

@@ -35,7 +35,9 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.sdpa_backend = cfg.sdpa_backend
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None
+    ) -> torch.Tensor:
         """cos/sin are the RoPE tables of x's positions. With a cache (inference), x's keys and values are
         appended to it and x's queries attend over every cached position."""
         batch, seq, _ = x.shape
@@ -53,8 +55,9 @@ class Attention(nn.Module):
             k, v = cache.append(k, v)
             causal, mask = cache.start == 0, cache.mask(seq)
         with self._kernel():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                 enable_gqa=k.shape[1] != q.shape[1])
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
+            )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _kernel(self) -> contextlib.AbstractContextManager:

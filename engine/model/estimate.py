@@ -42,8 +42,14 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     blocks = sum(block_params(cfg, i) for i in range(cfg.n_layers)) + norm_params(cfg, cfg.dim)
     inactive = sum(block_params(cfg, i) - block_params(cfg, i, active=True) for i in range(cfg.n_layers))
     total = embedding + output_head + blocks
-    return {"embedding": embedding, "output_head": output_head, "blocks": blocks,
-            "non_embedding": total - embedding, "total": total, "active": total - inactive}
+    return {
+        "embedding": embedding,
+        "output_head": output_head,
+        "blocks": blocks,
+        "non_embedding": total - embedding,
+        "total": total,
+        "active": total - inactive,
+    }
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

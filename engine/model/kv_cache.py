@@ -17,15 +17,15 @@ from engine.config.model import ModelConfig
 class LayerKV:
     """One layer's slice of the cache, as attention sees it during one forward call."""
 
-    keys: torch.Tensor    # [batch, kv_heads, capacity, head_dim]
+    keys: torch.Tensor  # [batch, kv_heads, capacity, head_dim]
     values: torch.Tensor  # [batch, kv_heads, capacity, head_dim]
-    start: int            # positions cached before this call; the new ones go right after
+    start: int  # positions cached before this call; the new ones go right after
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new positions' keys and values; return those of every position so far."""
         end = self.start + k.shape[2]
-        self.keys[:, :, self.start:end] = k
-        self.values[:, :, self.start:end] = v
+        self.keys[:, :, self.start : end] = k
+        self.values[:, :, self.start : end] = v
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def mask(self, seq: int) -> torch.Tensor | None:
@@ -46,8 +46,15 @@ class KVCache:
     (RoPE is applied at those positions) and then advances `cache.length` by `seq`.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_names: list[str], batch: int, capacity: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_names: list[str],
+        batch: int,
+        capacity: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         if capacity > cfg.max_seq_len:
             raise ValueError(f"a cache of {capacity} positions exceeds model.max_seq_len = {cfg.max_seq_len}")
         shape = (batch, cfg.kv_heads, capacity, cfg.head_dim)

@@ -25,7 +25,8 @@ transformer collects them outside the (compiled, checkpointed) block, so nothing
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +35,14 @@ from torch import nn
 from engine.config.model import ModelConfig
 from engine.config.registry import ACTIVATIONS
 from engine.model.mlp import GatedMLP
-from engine.model.routers import (Routing, balance_loss, build_router, router_z_loss, sequence_balance_loss,
-                                  tokens_per_expert)
+from engine.model.routers import (
+    Routing,
+    balance_loss,
+    build_router,
+    router_z_loss,
+    sequence_balance_loss,
+    tokens_per_expert,
+)
 
 GROUPED_MM: Callable | None = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -61,14 +68,20 @@ class PackedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(e, d, h))
         self.w2 = nn.Parameter(torch.empty(e, h, d))
 
-    def forward(self, xs: torch.Tensor, counts: torch.Tensor, implementation: str,
-                grad_factor: torch.Tensor | None = None,
-                weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        xs: torch.Tensor,
+        counts: torch.Tensor,
+        implementation: str,
+        grad_factor: torch.Tensor | None = None,
+        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """See `run_experts`. A module call (not a bare use of the weights) so that FSDP gathers them.
         `weights` (w1, w3, w2), when given, are what runs instead of `stacked()`: a layout that holds only some
         experts on this device passes them as plain tensors (expert parallelism's input hook)."""
-        return run_experts(self.stacked() if weights is None else weights, self.act, xs, counts, implementation,
-                           grad_factor)
+        return run_experts(
+            self.stacked() if weights is None else weights, self.act, xs, counts, implementation, grad_factor
+        )
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.w1, self.w3, self.w2
@@ -97,8 +110,9 @@ class ExpertList(nn.ModuleList):
         super().__init__(Expert(cfg) for _ in range(cfg.num_experts))
         self.act = ACTIVATIONS.get(cfg.activation)
 
-    def forward(self, xs: torch.Tensor, counts: torch.Tensor, implementation: str,
-                grad_factor: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, xs: torch.Tensor, counts: torch.Tensor, implementation: str, grad_factor: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """See `run_experts`."""
         return run_experts(self.stacked(), self.act, xs, counts, implementation, grad_factor)
 
@@ -142,8 +156,9 @@ class MoE(nn.Module):
             out = out + self.shared(tokens)
         return out.view_as(x), self.stats(routing, x.shape[0], load, dropped)
 
-    def routed_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                       grad_factor: torch.Tensor | None) -> torch.Tensor:
+    def routed_experts(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, grad_factor: torch.Tensor | None
+    ) -> torch.Tensor:
         """Σₖ weights[t, k] · expert[experts[t, k]](x[t]) for x [tokens, dim]: sort the assignments by
         expert, run the experts on the sorted rows and the rows per expert, weigh and add the outputs at their
         tokens. Expert parallelism exchanges the rows and outputs in the `self.experts` call's hooks."""
@@ -170,9 +185,13 @@ class MoE(nn.Module):
         for all layers): imbalance = max/mean tokens per expert, dropped assignments, the unweighted aux
         losses, and the router's balancing bias (min/max) where it has one."""
         load = stats.load.float()
-        row = {"imbalance": load.max() / load.mean().clamp(min=1e-9), "dropped": stats.dropped,
-               "balance_loss": stats.balance_loss, "sequence_balance_loss": stats.sequence_balance_loss,
-               "z_loss": stats.z_loss}
+        row = {
+            "imbalance": load.max() / load.mean().clamp(min=1e-9),
+            "dropped": stats.dropped,
+            "balance_loss": stats.balance_loss,
+            "sequence_balance_loss": stats.sequence_balance_loss,
+            "z_loss": stats.z_loss,
+        }
         bias = getattr(self.router, "bias", None)
         if bias is not None:
             row.update(bias_min=bias.min(), bias_max=bias.max())
@@ -214,8 +233,15 @@ def within_capacity(experts: torch.Tensor, num_experts: int, capacity: int) -> t
     return (position < capacity).view_as(experts)
 
 
-def grouped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
-                    w3: torch.Tensor, w2: torch.Tensor, act: Callable) -> torch.Tensor:
+def grouped_experts(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    act: Callable,
+) -> torch.Tensor:
     """Σₖ weights[t, k] · expert[experts[t, k]](x[t]) for every token t, through grouped matrix multiplies.
 
     x [tokens, dim]; experts, weights [tokens, k]; w1, w3 [E, dim, hidden]; w2 [E, hidden, dim]."""
@@ -233,8 +259,14 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     return order, order // experts.shape[1], torch.bincount(flat, minlength=num_experts)
 
 
-def run_experts(weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], act: Callable, xs: torch.Tensor,
-                counts: torch.Tensor, implementation: str, grad_factor: torch.Tensor | None) -> torch.Tensor:
+def run_experts(
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    act: Callable,
+    xs: torch.Tensor,
+    counts: torch.Tensor,
+    implementation: str,
+    grad_factor: torch.Tensor | None,
+) -> torch.Tensor:
     """`sorted_experts` with the stacked (w1, w3, w2); with grad_factor [E], expert e's weight gradients are
     multiplied by grad_factor[e] (`model.moe_gradient_scale`, or 1/ep under expert parallelism)."""
     if grad_factor is not None:
@@ -242,8 +274,15 @@ def run_experts(weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], act: C
     return sorted_experts(xs, counts, *weights, act, implementation)
 
 
-def sorted_experts(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                   act: Callable, implementation: str) -> torch.Tensor:
+def sorted_experts(
+    xs: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    act: Callable,
+    implementation: str,
+) -> torch.Tensor:
     """Unweighted expert outputs for rows already sorted by expert: the first counts[0] rows of xs [n, dim]
     go to expert 0, the next counts[1] to expert 1, … Computed in xs's dtype; `grouped` is one grouped
     matrix multiply per projection, `loop` one expert at a time."""
@@ -264,8 +303,15 @@ def combine(x: torch.Tensor, token: torch.Tensor, y: torch.Tensor, weights: torc
     return x.new_zeros(x.shape).index_add(0, token, y.to(x.dtype))
 
 
-def looped_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
-                   w3: torch.Tensor, w2: torch.Tensor, act: Callable) -> torch.Tensor:
+def looped_experts(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    act: Callable,
+) -> torch.Tensor:
     """The same as `grouped_experts`, one expert at a time (experts with no tokens are skipped)."""
     k, dtype = experts.shape[1], matmul_dtype(x)
     flat, flat_weights = experts.flatten(), weights.flatten()

@@ -119,7 +119,8 @@ def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor, batch: int
     num_experts, k = probs.shape[-1], experts.shape[-1]
     probs, experts = probs.view(batch, -1, num_experts), experts.view(batch, -1, k)
     counts = torch.zeros(batch, num_experts, device=probs.device).scatter_add_(
-        1, experts.flatten(1), torch.ones(experts.flatten(1).shape, device=probs.device))
+        1, experts.flatten(1), torch.ones(experts.flatten(1).shape, device=probs.device)
+    )
     fraction = counts / experts[0].numel()
     return num_experts * (fraction * probs.mean(dim=1)).sum(dim=1).mean()
 

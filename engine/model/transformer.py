@@ -37,8 +37,9 @@ class Block(nn.Module):
         self.ffn_norm = build_norm(cfg.norm_type, cfg.dim, cfg.norm_eps)
         self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer) else GatedMLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerKV | None = None) -> tuple[torch.Tensor, MoEStats | None]:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None
+    ) -> tuple[torch.Tensor, MoEStats | None]:
         """→ (output, the MoE layer's routing stats or None for a dense block). The stats are returned, not
         stored, so that compile and activation checkpointing (which reruns this in backward) see no side
         effects."""
@@ -69,7 +70,9 @@ class Transformer(nn.Module):
         self.last_moe_stats: dict[str, MoEStats] = {}  # layer name → routing stats of the last forward
         self.init_weights()
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, *, return_hidden: bool = False) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, cache: KVCache | None = None, *, return_hidden: bool = False
+    ) -> torch.Tensor:
         """tokens [batch, seq] → logits [batch, seq, vocab]. Without a cache (training) the tokens are
         positions 0 … seq-1; with one (inference) they continue the cached positions, and are added to it.
         With return_hidden, the final-normed hidden states [batch, seq, dim] instead of logits, for losses that
@@ -133,7 +136,12 @@ class Transformer(nn.Module):
             nn.init.normal_(self.tok_embeddings.weight, std=std)
         for block in self.layers.values():
             attention, feed_forward = block.attention, block.feed_forward
-            for weight in (attention.wq.weight, attention.wk.weight, attention.wv.weight, *feed_forward.input_weights()):
+            for weight in (
+                attention.wq.weight,
+                attention.wk.weight,
+                attention.wv.weight,
+                *feed_forward.input_weights(),
+            ):
                 nn.init.normal_(weight, std=std)
             nn.init.normal_(attention.wo.weight, std=out_std)
             for weight in feed_forward.output_weights():

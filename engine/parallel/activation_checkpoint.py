@@ -62,12 +62,20 @@ AC_MODES = ("none", "full", "selective")
 def _saved_ops() -> frozenset:
     """The op overloads whose outputs the selective policy keeps (see the module docstring)."""
     aten = torch.ops.aten
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default,
-           aten._scaled_dot_product_flash_attention.default,
-           aten._scaled_dot_product_efficient_attention.default,
-           aten._scaled_dot_product_cudnn_attention.default,
-           aten._scaled_dot_product_flash_attention_for_cpu.default,
-           aten.max.default, aten.amax.default, aten.topk.default, aten.bincount.default}
+    ops = {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten._scaled_mm.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten.max.default,
+        aten.amax.default,
+        aten.topk.default,
+        aten.bincount.default,
+    }
     if hasattr(aten, "_grouped_mm"):
         ops.add(aten._grouped_mm.default)
     if torch.distributed.is_available():
@@ -103,4 +111,3 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
     extra = {"context_fn": selective_context} if mode == "selective" else {}
     for name, block in model.layers.named_children():
         model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **extra)
-

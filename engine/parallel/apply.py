@@ -38,14 +38,22 @@ def check_compilable(cfg: JobConfig, device: torch.device) -> None:
         return
     dtype = precision.compute_dtype(cfg.train.mixed_precision, device)
     if dtype != torch.bfloat16:
-        raise UserError(f"train.compile_model = true with an MoE model (model.num_experts = {cfg.model.num_experts}) "
-                        f"needs bf16 compute, but train.mixed_precision resolves to {str(dtype).removeprefix('torch.')} "
-                        "here: torch.compile's grouped matrix multiply supports only bf16",
-                        "set train.mixed_precision = \"bf16\", or train.compile_model = false")
+        raise UserError(
+            f"train.compile_model = true with an MoE model (model.num_experts = {cfg.model.num_experts}) "
+            f"needs bf16 compute, but train.mixed_precision resolves to {str(dtype).removeprefix('torch.')} "
+            "here: torch.compile's grouped matrix multiply supports only bf16",
+            'set train.mixed_precision = "bf16", or train.compile_model = false',
+        )
 
 
-def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype, *, pipelined: bool = False,
-               expert_mesh: DeviceMesh | None = None) -> None:
+def apply_fsdp(
+    model: Transformer,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    *,
+    pipelined: bool = False,
+    expert_mesh: DeviceMesh | None = None,
+) -> None:
     """FSDP2 over `mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP), each block its own unit, then the rest.
 
     Parameters live sharded in fp32; forward and backward all-gather them in `param_dtype` (the compute
@@ -59,19 +67,29 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype, *
         fully_shard_experts(model, expert_mesh, mp_policy=policy, reshard_after_forward=not pipelined)
     blocks = list(model.layers.values())
     for index, block in enumerate(blocks):
-        fully_shard(block, mesh=mesh, mp_policy=policy,
-                    reshard_after_forward=not pipelined and index < len(blocks) - 1)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not pipelined and index < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=not pipelined)
 
 
 def float8_all_gather(cfg: JobConfig, mesh: ParallelMesh | None, device: torch.device) -> bool:
     """FSDP all-gathers float8 weights (half the bytes of bf16) with the tensorwise recipe on GPUs."""
-    return (cfg.train.mixed_precision == "fp8" and cfg.train.fp8_recipe == "tensorwise" and device.type == "cuda"
-            and mesh is not None and mesh.fsdp is not None)
+    return (
+        cfg.train.mixed_precision == "fp8"
+        and cfg.train.fp8_recipe == "tensorwise"
+        and device.type == "cuda"
+        and mesh is not None
+        and mesh.fsdp is not None
+    )
 
 
-def parallelize(model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None = None, *,
-                device: torch.device | None = None, pipelined: bool = False) -> Transformer:
+def parallelize(
+    model: Transformer,
+    cfg: JobConfig,
+    mesh: ParallelMesh | None = None,
+    *,
+    device: torch.device | None = None,
+    pipelined: bool = False,
+) -> Transformer:
     """The model (or one pipeline stage of it) ready to train on this rank's part of the mesh; `device`,
     where it will train, when the model is still on the meta device.
 
@@ -79,19 +97,26 @@ def parallelize(model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None = 
     device = device or model.rope_cos.device
     tp_mesh = mesh.get("tp") if mesh is not None else None
     if tp_mesh is not None:
-        apply_tensor_parallel(model, tp_mesh, loss_parallel=uses_loss_parallel(tp_mesh.size(), cfg.train.loss_fn,
-                                                                                cfg.distributed.pp))
+        apply_tensor_parallel(
+            model, tp_mesh, loss_parallel=uses_loss_parallel(tp_mesh.size(), cfg.train.loss_fn, cfg.distributed.pp)
+        )
     ep_mesh = mesh.get("ep") if mesh is not None else None
     if ep_mesh is not None:
         apply_expert_parallel(model, ep_mesh)
     if cfg.train.mixed_precision == "fp8":
-        convert_to_float8(model, cfg.train.fp8_recipe, fsdp_float8_all_gather=float8_all_gather(cfg, mesh, device),
-                          device=device)
+        convert_to_float8(
+            model, cfg.train.fp8_recipe, fsdp_float8_all_gather=float8_all_gather(cfg, mesh, device), device=device
+        )
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile_model:
         check_compilable(cfg, device)
         apply_compile(model)
     if mesh is not None and mesh.fsdp is not None:
-        apply_fsdp(model, mesh.fsdp, precision.compute_dtype(cfg.train.mixed_precision, device), pipelined=pipelined,
-                   expert_mesh=mesh.get("expert_dp"))
+        apply_fsdp(
+            model,
+            mesh.fsdp,
+            precision.compute_dtype(cfg.train.mixed_precision, device),
+            pipelined=pipelined,
+            expert_mesh=mesh.get("expert_dp"),
+        )
     return model

@@ -54,15 +54,22 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 def check_expert_parallel(moe: MoE, ep: int) -> None:
     """What expert parallelism needs of an MoE layer; each failure is a configuration the user chose."""
     if moe.num_experts % ep:
-        raise UserError(f"model.num_experts = {moe.num_experts} is not divisible by distributed.ep = {ep}",
-                        "choose an ep that divides the number of experts")
+        raise UserError(
+            f"model.num_experts = {moe.num_experts} is not divisible by distributed.ep = {ep}",
+            "choose an ep that divides the number of experts",
+        )
     if not isinstance(moe.experts, PackedExperts):
-        raise UserError("distributed.ep > 1 needs model.moe_packed_experts = true: per-expert parameters cannot "
-                        "be sharded over the expert dimension", "set model.moe_packed_experts = true")
+        raise UserError(
+            "distributed.ep > 1 needs model.moe_packed_experts = true: per-expert parameters cannot "
+            "be sharded over the expert dimension",
+            "set model.moe_packed_experts = true",
+        )
     if moe.gradient_scale:
-        raise UserError("model.moe_gradient_scale is not supported with distributed.ep > 1 yet: each expert's "
-                        "gradient would need the load of every rank that sent it tokens",
-                        "set model.moe_gradient_scale = false, or distributed.ep = 1")
+        raise UserError(
+            "model.moe_gradient_scale is not supported with distributed.ep > 1 yet: each expert's "
+            "gradient would need the load of every rank that sent it tokens",
+            "set model.moe_gradient_scale = false, or distributed.ep = 1",
+        )
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -74,8 +81,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     ep = ep_mesh.size()
     layers = moe_layers(model)
     if not layers:
-        raise UserError(f"distributed.ep = {ep} needs a mixture-of-experts model, but this one has no MoE layer",
-                        "set model.num_experts > 0, or distributed.ep = 1")
+        raise UserError(
+            f"distributed.ep = {ep} needs a mixture-of-experts model, but this one has no MoE layer",
+            "set model.num_experts > 0, or distributed.ep = 1",
+        )
     for moe in layers:
         check_expert_parallel(moe, ep)
     for moe in layers:
@@ -148,8 +157,6 @@ def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> No
         fully_shard(moe.experts, mesh=mesh, **fsdp_kwargs)
 
 
-
-
 def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """counts [num_experts] of this rank's assignments → [ep, local experts]: row s holds how many of rank
     s's assignments go to each of this rank's experts. A functional collective, like the token exchange, so
@@ -166,8 +173,9 @@ def local_expert_order(received_counts: torch.Tensor) -> torch.Tensor:
     return expert_of_row.repeat_interleave(received_counts.flatten()).argsort(stable=True)
 
 
-def all_to_all(rows: torch.Tensor, output_splits: list[int], input_splits: list[int],
-               group: dist.ProcessGroup) -> torch.Tensor:
+def all_to_all(
+    rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     """Differentiable all_to_all_single with uneven splits of rows [n, …] (its backward is the reverse
     exchange). The functional collective, waited for at once: the next step needs the rows."""
     return funcol.wait_tensor(funcol.all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, group))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -55,12 +55,16 @@ def check_float8_device(device: torch.device) -> None:
         capability = torch.cuda.get_device_capability(device)
         if capability < MIN_CUDA_CAPABILITY:
             name = torch.cuda.get_device_name(device)
-            raise UserError(f"train.mixed_precision = \"fp8\" needs float8 matmuls, which NVIDIA GPUs have from "
-                            f"compute capability 8.9 (Ada, Hopper); {name} has {capability[0]}.{capability[1]}",
-                            "use train.mixed_precision = \"bf16\" on this GPU")
+            raise UserError(
+                f'train.mixed_precision = "fp8" needs float8 matmuls, which NVIDIA GPUs have from '
+                f"compute capability 8.9 (Ada, Hopper); {name} has {capability[0]}.{capability[1]}",
+                'use train.mixed_precision = "bf16" on this GPU',
+            )
     elif device.type != "cpu":
-        raise UserError(f"train.mixed_precision = \"fp8\" runs on CPU and NVIDIA GPUs, not on {device.type}",
-                        "use train.mixed_precision = \"bf16\"")
+        raise UserError(
+            f'train.mixed_precision = "fp8" runs on CPU and NVIDIA GPUs, not on {device.type}',
+            'use train.mixed_precision = "bf16"',
+        )
 
 
 @contextlib.contextmanager
@@ -79,8 +83,9 @@ def quiet_torchao_import() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def convert_to_float8(model: Transformer, recipe: str, *, fsdp_float8_all_gather: bool = False,
-                      device: torch.device | None = None) -> list[str]:
+def convert_to_float8(
+    model: Transformer, recipe: str, *, fsdp_float8_all_gather: bool = False, device: torch.device | None = None
+) -> list[str]:
     """Swap the eligible linears of `model` (see `float8_filter`) for `Float8Linear`, in place; → their names.
 
     `fsdp_float8_all_gather`: make the converted weights all-gather in float8 under FSDP2 (half the bytes

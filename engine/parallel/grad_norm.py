@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,
-                   pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def clip_grad_norm(
+    parameters: Iterable[torch.Tensor], max_norm: float, pipeline_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Clip gradients to a global 2-norm of `max_norm` and return the norm before clipping (`max_norm = inf`
     only measures).
 

@@ -27,8 +27,10 @@ def device_for(place: ProcessPlace) -> torch.device:
     if torch.cuda.device_count() == 1 and "SLURM_STEP_ID" in os.environ:  # srun bound one GPU to each task
         return torch.device("cuda", 0)
     if place.local_rank >= torch.cuda.device_count():
-        raise UserError(f"local rank {place.local_rank} has no GPU: this node has {torch.cuda.device_count()}",
-                        "start at most one process per GPU (--nproc-per-node, or srun --ntasks-per-node)")
+        raise UserError(
+            f"local rank {place.local_rank} has no GPU: this node has {torch.cuda.device_count()}",
+            "start at most one process per GPU (--nproc-per-node, or srun --ntasks-per-node)",
+        )
     device = torch.device("cuda", place.local_rank)
     torch.cuda.set_device(device)
     return device
@@ -42,8 +44,10 @@ def backend_for(spec: str, device: torch.device) -> str:
     entries = dict(entry.rpartition(":")[::2] for entry in spec.split(","))
     backend = entries.get("cpu") or entries.get("")
     if backend is None:
-        raise UserError(f"distributed.backend = {spec!r} names no backend for CPU tensors, and this run is on CPU",
-                        "add one, e.g. 'cpu:gloo,cuda:nccl'")
+        raise UserError(
+            f"distributed.backend = {spec!r} names no backend for CPU tensors, and this run is on CPU",
+            "add one, e.g. 'cpu:gloo,cuda:nccl'",
+        )
     return backend
 
 
@@ -55,8 +59,11 @@ def join_process_group(backend: str, timeout_sec: float, device: torch.device) -
     global _joined
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(slurm_rendezvous_env(dict(os.environ)))
-    dist.init_process_group(backend=backend_for(backend, device), timeout=timedelta(seconds=timeout_sec),
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend=backend_for(backend, device),
+        timeout=timedelta(seconds=timeout_sec),
+        device_id=device if device.type == "cuda" else None,
+    )
     _joined = True
 
 
@@ -99,8 +106,14 @@ def end_process(code: int) -> NoReturn:
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
-def launch_local_workers(nproc: int, module: str, argv: list[str], shutdown_timeout_sec: float, preempted_exit: int,
-                         saving_signals: tuple[signal.Signals, ...]) -> int:
+def launch_local_workers(
+    nproc: int,
+    module: str,
+    argv: list[str],
+    shutdown_timeout_sec: float,
+    preempted_exit: int,
+    saving_signals: tuple[signal.Signals, ...],
+) -> int:
     """Run `python -m MODULE ARGV` as `nproc` processes on this node through PyTorch's elastic
     launcher (what `torchrun --standalone` does), and return the exit code the run should end with: 0, the
     first failing rank's own code, `preempted_exit` when one of `saving_signals` stopped the run (the
@@ -111,9 +124,17 @@ def launch_local_workers(nproc: int, module: str, argv: list[str], shutdown_time
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    args = parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--signals-to-handle={FORWARDED_SIGNALS}",
-                       f"--shutdown-timeout={math.ceil(shutdown_timeout_sec) + 30}",
-                       "--module", module, *argv])
+    args = parse_args(
+        [
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--signals-to-handle={FORWARDED_SIGNALS}",
+            f"--shutdown-timeout={math.ceil(shutdown_timeout_sec) + 30}",
+            "--module",
+            module,
+            *argv,
+        ]
+    )
     try:
         run(args)
     except SignalException as stopped:

@@ -106,9 +106,11 @@ def norm_specs(cfg: ModelConfig, prefix: str, width: int, owner: str | int) -> l
 
 def mlp_specs(prefix: str, dim: int, hidden: int, owner: int, tp: bool) -> list[ParamSpec]:
     """A gated MLP: w1/w3 [hidden, dim] (column parallel: rows), w2 [dim, hidden] (row parallel: columns)."""
-    return [ParamSpec(f"{prefix}.w1.weight", (hidden, dim), owner, 0 if tp else None),
-            ParamSpec(f"{prefix}.w3.weight", (hidden, dim), owner, 0 if tp else None),
-            ParamSpec(f"{prefix}.w2.weight", (dim, hidden), owner, 1 if tp else None)]
+    return [
+        ParamSpec(f"{prefix}.w1.weight", (hidden, dim), owner, 0 if tp else None),
+        ParamSpec(f"{prefix}.w3.weight", (hidden, dim), owner, 0 if tp else None),
+        ParamSpec(f"{prefix}.w2.weight", (dim, hidden), owner, 1 if tp else None),
+    ]
 
 
 def moe_specs(cfg: ModelConfig, prefix: str, layer: int) -> list[ParamSpec]:
@@ -117,12 +119,18 @@ def moe_specs(cfg: ModelConfig, prefix: str, layer: int) -> list[ParamSpec]:
     d, h, e = cfg.dim, cfg.expert_ffn_dim, cfg.num_experts
     specs = [ParamSpec(f"{prefix}.router.gate.weight", (e, d), layer)]
     if cfg.moe_packed_experts:
-        specs += [ParamSpec(f"{prefix}.experts.w1", (e, d, h), layer), ParamSpec(f"{prefix}.experts.w3", (e, d, h), layer),
-                  ParamSpec(f"{prefix}.experts.w2", (e, h, d), layer)]
+        specs += [
+            ParamSpec(f"{prefix}.experts.w1", (e, d, h), layer),
+            ParamSpec(f"{prefix}.experts.w3", (e, d, h), layer),
+            ParamSpec(f"{prefix}.experts.w2", (e, h, d), layer),
+        ]
     else:
         for i in range(e):
-            specs += [ParamSpec(f"{prefix}.experts.{i}.w1", (d, h), layer), ParamSpec(f"{prefix}.experts.{i}.w3", (d, h), layer),
-                      ParamSpec(f"{prefix}.experts.{i}.w2", (h, d), layer)]
+            specs += [
+                ParamSpec(f"{prefix}.experts.{i}.w1", (d, h), layer),
+                ParamSpec(f"{prefix}.experts.{i}.w3", (d, h), layer),
+                ParamSpec(f"{prefix}.experts.{i}.w2", (h, d), layer),
+            ]
     if cfg.moe_shared_experts:
         specs += mlp_specs(f"{prefix}.shared", d, cfg.moe_shared_experts * h, layer, tp=False)
     return specs
@@ -131,11 +139,17 @@ def moe_specs(cfg: ModelConfig, prefix: str, layer: int) -> list[ParamSpec]:
 def block_specs(cfg: ModelConfig, layer: int) -> list[ParamSpec]:
     p, d, q, kv = f"layers.{layer}", cfg.dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     specs = norm_specs(cfg, f"{p}.attention_norm", d, layer)
-    specs += [ParamSpec(f"{p}.attention.wq.weight", (q, d), layer, 0), ParamSpec(f"{p}.attention.wk.weight", (kv, d), layer, 0),
-              ParamSpec(f"{p}.attention.wv.weight", (kv, d), layer, 0), ParamSpec(f"{p}.attention.wo.weight", (d, q), layer, 1)]
+    specs += [
+        ParamSpec(f"{p}.attention.wq.weight", (q, d), layer, 0),
+        ParamSpec(f"{p}.attention.wk.weight", (kv, d), layer, 0),
+        ParamSpec(f"{p}.attention.wv.weight", (kv, d), layer, 0),
+        ParamSpec(f"{p}.attention.wo.weight", (d, q), layer, 1),
+    ]
     if cfg.qk_norm:
-        specs += [ParamSpec(f"{p}.attention.q_norm.weight", (cfg.head_dim,), layer),
-                  ParamSpec(f"{p}.attention.k_norm.weight", (cfg.head_dim,), layer)]
+        specs += [
+            ParamSpec(f"{p}.attention.q_norm.weight", (cfg.head_dim,), layer),
+            ParamSpec(f"{p}.attention.k_norm.weight", (cfg.head_dim,), layer),
+        ]
     specs += norm_specs(cfg, f"{p}.ffn_norm", d, layer)
     if cfg.is_moe_layer(layer):
         return specs + moe_specs(cfg, f"{p}.feed_forward", layer)
@@ -371,20 +385,30 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
         chunk = [stage_activation_bytes(cfg, layers[s], tokens, s == 0, s == n_stages - 1) for s in stages]
         chunks = forward_chunks(cfg, rank)
         blocks = [i for s in stages for i in layers[s]]
-        rows.append(StageMemory(
-            pp_rank=rank, stages=tuple(stages), blocks=tuple((layers[s].start, layers[s].stop - 1) for s in stages),
-            microbatches_in_flight=len(chunks), params=params, grads=params,
-            optimizer=sum(optimizer_state_bytes(cfg, s, local[s.name]) for s in owned),
-            activations=sum(chunk[local] for local in chunks) + recompute_bytes(cfg, blocks, tokens),
-            buffers=buffer_bytes(cfg, owned, tokens, has_head=n_stages - 1 in stages),
-            grads_persist=t.grad_accum_steps > 1 or d.pp > 1))
+        rows.append(
+            StageMemory(
+                pp_rank=rank,
+                stages=tuple(stages),
+                blocks=tuple((layers[s].start, layers[s].stop - 1) for s in stages),
+                microbatches_in_flight=len(chunks),
+                params=params,
+                grads=params,
+                optimizer=sum(optimizer_state_bytes(cfg, s, local[s.name]) for s in owned),
+                activations=sum(chunk[local] for local in chunks) + recompute_bytes(cfg, blocks, tokens),
+                buffers=buffer_bytes(cfg, owned, tokens, has_head=n_stages - 1 in stages),
+                grads_persist=t.grad_accum_steps > 1 or d.pp > 1,
+            )
+        )
     return rows
 
 
 def stage_specs(specs: list[ParamSpec], layers: range, first: bool, last: bool) -> list[ParamSpec]:
     """The parameters a stage owns: its blocks, the embedding on the first, the final norm and head on the last."""
-    return [s for s in specs if s.owner in layers or (first and s.owner == "embedding")
-            or (last and s.owner in ("norm", "head"))]
+    return [
+        s
+        for s in specs
+        if s.owner in layers or (first and s.owner == "embedding") or (last and s.owner in ("norm", "head"))
+    ]
 
 
 def stage_activation_bytes(cfg: JobConfig, layers: range, tokens: int, first: bool, last: bool) -> int:

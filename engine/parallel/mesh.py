@@ -34,9 +34,15 @@ class ParallelDims:
     ep: int = 1  # not a dimension of its own: ep of the dp_shard ranks split the experts among them
 
     @classmethod
-    def from_config(cls, cfg: DistributedConfig, world_size: int) -> "ParallelDims":
-        dims = cls(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=cfg.resolved_dp_shard(world_size),
-                   cp=cfg.cp, tp=cfg.tp, ep=cfg.ep)
+    def from_config(cls, cfg: DistributedConfig, world_size: int) -> ParallelDims:
+        dims = cls(
+            pp=cfg.pp,
+            dp_replicate=cfg.dp_replicate,
+            dp_shard=cfg.resolved_dp_shard(world_size),
+            cp=cfg.cp,
+            tp=cfg.tp,
+            ep=cfg.ep,
+        )
         assert dims.world_size == world_size, f"{dims} does not fill {world_size} ranks (config validation missed it)"
         return dims
 
@@ -52,13 +58,16 @@ class ParallelDims:
     def mesh_dims(self) -> list[tuple[str, int]]:
         degrees = {name: getattr(self, name) for name in MESH_DIMS}
         data_parallel = self.dp > 1
-        dims = [(name, size) for name, size in degrees.items()
-                if size > 1 or (data_parallel and name in ("dp_replicate", "dp_shard"))]
+        dims = [
+            (name, size)
+            for name, size in degrees.items()
+            if size > 1 or (data_parallel and name in ("dp_replicate", "dp_shard"))
+        ]
         if self.ep == 1:
             return dims
         # dp_shard = expert_dp × ep: ep neighbouring ranks hold different experts, expert_dp copies of each.
         at = [name for name, _ in dims].index("dp_shard")
-        return dims[:at] + [("expert_dp", self.dp_shard // self.ep), ("ep", self.ep)] + dims[at + 1:]
+        return dims[:at] + [("expert_dp", self.dp_shard // self.ep), ("ep", self.ep)] + dims[at + 1 :]
 
 
 @dataclass

@@ -69,17 +69,23 @@ def stage_model(model: Transformer, stage: int, n_stages: int) -> Transformer:
     return part
 
 
-def split_stages(model: Transformer, pp_rank: int, pp_size: int,
-                 n_stages_per_rank: int) -> list[tuple[int, Transformer]]:
+def split_stages(
+    model: Transformer, pp_rank: int, pp_size: int, n_stages_per_rank: int
+) -> list[tuple[int, Transformer]]:
     """(stage index, stage model) for every stage pipeline rank `pp_rank` runs: stages pp_rank + k·pp_size."""
     if model.cfg.tie_embeddings and pp_size > 1:
-        raise UserError("model.tie_embeddings = true cannot be pipelined: the embedding (first stage) and the "
-                        "output head (last stage) would live on different ranks",
-                        "set model.tie_embeddings = false, or distributed.pp = 1")
+        raise UserError(
+            "model.tie_embeddings = true cannot be pipelined: the embedding (first stage) and the "
+            "output head (last stage) would live on different ranks",
+            "set model.tie_embeddings = false, or distributed.pp = 1",
+        )
     if model.cfg.is_moe and pp_size > 1:
-        raise UserError(f"an MoE model (model.num_experts = {model.cfg.num_experts}) cannot be pipelined yet: its "
-                        "routers' auxiliary losses are computed on every stage but the pipeline loss exists only "
-                        "on the last one", "set distributed.pp = 1, or model.num_experts = 0")
+        raise UserError(
+            f"an MoE model (model.num_experts = {model.cfg.num_experts}) cannot be pipelined yet: its "
+            "routers' auxiliary losses are computed on every stage but the pipeline loss exists only "
+            "on the last one",
+            "set distributed.pp = 1, or model.num_experts = 0",
+        )
     n_stages = pp_size * n_stages_per_rank
     return [(stage, stage_model(model, stage, n_stages)) for stage in range(pp_rank, n_stages, pp_size)]
 
@@ -118,8 +124,7 @@ class Pipeline:
         the mean microbatch loss on the last stage's rank, else None."""
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
-        self.schedule.eval(*args, target=labels if self.has_last_stage else None, losses=losses,
-                           return_outputs=False)
+        self.schedule.eval(*args, target=labels if self.has_last_stage else None, losses=losses, return_outputs=False)
         return None if losses is None else torch.stack(losses).mean()
 
     def broadcast_loss(self, loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -131,9 +136,15 @@ class Pipeline:
         return value
 
 
-def build_pipeline(model: Transformer, pp_mesh: DeviceMesh, schedule: str, n_microbatches: int,
-                   loss_fn: StageLoss, device: torch.device,
-                   parallelize_stage: Callable[[Transformer], nn.Module] | None = None) -> Pipeline:
+def build_pipeline(
+    model: Transformer,
+    pp_mesh: DeviceMesh,
+    schedule: str,
+    n_microbatches: int,
+    loss_fn: StageLoss,
+    device: torch.device,
+    parallelize_stage: Callable[[Transformer], nn.Module] | None = None,
+) -> Pipeline:
     """Cut `model` (the full single-device model, identical on every rank, possibly on the meta device) into
     this rank's stages, apply `parallelize_stage` to each (TP / AC / compile / FSDP — whatever the caller
     applies to a whole model otherwise), and build the schedule. `loss_fn` is the per-microbatch mean loss:
@@ -151,8 +162,15 @@ def build_pipeline(model: Transformer, pp_mesh: DeviceMesh, schedule: str, n_mic
     schedule_class = SCHEDULES[schedule]
     runner = schedule_class(stages if per_rank > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
     indices = [stage.stage_index for stage in stages]
-    return Pipeline(runner, parts, stages, has_first_stage=0 in indices, has_last_stage=n_stages - 1 in indices,
-                    group=group, loss_fn=loss_fn)
+    return Pipeline(
+        runner,
+        parts,
+        stages,
+        has_first_stage=0 in indices,
+        has_last_stage=n_stages - 1 in indices,
+        group=group,
+        loss_fn=loss_fn,
+    )
 
 
 def check_microbatches(schedule: str, pp_size: int, n_microbatches: int) -> None:
@@ -160,14 +178,19 @@ def check_microbatches(schedule: str, pp_size: int, n_microbatches: int) -> None
     least pp; interleaved 1F1B, which runs microbatches in rounds of about pp, a multiple of the number of
     rounds max(1, n // pp) — any n < 2·pp, and any multiple of pp."""
     if schedule == "1f1b" and n_microbatches < pp_size:
-        raise UserError(f"distributed.pp_schedule = '1f1b' needs train.grad_accum_steps (the pipeline "
-                        f"microbatches) >= distributed.pp = {pp_size}, got {n_microbatches}",
-                        f"set train.grad_accum_steps to at least {pp_size}")
+        raise UserError(
+            f"distributed.pp_schedule = '1f1b' needs train.grad_accum_steps (the pipeline "
+            f"microbatches) >= distributed.pp = {pp_size}, got {n_microbatches}",
+            f"set train.grad_accum_steps to at least {pp_size}",
+        )
     rounds = max(1, n_microbatches // pp_size)
     if schedule == "interleaved_1f1b" and n_microbatches % rounds:
-        raise UserError(f"distributed.pp_schedule = 'interleaved_1f1b' runs train.grad_accum_steps = "
-                        f"{n_microbatches} microbatches in {rounds} rounds (grad_accum_steps // distributed.pp), "
-                        "so it must be a multiple of that", f"set train.grad_accum_steps to a multiple of {pp_size}")
+        raise UserError(
+            f"distributed.pp_schedule = 'interleaved_1f1b' runs train.grad_accum_steps = "
+            f"{n_microbatches} microbatches in {rounds} rounds (grad_accum_steps // distributed.pp), "
+            "so it must be a multiple of that",
+            f"set train.grad_accum_steps to a multiple of {pp_size}",
+        )
 
 
 def stage_union(parts: list[nn.Module]) -> nn.Module:

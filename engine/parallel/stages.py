@@ -27,8 +27,10 @@ def stage_layer_counts(n_layers: int, n_stages: int) -> list[int]:
     6 over 4 → [1, 2, 2, 1], 4 over 2 → [2, 2].
     """
     if not 1 <= n_stages <= n_layers:
-        raise UserError(f"cannot cut {n_layers} layers into {n_stages} pipeline stages: every stage needs at "
-                        "least one layer", "lower distributed.pp, use a non-interleaved schedule, or add layers")
+        raise UserError(
+            f"cannot cut {n_layers} layers into {n_stages} pipeline stages: every stage needs at least one layer",
+            "lower distributed.pp, use a non-interleaved schedule, or add layers",
+        )
     counts = [1] * n_stages
     extra = [0] * n_stages
     extra[0] += 1

@@ -56,11 +56,15 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, loss_paral
     plan = {  # a pipeline stage has only some of these
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1),
-                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
     }
-    parallelize_module(model, tp_mesh, {name: style for name, style in plan.items() if getattr(model, name) is not None})
+    parallelize_module(
+        model, tp_mesh, {name: style for name, style in plan.items() if getattr(model, name) is not None}
+    )
     for block in model.layers.values():
         parallelize_block(block, tp_mesh)
     if model.cfg.tie_embeddings:
@@ -72,21 +76,26 @@ def parallelize_block(block: Block, tp_mesh: DeviceMesh) -> None:
     """Attention and MLP over TP, norms over the sequence: two all-gathers and two reduce-scatters per block."""
     assert isinstance(block.feed_forward, GatedMLP)
     gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    parallelize_module(block, tp_mesh, {
-        "attention_norm": SequenceParallel(),
-        # (x, cos, sin, cache): only x is sharded; the RoPE tables are plain tensors every rank holds in full.
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
-                                        desired_input_layouts=(Replicate(), None, None, None)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": gather_sequence,
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-    })
+    parallelize_module(
+        block,
+        tp_mesh,
+        {
+            "attention_norm": SequenceParallel(),
+            # (x, cos, sin, cache): only x is sharded; the RoPE tables are plain tensors every rank holds in full.
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": gather_sequence,
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        },
+    )
     attention = block.attention
     if attention.q_norm is not None:
         # q and k are [batch, seq, local heads, head_dim] plain tensors: dimension 2 is the sharded one.

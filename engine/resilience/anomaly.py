@@ -60,7 +60,8 @@ class StepGuard:
         if self.rollbacks >= self.max_rollbacks:
             raise TrainingDiverged(
                 f"{reason} after {self.rollbacks} rollback(s) (train.max_rollbacks = {self.max_rollbacks}): the "
-                f"run is diverging; lower optimizer.lr, tighten train.grad_clip_norm, or inspect the data here")
+                f"run is diverging; lower optimizer.lr, tighten train.grad_clip_norm, or inspect the data here"
+            )
         self.rollbacks += 1
         self.consecutive_bad = 0
         if restored_state is not None and "guard" in restored_state:
@@ -72,11 +73,18 @@ class StepGuard:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able, so an exactly resumed run makes the same skip decisions."""
-        return {"history": list(self.history), "consecutive_bad": self.consecutive_bad,
-                "skipped_steps": self.skipped_steps, "rollbacks": self.rollbacks}
+        return {
+            "history": list(self.history),
+            "consecutive_bad": self.consecutive_bad,
+            "skipped_steps": self.skipped_steps,
+            "rollbacks": self.rollbacks,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history.clear()
         self.history.extend(state["history"])
         self.consecutive_bad, self.skipped_steps, self.rollbacks = (
-            state["consecutive_bad"], state["skipped_steps"], state["rollbacks"])
+            state["consecutive_bad"],
+            state["skipped_steps"],
+            state["rollbacks"],
+        )

@@ -22,13 +22,19 @@ def check_collectives(timeout_sec: float, device: torch.device, monitor_group=No
         try:
             dist.monitored_barrier(monitor_group, timeout=timeout, wait_all_ranks=True)
         except RuntimeError as err:
-            raise CollectiveTimeout(f"rank {rank}: health-check barrier failed after {timeout_sec:g} s: {err}") from None
+            raise CollectiveTimeout(
+                f"rank {rank}: health-check barrier failed after {timeout_sec:g} s: {err}"
+            ) from None
     probe = torch.ones(1, device=device)
     work = dist.all_reduce(probe, async_op=True)
     try:
         finished = work.wait(timeout=timeout)
     except RuntimeError as err:
-        raise CollectiveTimeout(f"rank {rank}: health-check all-reduce did not finish in {timeout_sec:g} s: {err}") from None
+        raise CollectiveTimeout(
+            f"rank {rank}: health-check all-reduce did not finish in {timeout_sec:g} s: {err}"
+        ) from None
     if finished is False or probe.item() != dist.get_world_size():
-        raise CollectiveTimeout(f"rank {rank}: health-check all-reduce returned {probe.item()}, "
-                                f"expected the world size {dist.get_world_size()}")
+        raise CollectiveTimeout(
+            f"rank {rank}: health-check all-reduce returned {probe.item()}, "
+            f"expected the world size {dist.get_world_size()}"
+        )

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later" — the emergency checkpoint is on disk
 SHUTDOWN_TIMEOUT_EXIT = 76  # the save did not finish in time; the run resumes from the previous checkpoint
@@ -63,7 +63,7 @@ class StopRequest:
         self.force_exit(SHUTDOWN_TIMEOUT_EXIT)
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator["StopRequest"]:
+    def installed(self) -> Iterator[StopRequest]:
         """Handle the signals while the block runs (only the main thread may install handlers)."""
         if threading.current_thread() is not threading.main_thread():
             log.info("not in the main thread: preemption signals keep their default handling")

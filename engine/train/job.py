@@ -13,20 +13,21 @@ import hashlib
 import json
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from engine import precision
 from engine.checkpoint.dcp import complete_checkpoints
 from engine.checkpoint.manager import Checkpointer, initialize_from
 from engine.checkpoint.rng import every_rank_rng_state, restore_rank_rng
 from engine.config.job import JobConfig
-from engine import precision
 from engine.errors import UserError
 from engine.metrics.mfu import peak_flops
 from engine.model import build_model
@@ -127,8 +128,10 @@ def with_pinned_schedule(cfg: JobConfig) -> JobConfig:
 
 def check_device_support(cfg: JobConfig, device: torch.device) -> None:
     if device.type == "cpu" and cfg.model.sdpa_backend not in CPU_SDPA_BACKENDS:
-        raise UserError(f"model.sdpa_backend = {cfg.model.sdpa_backend!r} has no CPU kernel",
-                        f"use one of {', '.join(CPU_SDPA_BACKENDS)} on CPU")
+        raise UserError(
+            f"model.sdpa_backend = {cfg.model.sdpa_backend!r} has no CPU kernel",
+            f"use one of {', '.join(CPU_SDPA_BACKENDS)} on CPU",
+        )
 
 
 def data_parallel_rank(dims: ParallelDims, rank: int) -> int:
@@ -165,16 +168,29 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     else:
         model, pipeline = distributed_model(cfg, mesh, device, starts_fresh)
     optimizer = build_optimizer(model, cfg.optimizer)
-    job = Job(cfg=cfg, run_dir=run_dir, device=device, dtype=dtype, model=model, optimizer=optimizer,
-              scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps),
-              scaler=precision.grad_scaler(device, dtype), train_data=train_data, eval_data=eval_data,
-              data_identity=data_identity(train_data),
-              summary=job_summary(cfg, place.world_size), peak_flops=peak_flops(device, dtype),
-              checkpointer=Checkpointer(checkpoint_root(cfg, run_dir), cfg.checkpoint, device),
-              guard=StepGuard(cfg.train), place=place, mesh=mesh, pipeline=pipeline,
-              float8_all_gather=float8_all_gather(cfg, mesh, device),
-              loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn, dims.pp),
-              model_metrics=moe_training(model, cfg, mesh))
+    job = Job(
+        cfg=cfg,
+        run_dir=run_dir,
+        device=device,
+        dtype=dtype,
+        model=model,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps),
+        scaler=precision.grad_scaler(device, dtype),
+        train_data=train_data,
+        eval_data=eval_data,
+        data_identity=data_identity(train_data),
+        summary=job_summary(cfg, place.world_size),
+        peak_flops=peak_flops(device, dtype),
+        checkpointer=Checkpointer(checkpoint_root(cfg, run_dir), cfg.checkpoint, device),
+        guard=StepGuard(cfg.train),
+        place=place,
+        mesh=mesh,
+        pipeline=pipeline,
+        float8_all_gather=float8_all_gather(cfg, mesh, device),
+        loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn, dims.pp),
+        model_metrics=moe_training(model, cfg, mesh),
+    )
     restored = job.checkpointer.restore(model, optimizer) if resuming else None
     if restored is not None:
         restore(job, *restored)
@@ -201,8 +217,9 @@ def initial_model(cfg: JobConfig, starts_fresh: bool) -> Transformer:
     return model
 
 
-def distributed_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device,
-                      starts_fresh: bool) -> tuple[torch.nn.Module, Pipeline | None]:
+def distributed_model(
+    cfg: JobConfig, mesh: ParallelMesh, device: torch.device, starts_fresh: bool
+) -> tuple[torch.nn.Module, Pipeline | None]:
     """This rank's part of the model, with the initial weights of a single-process run. Only rank 0 ever
     holds the whole model, in CPU memory: every rank builds it on the meta device (no memory), applies its
     layout, allocates its own shards, and receives their values from rank 0's copy, one tensor at a time
@@ -225,8 +242,11 @@ def distributed_model(cfg: JobConfig, mesh: ParallelMesh, device: torch.device,
     if full_state is not None:
         missing = set(get_model_state_dict(model)) - set(full_state["names"])
         assert not missing, f"rank 0's model lacks {sorted(missing)[:5]}: they would keep uninitialised memory"
-        set_model_state_dict(model, full_state["tensors"], options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=True, strict=False))  # each rank takes its own keys
+        set_model_state_dict(
+            model,
+            full_state["tensors"],
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
+        )  # each rank takes its own keys
     return model, pipeline
 
 
@@ -244,8 +264,15 @@ def pipelined(model: Transformer, cfg: JobConfig, mesh: ParallelMesh, device: to
     """This rank's pipeline stages, each parallelized like a whole model would be. The pipeline's
     micro-batches are the step's `train.grad_accum_steps` micro-batches."""
     loss = StageCrossEntropy(cfg.train.z_loss_weight)
-    return build_pipeline(model, mesh.get("pp"), cfg.distributed.pp_schedule, cfg.train.grad_accum_steps, loss, device,
-                          parallelize_stage=lambda part: parallelize(part, cfg, mesh, device=device, pipelined=True))
+    return build_pipeline(
+        model,
+        mesh.get("pp"),
+        cfg.distributed.pp_schedule,
+        cfg.train.grad_accum_steps,
+        loss,
+        device,
+        parallelize_stage=lambda part: parallelize(part, cfg, mesh, device=device, pipelined=True),
+    )
 
 
 def restore(job: Job, path: Path, state: dict[str, Any]) -> None:
@@ -265,11 +292,18 @@ def restore(job: Job, path: Path, state: dict[str, Any]) -> None:
 
 def train_state(job: Job, step: int, tokens_seen: int, elapsed_sec: float, wandb_run_id: str | None) -> dict[str, Any]:
     """What a checkpoint holds beside the weights and optimizer; everything is JSON."""
-    return {"step": step, "tokens_seen": tokens_seen, "elapsed_sec": elapsed_sec,
-            "tokens_per_step": job.summary["tokens_per_step"], "data": job.data_identity,
-            "scheduler": job.scheduler.state_dict(), "grad_scaler": job.scaler.state_dict(),
-            "rng": every_rank_rng_state(),
-            "wandb_run_id": wandb_run_id, "guard": job.guard.state_dict()}
+    return {
+        "step": step,
+        "tokens_seen": tokens_seen,
+        "elapsed_sec": elapsed_sec,
+        "tokens_per_step": job.summary["tokens_per_step"],
+        "data": job.data_identity,
+        "scheduler": job.scheduler.state_dict(),
+        "grad_scaler": job.scaler.state_dict(),
+        "rng": every_rank_rng_state(),
+        "wandb_run_id": wandb_run_id,
+        "guard": job.guard.state_dict(),
+    }
 
 
 def check_global_batch(job: Job, path: Path, state: dict[str, Any]) -> None:
@@ -281,10 +315,16 @@ def check_global_batch(job: Job, path: Path, state: dict[str, Any]) -> None:
         return
     t = job.cfg.train
     per_device = saved / (t.seq_len * t.grad_accum_steps * job.summary["data_parallel"])
-    hint = (f"set --train.batch_size={int(per_device)} for this layout" if per_device.is_integer() and per_device >= 1
-            else "choose a layout and train.batch_size × grad_accum_steps that give the same global batch")
-    raise UserError(f"{path} was trained with {saved} tokens per step, but this layout gives {tokens_per_step} "
-                    "(train.batch_size × grad_accum_steps × data-parallel ranks × seq_len)", hint)
+    hint = (
+        f"set --train.batch_size={int(per_device)} for this layout"
+        if per_device.is_integer() and per_device >= 1
+        else "choose a layout and train.batch_size × grad_accum_steps that give the same global batch"
+    )
+    raise UserError(
+        f"{path} was trained with {saved} tokens per step, but this layout gives {tokens_per_step} "
+        "(train.batch_size × grad_accum_steps × data-parallel ranks × seq_len)",
+        hint,
+    )
 
 
 def check_same_data(job: Job, path: Path, state: dict[str, Any]) -> None:
@@ -294,10 +334,12 @@ def check_same_data(job: Job, path: Path, state: dict[str, Any]) -> None:
     differs = state.get("data") not in (None, job.data_identity)
     if not any_rank(differs, job.device):
         return
-    raise UserError(f"{path} was trained on other data than {job.train_data.directory} holds now "
-                    "(another tokenizer, other shards, or other tokens in them)",
-                    "point data.dataset_path (or data.hf_dataset_name, with data.hf_dataset_revision for a Hub "
-                    "dataset) at the data the run trained on, or train into a new --run-dir")
+    raise UserError(
+        f"{path} was trained on other data than {job.train_data.directory} holds now "
+        "(another tokenizer, other shards, or other tokens in them)",
+        "point data.dataset_path (or data.hf_dataset_name, with data.hf_dataset_revision for a Hub "
+        "dataset) at the data the run trained on, or train into a new --run-dir",
+    )
 
 
 def data_identity(train_data: Any) -> str:

@@ -12,7 +12,8 @@ Evaluation calls them with `z_loss=False`, so eval loss is plain CE: neither z-l
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +24,9 @@ from engine.config.train import TrainConfig
 
 
 class ModelLoss(Protocol):
-    def __call__(self, model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *,
-                 z_loss: bool = True) -> torch.Tensor: ...
+    def __call__(
+        self, model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, z_loss: bool = True
+    ) -> torch.Tensor: ...
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float = 0.0) -> torch.Tensor:
@@ -63,8 +65,9 @@ def logsumexp(logits: torch.Tensor) -> torch.Tensor:
     return (logits - peak).exp().sum(dim=-1).log() + peak.squeeze(-1)
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
-                          z_loss_weight: float = 0.0) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, z_loss_weight: float = 0.0
+) -> torch.Tensor:
     """`cross_entropy(hidden @ weightᵀ, labels, z_loss_weight)` without ever holding all the logits.
 
     hidden [batch, seq, dim] (the final-normed states), weight [vocab, dim] (the output head). The logits
@@ -83,8 +86,15 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     the hidden states and of the head."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
-                z_loss_weight: float, dtype: torch.dtype) -> torch.Tensor:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk_size: int,
+        z_loss_weight: float,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         with torch.autocast(hidden.device.type, enabled=False):
             head = weight.to(dtype)
             lse = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
@@ -105,7 +115,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             head = weight.to(dtype)
             grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-            grad_head = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+            grad_head = (
+                torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                if ctx.needs_input_grad[1]
+                else None
+            )
             scale = grad_loss.float() / tokens
             for chunk in chunks(tokens, ctx.chunk_size):
                 h = hidden[chunk].to(dtype)
@@ -143,21 +157,27 @@ def with_moe_loss(model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
 
 @LOSSES.register("cross_entropy")
 def full_logits_loss(cfg: TrainConfig) -> ModelLoss:
-    def loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, z_loss: bool = True) -> torch.Tensor:
+    def loss(
+        model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, z_loss: bool = True
+    ) -> torch.Tensor:
         value = cross_entropy(model(tokens), labels, cfg.z_loss_weight if z_loss else 0.0)
         return with_moe_loss(model, value) if z_loss else value
+
     return loss
 
 
 @LOSSES.register("chunked_cross_entropy")
 def chunked_loss(cfg: TrainConfig) -> ModelLoss:
-    def loss(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, z_loss: bool = True) -> torch.Tensor:
+    def loss(
+        model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, z_loss: bool = True
+    ) -> torch.Tensor:
         hidden, weight = model(tokens, return_hidden=True), model.output.weight
         # Under tensor parallelism both are DTensors (sequence-sharded states, vocabulary-sharded head): the
         # chunks then go through the whole head on every rank, as on one device.
         hidden, weight = (t.full_tensor() if isinstance(t, DTensor) else t for t in (hidden, weight))
         value = chunked_cross_entropy(hidden, weight, labels, cfg.ce_chunk_size, cfg.z_loss_weight if z_loss else 0.0)
         return with_moe_loss(model, value) if z_loss else value
+
     return loss
 
 

@@ -10,9 +10,10 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from engine.config.changes import resume_issues
 from engine.config.job import JobConfig
@@ -28,8 +29,10 @@ RUN_CONFIG = "config.toml"
 def run_config(run_dir: Path, overrides: list[str] = ()) -> JobConfig:
     """The saved config of an existing run, with overrides (which `train` then checks are safe)."""
     if not (run_dir / RUN_CONFIG).is_file():
-        raise UserError(f"{run_dir} is not a Forge run directory (it has no {RUN_CONFIG})",
-                        "pass the folder `forge train` wrote, e.g. runs/debug")
+        raise UserError(
+            f"{run_dir} is not a Forge run directory (it has no {RUN_CONFIG})",
+            "pass the folder `forge train` wrote, e.g. runs/debug",
+        )
     return load_job_config(run_dir / RUN_CONFIG, overrides)
 
 
@@ -45,8 +48,9 @@ def check_run_dir(cfg: JobConfig, run_dir: Path) -> bool:
         return True
     parent = next(p for p in (run_dir, *run_dir.parents) if p.exists())
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"cannot create run directory {run_dir}: {parent} is not writable",
-                        "pass --run-dir somewhere you can write")
+        raise UserError(
+            f"cannot create run directory {run_dir}: {parent} is not writable", "pass --run-dir somewhere you can write"
+        )
     return False
 
 
@@ -64,8 +68,9 @@ class RunOutputs:
             self.lock = None
 
 
-def open_run_dir(cfg: JobConfig, run_dir: Path, train_data: Any, start_step: int,
-                 wandb_run_id: str | None) -> RunOutputs:
+def open_run_dir(
+    cfg: JobConfig, run_dir: Path, train_data: Any, start_step: int, wandb_run_id: str | None
+) -> RunOutputs:
     """Write the run directory and start the metric sinks. A sink that cannot start (W&B not logged in,
     TensorBoard missing) is a user error: then whatever this call created is removed again."""
     created = not run_dir.exists()

@@ -14,7 +14,8 @@ importing torch; only `build_scheduler` touches torch.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from engine.config.registry import SCHEDULERS
 from engine.config.scheduler import SchedulerConfig
@@ -111,7 +112,9 @@ def lr_multiplier(cfg: SchedulerConfig, max_steps: int) -> Callable[[int], float
     return multiplier
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     import torch  # here, not at the top: validate-config imports this module and must not load torch
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg, max_steps))

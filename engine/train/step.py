@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -47,7 +48,9 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
     max_norm = job.cfg.train.grad_clip_norm or math.inf  # 0 = no clipping; the norm is still reported
     grad_norm = clip_grad_norm(job.model.parameters(), max_norm, job.pipeline.group if job.pipeline else None)
     lr = current_lr(job.optimizer)
-    loss_value, norm_value = torch.stack([mean_over_ranks(loss_sum), grad_norm.float()]).tolist()  # the one sync per step
+    loss_value, norm_value = torch.stack(
+        [mean_over_ranks(loss_sum), grad_norm.float()]
+    ).tolist()  # the one sync per step
     problem = job.guard.problem(loss_value, norm_value, scaler_handles_overflow=job.scaler.is_enabled())
     if any_rank(problem is not None, job.device):
         problem = problem or "a bad step on another rank"
@@ -132,21 +135,31 @@ def pipeline_eval_losses(job: Job) -> list[torch.Tensor]:
     losses = []
     with stage_loss.plain():
         for first in range(0, len(batches), n):
-            inputs, labels = (torch.cat(parts).to(job.device) for parts in zip(*batches[first:first + n]))
+            inputs, labels = (torch.cat(parts).to(job.device) for parts in zip(*batches[first : first + n]))
             with job.autocast():
                 loss = job.pipeline.evaluate(inputs, labels)
             losses.append(job.pipeline.broadcast_loss(loss, job.device))
     return losses
 
 
-def step_metrics(job: Job, step: int, result: StepResult, tokens_per_sec: float, tokens_seen: int,
-                 started: float) -> dict[str, Any]:
+def step_metrics(
+    job: Job, step: int, result: StepResult, tokens_per_sec: float, tokens_seen: int, started: float
+) -> dict[str, Any]:
     world = job.place.world_size
     peak = None if job.peak_flops is None else job.peak_flops * world  # tokens/s is the whole job's
-    return {"step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-            "tokens_per_sec": tokens_per_sec, "mfu": mfu(job.summary["flops_per_token"], tokens_per_sec, peak),
-            "tokens_seen": tokens_seen, "elapsed_sec": time.perf_counter() - started, **job.guard.metrics(),
-            **memory_per_rank(job.device), **{k: v for report in job.model_metrics for k, v in report().items()}}
+    return {
+        "step": step,
+        "loss": result.loss,
+        "lr": result.lr,
+        "grad_norm": result.grad_norm,
+        "tokens_per_sec": tokens_per_sec,
+        "mfu": mfu(job.summary["flops_per_token"], tokens_per_sec, peak),
+        "tokens_seen": tokens_seen,
+        "elapsed_sec": time.perf_counter() - started,
+        **job.guard.metrics(),
+        **memory_per_rank(job.device),
+        **{k: v for report in job.model_metrics for k, v in report().items()},
+    }
 
 
 def memory_per_rank(device: torch.device) -> dict[str, float]:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -43,8 +44,9 @@ from engine.train.step import StepResult, evaluate, step_metrics, train_step
 log = logging.getLogger("forge.train")
 
 
-def train(cfg: JobConfig, run_dir: Path, reporter: Reporter | None = None,
-          hooks: TrainHooks | None = None) -> dict[str, Any]:
+def train(
+    cfg: JobConfig, run_dir: Path, reporter: Reporter | None = None, hooks: TrainHooks | None = None
+) -> dict[str, Any]:
     """Train `cfg` into `run_dir`, or continue the run there; return the final summary.
 
     Raises `Preempted` after an emergency checkpoint when SIGTERM/SIGUSR1 arrives, `TrainingDiverged`
@@ -53,14 +55,22 @@ def train(cfg: JobConfig, run_dir: Path, reporter: Reporter | None = None,
     with StopRequest(cfg.train.shutdown_timeout_sec).installed() as stop, process_group_released():
         job = build_job(cfg, run_dir)  # a signal during setup counts too
         if job.start_step >= cfg.train.max_steps:
-            return {"steps": job.start_step, "tokens_seen": job.tokens_seen, "already_complete": True,
-                    "run_dir": str(run_dir)}
+            return {
+                "steps": job.start_step,
+                "tokens_seen": job.tokens_seen,
+                "already_complete": True,
+                "run_dir": str(run_dir),
+            }
         outputs = open_run_dir_on_main(job)
         with logging_to(job.run_dir / "train.log") if job.is_main else contextlib.nullcontext():
             try:
-                return run_loop(job, outputs.trackers,
-                                (reporter or SilentReporter()) if job.is_main else SilentReporter(),
-                                hooks or TrainHooks(), stop)
+                return run_loop(
+                    job,
+                    outputs.trackers,
+                    (reporter or SilentReporter()) if job.is_main else SilentReporter(),
+                    hooks or TrainHooks(),
+                    stop,
+                )
             except BaseException:
                 finish_pending_save(job)
                 raise
@@ -137,13 +147,21 @@ class Progress:
         return time.perf_counter() - self.started
 
 
-def run_loop(job: Job, trackers: MetricsLogger, reporter: Reporter, hooks: TrainHooks, stop: StopRequest) -> dict[str, Any]:
+def run_loop(
+    job: Job, trackers: MetricsLogger, reporter: Reporter, hooks: TrainHooks, stop: StopRequest
+) -> dict[str, Any]:
     cfg, t = job.cfg, job.cfg.train
     loss_fn = build_loss(t)
     tokens_per_step = job.summary["tokens_per_step"]
     profiler = ProfilerWindow(cfg.profiling, job.run_dir, job.device)
-    info = {"run_dir": str(job.run_dir), "device": str(job.device), "dtype": str(job.dtype).removeprefix("torch."),
-            "max_steps": t.max_steps, "start_step": job.start_step, **job.summary}
+    info = {
+        "run_dir": str(job.run_dir),
+        "device": str(job.device),
+        "dtype": str(job.dtype).removeprefix("torch."),
+        "max_steps": t.max_steps,
+        "start_step": job.start_step,
+        **job.summary,
+    }
     reporter.on_start(info)
     log.info("start %s", info)
     monitor = torch.distributed.new_group(backend="gloo") if t.nccl_health_check_interval and distributed() else None
@@ -174,9 +192,16 @@ def run_loop(job: Job, trackers: MetricsLogger, reporter: Reporter, hooks: Train
             raise Preempted(stop.signal_name or "a signal on another rank", step, str(path) if path.exists() else None)
     checkpoint_done(reporter, job.checkpointer.wait())
     profiler.close(t.max_steps)
-    summary = {"steps": t.max_steps, "start_step": job.start_step, "tokens_seen": progress.tokens_seen,
-               "train_time_sec": progress.elapsed(), "final_loss": progress.last.get("loss"),
-               "final_eval_loss": progress.last.get("eval_loss"), **job.guard.metrics(), "run_dir": str(job.run_dir)}
+    summary = {
+        "steps": t.max_steps,
+        "start_step": job.start_step,
+        "tokens_seen": progress.tokens_seen,
+        "train_time_sec": progress.elapsed(),
+        "final_loss": progress.last.get("loss"),
+        "final_eval_loss": progress.last.get("eval_loss"),
+        **job.guard.metrics(),
+        "run_dir": str(job.run_dir),
+    }
     reporter.on_end(summary)
     log.info("done %s", summary)
     return summary
@@ -190,18 +215,26 @@ def skipped(job: Job, step: int, problem: str, progress: Progress) -> None:
             roll_back(job, step, f"{job.cfg.train.max_bad_steps} bad steps in a row")
 
 
-def log_step(job: Job, step: int, result: StepResult, progress: Progress, trackers: MetricsLogger,
-             reporter: Reporter) -> None:
+def log_step(
+    job: Job, step: int, result: StepResult, progress: Progress, trackers: MetricsLogger, reporter: Reporter
+) -> None:
     progress.last = step_metrics(job, step, result, progress.window.rate(), progress.tokens_seen, progress.started)
     trackers.log(step, progress.last)
     reporter.on_log(step, progress.last)
-    log.info("step %d loss %.4f lr %.3e grad_norm %.3f tokens/s %.0f", step, progress.last["loss"], result.lr,
-             progress.last["grad_norm"], progress.last["tokens_per_sec"])
+    log.info(
+        "step %d loss %.4f lr %.3e grad_norm %.3f tokens/s %.0f",
+        step,
+        progress.last["loss"],
+        result.lr,
+        progress.last["grad_norm"],
+        progress.last["tokens_per_sec"],
+    )
     progress.window.reset()
 
 
-def log_eval(job: Job, step: int, loss_fn: ModelLoss, progress: Progress, trackers: MetricsLogger,
-             reporter: Reporter) -> None:
+def log_eval(
+    job: Job, step: int, loss_fn: ModelLoss, progress: Progress, trackers: MetricsLogger, reporter: Reporter
+) -> None:
     with progress.window.pause():
         metrics = evaluate(job, loss_fn)
     trackers.log(step, metrics)
@@ -210,8 +243,9 @@ def log_eval(job: Job, step: int, loss_fn: ModelLoss, progress: Progress, tracke
     progress.last.update(metrics)
 
 
-def checkpoint(job: Job, step: int, preempted: bool, progress: Progress, trackers: MetricsLogger,
-               reporter: Reporter) -> None:
+def checkpoint(
+    job: Job, step: int, preempted: bool, progress: Progress, trackers: MetricsLogger, reporter: Reporter
+) -> None:
     """Save step `step` (due, or the run is preempted), never with non-finite weights."""
     if any_rank(not weights_finite(job.model), job.device):  # never checkpoint non-finite weights
         log.error("step %d: non-finite weights; rolling back instead of saving them", step)
@@ -249,11 +283,19 @@ def roll_back(job: Job, step: int, reason: str) -> None:
         job.guard.rolled_back(reason, None)  # raises TrainingDiverged
     restored = job.checkpointer.rollback(job.model, job.optimizer)
     if restored is None:
-        raise TrainingDiverged(f"{reason} at step {step}, before the first checkpoint, so there is nothing to "
-                               "roll back to; lower optimizer.lr or check the data")
+        raise TrainingDiverged(
+            f"{reason} at step {step}, before the first checkpoint, so there is nothing to "
+            "roll back to; lower optimizer.lr or check the data"
+        )
     job.guard.rolled_back(reason, restored[1])
     job.refresh_float8_scales()
     for group, lr in zip(job.optimizer.param_groups, lrs):
         group["lr"] = lr
-    log.warning("step %d: %s; rolled back to %s (rollback %d of at most %d)", step, reason, restored[0],
-                job.guard.rollbacks, job.cfg.train.max_rollbacks)
+    log.warning(
+        "step %d: %s; rolled back to %s (rollback %d of at most %d)",
+        step,
+        reason,
+        restored[0],
+        job.guard.rollbacks,
+        job.cfg.train.max_rollbacks,
+    )

@@ -8,7 +8,7 @@ tensors and Python numbers, and their param groups may carry extra keys, all of 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn

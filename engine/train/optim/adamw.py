@@ -18,4 +18,6 @@ def fused_supported(model: nn.Module) -> bool:
 @OPTIMIZERS.register("adamw")
 def adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     fused = fused_supported(model) if cfg.fused is None else cfg.fused
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused
+    )

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from engine.config.optimizer import OptimizerConfig
 from engine.config.registry import OPTIMIZERS
-from engine.train.optim.groups import param_groups
 from engine.train.optim.closure import loss_of
+from engine.train.optim.groups import param_groups
 
 
 class Lion(torch.optim.Optimizer):
@@ -25,8 +25,9 @@ class Lion(torch.optim.Optimizer):
     It keeps one state tensor per parameter where AdamW keeps two.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0) -> None:
+    def __init__(
+        self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0
+    ) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
 
     @torch.no_grad()

@@ -13,7 +13,7 @@ decay, and switching `optimizer.name` between the two is a fair comparison.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from engine.config.optimizer import OptimizerConfig
 from engine.config.registry import OPTIMIZERS
-from engine.train.optim.groups import hidden_matrices, param_groups
 from engine.train.optim.closure import loss_of
+from engine.train.optim.groups import hidden_matrices, param_groups
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic of Jordan et al.: steepest slope at 0 that still converges
 NS_EPS = 1e-7
@@ -77,16 +77,33 @@ class Muon(torch.optim.Optimizer):
     reference implementation, for speed) and float32 elsewhere.
     """
 
-    def __init__(self, params: Iterable, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95,
-                 ns_steps: int = 5, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 ns_dtype: torch.dtype | None = None) -> None:
-        defaults = {"lr": lr, "weight_decay": weight_decay, "use_muon": True, "momentum": momentum,
-                    "ns_steps": ns_steps, "betas": betas, "eps": eps}
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 0.02,
+        weight_decay: float = 0.0,
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        ns_dtype: torch.dtype | None = None,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "use_muon": True,
+            "momentum": momentum,
+            "ns_steps": ns_steps,
+            "betas": betas,
+            "eps": eps,
+        }
         super().__init__(params, defaults)
         self.ns_dtype = ns_dtype
         for group in self.param_groups:
             if group["use_muon"] and any(p.ndim != 2 for p in group["params"]):
-                raise ValueError("Muon orthogonalizes 2-D matrices only; put other parameters in a group with use_muon=False")
+                raise ValueError(
+                    "Muon orthogonalizes 2-D matrices only; put other parameters in a group with use_muon=False"
+                )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -130,7 +147,16 @@ def muon(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """Muon on the blocks' matrices at `lr`; AdamW (decay on matrices only) on the rest at `muon_adam_lr`."""
     matrices = hidden_matrices(model)
     adam_lr = cfg.muon_adam_lr or cfg.lr
-    fallback = [{**group, "use_muon": False, "lr": adam_lr}
-                for group in param_groups(model, cfg.weight_decay, exclude=frozenset(map(id, matrices)))]
-    return Muon([{"params": matrices, "use_muon": True}, *fallback], lr=cfg.lr, weight_decay=cfg.weight_decay,
-                momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, betas=cfg.betas, eps=cfg.eps)
+    fallback = [
+        {**group, "use_muon": False, "lr": adam_lr}
+        for group in param_groups(model, cfg.weight_decay, exclude=frozenset(map(id, matrices)))
+    ]
+    return Muon(
+        [{"params": matrices, "use_muon": True}, *fallback],
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        momentum=cfg.muon_momentum,
+        ns_steps=cfg.muon_ns_steps,
+        betas=cfg.betas,
+        eps=cfg.eps,
+    )

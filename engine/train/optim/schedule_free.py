@@ -10,16 +10,16 @@ while training; `eval()` puts x in them (for evaluation and checkpoints) and `tr
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from engine.config.optimizer import OptimizerConfig
 from engine.config.registry import OPTIMIZERS
+from engine.train.optim.closure import loss_of
 from engine.train.optim.groups import param_groups
 from engine.train.schedules import schedule_free_warmup
-from engine.train.optim.closure import loss_of
 
 
 class ScheduleFreeAdamW(torch.optim.Optimizer):
@@ -33,12 +33,28 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
     so it is saved and restored with the optimizer's state dict.
     """
 
-    def __init__(self, params: Iterable, lr: float = 0.0025, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, warmup_steps: int = 0) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 0.0025,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+    ) -> None:
         if not betas[0] > 0:
             raise ValueError("schedule-free AdamW needs betas[0] > 0: it interpolates its sequences with it")
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "warmup_steps": warmup_steps,
-                    "k": 0, "weight_sum": 0.0, "lr_max": -1.0, "train_mode": True}
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "warmup_steps": warmup_steps,
+            "k": 0,
+            "weight_sum": 0.0,
+            "lr_max": -1.0,
+            "train_mode": True,
+        }
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -102,5 +118,11 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
 
 @OPTIMIZERS.register("schedule_free_adamw")
 def schedule_free_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    return ScheduleFreeAdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, warmup_steps=cfg.schedule_free_warmup_steps)
+    return ScheduleFreeAdamW(
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        warmup_steps=cfg.schedule_free_warmup_steps,
+    )
