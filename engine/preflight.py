@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import warnings
@@ -263,10 +264,34 @@ def check_extra(package: str) -> Outcome:
 
 
 def check_slurm() -> Outcome:
-    tools = {tool: shutil.which(tool) for tool in ("sbatch", "srun")}
+    """SLURM's client tools, their version, and whether a controller answers (`scontrol ping`): what
+    `forge slurm` needs. Only information where there are no tools: most machines train without SLURM."""
+    tools = {tool: shutil.which(tool) for tool in ("sbatch", "srun", "scontrol")}
     job = os.environ.get("SLURM_JOB_ID")
     inside = f"; inside SLURM job {job}" if job else ""
     found = [f"{tool} ({path})" for tool, path in tools.items() if path]
-    if not found:
-        return Outcome("info", "sbatch/srun not on PATH (needed only for `forge slurm submit`)" + inside)
-    return Outcome("info", ", ".join(found) + inside)
+    if not tools["sbatch"] or not tools["scontrol"]:
+        return Outcome(
+            "info",
+            (", ".join(found) or "sbatch/srun/scontrol not on PATH") + " (needed only for `forge slurm`)" + inside,
+        )
+    try:
+        version = subprocess.run([tools["sbatch"], "--version"], capture_output=True, text=True, timeout=10)
+        ping = subprocess.run([tools["scontrol"], "ping"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return Outcome("warn", f"{', '.join(found)}: {err}", "check the SLURM client installation")
+    if version.returncode != 0:  # the tools read slurm.conf before anything else, --version included
+        said = (version.stderr.strip() or version.stdout.strip()).splitlines()
+        return Outcome(
+            "warn",
+            f"{', '.join(found)}, but no SLURM configuration: {said[-1] if said else 'no output'}{inside}",
+            "set SLURM_CONF to the cluster's slurm.conf, or run on a login node",
+        )
+    version, answer = version.stdout.strip(), " ".join((ping.stdout.strip() or ping.stderr.strip()).split())
+    if ping.returncode != 0 or " is UP" not in answer:
+        return Outcome(
+            "warn",
+            f"{version}; no controller answers: {answer}{inside}",
+            "check that slurmctld runs and SLURM_CONF names the cluster's slurm.conf",
+        )
+    return Outcome("ok", f"{version}; controller {answer}; {', '.join(found)}{inside}")

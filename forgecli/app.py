@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from forgecli import convert, doctor, generate, init, resume, runs, tokenize, train, validate_config
+from forgecli import convert, doctor, generate, init, resume, runs, slurm, tokenize, train, validate_config
 from forgecli.completion import OverrideCommand
 
 app = typer.Typer(
@@ -28,6 +28,7 @@ app.add_typer(convert.app, name="convert")
 app.command("generate")(generate.generate)
 app.command("init")(init.init)
 app.add_typer(runs.app, name="runs")
+app.add_typer(slurm.app, name="slurm")
 
 
 def main() -> None:
