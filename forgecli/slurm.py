@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from forgecli.completion import OverrideCommand, complete_preset
 from forgecli.overrides import collect_overrides
 from forgecli.ui import console, print_json, user_errors
 
@@ -24,11 +25,13 @@ def say(text: str) -> None:
     console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
-@app.command("submit", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command("submit", cls=OverrideCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 @user_errors
 def submit(
     ctx: typer.Context,
-    preset: Path = typer.Argument(..., help="TOML preset; overrides follow as --section.key=value."),
+    preset: Path = typer.Argument(
+        ..., help="TOML preset; overrides follow as --section.key=value.", autocompletion=complete_preset
+    ),
     nodes: int = typer.Option(1, "--nodes", min=1, help="Nodes to allocate."),
     gpus_per_node: int = typer.Option(0, "--gpus-per-node", min=0, help="GPUs per node (0 = a CPU job)."),
     ntasks_per_node: int | None = typer.Option(
