@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from forgecli.ui import console, err_console, print_json, user_errors
+from forgecli.ui import LiveBar, PlainLines, console, err_console, print_json, user_errors
 
 if TYPE_CHECKING:  # the engine is imported when a command runs, not when `forge --help` loads the app
     from engine.checkpoint.hf import ConvertProgress, ConvertReport
@@ -129,7 +129,7 @@ def progress_view(target: Console, what: str) -> RichProgressView | PlainProgres
     return PlainProgressView(target, what)
 
 
-class RichProgressView:
+class RichProgressView(LiveBar):
     """A live bar over the parameters converted so far."""
 
     def __init__(self, target: Console, what: str) -> None:
@@ -144,29 +144,16 @@ class RichProgressView:
         )
         self.task = self.bar.add_task(what, total=None, tensor="")
 
-    def __enter__(self) -> RichProgressView:
-        self.bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.bar.stop()
-
     def update(self, p: ConvertProgress) -> None:
         self.bar.update(self.task, completed=p.done, total=p.total, tensor=escape(p.tensor))
 
 
-class PlainProgressView:
+class PlainProgressView(PlainLines):
     """For logs: one line every 10 s, none for a conversion quicker than that."""
 
     def __init__(self, target: Console, what: str) -> None:
         self.target, self.what = target, what
         self.last = time.perf_counter()
-
-    def __enter__(self) -> PlainProgressView:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
     def update(self, p: ConvertProgress) -> None:
         now = time.perf_counter()

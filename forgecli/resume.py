@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from forgecli.overrides import collect_overrides
-from forgecli.train import launch, run_training
+from forgecli.train import NprocPerNode, SummaryAsJson, launch, run_training
 from forgecli.ui import user_errors
 
 
@@ -15,15 +15,8 @@ from forgecli.ui import user_errors
 def resume(
     ctx: typer.Context,
     run_dir: Path = typer.Argument(..., help="A run directory written by forge train."),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print the final summary as JSON on stdout (progress lines go to stderr)."
-    ),
-    nproc_per_node: int = typer.Option(
-        1,
-        "--nproc-per-node",
-        min=1,
-        help="Processes on this node (one per GPU), started by PyTorch's elastic launcher.",
-    ),
+    as_json: SummaryAsJson = False,
+    nproc_per_node: NprocPerNode = 1,
 ) -> None:
     """Continue a run from its newest complete checkpoint, with the config saved in it.
 

@@ -14,7 +14,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 
 from engine.data import DEFAULT_SHARD_TOKENS
-from forgecli.ui import console, err_console, print_json, user_errors
+from forgecli.ui import LiveBar, PlainLines, console, err_console, print_json, user_errors
 
 if TYPE_CHECKING:  # the engine is imported when the command runs, not when `forge --help` loads the app
     from engine.data.tokenize import Progress as TokenizeProgress
@@ -130,7 +130,7 @@ def progress_view(target: Console) -> RichProgressView | PlainProgressView:
     return RichProgressView(target) if target.is_terminal and not target.is_dumb_terminal else PlainProgressView(target)
 
 
-class RichProgressView:
+class RichProgressView(LiveBar):
     """A live bar over the input (bytes, or rows of a dataset), with tokens and throughput; one task per phase.
     A stream of unknown length shows a moving bar."""
 
@@ -146,13 +146,6 @@ class RichProgressView:
         self.tasks: dict[str, int] = {}
         self.started = self.last = time.perf_counter()
 
-    def __enter__(self) -> RichProgressView:
-        self.bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.bar.stop()
-
     def update(self, p: TokenizeProgress) -> None:
         if p.phase not in self.tasks:
             for task in self.tasks.values():  # the earlier phase is over, however long its stream was
@@ -165,19 +158,13 @@ class RichProgressView:
         self.bar.update(self.tasks[p.phase], completed=p.done, detail=rows + detail(p, self.last - self.started))
 
 
-class PlainProgressView:
+class PlainProgressView(PlainLines):
     """Plain lines for logs: one when a phase starts or a shard is written, else one every 10 s."""
 
     def __init__(self, target: Console) -> None:
         self.target = target
         self.started = self.last_event = self.last_line = time.perf_counter()
         self.phase, self.shards = "", 0
-
-    def __enter__(self) -> PlainProgressView:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
     def update(self, p: TokenizeProgress) -> None:
         now = time.perf_counter()

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -21,6 +21,18 @@ if TYPE_CHECKING:
     from engine.data.tokenize import Progress as TokenizeProgress
 
 
+# The options `forge train` and `forge resume` share.
+SummaryAsJson = Annotated[
+    bool, typer.Option("--json", help="Print the final summary as JSON on stdout (progress lines go to stderr).")
+]
+NprocPerNode = Annotated[
+    int,
+    typer.Option(
+        "--nproc-per-node", min=1, help="Processes on this node (one per GPU), started by PyTorch's elastic launcher."
+    ),
+]
+
+
 @user_errors
 def train(
     ctx: typer.Context,
@@ -28,15 +40,8 @@ def train(
     run_dir: Path | None = typer.Option(
         None, "--run-dir", help="Where the run is written. Default: runs/<preset name>."
     ),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print the final summary as JSON on stdout (progress lines go to stderr)."
-    ),
-    nproc_per_node: int = typer.Option(
-        1,
-        "--nproc-per-node",
-        min=1,
-        help="Processes on this node (one per GPU), started by PyTorch's elastic launcher.",
-    ),
+    as_json: SummaryAsJson = False,
+    nproc_per_node: NprocPerNode = 1,
 ) -> None:
     """Train a model into a run directory (config, metrics, logs, checkpoints).
 

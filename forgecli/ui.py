@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
+from rich.progress import Progress
 from rich.table import Table
 
 console = Console()
@@ -67,6 +68,29 @@ def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(USER_ERROR_EXIT) from None
 
     return run
+
+
+class LiveBar:
+    """A progress view drawn by a Rich `Progress` (`self.bar`), live while the `with` block runs."""
+
+    bar: Progress
+
+    def __enter__(self) -> Self:
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+
+class PlainLines:
+    """A progress view that prints plain lines as it is updated (logs, pipes): nothing to start or stop."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 def print_json(data: Any) -> None:
