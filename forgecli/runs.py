@@ -17,7 +17,7 @@ from rich.text import Text
 from typer.core import TyperGroup
 
 from forgecli.termplot import line_plot
-from forgecli.ui import console, is_interactive, print_json, user_errors
+from forgecli.ui import console, is_interactive, print_json, print_wide, user_errors
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -73,7 +73,7 @@ def list_runs(
     elif not runs:
         console.print(f"no runs under {directory}", markup=False, highlight=False)
     else:
-        console.print(runs_table(runs))
+        print_wide(runs_table(runs))
 
 
 def name_under(root: Path, run_dir: Path) -> str:
@@ -169,8 +169,8 @@ def compare(
 
         print_json({"differences": differences, "runs": [asdict(run) for run in runs], "curves": series})
         return
-    console.print(differences_table(names, differences))
-    console.print(runs_table(runs))
+    print_wide(differences_table(names, differences))
+    print_wide(runs_table(runs))
     terminal_width = min(console.width, 120)
     losses = [
         (f"{name} {label}", *run[key])

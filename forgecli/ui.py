@@ -10,6 +10,7 @@ from typing import Any, Self
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.progress import Progress
 from rich.table import Table
@@ -91,6 +92,15 @@ class PlainLines:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def print_wide(table: Table) -> None:
+    """A table on stdout; off a terminal (a pipe, a log) at its natural width rather than cut to 80 columns."""
+    if is_interactive():
+        console.print(table)
+        return
+    natural = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    Console(width=max(natural, console.width)).print(table)  # print(width=) can only narrow
 
 
 def print_json(data: Any) -> None:
