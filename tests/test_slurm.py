@@ -40,6 +40,16 @@ runner = CliRunner()
 pytestmark = pytest.mark.xdist_group("slurm")
 
 
+@pytest.fixture(autouse=True)
+def wide_consoles(monkeypatch):
+    """The CLI's consoles take their width from COLUMNS when first imported (80 off a terminal, as in CI): the
+    in-process runs here read whole panels, so widen them for each test."""
+    from forgecli import ui
+
+    for console in (ui.console, ui.err_console):
+        monkeypatch.setattr(console, "width", 200)
+
+
 def dry_run(*args: str, env: dict | None = None):
     return runner.invoke(
         app,
