@@ -52,6 +52,11 @@ def validate_config(
 
     overrides = collect_overrides(ctx.args)
     cfg = load_job_config(preset, overrides).validate(world_size)
+    if cfg.train.hooks:  # imports the research code they name (only then), as `forge train` will
+        from engine.train.hooks import hook_class
+
+        for index, spec in enumerate(cfg.train.hooks):
+            hook_class(spec, index)
     summary = job_summary(cfg, world_size)
     stages = estimate_memory(cfg, world_size)
     sources = field_sources(cfg, preset, overrides)

@@ -95,6 +95,7 @@ def test_arrays_of_tables_replace_instead_of_appending(tmp_path: Path):
     preset = read_preset(top)
     assert preset.raw["train"] == {"hooks": [{"target": "c:C"}], "seed": 1}
     assert preset.sources["train.hooks"] == str(top) and preset.sources["train.seed"] == str(tmp_path / "base.toml")
+    assert [hook.target for hook in load_job_config(top).train.hooks] == ["c:C"]
 
 
 def test_a_table_replaced_by_a_value_forgets_its_old_sources(tmp_path: Path):
