@@ -246,3 +246,8 @@ def test_run_directory_pins_a_number_of_cycles_to_its_boundaries():
     assert pinned.cycles == [30, 60] and pinned.decay_steps is None
     longer = pinned.model_copy(update={"cycles": pinned.cycles})
     assert lr_multiplier(longer, 120)(45) == lr_multiplier(cfg.scheduler, 90)(45)
+
+
+def test_none_has_no_rewarmup_either():
+    with pytest.raises(ValueError, match="no warmup"):
+        SchedulerConfig(name="none", cycles=2, rewarmup_steps=3)

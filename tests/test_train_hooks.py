@@ -191,3 +191,12 @@ def test_validate_config_checks_hook_targets(hook_path):
         PYTHONPATH=path,
     )
     assert bad.returncode == 2 and "train.hooks[0].target" in bad.stdout + bad.stderr
+
+
+def test_hooks_may_change_on_resume():
+    """A hook that stopped a run can be fixed or dropped when the run resumes: hooks change nothing computed."""
+    from engine.config import load_job_config
+    from engine.config.changes import resume_issues
+
+    saved = load_job_config(None, ['--train.hooks=[{target = "a.b:C"}]'])
+    assert resume_issues(saved, load_job_config(None, ["--train.hooks=[]"])) == []

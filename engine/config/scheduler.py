@@ -59,7 +59,7 @@ class SchedulerConfig(Section):
 
     @model_validator(mode="after")
     def _none_has_no_warmup(self) -> SchedulerConfig:
-        if self.name == "none" and self.warmup_steps:
+        if self.name == "none" and (self.warmup_steps or self.rewarmup_steps):
             raise ValueError("scheduler 'none' keeps lr fixed and has no warmup; use name = 'constant' for warmup")
         return self
 
