@@ -117,6 +117,14 @@ def test_a_hook_runs_at_its_cadence_and_call_points(tmp_path, hook_path):
     assert "[[train.hooks]]" in config and "myhooks.recording:Recorder" in config
 
 
+def test_a_hook_that_cannot_be_built_stops_before_training(tmp_path, hook_path):
+    result = train(tmp_path / "run", hook_path, '[{target = "myhooks.recording:Recorder", args = {out = 1, tag = 2}}]')
+    assert result.returncode == 1, result.stderr
+    out = result.stdout + result.stderr
+    assert "train.hooks[0] (myhooks.recording:Recorder) failed in __init__" in out and "Traceback" not in out
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_failing_hook_stops_the_run_with_a_checkpoint(tmp_path, hook_path):
     run_dir = tmp_path / "run"
     result = train(run_dir, hook_path, '[{target = "myhooks.recording:Failing", args = {at = 4}}]')

@@ -109,14 +109,13 @@ class ConfigHooks:
 
     def __init__(self, specs: list[HookSpec], is_main: bool) -> None:
         classes = [hook_class(spec, i) for i, spec in enumerate(specs)]
-        self.hooks = [
-            LoadedHook(
-                f"train.hooks[{i}] ({spec.target})",
-                spec.every,
-                cls(**spec.args) if cls.ranks == "all" or is_main else None,
-            )
-            for i, (spec, cls) in enumerate(zip(specs, classes))
-        ]
+        self.hooks = [LoadedHook(f"train.hooks[{i}] ({spec.target})", spec.every, None) for i, spec in enumerate(specs)]
+        for loaded, spec, cls in zip(self.hooks, specs, classes):
+            if cls.ranks == "all" or is_main:
+                try:
+                    loaded.hook = cls(**spec.args)
+                except Exception as err:
+                    raise HookFailed(f"hook {loaded.name} failed in __init__: {type(err).__name__}: {err}") from err
 
     def step_end(self, step: int, metrics: dict[str, Any], job: Job) -> None:
         due = [h for h in self.hooks if step % h.every == 0]
