@@ -251,3 +251,13 @@ def test_run_directory_pins_a_number_of_cycles_to_its_boundaries():
 def test_none_has_no_rewarmup_either():
     with pytest.raises(ValueError, match="no warmup"):
         SchedulerConfig(name="none", cycles=2, rewarmup_steps=3)
+
+
+def test_inv_sqrt_takes_no_decay_steps_and_the_run_directory_adds_none():
+    from engine.config import load_job_config
+    from engine.train.job import with_pinned_schedule
+
+    with pytest.raises(ValueError, match="no decay_steps"):
+        SchedulerConfig(name="inv_sqrt", decay_steps=10)
+    cfg = load_job_config(None, ["--scheduler.name=inv_sqrt", "--scheduler.warmup_steps=4"]).validate(1)
+    assert with_pinned_schedule(cfg).scheduler.decay_steps is None

@@ -73,6 +73,12 @@ class SchedulerConfig(Section):
         return cycles
 
     @model_validator(mode="after")
+    def _inv_sqrt_has_no_decay_length(self) -> SchedulerConfig:
+        if self.name == "inv_sqrt" and self.decay_steps is not None:
+            raise ValueError("inv_sqrt decays by sqrt(warmup_steps / step) and has no decay_steps; remove it")
+        return self
+
+    @model_validator(mode="after")
     def _rewarmup_needs_cycles(self) -> SchedulerConfig:
         if self.rewarmup_steps is not None and self.cycles is None:
             raise ValueError("rewarmup_steps is the warmup of every cycle after the first; it needs cycles")

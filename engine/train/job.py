@@ -121,7 +121,7 @@ def with_pinned_schedule(cfg: JobConfig) -> JobConfig:
     if cfg.scheduler.cycles is not None:
         starts = cycle_starts(cfg.scheduler, cfg.train.max_steps)[1:]
         return cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"cycles": starts or 1})})
-    if cfg.scheduler.decay_steps is not None:
+    if cfg.scheduler.decay_steps is not None or cfg.scheduler.name == "inv_sqrt":  # inv_sqrt has no decay length
         return cfg
     decay = default_decay_steps(cfg.scheduler, cfg.train.max_steps)
     return cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"decay_steps": decay})})
