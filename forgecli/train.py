@@ -154,6 +154,7 @@ def run_training(cfg: JobConfig, run_dir: Path, as_json: bool) -> None:
     from engine.resilience.anomaly import TrainingDiverged
     from engine.resilience.health import CollectiveTimeout
     from engine.resilience.signals import PREEMPTED_EXIT, Preempted
+    from engine.train.hooks import HookFailed
 
     try:
         with progress_shown_by(cache_build_bar) if live else contextlib.nullcontext():
@@ -170,7 +171,7 @@ def run_training(cfg: JobConfig, run_dir: Path, as_json: bool) -> None:
             soft_wrap=True,
         )
         raise typer.Exit(PREEMPTED_EXIT) from None
-    except (TrainingDiverged, CollectiveTimeout, CheckpointWriteError) as err:
+    except (TrainingDiverged, CollectiveTimeout, CheckpointWriteError, HookFailed) as err:
         show_run_failure(str(err))
         raise typer.Exit(1) from None
     finally:

@@ -26,6 +26,9 @@ def validate_config(
     gpu_memory_gib: float | None = typer.Option(
         None, "--gpu-memory-gib", min=0.0, help="Memory of one GPU: says whether each pipeline stage fits in it."
     ),
+    explain: bool = typer.Option(
+        False, "--explain", help="Show which file (the preset or one it includes) set each field, or override."
+    ),
 ) -> None:
     """Check a preset and its overrides: every error at once, the resolved config, size and cost.
 
@@ -39,36 +42,53 @@ def validate_config(
 
       forge validate-config presets/debug.toml --world-size 8 --distributed.tp=2 --gpu-memory-gib 80
 
+      forge validate-config my_run.toml --explain
+
     """
     from engine.config import load_job_config
+    from engine.config.loader import field_sources
     from engine.parallel.memory import estimate_memory
     from engine.train.summary import job_summary
 
     overrides = collect_overrides(ctx.args)
     cfg = load_job_config(preset, overrides).validate(world_size)
+    if cfg.train.hooks:  # imports the research code they name (only then), as `forge train` will
+        from engine.train.hooks import hook_class
+
+        for index, spec in enumerate(cfg.train.hooks):
+            hook_class(spec, index)
     summary = job_summary(cfg, world_size)
     stages = estimate_memory(cfg, world_size)
+    sources = field_sources(cfg, preset, overrides)
     if as_json:
         memory = {"stages": [stage.as_dict() for stage in stages], "gpu_memory_gib": gpu_memory_gib}
         if gpu_memory_gib is not None:
             memory["fits"] = all(stage.total <= gpu_memory_gib * GIB for stage in stages)
         print_json(
-            {"config": cfg.model_dump(mode="json"), **summary, "memory": memory, "lr_schedule": lr_schedule(cfg)}
+            {
+                "config": cfg.model_dump(mode="json"),
+                "sources": sources,
+                **summary,
+                "memory": memory,
+                "lr_schedule": lr_schedule(cfg),
+            }
         )
         return
-    console.print(config_tree(cfg.model_dump(mode="json"), str(preset)))
+    console.print(config_tree(cfg.model_dump(mode="json"), str(preset), sources if explain else None))
     console.print(summary_table(summary))
     console.print(memory_table(stages, cfg, world_size, gpu_memory_gib))
     console.print(lr_curve(cfg))
     console.print("[green]✓ config is valid[/green]" + (f" for world size {world_size}" if world_size > 1 else ""))
 
 
-def config_tree(data: dict[str, Any], title: str) -> Tree:
+def config_tree(data: dict[str, Any], title: str, sources: dict[str, str] | None = None) -> Tree:
+    """The resolved config; with `sources`, each field followed by the file (or override) that set it."""
     tree = Tree(f"[bold]{escape(title)}[/bold]")
     for section, fields in data.items():
         branch = tree.add(f"[cyan]\\[{section}][/cyan]")
         for key, value in fields.items():
-            branch.add(f"{key} = [magenta]{escape(repr(value))}[/magenta]")
+            origin = f"  [dim]← {escape(sources[f'{section}.{key}'])}[/dim]" if sources else ""
+            branch.add(f"{key} = [magenta]{escape(repr(value))}[/magenta]{origin}")
     return tree
 
 

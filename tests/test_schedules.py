@@ -145,3 +145,119 @@ def test_schedules_never_import_torch():
 
     code = "import sys, engine.train.schedules; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+# --- warm restarts and inv_sqrt ----------------------------------------------------------------------
+
+
+def closed_cycle(name, local, length, warmup, floor):
+    """One cycle's multiplier by its documented closed form (default decay: ends on the cycle's last step)."""
+    if local < warmup:
+        return (local + 1) / (warmup + 1)
+    p = min((local - warmup) / max(length - warmup - 1, 1), 1.0)
+    return {"cosine": floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p)), "linear": 1 - (1 - floor) * p}[name]
+
+
+@pytest.mark.parametrize("name", ["cosine", "linear"])
+def test_equal_cycles_rewarm_and_decay_at_every_step(name):
+    total, warmup, rewarmup, floor = 90, 6, 3, 0.1
+    cfg = SchedulerConfig(name=name, warmup_steps=warmup, min_lr_ratio=floor, cycles=3, rewarmup_steps=rewarmup)
+    f = lr_multiplier(cfg, max_steps=total)
+    for step in range(total):
+        k, local = divmod(step, 30)
+        expected = closed_cycle(name, local, 30, warmup if k == 0 else rewarmup, floor)
+        assert f(step) == pytest.approx(expected, abs=1e-12), step
+    assert f(30) == pytest.approx(1 / 4) and f(29) == pytest.approx(floor) and f(89) == pytest.approx(floor)
+
+
+def test_cycle_boundaries_and_rewarmup_defaulting_to_warmup():
+    total, warmup, floor, bounds = 100, 4, 0.0, [10, 45]
+    f = lr_multiplier(SchedulerConfig(name="cosine", warmup_steps=warmup, min_lr_ratio=floor, cycles=bounds), total)
+    starts, ends = [0, 10, 45], [10, 45, 100]
+    for step in range(total):
+        k = sum(step >= s for s in starts) - 1
+        expected = closed_cycle("cosine", step - starts[k], ends[k] - starts[k], warmup, floor)
+        assert f(step) == pytest.approx(expected, abs=1e-12), step
+
+
+def test_without_cycles_the_numbers_are_unchanged():
+    """One cycle (or cycles unset) gives bitwise the schedule of before."""
+    for name in ("cosine", "linear", "rex", "constant"):
+        plain = lr_multiplier(SchedulerConfig(name=name, warmup_steps=7, min_lr_ratio=0.05), max_steps=123)
+        one = lr_multiplier(SchedulerConfig(name=name, warmup_steps=7, min_lr_ratio=0.05, cycles=1), max_steps=123)
+        for step in range(130):
+            p = min((step - 7) / (123 - 7 - 1), 1.0)
+            if step >= 7 and name == "cosine":
+                assert plain(step) == 0.05 + (1 - 0.05) * (0.5 * (1 + math.cos(math.pi * p)))
+            assert plain(step) == one(step)
+
+
+def test_inv_sqrt_closed_form_at_every_step():
+    warmup = 8
+    f = lr_multiplier(SchedulerConfig(name="inv_sqrt", warmup_steps=warmup), max_steps=200)
+    for step in range(200):
+        expected = (step + 1) / (warmup + 1) if step < warmup else math.sqrt(warmup / max(step, warmup))
+        assert f(step) == pytest.approx(expected, abs=1e-12), step
+    nowarm = lr_multiplier(SchedulerConfig(name="inv_sqrt"), max_steps=50)
+    assert [nowarm(s) for s in range(4)] == pytest.approx([1.0, math.sqrt(1 / 2), math.sqrt(1 / 3), 0.5])
+
+
+def test_inv_sqrt_with_cycles_restarts_its_clock():
+    f = lr_multiplier(SchedulerConfig(name="inv_sqrt", warmup_steps=4, cycles=[20], rewarmup_steps=2), 40)
+    assert f(19) == pytest.approx(math.sqrt(4 / 19))
+    assert [f(20), f(21), f(22), f(30)] == pytest.approx([1 / 3, 2 / 3, 1.0, math.sqrt(4 / 12)])
+
+
+def test_cycles_are_validated():
+    from engine.config import load_job_config
+    from engine.errors import ConfigError
+
+    for bad in ("[10,5]", "[0,10]", "0"):
+        with pytest.raises(ConfigError, match=r"scheduler\.cycles"):
+            load_job_config(None, [f"--scheduler.cycles={bad}"])
+    with pytest.raises(ConfigError, match="rewarmup_steps"):
+        load_job_config(None, ["--scheduler.rewarmup_steps=3"])
+    with pytest.raises(ConfigError, match=r"scheduler\.cycles"):
+        load_job_config(None, ["--scheduler.cycles=[50]", "--train.max_steps=50"]).validate(1)
+
+
+def test_key_steps_mark_every_rewarmup():
+    from engine.config import load_job_config
+    from engine.train.schedules import key_steps
+
+    cfg = load_job_config(
+        None,
+        [
+            "--scheduler.warmup_steps=5",
+            "--scheduler.cycles=[40, 70]",
+            "--scheduler.rewarmup_steps=3",
+            "--train.max_steps=100",
+        ],
+    ).validate(1)
+    assert key_steps(cfg) == [0, 4, 5, 39, 40, 42, 43, 69, 70, 72, 73, 99]
+
+
+def test_run_directory_pins_a_number_of_cycles_to_its_boundaries():
+    from engine.config import load_job_config
+    from engine.train.job import with_pinned_schedule
+
+    cfg = load_job_config(None, ["--scheduler.cycles=3", "--train.max_steps=90"]).validate(1)
+    pinned = with_pinned_schedule(cfg).scheduler
+    assert pinned.cycles == [30, 60] and pinned.decay_steps is None
+    longer = pinned.model_copy(update={"cycles": pinned.cycles})
+    assert lr_multiplier(longer, 120)(45) == lr_multiplier(cfg.scheduler, 90)(45)
+
+
+def test_none_has_no_rewarmup_either():
+    with pytest.raises(ValueError, match="no warmup"):
+        SchedulerConfig(name="none", cycles=2, rewarmup_steps=3)
+
+
+def test_inv_sqrt_takes_no_decay_steps_and_the_run_directory_adds_none():
+    from engine.config import load_job_config
+    from engine.train.job import with_pinned_schedule
+
+    with pytest.raises(ValueError, match="no decay_steps"):
+        SchedulerConfig(name="inv_sqrt", decay_steps=10)
+    cfg = load_job_config(None, ["--scheduler.name=inv_sqrt", "--scheduler.warmup_steps=4"]).validate(1)
+    assert with_pinned_schedule(cfg).scheduler.decay_steps is None

@@ -2,7 +2,8 @@
 
 A resumed run must continue the same computation: the model's shape, the data and its order, and the
 optimization all come from the saved config. Only fields that do not change what is computed, or that
-extend it (train.max_steps), may differ. The layout may change too (`distributed.*`, and the per-device
+extend it (train.max_steps), may differ; so may `train.hooks` (a hook that stopped a run can be fixed or
+dropped on resume). The layout may change too (`distributed.*`, and the per-device
 `train.batch_size` and `grad_accum_steps`) as long as the global batch stays the same: the trainer checks
 that against the checkpoint's tokens per step, since it depends on the world size. The `[data]` fields may
 change (data moved, a Hub revision pinned after the fact) because the trainer checks the data itself against
@@ -23,6 +24,7 @@ SAFE_ON_RESUME = (
     "train.shutdown_timeout_sec",
     "train.nccl_health_check_interval",
     "train.max_rollbacks",
+    "train.hooks",
     "train.batch_size",
     "train.grad_accum_steps",
     "distributed.",

@@ -210,6 +210,14 @@ def optimization_issues(cfg: JobConfig) -> list[ConfigIssue]:
                 "use e.g. betas = [0.9, 0.999]",
             )
         )
+    if s.cycles is not None and max(s.cycles if isinstance(s.cycles, list) else [s.cycles]) >= t.max_steps:
+        issues.append(
+            ConfigIssue(
+                "scheduler.cycles",
+                f"{s.cycles} does not fit in train.max_steps = {t.max_steps}",
+                "give fewer cycles, or boundaries below train.max_steps",
+            )
+        )
     if s.name == "wsd" and s.stable_steps and s.decay_steps is None:
         to_end = t.max_steps - s.warmup_steps - s.stable_steps - 1
         issues.append(

@@ -4,11 +4,17 @@ Overrides are `--section.key=value` (or `section.key=value`); the value is parse
 (`[0.9,0.95]`, `false`, `3e-4`, `"text"`). For a text field, and wherever the value is not a valid
 literal, it is taken as the text itself, so paths and names need no quoting (`--data.dataset_path=123`
 stays "123", `--metrics.wandb_run_name=2024-01-01` stays a name, not a date).
+
+A preset may start with `include = ["base.toml", …]`: those files are read first (paths relative to the
+including file, recursively), in order, and then the including file itself; a later one overrides an earlier
+one, tables merge key by key, and anything else (a value, an array, an array of tables) replaces what was
+there. `read_preset` also says which file set each field; the resolved config (`dump_toml`) has no include.
 """
 
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +28,7 @@ from engine.errors import ConfigError, ConfigIssue
 
 def load_job_config(preset: str | Path | None, overrides: list[str] = ()) -> JobConfig:
     """Defaults < preset < overrides, validated per field and per section (not yet against a world size)."""
-    raw = read_toml(preset) if preset is not None else {}
+    raw = read_preset(preset).raw if preset is not None else {}
     source = str(preset) if preset is not None else "defaults"
     issues: list[ConfigIssue] = []
     for item in overrides:
@@ -47,6 +53,82 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(
             [ConfigIssue(str(path), f"not valid TOML: {e}", "fix the syntax at the line shown")], str(path)
         ) from None
+
+
+INCLUDE = "include"
+
+
+@dataclass
+class Preset:
+    """A preset with its includes resolved: the merged tables, and the file that set each dotted field."""
+
+    raw: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def merge(self, table: dict[str, Any], origin: str) -> None:
+        merge_tables(self.raw, self.sources, table, origin, "")
+
+
+def read_preset(path: str | Path, chain: tuple[Path, ...] = ()) -> Preset:
+    """`path` after its includes (and theirs): a cycle or a missing included file names the whole chain."""
+    path = Path(path)
+    chain = (*chain, path)
+    if path.resolve() in {link.resolve() for link in chain[:-1]}:
+        raise include_error(path, "include cycle", chain, "remove one of the includes that close the loop")
+    if len(chain) > 1 and not path.is_file():
+        raise include_error(path, "included file not found", chain, "include paths are relative to the file")
+    own = read_toml(path)
+    includes = own.pop(INCLUDE, [])
+    if not isinstance(includes, list) or not all(isinstance(entry, str) for entry in includes):
+        issue = ConfigIssue(INCLUDE, f"must be a list of file paths, got {includes!r}", 'include = ["base.toml"]')
+        raise ConfigError([issue], str(path))
+    preset = Preset()
+    for entry in includes:
+        included = read_preset(path.parent / entry, chain)
+        preset.merge(included.raw, "")
+        preset.sources.update(included.sources)
+    preset.merge(own, str(path))
+    return preset
+
+
+def include_error(path: Path, problem: str, chain: tuple[Path, ...], hint: str) -> ConfigError:
+    links = " → ".join(str(link) for link in chain)
+    return ConfigError([ConfigIssue(INCLUDE, f"{problem}: {links}", hint)], str(chain[0]))
+
+
+def merge_tables(
+    into: dict[str, Any], sources: dict[str, str], table: dict[str, Any], origin: str, prefix: str
+) -> None:
+    """Merge `table` over `into`: tables key by key, anything else replaces; record `origin` per field set
+    (an empty origin keeps the sources the caller copies in)."""
+    for key, value in table.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            if not isinstance(into.get(key), dict):
+                into[key] = {}
+            merge_tables(into[key], sources, value, origin, f"{path}.")
+            continue
+        into[key] = value
+        for stale in [name for name in sources if name.startswith(f"{path}.")]:
+            del sources[stale]
+        if origin:
+            sources[path] = origin
+
+
+def field_sources(cfg: JobConfig, preset: str | Path | None, overrides: list[str] = ()) -> dict[str, str]:
+    """Where each field of `cfg` got its value: the preset file that set it (one of its includes, or the preset
+    itself), "override" for a command-line override, or "default"."""
+    given = read_preset(preset).sources if preset is not None else {}
+    given.update({".".join(parse_override(item)[0]): "override" for item in overrides})
+    return {
+        name: source_of(name, given) for name in (f"{s}.{k}" for s, fields in cfg.model_dump().items() for k in fields)
+    }
+
+
+def source_of(name: str, given: dict[str, str]) -> str:
+    """The file that set field `name`, or one of its keys when the field is a table (the last one listed)."""
+    inner = [origin for key, origin in given.items() if key.startswith(f"{name}.")]
+    return given.get(name) or (inner[-1] if inner else "default")
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

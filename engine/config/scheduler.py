@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from engine.config.base import Section
 
-SchedulerName = Literal["cosine", "linear", "wsd", "constant", "rex", "none"]
+SchedulerName = Literal["cosine", "linear", "wsd", "constant", "rex", "inv_sqrt", "none"]
 
 
 class SchedulerConfig(Section):
@@ -34,6 +34,15 @@ class SchedulerConfig(Section):
     )
     wsd_decay_type: Literal["cosine", "linear", "sqrt"] = Field("cosine", description="wsd only: shape of the decay")
     rex_alpha: float = Field(1.0, gt=0, description="rex only: exponent on the REX profile; 1 = the paper's schedule")
+    cycles: int | list[int] | None = Field(
+        None,
+        description="warm restarts: a number of equal cycles, or the steps after which a new cycle begins "
+        "(strictly increasing, below max_steps); each cycle warms up again and runs the whole schedule over "
+        "its own length; unset = one cycle",
+    )
+    rewarmup_steps: int | None = Field(
+        None, ge=0, description="with cycles: warmup of every cycle after the first; unset = warmup_steps"
+    )
 
     readers: ClassVar[dict[str, str]] = {
         "name": "train/schedules.py",
@@ -43,13 +52,36 @@ class SchedulerConfig(Section):
         "stable_steps": "train/schedules.py",
         "wsd_decay_type": "train/schedules.py",
         "rex_alpha": "train/schedules.py",
+        "cycles": "train/schedules.py",
+        "rewarmup_steps": "train/schedules.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
     @model_validator(mode="after")
     def _none_has_no_warmup(self) -> SchedulerConfig:
-        if self.name == "none" and self.warmup_steps:
+        if self.name == "none" and (self.warmup_steps or self.rewarmup_steps):
             raise ValueError("scheduler 'none' keeps lr fixed and has no warmup; use name = 'constant' for warmup")
+        return self
+
+    @field_validator("cycles")
+    @classmethod
+    def _cycles_are_ordered(cls, cycles: int | list[int] | None) -> int | list[int] | None:
+        if isinstance(cycles, int) and cycles < 1:
+            raise ValueError(f"a number of cycles must be at least 1, got {cycles}")
+        if isinstance(cycles, list) and not all(a < b for a, b in zip([0, *cycles], cycles)):
+            raise ValueError(f"step boundaries must be above 0 and strictly increasing, got {cycles}")
+        return cycles
+
+    @model_validator(mode="after")
+    def _inv_sqrt_has_no_decay_length(self) -> SchedulerConfig:
+        if self.name == "inv_sqrt" and self.decay_steps is not None:
+            raise ValueError("inv_sqrt decays by sqrt(warmup_steps / step) and has no decay_steps; remove it")
+        return self
+
+    @model_validator(mode="after")
+    def _rewarmup_needs_cycles(self) -> SchedulerConfig:
+        if self.rewarmup_steps is not None and self.cycles is None:
+            raise ValueError("rewarmup_steps is the warmup of every cycle after the first; it needs cycles")
         return self
 
 

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
 from engine.config.base import Section
+
+
+class HookSpec(Section):
+    """One `[[train.hooks]]` entry: a `TrainingHook` subclass (engine/train/hooks.py) to run in the loop."""
+
+    target: str = Field(
+        ...,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description='"package.module:Class", importable in the training processes (e.g. on PYTHONPATH)',
+    )
+    every: int = Field(1, gt=0, description="on_step_end runs every this many steps (the other call points always)")
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the class's constructor")
 
 
 class TrainConfig(Section):
@@ -85,6 +97,11 @@ class TrainConfig(Section):
         "rolling back to the last checkpoint",
     )
     max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed before the run stops as diverged (exit code 1)")
+    hooks: list[HookSpec] = Field(
+        default_factory=list,
+        description="[[train.hooks]] {target, every, args}: research code called on step end, eval, checkpoint "
+        "and run end (docs/training.md#hooks); a failing hook stops the run after a checkpoint (exit code 1)",
+    )
 
     readers: ClassVar[dict[str, str]] = {
         "batch_size": "data/loader.py",
@@ -107,6 +124,7 @@ class TrainConfig(Section):
         "spike_window": "resilience/anomaly.py",
         "max_bad_steps": "resilience/anomaly.py",
         "max_rollbacks": "train/trainer.py",
+        "hooks": "train/hooks.py, train/trainer.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 

@@ -17,7 +17,7 @@ import tomlkit
 from engine.config import optimizer as optimizer_fields
 from engine.config import scheduler as scheduler_fields
 from engine.config.job import MOE_FIELDS, JobConfig
-from engine.config.loader import build_job_config, read_toml
+from engine.config.loader import build_job_config, read_preset
 
 DataKind = Literal["embedded", "shards", "hf"]
 MOE_DEFAULTS = {"num_experts": 8, "moe_top_k": 2}
@@ -78,7 +78,7 @@ def find_presets(folders: list[Path]) -> dict[str, Path]:
 def answers_from(base: Path | None) -> InitAnswers:
     """The answers that reproduce `base` (its model, data, precision, optimizer and steps): what `--from`
     writes, and the defaults the prompts offer."""
-    cfg = build_job_config(read_toml(base), str(base)) if base is not None else JobConfig()
+    cfg = build_job_config(read_preset(base).raw, str(base)) if base is not None else JobConfig()
     data: DataKind = "hf" if cfg.data.hf_dataset_name else "shards" if cfg.data.dataset_path else "embedded"
     d = cfg.distributed
     per_node = max(d.dp_shard, 1) * d.tp * d.pp * d.cp  # dp_shard = -1 fills what it is given: 1 GPU at least
@@ -100,7 +100,7 @@ def answers_from(base: Path | None) -> InitAnswers:
 def build_preset(answers: InitAnswers, name: str = "preset") -> WrittenPreset:
     """The commented TOML for `answers`, validated (per field and for its world size) before it is returned:
     raises ConfigError when the answers do not make a valid job."""
-    raw = read_toml(answers.base) if answers.base is not None else {}
+    raw = read_preset(answers.base).raw if answers.base is not None else {}
     derived: dict[str, str] = {}
     for step in (apply_model, apply_data, apply_layout, apply_precision, apply_optimizer, apply_budget):
         step(raw, answers, derived)

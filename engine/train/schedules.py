@@ -7,6 +7,15 @@ the peak for `stable_steps` = S steps (the other schedules have S = 0). The deca
 p = (s - W - S) / D, and stays at the floor after. By default D = max_steps - W - S - 1, so the last step
 (s = max_steps - 1) trains exactly at the floor.
 
+`inv_sqrt` has no decay length: after the warmup it is sqrt(T / (T + k)), k = s - W the steps since the
+warmup ended and T = max(warmup_steps, 1); with W >= 1 that is the familiar sqrt(W / max(s, W)).
+
+Warm restarts (`cycles`): the run is cut into cycles at step boundaries b_1 < b_2 < … (a number N of cycles
+cuts it into N equal ones at floor(k · max_steps / N)). Cycle k runs steps b_k … b_{k+1} - 1 (the last one to
+max_steps - 1) as a whole schedule of its own: its local step is s - b_k, it warms up over `rewarmup_steps`
+(`warmup_steps` for the first cycle), and its default decay ends on its own last step. Without `cycles` the
+whole run is one cycle and the numbers are exactly those above.
+
 The multipliers are plain Python (no torch), so `forge validate-config` can draw the curve without
 importing torch; only `build_scheduler` touches torch.
 """
@@ -14,6 +23,7 @@ importing torch; only `build_scheduler` touches torch.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -25,7 +35,18 @@ if TYPE_CHECKING:
 
     from engine.config.job import JobConfig
 
-Decay = Callable[[float, SchedulerConfig], float]  # (progress in [0, 1], config) -> multiplier
+Decay = Callable[[int, int, SchedulerConfig], float]  # (steps since the peak began to fall, decay_steps, config)
+Shape = Callable[[float, SchedulerConfig], float]  # (progress in [0, 1], config) -> multiplier
+
+
+def by_progress(shape: Shape) -> Decay:
+    """A schedule that falls over `decay_steps` by progress p = steps / decay_steps, then stays at p = 1."""
+
+    def decay(steps: int, decay_steps: int, cfg: SchedulerConfig) -> float:
+        return shape(min(steps / decay_steps, 1.0), cfg)
+
+    decay.__doc__ = shape.__doc__
+    return decay
 
 
 def above_floor(shape: float, floor: float) -> float:
@@ -57,16 +78,19 @@ WSD_SHAPES: dict[str, Callable[[float], float]] = {"cosine": cosine_shape, "line
 
 
 @SCHEDULERS.register("cosine")
+@by_progress
 def cosine(progress: float, cfg: SchedulerConfig) -> float:
     return above_floor(cosine_shape(progress), cfg.min_lr_ratio)
 
 
 @SCHEDULERS.register("linear")
+@by_progress
 def linear(progress: float, cfg: SchedulerConfig) -> float:
     return above_floor(linear_shape(progress), cfg.min_lr_ratio)
 
 
 @SCHEDULERS.register("wsd")
+@by_progress
 def warmup_stable_decay(progress: float, cfg: SchedulerConfig) -> float:
     """Warmup-stable-decay (Hu et al. 2024, MiniCPM): the peak is held for stable_steps (in `lr_multiplier`),
     then decays with the `wsd_decay_type` shape; a run can branch its decay from any stable checkpoint."""
@@ -74,40 +98,81 @@ def warmup_stable_decay(progress: float, cfg: SchedulerConfig) -> float:
 
 
 @SCHEDULERS.register("rex")
+@by_progress
 def rex(progress: float, cfg: SchedulerConfig) -> float:
     return above_floor(rex_shape(progress, cfg.rex_alpha), cfg.min_lr_ratio)
 
 
 @SCHEDULERS.register("constant")
+@by_progress
 def constant(progress: float, cfg: SchedulerConfig) -> float:
     return 1.0
 
 
 @SCHEDULERS.register("none")
+@by_progress
 def no_schedule(progress: float, cfg: SchedulerConfig) -> float:
     return 1.0
+
+
+@SCHEDULERS.register("inv_sqrt")
+def inverse_sqrt(steps: int, decay_steps: int, cfg: SchedulerConfig) -> float:
+    """Inverse square root (Vaswani et al. 2017): sqrt(T / (T + steps)) with T = max(warmup_steps, 1), so it
+    leaves the peak at the rate the warmup reached it and never reaches a floor (decay_steps is not read)."""
+    timescale = max(cfg.warmup_steps, 1)
+    return math.sqrt(timescale / (timescale + steps))
 
 
 def stable_steps(cfg: SchedulerConfig) -> int:
     return cfg.stable_steps if cfg.name == "wsd" else 0
 
 
-def default_decay_steps(cfg: SchedulerConfig, max_steps: int) -> int:
+def default_decay_steps(cfg: SchedulerConfig, max_steps: int, warmup: int | None = None) -> int:
     """The decay that ends on the last step: max_steps - warmup - stable - 1 (at least 1)."""
-    return max(max_steps - cfg.warmup_steps - stable_steps(cfg) - 1, 1)
+    warmup = cfg.warmup_steps if warmup is None else warmup
+    return max(max_steps - warmup - stable_steps(cfg) - 1, 1)
 
 
-def lr_multiplier(cfg: SchedulerConfig, max_steps: int) -> Callable[[int], float]:
+def cycle_starts(cfg: SchedulerConfig, max_steps: int) -> list[int]:
+    """The 0-based step each cycle begins at: [0] without warm restarts."""
+    if cfg.cycles is None:
+        return [0]
+    if isinstance(cfg.cycles, int):
+        return [k * max_steps // cfg.cycles for k in range(cfg.cycles)]
+    return [0, *cfg.cycles]
+
+
+def cycle_warmup(cfg: SchedulerConfig, cycle: int) -> int:
+    rewarmup = cfg.warmup_steps if cfg.rewarmup_steps is None else cfg.rewarmup_steps
+    return cfg.warmup_steps if cycle == 0 else rewarmup
+
+
+def one_cycle(cfg: SchedulerConfig, length: int, warmup: int) -> Callable[[int], float]:
+    """The schedule of a run (or cycle) of `length` steps that warms up over `warmup`, by its local step."""
     decay: Decay = SCHEDULERS.get(cfg.name)
-    warmup, hold = cfg.warmup_steps, stable_steps(cfg)
-    decay_steps = cfg.decay_steps or default_decay_steps(cfg, max_steps)
+    hold = stable_steps(cfg)
+    decay_steps = cfg.decay_steps or default_decay_steps(cfg, length, warmup)
 
     def multiplier(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
         if step < warmup + hold:
             return 1.0
-        return decay(min((step - warmup - hold) / decay_steps, 1.0), cfg)
+        return decay(step - warmup - hold, decay_steps, cfg)
+
+    return multiplier
+
+
+def lr_multiplier(cfg: SchedulerConfig, max_steps: int) -> Callable[[int], float]:
+    starts = cycle_starts(cfg, max_steps)
+    ends = [*starts[1:], max_steps]
+    cycles = [one_cycle(cfg, end - start, cycle_warmup(cfg, k)) for k, (start, end) in enumerate(zip(starts, ends))]
+    if len(cycles) == 1:
+        return cycles[0]
+
+    def multiplier(step: int) -> float:
+        k = bisect_right(starts, step) - 1
+        return cycles[k](step - starts[k])
 
     return multiplier
 
@@ -134,12 +199,18 @@ def learning_rate(cfg: JobConfig, step: int) -> float:
 
 
 def key_steps(cfg: JobConfig) -> list[int]:
-    """The 0-based steps where the schedule changes phase: first, end of warmup, end of stable, floor, last."""
+    """The 0-based steps where the schedule changes phase: first, end of warmup, end of stable, floor, last;
+    for every cycle of a warm-restart schedule (its first step, the end of its rewarmup, …)."""
     s, last = cfg.scheduler, cfg.train.max_steps - 1
-    peak = s.warmup_steps + stable_steps(s)
-    marks = {0, s.warmup_steps - 1, s.warmup_steps, peak, last}
-    if s.name not in ("constant", "none"):
-        marks.add(peak + (s.decay_steps or default_decay_steps(s, cfg.train.max_steps)))
+    starts = cycle_starts(s, cfg.train.max_steps)
+    marks = {last}
+    for k, (start, end) in enumerate(zip(starts, [*starts[1:], cfg.train.max_steps])):
+        warmup = cycle_warmup(s, k)
+        peak = start + warmup + stable_steps(s)
+        marks |= {start, start + warmup - 1, start + warmup, peak, end - 1}
+        floor = peak + (s.decay_steps or default_decay_steps(s, end - start, warmup))
+        if s.name not in ("constant", "none", "inv_sqrt") and floor < end:
+            marks.add(floor)
     if cfg.optimizer.name == "schedule_free_adamw":
         marks.add(cfg.optimizer.schedule_free_warmup_steps - 1)
     return sorted(m for m in marks if 0 <= m <= last)

@@ -34,6 +34,10 @@ class StepResult:
     lr: float
     problem: str | None  # why the update was skipped; None when it was applied
 
+    def as_metrics(self, step: int) -> dict[str, Any]:
+        """What a config hook's on_step_end receives: every step has these, not only the logged ones."""
+        return {"step": step, "loss": self.loss, "grad_norm": self.grad_norm, "lr": self.lr, "skipped": self.problem}
+
 
 def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHooks) -> StepResult:
     """One optimizer step over grad_accum_steps micro-batches, or none when the step is bad (non-finite,

@@ -29,11 +29,12 @@ from torch.distributed.tensor import DTensor
 from engine.config.job import JobConfig
 from engine.metrics.trackers import MetricsLogger
 from engine.parallel.launch import leave_process_group
+from engine.parallel.place import process_place
 from engine.resilience.anomaly import TrainingDiverged
 from engine.resilience.collectives import any_rank, distributed, on_rank0
 from engine.resilience.health import check_collectives
 from engine.resilience.signals import Preempted, StopRequest
-from engine.train.hooks import TrainHooks
+from engine.train.hooks import ConfigHooks, HookFailed, TrainHooks
 from engine.train.job import Job, build_job, train_state
 from engine.train.losses import ModelLoss, build_loss
 from engine.train.profiling import ProfilerWindow
@@ -51,7 +52,9 @@ def train(
 
     Raises `Preempted` after an emergency checkpoint when SIGTERM/SIGUSR1 arrives, `TrainingDiverged`
     when rollbacks cannot recover the loss, `CollectiveTimeout` when a rank stops answering,
-    `CheckpointWriteError` when a checkpoint cannot be written."""
+    `CheckpointWriteError` when a checkpoint cannot be written, `HookFailed` after a checkpoint when a
+    `[[train.hooks]]` hook raises (engine/train/hooks.py)."""
+    config_hooks = ConfigHooks(cfg.train.hooks, process_place().rank == 0)  # a bad hook fails before anything
     with StopRequest(cfg.train.shutdown_timeout_sec).installed() as stop, process_group_released():
         job = build_job(cfg, run_dir)  # a signal during setup counts too
         if job.start_step >= cfg.train.max_steps:
@@ -70,6 +73,7 @@ def train(
                     outputs.trackers,
                     (reporter or SilentReporter()) if job.is_main else SilentReporter(),
                     hooks or TrainHooks(),
+                    config_hooks,
                     stop,
                 )
                 ending = {"reason": "complete", "step": summary["steps"]}
@@ -160,7 +164,12 @@ class Progress:
 
 
 def run_loop(
-    job: Job, trackers: MetricsLogger, reporter: Reporter, hooks: TrainHooks, stop: StopRequest
+    job: Job,
+    trackers: MetricsLogger,
+    reporter: Reporter,
+    hooks: TrainHooks,
+    config_hooks: ConfigHooks,
+    stop: StopRequest,
 ) -> dict[str, Any]:
     cfg, t = job.cfg, job.cfg.train
     loss_fn = build_loss(t)
@@ -192,12 +201,18 @@ def run_loop(
         if step == 1 or step % cfg.metrics.log_interval == 0 or step == t.max_steps:
             log_step(job, step, result, progress, trackers, reporter)
         if job.eval_data is not None and (step % cfg.eval.interval == 0 or step == t.max_steps):
-            log_eval(job, step, loss_fn, progress, trackers, reporter)
+            metrics = log_eval(job, step, loss_fn, progress, trackers, reporter)
+            with stop_on_hook_failure(job, step, progress, trackers, reporter):
+                config_hooks.eval(step, metrics, job)
+        with stop_on_hook_failure(job, step, progress, trackers, reporter):
+            config_hooks.step_end(step, result.as_metrics(step), job)
         if t.nccl_health_check_interval and monitor is not None and step % t.nccl_health_check_interval == 0:
             check_collectives(cfg.distributed.nccl_timeout_sec, job.device, monitor)
         preempted = any_rank(stop.requested, job.device) and step < t.max_steps  # the last step just finishes
-        if job.checkpointer.due(step, t.max_steps) or (preempted and not job.checkpointer.has(step)):
-            checkpoint(job, step, preempted, progress, trackers, reporter)
+        wanted = job.checkpointer.due(step, t.max_steps) or (preempted and not job.checkpointer.has(step))
+        if wanted and checkpoint(job, step, preempted, progress, trackers, reporter):
+            with stop_on_hook_failure(job, step, progress, trackers, reporter):
+                config_hooks.checkpoint(step, job.checkpointer.root / f"step_{step}", job)
         if preempted:
             checkpoint_done(reporter, job.checkpointer.wait())
             path = job.checkpointer.root / f"step_{step}"
@@ -214,9 +229,27 @@ def run_loop(
         **job.guard.metrics(),
         "run_dir": str(job.run_dir),
     }
+    with stop_on_hook_failure(job, t.max_steps, progress, trackers, reporter):
+        config_hooks.run_end(t.max_steps, summary, job)
     reporter.on_end(summary)
     log.info("done %s", summary)
     return summary
+
+
+@contextlib.contextmanager
+def stop_on_hook_failure(
+    job: Job, step: int, progress: Progress, trackers: MetricsLogger, reporter: Reporter
+) -> Iterator[None]:
+    """A config hook failed (on some rank; all raise together): save step `step` unless it is saved, finish
+    the save, and stop with the hook's error and where the checkpoint is."""
+    try:
+        yield
+    except HookFailed as err:
+        if not job.checkpointer.has(step):
+            checkpoint(job, step, True, progress, trackers, reporter)
+        checkpoint_done(reporter, job.checkpointer.wait())
+        path = job.checkpointer.root / f"step_{step}"
+        raise HookFailed(f"{err}; the run stopped with its checkpoint {path}") from err
 
 
 def skipped(job: Job, step: int, problem: str, progress: Progress) -> None:
@@ -246,19 +279,20 @@ def log_step(
 
 def log_eval(
     job: Job, step: int, loss_fn: ModelLoss, progress: Progress, trackers: MetricsLogger, reporter: Reporter
-) -> None:
+) -> dict[str, Any]:
     with progress.window.pause():
         metrics = evaluate(job, loss_fn)
     trackers.log(step, metrics)
     reporter.on_eval(step, metrics)
     log.info("eval step %d loss %.4f", step, metrics["eval_loss"])
     progress.last.update(metrics)
+    return metrics
 
 
 def checkpoint(
     job: Job, step: int, preempted: bool, progress: Progress, trackers: MetricsLogger, reporter: Reporter
-) -> None:
-    """Save step `step` (due, or the run is preempted), never with non-finite weights."""
+) -> bool:
+    """Save step `step` (due, or the run is preempted), never with non-finite weights; False when postponed."""
     if any_rank(not weights_finite(job.model), job.device):  # never checkpoint non-finite weights
         log.error("step %d: non-finite weights; rolling back instead of saving them", step)
         with progress.window.pause():
@@ -267,12 +301,13 @@ def checkpoint(
         # Skipped steps leave the weights as they were, so this checkpoint would repeat the last
         # good one and make the next rollback a no-op: wait for a good step.
         log.warning("step %d: checkpoint postponed during a run of bad steps", step)
-        return
+        return False
     with progress.window.pause():
         state = train_state(job, step, progress.tokens_seen, progress.elapsed(), trackers.wandb_run_id)
         path = job.checkpointer.save(step, job.model, job.optimizer, state)  # None: finishes in the background
     if path is not None:
         checkpoint_done(reporter, (step, path))
+    return True
 
 
 def checkpoint_done(reporter: Reporter, done: tuple[int, Path] | None) -> None:
