@@ -85,6 +85,19 @@ class TrainConfig(Section):
         "rolling back to the last checkpoint",
     )
     max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed before the run stops as diverged (exit code 1)")
+    ema_decay: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="keep an exponential moving average of the weights (fp32, sharded like them, checkpointed, "
+        "evaluated as eval_loss_ema): after each applied step s, ema ← d·ema + (1 − d)·weights with "
+        "d = ema_decay (e.g. 0.999); 0 = off",
+    )
+    ema_warmup: bool = Field(
+        False,
+        description="with ema_decay: d = min(ema_decay, (1 + s) / (10 + s)) at step s, so the first weights "
+        "do not dominate the average early on",
+    )
 
     readers: ClassVar[dict[str, str]] = {
         "batch_size": "data/loader.py",
@@ -107,6 +120,8 @@ class TrainConfig(Section):
         "spike_window": "resilience/anomaly.py",
         "max_bad_steps": "resilience/anomaly.py",
         "max_rollbacks": "train/trainer.py",
+        "ema_decay": "train/ema.py",
+        "ema_warmup": "train/ema.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
