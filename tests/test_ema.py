@@ -99,6 +99,13 @@ def test_a_decay_at_the_boundary_keeps_the_weights_through_training(tmp_path):
     assert all(torch.equal(ema[name], weights[name]) for name in weights)
 
 
+def test_keeping_an_ema_changes_no_loss_of_the_run(tmp_path):
+    plain, with_ema = run(tmp_path / "plain"), run(tmp_path / "ema", *EMA)
+    assert metrics(with_ema, "loss", "grad_norm") == metrics(plain, "loss", "grad_norm")
+    assert metrics(with_ema, "eval_loss") == metrics(plain, "eval_loss")
+    assert "eval_loss_ema" not in str(plain)
+
+
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_a_resumed_run_with_ema_equals_the_uninterrupted_one_bitwise(tmp_path, async_mode):
     mode = f"checkpoint.async_mode={async_mode}"
@@ -178,7 +185,7 @@ def test_unsupported_ema_settings_are_refused(overrides, field, message):
 
 @pytest.mark.parametrize("decay", ["1.0", "-0.1"])
 def test_the_decay_must_lie_in_0_1(decay):
-    with pytest.raises(ConfigError, match="train.ema_decay"):
+    with pytest.raises(ConfigError, match=r"train\.ema_decay"):
         load_job_config(PRESET, [f"train.ema_decay={decay}"])
 
 
@@ -190,7 +197,9 @@ def test_ema_under_fsdp_on_two_processes_equals_one_process(tmp_path):
     for name, nproc in (("single", 1), ("fsdp", 2)):
         result = forge(tmp_path / name, *ema, nproc=nproc)
         assert result.returncode == 0, result.stderr[-3000:]
-    assert len(list((tmp_path / "fsdp" / "checkpoints" / "step_6").glob("*.distcp"))) == 2  # each rank its shards
+    assert list((tmp_path / "fsdp" / "checkpoints" / "step_6").glob("__1_*.distcp"))  # rank 1 wrote its shards
+    for step, record in records(tmp_path / "fsdp").items():  # evaluating at the EMA leaves training as it was
+        assert record["loss"] == pytest.approx(records(tmp_path / "single")[step]["loss"], abs=1e-5)
     single, fsdp = records(tmp_path / "single", "eval_loss_ema"), records(tmp_path / "fsdp", "eval_loss_ema")
     assert sorted(fsdp) == [3, 6]
     for step in fsdp:

@@ -158,7 +158,9 @@ def save_checkpoint(
     """Write step_N durably and mark it complete, blocking until it is on disk."""
     path = new_step_dir(root, step)
     with single_process_quiet():
-        dcp.save(training_state(model, optimizer, extra), storage_writer=storage_writer(path), no_dist=not distributed())
+        dcp.save(
+            training_state(model, optimizer, extra), storage_writer=storage_writer(path), no_dist=not distributed()
+        )
     if is_writer():
         finish_save(root, path, train_state)
     if distributed():

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from engine.checkpoint.locate import EMA_KEY as STATE_KEY  # its checkpoint entry and train-state flag
@@ -42,6 +43,7 @@ class WeightAverage:
 
     def __init__(self, model: nn.Module, decay: float, warmup: bool) -> None:
         self.decay, self.warmup = decay, warmup
+        self.model = model
         named = [(name, p) for name, p in model.named_parameters()]
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
@@ -84,11 +86,22 @@ class WeightAverage:
         """Inside: the parameters hold the EMA (cast to their dtype); after: exactly the weights they held."""
         with torch.no_grad():
             weights = [p.detach().clone() for p in self.params]
+            drop_gathered_weights(self.model)
             for p, average in zip(self.params, self.averages):
                 local(p).copy_(local(average))
         try:
             yield
         finally:
             with torch.no_grad():
+                drop_gathered_weights(self.model)
                 for p, w in zip(self.params, weights):
                     p.copy_(w)
+
+
+def drop_gathered_weights(model: nn.Module) -> None:
+    """FSDP keeps a unit's gathered weights after a forward without backward where it does not reshard after
+    forward (the last block), and its next forward uses them again: before the shards change in place, those
+    copies go, so the next forward gathers the new values."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
