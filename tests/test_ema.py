@@ -18,6 +18,7 @@ from engine.generate import load_model
 from engine.model.transformer import Transformer
 from engine.train.ema import WeightAverage
 from engine.train.trainer import train
+from tests.test_convert import forge, said
 
 PRESET = Path(__file__).parents[1] / "presets" / "debug.toml"
 TINY = [
@@ -154,9 +155,10 @@ def test_the_ema_export_loads_in_transformers_with_the_ema_weights(tmp_path):
 def test_ema_is_refused_where_the_run_kept_none(tmp_path):
     run(tmp_path / "run", "train.max_steps=3")
     with pytest.raises(UserError, match="holds no EMA"):
-        export_to_hf(tmp_path / "run", tmp_path / "hf", ema=True)
-    with pytest.raises(UserError, match="holds no EMA"):
         load_model(tmp_path / "run", torch.device("cpu"), ema=True)
+    for command in (["convert", "to-hf", "--out", str(tmp_path / "hf")], ["generate", "-n", "2"]):
+        result = forge(*command, str(tmp_path / "run"), "--ema")
+        assert result.exit_code == 2 and "holds no EMA" in said(result), result.output
     assert not (tmp_path / "hf").exists()
 
 

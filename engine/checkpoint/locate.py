@@ -47,7 +47,8 @@ def averaged(ckpt: ForgeCheckpoint, tensors: dict[str, torch.Tensor]) -> dict[st
     (the formula of the optimizer's eval mode). Asked for the EMA (`ckpt.ema`): the saved EMA of every
     parameter (buffers keep their saved values). Otherwise `tensors` as they are. In place."""
     if ckpt.ema:
-        read_state(ckpt.path, {EMA_KEY: {name: value for name, value in tensors.items() if name in ckpt_ema(ckpt)}})
+        averages = saved_averages(ckpt)
+        read_state(ckpt.path, {EMA_KEY: {name: value for name, value in tensors.items() if name in averages}})
         return tensors
     beta1 = ckpt.averaging_beta1
     if beta1 is None:
@@ -59,7 +60,7 @@ def averaged(ckpt: ForgeCheckpoint, tensors: dict[str, torch.Tensor]) -> dict[st
     return tensors
 
 
-def ckpt_ema(ckpt: ForgeCheckpoint) -> set[str]:
+def saved_averages(ckpt: ForgeCheckpoint) -> set[str]:
     """The parameter names the checkpoint holds an EMA of (from its metadata, no tensor read)."""
     metadata = SafeFileSystemReader(ckpt.path).read_metadata().state_dict_metadata
     return {key.removeprefix(f"{EMA_KEY}.") for key in metadata if key.startswith(f"{EMA_KEY}.")}
@@ -80,6 +81,7 @@ def find_checkpoint(target: Path, ema: bool = False) -> ForgeCheckpoint:
 
 
 def locate_checkpoint(target: Path) -> ForgeCheckpoint:
+    """The checkpoint `target` names, with its model config and tokenizer."""
     if not target.exists():
         raise UserError(
             f"{target} does not exist", "pass a run directory (forge train --run-dir) or a checkpoint folder"
