@@ -120,7 +120,7 @@ class TrainConfig(Section):
         "spike_window": "resilience/anomaly.py",
         "max_bad_steps": "resilience/anomaly.py",
         "max_rollbacks": "train/trainer.py",
-        "ema_decay": "train/ema.py",
+        "ema_decay": "train/ema.py, parallel/memory.py",
         "ema_warmup": "train/ema.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
