@@ -20,6 +20,7 @@ from engine.parallel.memory import estimate_memory
 from engine.train.ema import WeightAverage
 from engine.train.trainer import train
 from tests.test_convert import forge, said
+from tests.test_resilience import Faults
 
 PRESET = Path(__file__).parents[1] / "presets" / "debug.toml"
 TINY = [
@@ -131,6 +132,17 @@ def test_ema_turned_on_for_a_resumed_run_starts_from_the_restored_weights(tmp_pa
     w3, w4, ema = saved(run_dir, "model", 3), saved(run_dir, "model", 4), saved(run_dir, "ema", 4)
     for name in w4:  # one update from step 3's weights: 0.9 · w3 + 0.1 · w4
         torch.testing.assert_close(ema[name], w3[name].lerp(w4[name], 1 - 0.9), rtol=0, atol=1e-6)
+
+
+def test_a_rollback_restores_the_ema_with_the_weights(tmp_path):
+    """NaN weights after step 5 (so a NaN EMA too) are found at step 6's checkpoint: the run rolls back to step 3,
+    EMA included, and saves that."""
+    run_dir = tmp_path / "run"
+    cfg = load_job_config(PRESET, [*TINY, *EMA])
+    summary = train(cfg, run_dir, hooks=Faults(nan_weight_steps=[5]))
+    assert summary["rollbacks"] == 1
+    at_3, at_6 = saved(run_dir, "ema", 3), saved(run_dir, "ema", 6)
+    assert all(torch.equal(at_6[name], at_3[name]) for name in at_3)
 
 
 def test_the_ema_export_loads_in_transformers_with_the_ema_weights(tmp_path):
