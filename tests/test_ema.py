@@ -3,6 +3,7 @@ EMA as what `forge convert to-hf --ema` and `forge generate --ema` use."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from engine.model.transformer import Transformer
 from engine.parallel.memory import estimate_memory
 from engine.train.ema import WeightAverage
 from engine.train.trainer import train
+from forgecli.dashboard import PlainReporter
 from tests.test_convert import forge, said
 from tests.test_resilience import Faults
 
@@ -132,6 +134,12 @@ def test_ema_turned_on_for_a_resumed_run_starts_from_the_restored_weights(tmp_pa
     w3, w4, ema = saved(run_dir, "model", 3), saved(run_dir, "model", 4), saved(run_dir, "ema", 4)
     for name in w4:  # one update from step 3's weights: 0.9 · w3 + 0.1 · w4
         torch.testing.assert_close(ema[name], w3[name].lerp(w4[name], 1 - 0.9), rtol=0, atol=1e-6)
+
+
+def test_the_plain_progress_lines_show_the_ema_eval_loss():
+    out = io.StringIO()
+    PlainReporter(out).on_eval(3, {"eval_loss": 2.5, "eval_perplexity": 12.18, "eval_loss_ema": 2.25})
+    assert out.getvalue().strip().endswith("eval step 3 loss=2.5000 perplexity=12.18 ema_loss=2.2500")
 
 
 def test_a_rollback_restores_the_ema_with_the_weights(tmp_path):
