@@ -153,10 +153,11 @@ def test_a_rollback_restores_the_ema_with_the_weights(tmp_path):
     assert all(torch.equal(at_6[name], at_3[name]) for name in at_3)
 
 
-def test_the_ema_export_loads_in_transformers_with_the_ema_weights(tmp_path):
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_ema_export_loads_in_transformers_with_the_ema_weights(tmp_path, tied):
     transformers = pytest.importorskip("transformers")
     run_dir = tmp_path / "run"
-    run(run_dir, *EMA, "train.max_steps=3")
+    run(run_dir, *EMA, "train.max_steps=3", f"model.tie_embeddings={str(tied).lower()}")
     ema = saved(run_dir, "ema")
     export_to_hf(run_dir, tmp_path / "hf", ema=True)
     export_to_hf(run_dir, tmp_path / "hf-raw")
