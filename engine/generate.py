@@ -29,14 +29,17 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def load_model(target: Path, device: torch.device) -> tuple[Transformer, Encoder]:
+def load_model(target: Path, device: torch.device, ema: bool = False) -> tuple[Transformer, Encoder]:
     """The model of a run directory / checkpoint folder / step_N (its newest complete checkpoint), or of a
-    Hugging Face folder, in eval mode on `device`, with the tokenizer.json that goes with it."""
+    Hugging Face folder, in eval mode on `device`, with the tokenizer.json that goes with it. `ema`: with the
+    EMA of the weights the run kept."""
+    if is_hf_folder(target) and ema:
+        raise UserError(f"{target} is a Hugging Face model folder: it holds no EMA", "leave out --ema")
     if is_hf_folder(target):
         cfg, tokenizer = read_hf_model_config(target), target / TOKENIZER
         load_weights = partial(load_hf_weights, hf_dir=target)
     else:
-        ckpt = find_checkpoint(target)
+        ckpt = find_checkpoint(target, ema=ema)
         cfg, tokenizer = ckpt.model, ckpt.tokenizer
         load_weights = partial(load_forge_weights, ckpt=ckpt)
     if tokenizer is None or not tokenizer.is_file():  # checked before the (possibly large) weights are read
@@ -61,7 +64,8 @@ def load_model(target: Path, device: torch.device) -> tuple[Transformer, Encoder
 
 
 def load_forge_weights(model: Transformer, ckpt: ForgeCheckpoint) -> None:
-    """The checkpoint's weights, averaged for a schedule-free run (what its eval loss was measured on)."""
+    """The checkpoint's weights, averaged for a schedule-free run (what its eval loss was measured on), or
+    its EMA of them when asked for."""
     load_checkpoint(ckpt.path, model)
     averaged(ckpt, {name: param.data for name, param in model.named_parameters()})
 

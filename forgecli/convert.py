@@ -38,6 +38,9 @@ def to_hf(
     out: Path = typer.Option(..., "--out", "-o", help="The Hugging Face model folder to write; must not exist yet."),
     dtype: str = typer.Option("float32", "--dtype", help="Weight dtype of the export: float32, bfloat16 or float16."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON; progress goes to stderr."),
+    ema: bool = typer.Option(
+        False, "--ema", help="Export the EMA of the weights the run kept (train.ema_decay) instead of the weights."
+    ),
 ) -> None:
     """Export a Forge checkpoint as a Hugging Face `transformers` model folder.
 
@@ -55,11 +58,13 @@ def to_hf(
 
       forge convert to-hf runs/big/checkpoints/step_20000 --out exports/big-hf --dtype bfloat16
 
+      forge convert to-hf runs/big --out exports/big-ema-hf --ema
+
     """
     from engine.checkpoint.hf import export_to_hf
 
     with progress_view(err_console if as_json else console, "exporting") as view:
-        report = export_to_hf(source, out, dtype=dtype, progress=view.update)
+        report = export_to_hf(source, out, dtype=dtype, progress=view.update, ema=ema)
     show(report, as_json, "exported to Hugging Face")
 
 

@@ -66,7 +66,8 @@ class PlainReporter:
         self._line(f"step {step}/{self.max_steps} {fields} eta={eta:.0f}s")
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        self._line(f"eval step {step} loss={metrics['eval_loss']:.4f} perplexity={metrics['eval_perplexity']:.2f}")
+        ema = f" ema_loss={metrics['eval_loss_ema']:.4f}" if "eval_loss_ema" in metrics else ""
+        self._line(f"eval step {step} loss={metrics['eval_loss']:.4f} perplexity={metrics['eval_perplexity']:.2f}{ema}")
 
     def on_checkpoint(self, step: int, path: Path) -> None:
         self._line(f"checkpoint step {step} → {path}")
@@ -117,6 +118,8 @@ class LiveDashboard:
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         self.eval = {"eval loss": f"{metrics['eval_loss']:.4f}", "eval ppl": f"{metrics['eval_perplexity']:.2f}"}
+        if "eval_loss_ema" in metrics:
+            self.eval["eval loss (EMA)"] = f"{metrics['eval_loss_ema']:.4f}"
         self.live.update(self._render())
 
     def on_checkpoint(self, step: int, path: Path) -> None:

@@ -47,6 +47,9 @@ def generate(
     interactive: bool = typer.Option(
         False, "--interactive", "-i", help="Ask for prompts in a loop (an empty line or Ctrl-D quits)."
     ),
+    ema: bool = typer.Option(
+        False, "--ema", help="Sample from the EMA of the weights the run kept (train.ema_decay) instead."
+    ),
 ) -> None:
     """Generate text from a checkpoint with its run's tokenizer, streaming it as it is sampled.
 
@@ -61,12 +64,14 @@ def generate(
 
       forge generate runs/debug/checkpoints/step_150 --interactive
 
+      forge generate runs/debug --ema --prompt "ROMEO:"
+
     """
     from engine.generate import Sampling, default_device, load_model
 
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     device = default_device()
-    model, encoder = load_model(target, device)
+    model, encoder = load_model(target, device, ema=ema)
     generator = sampling.generator(device)
     if not interactive:
         stream(model, encoder, prompt, max_new_tokens, sampling, generator, echo=True)

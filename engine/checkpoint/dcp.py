@@ -27,10 +27,11 @@ import logging
 import pickle
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -62,6 +63,12 @@ warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning, 
 # What reading a damaged or mismatched checkpoint raises; DCP wraps per-rank failures in CheckpointException,
 # which derives from BaseException.
 UNREADABLE = (Exception, CheckpointException)
+
+
+class Extra(Protocol):
+    """State saved beside the model and optimizer: its tensors, which a load fills in place."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
 
 
 def describe(err: BaseException) -> str:
@@ -120,9 +127,13 @@ def storage_writer(path: Path) -> FileSystemWriter:
     return FileSystemWriter(path, thread_count=WRITE_THREADS)
 
 
-def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, extra: Mapping[str, Extra] = MappingProxyType({})
+) -> dict[str, Any]:
+    """Model and optimizer, plus `extra` entries (e.g. "ema": the EMA of the weights), each saved under its
+    name from its `state_dict()`."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optimizer": optim_sd}
+    return {"model": model_sd, "optimizer": optim_sd, **{name: entry.state_dict() for name, entry in extra.items()}}
 
 
 def finish_save(root: Path, path: Path, train_state: dict[str, Any]) -> Path:
@@ -137,12 +148,19 @@ def finish_save(root: Path, path: Path, train_state: dict[str, Any]) -> Path:
 
 
 def save_checkpoint(
-    root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any]
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    extra: Mapping[str, Extra] = MappingProxyType({}),
 ) -> Path:
     """Write step_N durably and mark it complete, blocking until it is on disk."""
     path = new_step_dir(root, step)
     with single_process_quiet():
-        dcp.save(training_state(model, optimizer), storage_writer=storage_writer(path), no_dist=not distributed())
+        dcp.save(
+            training_state(model, optimizer, extra), storage_writer=storage_writer(path), no_dist=not distributed()
+        )
     if is_writer():
         finish_save(root, path, train_state)
     if distributed():
@@ -256,12 +274,20 @@ def read_state(path: Path, state: dict[str, Any], *, local: bool = False) -> Non
         )
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-    """Load the model (and the optimizer, when given) in place; return the saved train state."""
+def load_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Mapping[str, Extra] = MappingProxyType({}),
+) -> dict[str, Any]:
+    """Load the model (and the optimizer, when given) in place; return the saved train state. Each `extra`
+    entry is filled in place where the train state says the checkpoint holds it (`train_state[name]` true),
+    so checkpoints saved without it still load."""
     optimizers = [optimizer] if optimizer is not None else []
     model_sd, optim_sd = get_state_dict(model, optimizers)
     state = {"model": model_sd, **({"optimizer": optim_sd} if optimizers else {})}
     train_state = json.loads((path / TRAIN_STATE).read_text())  # first: a cheap check that the folder is whole
+    state |= {name: entry.state_dict() for name, entry in extra.items() if train_state.get(name)}
     read_state(path, state)
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
     return train_state

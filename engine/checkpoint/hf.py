@@ -118,11 +118,13 @@ def export_to_hf(
     dtype: str = "float32",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: ProgressFn | None = None,
+    ema: bool = False,
 ) -> ConvertReport:
     """Write the newest complete checkpoint of `source` (run directory, checkpoint folder or step_N) as a
-    Hugging Face model folder `out`, weights cast to `dtype`. Everything is checked before anything is written."""
+    Hugging Face model folder `out`, weights cast to `dtype`; `ema`: the EMA of the weights the run kept.
+    Everything is checked before anything is written."""
     torch_dtype = export_dtype(dtype)
-    ckpt = find_checkpoint(source)
+    ckpt = find_checkpoint(source, ema=ema)
     cfg = ckpt.model
     architecture = hf_architecture(cfg)
     layout = hf_layout(cfg)
@@ -205,7 +207,7 @@ def write_safetensors(
 ) -> tuple[list[str], int]:
     """Read each file's Forge tensors from the checkpoint (DCP reassembles any sharded layout), turn them
     into their HF tensors (one per expert for packed experts), cast, write. A schedule-free run ships its
-    averaged weights. Returns the files and the weight bytes written."""
+    averaged weights; asked for the EMA, the EMA. Returns the files and the weight bytes written."""
     files = (
         [SINGLE_FILE]
         if len(shards) == 1

@@ -8,12 +8,13 @@ Where the model config comes from:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from engine.checkpoint.dcp import COMPLETE, latest_checkpoint, read_state, step_dirs
+from engine.checkpoint.dcp import COMPLETE, TRAIN_STATE, SafeFileSystemReader, latest_checkpoint, read_state, step_dirs
 from engine.checkpoint.layout import STEP_DIR
 from engine.config.job import JobConfig
 from engine.config.loader import load_job_config
@@ -23,6 +24,7 @@ from engine.errors import UserError
 RUN_CONFIG = "config.toml"
 MODEL_CONFIG = "model.toml"  # the [model] section beside a checkpoint folder that has no run directory
 TOKENIZER = "tokenizer.json"
+EMA_KEY = "ema"  # the checkpoint entry and train-state flag of the EMA (engine.train.ema.STATE_KEY)
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class ForgeCheckpoint:
     model: ModelConfig
     tokenizer: Path | None  # a tokenizer.json, when the run had one
     averaging_beta1: float | None = None  # schedule-free AdamW's β1: the model to use is its average x
+    ema: bool = False  # use the EMA of the weights the run kept (train.ema_decay) instead of its weights
 
 
 def run_checkpoint(step: Path, cfg: JobConfig, run_dir: Path) -> ForgeCheckpoint:
@@ -41,7 +44,12 @@ def run_checkpoint(step: Path, cfg: JobConfig, run_dir: Path) -> ForgeCheckpoint
 def averaged(ckpt: ForgeCheckpoint, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The weights to evaluate and ship. Schedule-free AdamW trains at y, saved as the model's weights, while
     what it has learnt is the average x = (y - (1 - β1)·z) / β1, with z from the saved optimizer state
-    (the formula of the optimizer's eval mode). Other optimizers: `tensors` as they are. In place."""
+    (the formula of the optimizer's eval mode). Asked for the EMA (`ckpt.ema`): the saved EMA of every
+    parameter (buffers keep their saved values). Otherwise `tensors` as they are. In place."""
+    if ckpt.ema:
+        averages = saved_averages(ckpt)
+        read_state(ckpt.path, {EMA_KEY: {name: value for name, value in tensors.items() if name in averages}})
+        return tensors
     beta1 = ckpt.averaging_beta1
     if beta1 is None:
         return tensors
@@ -52,8 +60,28 @@ def averaged(ckpt: ForgeCheckpoint, tensors: dict[str, torch.Tensor]) -> dict[st
     return tensors
 
 
-def find_checkpoint(target: Path) -> ForgeCheckpoint:
-    """Resolve a run directory, a checkpoint folder or a step_N folder; a UserError says what is wrong."""
+def saved_averages(ckpt: ForgeCheckpoint) -> set[str]:
+    """The parameter names the checkpoint holds an EMA of (from its metadata, no tensor read)."""
+    metadata = SafeFileSystemReader(ckpt.path).read_metadata().state_dict_metadata
+    return {key.removeprefix(f"{EMA_KEY}.") for key in metadata if key.startswith(f"{EMA_KEY}.")}
+
+
+def find_checkpoint(target: Path, ema: bool = False) -> ForgeCheckpoint:
+    """Resolve a run directory, a checkpoint folder or a step_N folder; a UserError says what is wrong.
+    `ema`: its EMA of the weights is what to use; an error when it holds none."""
+    ckpt = locate_checkpoint(target)
+    if not ema:
+        return ckpt
+    if not json.loads((ckpt.path / TRAIN_STATE).read_text()).get(EMA_KEY):
+        raise UserError(
+            f"checkpoint {ckpt.path} holds no EMA of the weights (its run had train.ema_decay = 0)",
+            "leave out --ema, or train with train.ema_decay set (e.g. 0.999)",
+        )
+    return replace(ckpt, ema=True, averaging_beta1=None)
+
+
+def locate_checkpoint(target: Path) -> ForgeCheckpoint:
+    """The checkpoint `target` names, with its model config and tokenizer."""
     if not target.exists():
         raise UserError(
             f"{target} does not exist", "pass a run directory (forge train --run-dir) or a checkpoint folder"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +17,7 @@ from torch import nn
 from engine.checkpoint.dcp import (
     COMPLETE,
     UNREADABLE,
+    Extra,
     complete_checkpoints,
     describe,
     finish_save,
@@ -49,8 +50,11 @@ class PendingSave:
 
 
 class Checkpointer:
-    def __init__(self, root: Path, cfg: CheckpointConfig, device: torch.device) -> None:
+    def __init__(
+        self, root: Path, cfg: CheckpointConfig, device: torch.device, extra: Mapping[str, Extra] | None = None
+    ) -> None:
         self.root, self.cfg = root, cfg
+        self.extra = dict(extra or {})  # saved and restored beside model and optimizer (e.g. "ema")
         self.pending: PendingSave | None = None
         self.pin_memory = cfg.async_mode == "async_with_pinned_mem" and device.type == "cuda"
         self.group = self.control = None
@@ -73,14 +77,14 @@ class Checkpointer:
         self.wait()
         if self.cfg.async_mode == "disabled":
             with write_errors(step):
-                path = save_checkpoint(self.root, step, model, optimizer, train_state)
+                path = save_checkpoint(self.root, step, model, optimizer, train_state, self.extra)
             self.prune(step)
             return path
         path = new_step_dir(self.root, step)
         with write_errors(step):
             staging, upload = start_async_save(
                 path,
-                training_state(model, optimizer),
+                training_state(model, optimizer, self.extra),
                 stage_in_background=self.cfg.async_mode == "async_with_pinned_mem",
                 pin_memory=self.pin_memory,
                 process_group=self.group,
@@ -137,7 +141,7 @@ class Checkpointer:
         failures = []
         for _step, path in reversed(complete_checkpoints(self.root)):
             try:
-                return path, load_checkpoint(path, model, optimizer)
+                return path, load_checkpoint(path, model, optimizer, self.extra)
             except UNREADABLE as err:  # any damage: a missing file, a short read, bad JSON, bad pickle
                 log.warning("checkpoint %s cannot be read (%s); trying the one before it", path, describe(err))
                 failures.append(f"{path.name}: {describe(err)}")

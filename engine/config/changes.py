@@ -25,6 +25,7 @@ SAFE_ON_RESUME = (
     "train.nccl_health_check_interval",
     "train.max_rollbacks",
     "train.hooks",
+    "train.ema_",  # the EMA only watches the weights; turned on later, it starts from the restored ones
     "train.batch_size",
     "train.grad_accum_steps",
     "distributed.",

@@ -88,6 +88,7 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
             )
         )
     issues += optimization_issues(cfg)
+    issues += ema_issues(cfg)
     issues += moe_issues(cfg)
     issues += layout_issues(cfg, world_size)
     return issues
@@ -227,6 +228,33 @@ def optimization_issues(cfg: JobConfig) -> list[ConfigIssue]:
                 f"set scheduler.decay_steps (= {to_end} ends the decay on the last step)"
                 if to_end > 0
                 else "set scheduler.decay_steps, and train longer than warmup + stable steps",
+            )
+        )
+    return issues
+
+
+def ema_issues(cfg: JobConfig) -> list[ConfigIssue]:
+    """The EMA of the weights: its warm-up only with a decay, and not where it is not supported yet."""
+    t = cfg.train
+    if not t.ema_decay:
+        if t.ema_warmup:
+            return [ConfigIssue("train.ema_warmup", "is set, but the EMA is off", "set train.ema_decay (e.g. 0.999)")]
+        return []
+    issues = []
+    if cfg.distributed.pp > 1:
+        issues.append(
+            ConfigIssue(
+                "train.ema_decay",
+                "an EMA of the weights is not supported with pipeline parallelism (distributed.pp > 1) yet",
+                "set train.ema_decay = 0, or train without pipeline parallelism",
+            )
+        )
+    if cfg.optimizer.name == "schedule_free_adamw":
+        issues.append(
+            ConfigIssue(
+                "train.ema_decay",
+                "schedule_free_adamw already averages its weights (it evaluates and ships the average)",
+                "set train.ema_decay = 0, or use another optimizer",
             )
         )
     return issues

@@ -97,6 +97,19 @@ class TrainConfig(Section):
         "rolling back to the last checkpoint",
     )
     max_rollbacks: int = Field(3, ge=0, description="rollbacks allowed before the run stops as diverged (exit code 1)")
+    ema_decay: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="keep an exponential moving average of the weights (fp32, sharded like them, checkpointed, "
+        "evaluated as eval_loss_ema): after each applied step s, ema ← d·ema + (1 − d)·weights with "
+        "d = ema_decay (e.g. 0.999); 0 = off",
+    )
+    ema_warmup: bool = Field(
+        False,
+        description="with ema_decay: d = min(ema_decay, (1 + s) / (10 + s)) at step s, so the first weights "
+        "do not dominate the average early on",
+    )
     hooks: list[HookSpec] = Field(
         default_factory=list,
         description="[[train.hooks]] {target, every, args}: research code called on step end, eval, checkpoint "
@@ -125,6 +138,8 @@ class TrainConfig(Section):
         "max_bad_steps": "resilience/anomaly.py",
         "max_rollbacks": "train/trainer.py",
         "hooks": "train/hooks.py, train/trainer.py",
+        "ema_decay": "train/ema.py, parallel/memory.py",
+        "ema_warmup": "train/ema.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 

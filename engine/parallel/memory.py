@@ -15,7 +15,8 @@ What is counted, per rank (bytes):
 - optimizer: the state tensors of the chosen optimizer, each the shape of its parameter, fp32:
   adamw exp_avg + exp_avg_sq (+ a 4-byte `step` tensor per parameter); lion exp_avg; muon a momentum buffer
   for the 2-D matrices inside the blocks and exp_avg + exp_avg_sq for the rest (its `step` is a Python
-  int); schedule_free_adamw z + exp_avg_sq.
+  int); schedule_free_adamw z + exp_avg_sq. With `train.ema_decay`, the EMA of the weights adds a copy of
+  the params here (fp32, sharded like them).
 - activations: what autograd keeps from forward to backward (see `layer_activation_bytes`), for the
   micro-batches a rank has in flight (`forward_chunks`): one without pipelining (accumulation steps run one
   after another); with pp, as many as the pipeline schedule holds before its first backward.
@@ -393,7 +394,8 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
                 microbatches_in_flight=len(chunks),
                 params=params,
                 grads=params,
-                optimizer=sum(optimizer_state_bytes(cfg, s, local[s.name]) for s in owned),
+                optimizer=sum(optimizer_state_bytes(cfg, s, local[s.name]) for s in owned)
+                + (params if t.ema_decay else 0),
                 activations=sum(chunk[local] for local in chunks) + recompute_bytes(cfg, blocks, tokens),
                 buffers=buffer_bytes(cfg, owned, tokens, has_head=n_stages - 1 in stages),
                 grads_persist=t.grad_accum_steps > 1 or d.pp > 1,

@@ -41,6 +41,8 @@ from engine.parallel.tp import loss_context, uses_loss_parallel
 from engine.resilience.anomaly import StepGuard
 from engine.resilience.collectives import any_rank, on_rank0
 from engine.train.balancing import attach_router_balancing
+from engine.train.ema import STATE_KEY as EMA_KEY
+from engine.train.ema import WeightAverage
 from engine.train.losses import StageCrossEntropy
 from engine.train.optim import build_optimizer
 from engine.train.run_dir import check_run_dir
@@ -73,6 +75,7 @@ class Job:
     mesh: ParallelMesh | None = None
     pipeline: Pipeline | None = None  # pipeline parallelism: `model` is then this rank's stages (`stage_union`)
     float8_all_gather: bool = False  # FSDP gathers float8 weights: their scales are computed after each update
+    ema: WeightAverage | None = None  # the EMA of the weights (train.ema_decay), saved in every checkpoint
     loss_parallel: bool = False  # the logits stay vocabulary-sharded over the tensor-parallel ranks
     model_metrics: tuple[Callable[[], dict[str, float]], ...] = ()  # logged with each step's (MoE routing)
     start_step: int = 0
@@ -169,6 +172,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     else:
         model, pipeline = distributed_model(cfg, mesh, device, starts_fresh)
     optimizer = build_optimizer(model, cfg.optimizer)
+    ema = WeightAverage.for_training(model, cfg.train)  # a resumed run's is filled by its checkpoint
     job = Job(
         cfg=cfg,
         run_dir=run_dir,
@@ -183,12 +187,15 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         data_identity=train_data.identity(),
         summary=job_summary(cfg, place.world_size),
         peak_flops=peak_flops(device, dtype),
-        checkpointer=Checkpointer(checkpoint_root(cfg, run_dir), cfg.checkpoint, device),
+        checkpointer=Checkpointer(
+            checkpoint_root(cfg, run_dir), cfg.checkpoint, device, {EMA_KEY: ema} if ema is not None else None
+        ),
         guard=StepGuard(cfg.train),
         place=place,
         mesh=mesh,
         pipeline=pipeline,
         float8_all_gather=float8_all_gather(cfg, mesh, device),
+        ema=ema,
         loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn, dims.pp),
         model_metrics=moe_training(model, cfg, mesh),
     )
@@ -285,6 +292,8 @@ def restore(job: Job, path: Path, state: dict[str, Any]) -> None:
         job.guard.load_state_dict(state["guard"])
     job.scheduler.load_state_dict(state["scheduler"])
     job.scaler.load_state_dict(state["grad_scaler"])
+    if job.ema is not None:
+        job.ema.after_load(state)
     restore_rank_rng(state["rng"])
     job.start_step, job.tokens_seen, job.elapsed_sec = state["step"], state["tokens_seen"], state["elapsed_sec"]
     job.wandb_run_id = state["wandb_run_id"]
@@ -304,6 +313,7 @@ def train_state(job: Job, step: int, tokens_seen: int, elapsed_sec: float, wandb
         "rng": every_rank_rng_state(),
         "wandb_run_id": wandb_run_id,
         "guard": job.guard.state_dict(),
+        EMA_KEY: job.ema is not None,  # the checkpoint holds the EMA (`load_checkpoint` reads it only then)
     }
 
 

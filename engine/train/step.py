@@ -65,6 +65,8 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
         job.scaler.step(job.optimizer)
         job.scaler.update()
         job.refresh_float8_scales()
+        if job.ema is not None:
+            job.ema.update(step)
         job.guard.accept(loss_value)
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
@@ -112,13 +114,25 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(job: Job, loss_fn: ModelLoss) -> dict[str, float]:
-    """Plain cross-entropy (no z-loss) on the held-out batches, at the optimizer's evaluation weights."""
-    job.model.eval()
+    """Plain cross-entropy (no z-loss) on the held-out batches, at the optimizer's evaluation weights, and
+    at the EMA of the weights as `eval_loss_ema` when the run keeps one."""
     with eval_mode(job.optimizer):
-        losses = pipeline_eval_losses(job) if job.pipeline is not None else eval_losses(job, loss_fn)
+        loss = held_out_loss(job, loss_fn)
+    metrics = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}
+    if job.ema is not None:
+        with job.ema.swapped_in():
+            job.refresh_float8_scales()
+            metrics["eval_loss_ema"] = held_out_loss(job, loss_fn)
+        job.refresh_float8_scales()
+    return metrics
+
+
+def held_out_loss(job: Job, loss_fn: ModelLoss) -> float:
+    """The mean loss over the held-out batches at the model's current weights, over all ranks."""
+    job.model.eval()
+    losses = pipeline_eval_losses(job) if job.pipeline is not None else eval_losses(job, loss_fn)
     job.model.train()
-    loss = mean_over_ranks(torch.stack(losses).mean()).item()
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}
+    return mean_over_ranks(torch.stack(losses).mean()).item()
 
 
 def eval_losses(job: Job, loss_fn: ModelLoss) -> list[torch.Tensor]:

@@ -335,6 +335,8 @@ def roll_back(job: Job, step: int, reason: str) -> None:
             "roll back to; lower optimizer.lr or check the data"
         )
     job.guard.rolled_back(reason, restored[1])
+    if job.ema is not None:
+        job.ema.after_load(restored[1])
     job.refresh_float8_scales()
     for group, lr in zip(job.optimizer.param_groups, lrs):
         group["lr"] = lr
