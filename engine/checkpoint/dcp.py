@@ -75,6 +75,31 @@ def underlying(err: BaseException) -> BaseException:
     return err
 
 
+# DCP writes a checkpoint's files from extra threads too (WRITE_THREADS). An error in one (a full disk) goes to
+# the thread's excepthook, which prints a traceback per thread, and the save itself need not learn about it
+# (the thread's files would just be missing). The hook below keeps such errors for `raise_writer_failure`.
+WRITER_THREAD = "(_write_files_from_queue)"
+writer_failures: list[BaseException] = []
+
+
+def keep_writer_thread_errors(args: Any, previous: Callable[[Any], None] = threading.excepthook) -> None:
+    if args.thread is not None and args.thread.name.endswith(WRITER_THREAD) and args.exc_value is not None:
+        writer_failures.append(args.exc_value)
+        return
+    previous(args)
+
+
+threading.excepthook = keep_writer_thread_errors
+
+
+def raise_writer_failure() -> None:
+    """Raise the first error of a DCP writer thread since the last call, if there was one."""
+    failures = writer_failures.copy()
+    writer_failures.clear()
+    if failures:
+        raise failures[0]
+
+
 def describe(err: BaseException) -> str:
     """One line about a load failure; for DCP's wrapped per-rank failures, the underlying error."""
     err = underlying(err)
@@ -113,6 +138,7 @@ def is_writer() -> bool:
 
 
 def new_step_dir(root: Path, step: int) -> Path:
+    writer_failures.clear()  # left by a save that failed with an error of its own
     path = root / f"step_{step}"
     if is_writer():
         if path.exists():  # a save of this step that was cut short by a kill
@@ -158,6 +184,7 @@ def save_checkpoint(
     path = new_step_dir(root, step)
     with single_process_quiet():
         dcp.save(training_state(model, optimizer), storage_writer=storage_writer(path), no_dist=not distributed())
+    raise_writer_failure()
     record_rank_checksums(path, rank())
     if distributed():
         torch.distributed.barrier()  # every rank's checksums are on disk before rank 0 gathers them
@@ -204,6 +231,7 @@ def then_record_checksums(upload: Future, path: Path) -> Future:
     def record(finished: Future) -> None:
         try:
             finished.result()
+            raise_writer_failure()
             record_rank_checksums(path, own_rank)
         except BaseException as err:  # the write's own failure (a full disk) reaches whoever waits on `done`
             done.set_exception(err)

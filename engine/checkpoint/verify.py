@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+from engine.checkpoint.layout import COMPLETE
 
 CHECKSUMS = "checksums.json"
 CHUNK = 16 << 20  # bytes read at a time: a shard is never held in memory whole
@@ -58,9 +61,11 @@ def merge_checksums(path: Path, also: list[str]) -> None:
 
 def checksummed_bytes(path: Path) -> int:
     """How many bytes `verify_checkpoint` reads: for a progress bar."""
-    if not (path / CHECKSUMS).is_file():
+    try:
+        names = json.loads((path / CHECKSUMS).read_text())
+    except (OSError, ValueError):  # none, or damaged: `verify_checkpoint` says which
         return 0
-    return sum((path / name).stat().st_size for name in json.loads((path / CHECKSUMS).read_text()))
+    return sum(file.stat().st_size for name in names if (file := path / name).is_file())
 
 
 def verify_checkpoint(path: Path, progress: Callable[[int], None] | None = None) -> bool:
@@ -73,3 +78,38 @@ def verify_checkpoint(path: Path, progress: Callable[[int], None] | None = None)
         if actual != expected:
             raise ChecksumMismatch(f"{path / name} is damaged (checksum {actual}, written as {expected})")
     return True
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What checking one step folder found: ok, unverified (no checksums), damaged or incomplete."""
+
+    path: Path
+    status: str
+    detail: str = ""
+
+
+def verify_folders(folders: list[Path], progress: Callable[[int, int], None] | None = None) -> list[Verdict]:
+    """Check every step folder in `folders` (oldest first), reading each file once; `progress(done, total)`
+    is called with bytes as they are read."""
+    total = sum(checksummed_bytes(path) for path in folders if (path / COMPLETE).is_file())
+    done = 0
+
+    def advance(size: int) -> None:
+        nonlocal done
+        done += size
+        if progress is not None:
+            progress(done, total)
+
+    verdicts = []
+    for path in folders:
+        if not (path / COMPLETE).is_file():
+            verdicts.append(Verdict(path, "incomplete", "its save was interrupted; it is never loaded"))
+            continue
+        try:
+            checked = verify_checkpoint(path, advance)
+        except (ChecksumMismatch, OSError, ValueError) as err:
+            verdicts.append(Verdict(path, "damaged", str(err)))
+            continue
+        verdicts.append(Verdict(path, "ok") if checked else Verdict(path, "unverified", f"no {CHECKSUMS}"))
+    return verdicts
