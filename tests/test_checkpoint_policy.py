@@ -258,3 +258,35 @@ def test_a_real_full_disk_is_one_message_without_tracebacks(tmp_path, mode):
         assert verify_checkpoint(disk / "ckpt" / "step_4")
     finally:
         subprocess.run(["umount", disk], check=True)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lion"])
+def test_the_estimated_checkpoint_size_matches_a_saved_checkpoint(tmp_path, optimizer):
+    from engine.config.loader import load_job_config
+    from engine.model.transformer import Transformer
+    from engine.parallel.memory import checkpoint_bytes
+    from engine.train.losses import cross_entropy
+    from engine.train.optim import build_optimizer
+
+    cfg = load_job_config(REPO / "presets/debug.toml", [*TINY, f"--optimizer.name={optimizer}"])
+    model = Transformer(cfg.model)
+    opt = build_optimizer(model, cfg.optimizer)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    cross_entropy(model(tokens), tokens).backward()
+    opt.step()
+    path = save_checkpoint(tmp_path, 1, model, opt, {"step": 1})
+    on_disk = sum(file.stat().st_size for file in path.iterdir())
+    assert 0.95 * on_disk < checkpoint_bytes(cfg) <= on_disk
+
+
+def test_validate_config_says_how_much_disk_a_checkpoint_needs():
+    from engine.config.loader import load_job_config
+    from engine.parallel.memory import checkpoint_bytes
+
+    size = checkpoint_bytes(load_job_config(REPO / "presets/debug.toml", TINY))
+    shown = forge("validate-config", "presets/debug.toml", *TINY, "--checkpoint.keep_last_n=3")
+    assert shown.returncode == 0, shown.stderr
+    assert f"checkpoint size: {size / 2**20:.1f} MiB each" in " ".join(shown.stdout.split())
+    assert f"keep_last_n=3 holds {3 * size / 2**20:.1f} MiB" in " ".join(shown.stdout.split())
+    as_json = forge("validate-config", "presets/debug.toml", *TINY, "--json")
+    assert json.loads(as_json.stdout)["memory"]["checkpoint_bytes"] == size
