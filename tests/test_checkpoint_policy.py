@@ -290,3 +290,18 @@ def test_validate_config_says_how_much_disk_a_checkpoint_needs():
     assert f"keep_last_n=3 holds {3 * size / 2**20:.1f} MiB" in " ".join(shown.stdout.split())
     as_json = forge("validate-config", "presets/debug.toml", *TINY, "--json")
     assert json.loads(as_json.stdout)["memory"]["checkpoint_bytes"] == size
+
+
+def test_the_policy_reads_from_a_preset_and_may_change_on_resume(tmp_path):
+    from engine.config.changes import resume_issues
+    from engine.config.loader import load_job_config
+
+    preset = tmp_path / "p.toml"
+    policy = "[checkpoint]\ninterval_minutes = 30\nkeep = [{every = 4, until = 20}, {every = 100}]\n"
+    preset.write_text((REPO / "presets/debug.toml").read_text().replace("[checkpoint]\n", policy))
+    cfg = load_job_config(preset)
+    assert cfg.checkpoint.interval_minutes == 30
+    assert [cfg.checkpoint.kept(step) for step in (8, 6, 20, 24, 300, 302)] == [True, False, True, False, True, False]
+    changed = load_job_config(preset, ["--checkpoint.interval_minutes=5", "--checkpoint.keep_last_n=9"])
+    assert resume_issues(cfg, changed) == []
+    assert resume_issues(cfg, load_job_config(preset, ["--optimizer.lr=1"]))  # the check itself works

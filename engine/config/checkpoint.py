@@ -37,8 +37,8 @@ class CheckpointConfig(Section):
     keep_last_n: int | None = Field(None, gt=0, description="delete older step_N checkpoints; unset = keep all")
     keep: list[KeepRule] = Field(
         default_factory=list,
-        description="checkpoints keep_last_n never deletes: [{every = N, until = STEP}] rules, e.g. "
-        "[{every = 10000}] keeps every 10,000th step for the whole run",
+        description="checkpoints keep_last_n never deletes: rules {every = N, until = STEP}, each keeping the steps "
+        "that are multiples of N, up to STEP (no until = the whole run); e.g. [{every = 10000}]",
     )
     load_path: str | None = Field(
         None,
