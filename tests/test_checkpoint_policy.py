@@ -305,3 +305,20 @@ def test_the_policy_reads_from_a_preset_and_may_change_on_resume(tmp_path):
     changed = load_job_config(preset, ["--checkpoint.interval_minutes=5", "--checkpoint.keep_last_n=9"])
     assert resume_issues(cfg, changed) == []
     assert resume_issues(cfg, load_job_config(preset, ["--optimizer.lr=1"]))  # the check itself works
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_async_saves_sum_their_files_off_the_training_thread(tmp_path, monkeypatch, mode):
+    import threading
+
+    summed_in = []
+    record = dcp.record_rank_checksums
+
+    def recording(path, rank):
+        summed_in.append(threading.current_thread())
+        record(path, rank)
+
+    monkeypatch.setattr(dcp, "record_rank_checksums", recording)
+    save_steps(Checkpointer(tmp_path, CheckpointConfig(async_mode=mode), CPU), range(1, 2))
+    assert summed_in and threading.main_thread() not in summed_in
+    assert verify_checkpoint(tmp_path / "step_1")
