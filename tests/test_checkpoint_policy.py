@@ -117,6 +117,13 @@ def test_time_based_saves_happen_at_the_same_step_on_every_rank(tmp_path):
     due = [(tmp_path / f"due_rank{rank}").read_text() for rank in range(2)]
     assert due == ["3 6 9", "3 6 9"]
     assert saved_steps(tmp_path / "ckpt") == [3, 6, 9]
+    folder = tmp_path / "ckpt" / "step_9"
+    assert {p.name for p in folder.iterdir()} - {"COMPLETE"} == {
+        *json.loads((folder / CHECKSUMS).read_text()),
+        CHECKSUMS,
+    }
+    assert any(p.name.startswith("__1_") for p in folder.iterdir()), "rank 1's own shards are summed too"
+    assert verify_checkpoint(folder)
 
 
 KILLED_PRUNE = """
