@@ -180,13 +180,13 @@ class CheckpointWriteError(RuntimeError):
 @contextlib.contextmanager
 def write_errors(step: int, root: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """A failed write becomes one CheckpointWriteError; its partial folder is removed (it would only fill
-    the disk: it has no COMPLETE and is never loaded). A full disk says how much space a checkpoint needs.
-    The cause is not chained: its traceback is the writer threads', of no use to the reader."""
+    the disk: it has no COMPLETE and is never loaded). A full disk says how much space a checkpoint needs."""
     try:
         yield
     except UNREADABLE as err:
-        if is_writer():
-            shutil.rmtree(root / f"step_{step}", ignore_errors=True)
+        folder = root / f"step_{step}"
+        if is_writer() and not (folder / COMPLETE).is_file():  # a failure after COMPLETE (a barrier) keeps it
+            shutil.rmtree(folder, ignore_errors=True)
         message = f"writing the checkpoint of step {step} failed: {describe(err)}"
         cause = underlying(err)
         if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
@@ -196,7 +196,7 @@ def write_errors(step: int, root: Path, model: nn.Module, optimizer: torch.optim
                 f"and {root} has {gib(free)} free; its partial folder was removed, the checkpoints before it "
                 "are intact. Free space (or lower checkpoint.keep_last_n) and resume"
             )
-        raise CheckpointWriteError(message) from None
+        raise CheckpointWriteError(message) from err
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
