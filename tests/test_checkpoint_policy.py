@@ -329,3 +329,25 @@ def test_async_saves_sum_their_files_off_the_training_thread(tmp_path, monkeypat
     save_steps(Checkpointer(tmp_path, CheckpointConfig(async_mode=mode), CPU), range(1, 2))
     assert summed_in and threading.main_thread() not in summed_in
     assert verify_checkpoint(tmp_path / "step_1")
+
+
+def test_the_training_loop_saves_by_the_clock(tmp_path, monkeypatch):
+    from engine.train.hooks import TrainHooks
+    from tests.test_trainer import run
+
+    now = [0.0]
+    monkeypatch.setattr(Checkpointer, "clock", staticmethod(lambda: now[0]))
+
+    class SlowSteps(TrainHooks):  # every step takes 25 s by the checkpointer's clock
+        def before_step(self, step, job):
+            now[0] += 25.0
+
+    run(
+        tmp_path,
+        "timed",
+        "train.max_steps=10",
+        "checkpoint.interval_minutes=1",
+        "checkpoint.keep_last_n=20",
+        hooks=SlowSteps(),
+    )
+    assert saved_steps(tmp_path / "timed" / "checkpoints") == [3, 6, 9, 10]
