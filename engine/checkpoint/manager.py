@@ -188,15 +188,27 @@ def write_errors(step: int, root: Path, model: nn.Module, optimizer: torch.optim
         if is_writer() and not (folder / COMPLETE).is_file():  # a failure after COMPLETE (a barrier) keeps it
             shutil.rmtree(folder, ignore_errors=True)
         message = f"writing the checkpoint of step {step} failed: {describe(err)}"
-        cause = underlying(err)
-        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-            free = shutil.disk_usage(root).free
+        needed, free = state_bytes(model, optimizer), shutil.disk_usage(root).free
+        if out_of_space(err) or free < needed:
             message = (
-                f"the disk is full: the checkpoint of step {step} needs about {gib(state_bytes(model, optimizer))} "
+                f"the disk is full: the checkpoint of step {step} needs about {gib(needed)} "
                 f"and {root} has {gib(free)} free; its partial folder was removed, the checkpoints before it "
                 "are intact. Free space (or lower checkpoint.keep_last_n) and resume"
             )
         raise CheckpointWriteError(message) from err
+
+
+def out_of_space(err: BaseException | None) -> bool:
+    """ENOSPC anywhere in the error or what it was raised from: torch's zip writer turns the OSError of a
+    full disk into a RuntimeError of its own ("unexpected pos"), which then surfaces first."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        err = underlying(err)
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
