@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from forgecli import convert, doctor, generate, init, resume, runs, slurm, tokenize, train, validate_config
+from forgecli import checkpoint, convert, doctor, generate, init, resume, runs, slurm, tokenize, train, validate_config
 from forgecli.completion import OverrideCommand
 
 app = typer.Typer(
@@ -25,6 +25,7 @@ app.command("validate-config", cls=OverrideCommand, context_settings=EXTRA_ARGS)
 app.command("tokenize")(tokenize.tokenize)
 app.command("doctor")(doctor.doctor)
 app.add_typer(convert.app, name="convert")
+app.add_typer(checkpoint.app, name="checkpoint")
 app.command("generate")(generate.generate)
 app.command("init")(init.init)
 app.add_typer(runs.app, name="runs")

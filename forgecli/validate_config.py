@@ -47,7 +47,7 @@ def validate_config(
     """
     from engine.config import load_job_config
     from engine.config.loader import field_sources
-    from engine.parallel.memory import estimate_memory
+    from engine.parallel.memory import checkpoint_bytes, estimate_memory
     from engine.train.summary import job_summary
 
     overrides = collect_overrides(ctx.args)
@@ -61,7 +61,11 @@ def validate_config(
     stages = estimate_memory(cfg, world_size)
     sources = field_sources(cfg, preset, overrides)
     if as_json:
-        memory = {"stages": [stage.as_dict() for stage in stages], "gpu_memory_gib": gpu_memory_gib}
+        memory = {
+            "stages": [stage.as_dict() for stage in stages],
+            "gpu_memory_gib": gpu_memory_gib,
+            "checkpoint_bytes": checkpoint_bytes(cfg),
+        }
         if gpu_memory_gib is not None:
             memory["fits"] = all(stage.total <= gpu_memory_gib * GIB for stage in stages)
         print_json(
@@ -77,6 +81,7 @@ def validate_config(
     console.print(config_tree(cfg.model_dump(mode="json"), str(preset), sources if explain else None))
     console.print(summary_table(summary))
     console.print(memory_table(stages, cfg, world_size, gpu_memory_gib))
+    console.print(checkpoint_line(checkpoint_bytes(cfg), cfg.checkpoint.keep_last_n))
     console.print(lr_curve(cfg))
     console.print("[green]✓ config is valid[/green]" + (f" for world size {world_size}" if world_size > 1 else ""))
 
@@ -148,6 +153,18 @@ def memory_table(stages: list[Any], cfg: Any, world_size: int, gpu_memory_gib: f
             row.append("[green]yes[/green]" if s.total <= gpu_memory_gib * GIB else "[red]no[/red]")
         table.add_row(*row)
     return table
+
+
+def checkpoint_line(size: int, keep_last_n: int | None) -> str:
+    """The disk one checkpoint takes, and the rotation's (a full disk mid-save stops the run)."""
+    line = f"checkpoint size: {disk_size(size)} each on disk (fp32 weights and optimizer state)"
+    if keep_last_n is not None:
+        line += f"; keep_last_n={keep_last_n} holds {disk_size(keep_last_n * size)}, plus any kept by checkpoint.keep"
+    return line
+
+
+def disk_size(size: int) -> str:
+    return f"{size / GIB:.2f} GiB" if size >= GIB // 8 else f"{size / 2**20:.1f} MiB"
 
 
 SPARK = "▁▂▃▄▅▆▇█"

@@ -4,8 +4,9 @@ Layout under the checkpoint folder:
 
     step_N/            one checkpoint: DCP shard files + .metadata (model and optimizer, through
                        `get_state_dict`, so the same code serves sharded models), train_state.json
-                       (step, tokens seen, LR scheduler, RNG states; JSON, never pickle), and COMPLETE,
-                       written last, after every other file is on disk (fsync)
+                       (step, tokens seen, LR scheduler, RNG states; JSON, never pickle), checksums.json
+                       (a CRC-32 of every other file, engine/checkpoint/verify.py; checked on load), and
+                       COMPLETE, written last, after every other file is on disk (fsync)
     latest             the name of the newest complete checkpoint, replaced atomically after COMPLETE
                        (for people and tools; Forge itself resumes from the newest folder with COMPLETE,
                        which is the same one unless `latest` was lost)
@@ -26,8 +27,9 @@ import json
 import logging
 import pickle
 import shutil
+import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from types import MappingProxyType
@@ -50,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from engine.checkpoint.layout import COMPLETE, complete_checkpoints, step_dirs
+from engine.checkpoint.verify import merge_checksums, record_rank_checksums, verify_checkpoint
 from engine.durable import fsync_dir, fsync_file, write_durably
 from engine.resilience.collectives import distributed
 
@@ -71,11 +74,42 @@ class Extra(Protocol):
     def state_dict(self) -> dict[str, torch.Tensor]: ...
 
 
-def describe(err: BaseException) -> str:
-    """One line about a load failure; for DCP's wrapped per-rank failures, the underlying error."""
+def underlying(err: BaseException) -> BaseException:
+    """For DCP's wrapped per-rank failures, the first failing rank's own error; else `err`."""
     if isinstance(err, CheckpointException) and err.failures:
         failure = next(iter(err.failures.values()))  # (exception, traceback) of the first failing rank
-        err = failure[0] if isinstance(failure, tuple) else failure
+        return failure[0] if isinstance(failure, tuple) else failure
+    return err
+
+
+# DCP writes a checkpoint's files from extra threads too (WRITE_THREADS). An error in one (a full disk) goes to
+# the thread's excepthook, which prints a traceback per thread, and the save itself need not learn about it
+# (the thread's files would just be missing). The hook below keeps such errors for `raise_writer_failure`.
+WRITER_THREAD = "(_write_files_from_queue)"
+writer_failures: list[BaseException] = []
+
+
+def keep_writer_thread_errors(args: Any, previous: Callable[[Any], None] = threading.excepthook) -> None:
+    if args.thread is not None and args.thread.name.endswith(WRITER_THREAD) and args.exc_value is not None:
+        writer_failures.append(args.exc_value)
+        return
+    previous(args)
+
+
+threading.excepthook = keep_writer_thread_errors
+
+
+def raise_writer_failure() -> None:
+    """Raise the first error of a DCP writer thread since the last call, if there was one."""
+    failures = writer_failures.copy()
+    writer_failures.clear()
+    if failures:
+        raise failures[0]
+
+
+def describe(err: BaseException) -> str:
+    """One line about a load failure; for DCP's wrapped per-rank failures, the underlying error."""
+    err = underlying(err)
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
@@ -101,12 +135,17 @@ def latest_checkpoint(root: Path) -> tuple[int, Path] | None:
 # --- saving ---------------------------------------------------------------------------------------------
 
 
+def rank() -> int:
+    return torch.distributed.get_rank() if distributed() else 0
+
+
 def is_writer() -> bool:
     """The one process that creates folders and writes markers; every rank writes its own DCP shards."""
     return not distributed() or torch.distributed.get_rank() == 0
 
 
 def new_step_dir(root: Path, step: int) -> Path:
+    writer_failures.clear()  # left by a save that failed with an error of its own
     path = root / f"step_{step}"
     if is_writer():
         if path.exists():  # a save of this step that was cut short by a kill
@@ -137,8 +176,10 @@ def training_state(
 
 
 def finish_save(root: Path, path: Path, train_state: dict[str, Any]) -> Path:
-    """After DCP has written its files: the train state, fsync, COMPLETE, then `latest`, in that order."""
+    """After DCP has written its files and every rank has recorded their checksums: the train state, the
+    checksums, fsync, COMPLETE, then `latest`, in that order."""
     (path / TRAIN_STATE).write_text(json.dumps(train_state))
+    merge_checksums(path, [TRAIN_STATE])
     for file in path.iterdir():
         fsync_file(file)
     fsync_dir(path)  # the shards' directory entries before COMPLETE's
@@ -161,6 +202,10 @@ def save_checkpoint(
         dcp.save(
             training_state(model, optimizer, extra), storage_writer=storage_writer(path), no_dist=not distributed()
         )
+    raise_writer_failure()
+    record_rank_checksums(path, rank())
+    if distributed():
+        torch.distributed.barrier()  # every rank's checksums are on disk before rank 0 gathers them
     if is_writer():
         finish_save(root, path, train_state)
     if distributed():
@@ -191,8 +236,28 @@ def start_async_save(
             no_dist=not distributed(),
         )
     if isinstance(response, Future):
-        return None, response
-    return response.staging_completion, response.upload_completion
+        return None, then_record_checksums(response, path)
+    return response.staging_completion, then_record_checksums(response.upload_completion, path)
+
+
+def then_record_checksums(upload: Future, path: Path) -> Future:
+    """A future done once `upload` is and this rank's checksums are recorded, in a thread of its own: the
+    files are read back after they are written, never in the training loop."""
+    done: Future = Future()
+    own_rank = rank()
+
+    def record(finished: Future) -> None:
+        try:
+            finished.result()
+            raise_writer_failure()
+            record_rank_checksums(path, own_rank)
+        except BaseException as err:  # the write's own failure (a full disk) reaches whoever waits on `done`
+            done.set_exception(err)
+        else:
+            done.set_result(None)
+
+    upload.add_done_callback(lambda finished: threading.Thread(target=record, args=(finished,), daemon=True).start())
+    return done
 
 
 # --- loading --------------------------------------------------------------------------------------------
@@ -287,6 +352,7 @@ def load_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizers)
     state = {"model": model_sd, **({"optimizer": optim_sd} if optimizers else {})}
     train_state = json.loads((path / TRAIN_STATE).read_text())  # first: a cheap check that the folder is whole
+    verify_checkpoint(path)  # bytes damaged on disk: DCP would load them without a word
     state |= {name: entry.state_dict() for name, entry in extra.items() if train_state.get(name)}
     read_state(path, state)
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
@@ -306,17 +372,21 @@ def load_weights(path: Path, model: nn.Module, exclude: list[str] = ()) -> list[
     return names
 
 
-def prune_checkpoints(root: Path, keep_last_n: int | None, saved_step: int) -> None:
+def prune_checkpoints(
+    root: Path, keep_last_n: int | None, saved_step: int, kept: Callable[[int], bool] = lambda step: False
+) -> None:
     """After saving `saved_step`: delete all but the newest `keep_last_n` complete checkpoints up to it,
-    and incomplete folders older than it. Folders of later steps are left alone: they belong to an
-    attempt this run resumed past (say, a damaged checkpoint it fell back from), and a checkpoint is
-    never judged by its step number alone. COMPLETE goes first, so a deletion cut short never leaves a
-    loadable half."""
+    except those `kept` marks as permanent, and incomplete folders older than it. Folders of later steps
+    are left alone: they belong to an attempt this run resumed past (say, a damaged checkpoint it fell
+    back from), and a checkpoint is never judged by its step number alone. COMPLETE goes first (and
+    reaches the disk) before any other file, so a deletion cut short, even by SIGKILL, never leaves a
+    loadable half, and the next prune finishes it."""
     if keep_last_n is None:
         return
     complete = [(step, path) for step, path in complete_checkpoints(root) if step <= saved_step]
-    keep = {path for _, path in complete[-keep_last_n:]}
+    keep = {path for _, path in complete[-keep_last_n:]} | {path for step, path in complete if kept(step)}
     for step, path in step_dirs(root):
         if path not in keep and step < saved_step:
             (path / COMPLETE).unlink(missing_ok=True)
+            fsync_dir(path)
             shutil.rmtree(path)

@@ -115,6 +115,20 @@ def locate_checkpoint(target: Path) -> ForgeCheckpoint:
     )
 
 
+def step_folders(target: Path) -> list[Path]:
+    """Every step_N folder, complete or not, of a run directory, a checkpoint folder, or just `target` if it
+    is one (for `forge checkpoint verify`)."""
+    if not target.is_dir():
+        raise UserError(f"{target} is not a folder", "pass a run directory, its checkpoint folder or a step_N folder")
+    if STEP_DIR.match(target.name):
+        return [target]
+    root = target / load_job_config(target / RUN_CONFIG).checkpoint.dir if (target / RUN_CONFIG).is_file() else target
+    folders = [path for _, path in step_dirs(root)]
+    if not folders:
+        raise UserError(f"{target} holds no checkpoint (no step_N folder in {root})", "pass a run directory")
+    return folders
+
+
 def newest_complete(root: Path, what: str) -> Path:
     newest = latest_checkpoint(root)
     if newest is None:

@@ -4,7 +4,10 @@ run starts from (its own newest readable checkpoint, else `checkpoint.load_path`
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import shutil
+import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -30,12 +33,13 @@ from engine.checkpoint.dcp import (
     save_checkpoint,
     start_async_save,
     training_state,
+    underlying,
 )
 from engine.checkpoint.hf import is_hf_folder, load_hf_weights
 from engine.checkpoint.layout import STEP_DIR
 from engine.config.checkpoint import CheckpointConfig
 from engine.errors import UserError
-from engine.resilience.collectives import distributed, every_rank
+from engine.resilience.collectives import any_rank, distributed, every_rank
 
 log = logging.getLogger("forge.checkpoint")
 
@@ -46,15 +50,20 @@ class PendingSave:
     path: Path
     train_state: dict[str, Any]
     staging: Future | None
-    upload: Future
+    upload: Future  # done once the files are written and this rank's checksums recorded
+    model: nn.Module  # for the size a checkpoint needs, if the disk is full
+    optimizer: torch.optim.Optimizer
 
 
 class Checkpointer:
+    clock = staticmethod(time.monotonic)  # what `interval_minutes` is measured with; tests replace it
+
     def __init__(
         self, root: Path, cfg: CheckpointConfig, device: torch.device, extra: Mapping[str, Extra] | None = None
     ) -> None:
-        self.root, self.cfg = root, cfg
+        self.root, self.cfg, self.device = root, cfg, device
         self.extra = dict(extra or {})  # saved and restored beside model and optimizer (e.g. "ema")
+        self.last_save = self.clock()
         self.pending: PendingSave | None = None
         self.pin_memory = cfg.async_mode == "async_with_pinned_mem" and device.type == "cuda"
         self.group = self.control = None
@@ -67,7 +76,13 @@ class Checkpointer:
             self.control = torch.distributed.new_group(backend="gloo")
 
     def due(self, step: int, max_steps: int) -> bool:
-        return step == max_steps or bool(self.cfg.interval and step % self.cfg.interval == 0)
+        """Whether to save after step `step`: the last step, every `interval` steps, or `interval_minutes`
+        since the last save. Collective when interval_minutes is set: ranks' clocks differ, and a save
+        starts on every rank as soon as one of them says it is time, so all save at the same step."""
+        timed = self.cfg.interval_minutes is not None and any_rank(
+            self.clock() - self.last_save >= 60 * self.cfg.interval_minutes, self.device
+        )
+        return timed or step == max_steps or bool(self.cfg.interval and step % self.cfg.interval == 0)
 
     def save(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any]
@@ -75,13 +90,14 @@ class Checkpointer:
         """Save step `step`. Synchronous: returns the complete checkpoint. Asynchronous: returns None at
         once; `poll` or `wait` later finish it. One save at a time: a new one first finishes the last."""
         self.wait()
+        self.last_save = self.clock()
         if self.cfg.async_mode == "disabled":
-            with write_errors(step):
+            with write_errors(step, self.root, model, optimizer, self.extra):
                 path = save_checkpoint(self.root, step, model, optimizer, train_state, self.extra)
             self.prune(step)
             return path
         path = new_step_dir(self.root, step)
-        with write_errors(step):
+        with write_errors(step, self.root, model, optimizer, self.extra):
             staging, upload = start_async_save(
                 path,
                 training_state(model, optimizer, self.extra),
@@ -89,7 +105,7 @@ class Checkpointer:
                 pin_memory=self.pin_memory,
                 process_group=self.group,
             )
-        self.pending = PendingSave(step, path, train_state, staging, upload)
+        self.pending = PendingSave(step, path, train_state, staging, upload, model, optimizer)
         return None
 
     def wait_for_staging(self) -> None:
@@ -113,10 +129,14 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         if pending is None:
             return None
-        with write_errors(pending.step):  # a failed write raises here; its folder never gets COMPLETE
+        with write_errors(
+            pending.step, self.root, pending.model, pending.optimizer, self.extra
+        ):  # a failed write raises here
             if pending.staging is not None:
                 pending.staging.result()
             pending.upload.result()
+        if distributed():
+            torch.distributed.barrier()  # every rank's checksums are on disk before rank 0 gathers them
         if is_writer():
             finish_save(self.root, pending.path, pending.train_state)
         if distributed():
@@ -126,7 +146,7 @@ class Checkpointer:
 
     def prune(self, saved_step: int) -> None:
         if is_writer():
-            prune_checkpoints(self.root, self.cfg.keep_last_n, saved_step)
+            prune_checkpoints(self.root, self.cfg.keep_last_n, saved_step, self.cfg.kept)
 
     def has(self, step: int) -> bool:
         return (self.root / f"step_{step}" / COMPLETE).is_file() or (
@@ -164,11 +184,51 @@ class CheckpointWriteError(RuntimeError):
 
 
 @contextlib.contextmanager
-def write_errors(step: int) -> Iterator[None]:
+def write_errors(
+    step: int, root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Mapping[str, Extra]
+) -> Iterator[None]:
+    """A failed write becomes one CheckpointWriteError; its partial folder is removed (it would only fill
+    the disk: it has no COMPLETE and is never loaded). A full disk says how much space a checkpoint needs."""
     try:
         yield
     except UNREADABLE as err:
-        raise CheckpointWriteError(f"writing the checkpoint of step {step} failed: {describe(err)}") from err
+        folder = root / f"step_{step}"
+        if is_writer() and not (folder / COMPLETE).is_file():  # a failure after COMPLETE (a barrier) keeps it
+            shutil.rmtree(folder, ignore_errors=True)
+        message = f"writing the checkpoint of step {step} failed: {describe(err)}"
+        needed, free = state_bytes(model, optimizer, extra), shutil.disk_usage(root).free
+        if out_of_space(err) or free < needed:
+            message = (
+                f"the disk is full: the checkpoint of step {step} needs about {gib(needed)} "
+                f"and {root} has {gib(free)} free; its partial folder was removed, the checkpoints before it "
+                "are intact. Free space (or lower checkpoint.keep_last_n) and resume"
+            )
+        raise CheckpointWriteError(message) from err
+
+
+def out_of_space(err: BaseException | None) -> bool:
+    """ENOSPC anywhere in the error or what it was raised from: torch's zip writer turns the OSError of a
+    full disk into a RuntimeError of its own ("unexpected pos"), which then surfaces first."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        err = underlying(err)
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, extra: Mapping[str, Extra]) -> int:
+    """Bytes of the weights, optimizer state and extra state (the EMA) of the whole model, what one checkpoint
+    holds (a sharded tensor's numel is its global one; a replicated tensor is written once)."""
+    tensors = list(model.state_dict().values()) + [t for entry in extra.values() for t in entry.state_dict().values()]
+    tensors += [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**27 else f"{size / 2**20:.1f} MiB"
 
 
 def resolve_load_path(path: Path) -> Path:

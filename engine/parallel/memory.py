@@ -193,6 +193,14 @@ def optimizer_state_bytes(cfg: JobConfig, spec: ParamSpec, local: int) -> int:
     return 2 * FP32 * local  # muon's AdamW fallback (exp_avg, exp_avg_sq) or schedule-free z, exp_avg_sq
 
 
+def checkpoint_bytes(cfg: JobConfig) -> int:
+    """Bytes of one checkpoint on disk, whatever the layout: DCP writes every element of the fp32 weights and
+    the optimizer state once (a shard per rank, a replicated tensor by one rank), and the fp32 EMA of the
+    weights with `train.ema_decay`. The train state and DCP's metadata add a few tens of kilobytes."""
+    weight_copies = 2 if cfg.train.ema_decay else 1
+    return sum(FP32 * weight_copies * s.numel + optimizer_state_bytes(cfg, s, s.numel) for s in param_specs(cfg.model))
+
+
 def forward_chunks(cfg: JobConfig, pp_rank: int) -> list[int]:
     """The local stage (0 or 1) of each stage forward whose activations rank `pp_rank` holds at its peak,
     as torch.distributed.pipelining schedules them with grad_accum_steps microbatches: none without
