@@ -239,7 +239,7 @@ def test_key_steps_mark_every_rewarmup():
 
 def test_run_directory_pins_a_number_of_cycles_to_its_boundaries():
     from engine.config import load_job_config
-    from engine.train.job import with_pinned_schedule
+    from engine.train.schedules import with_pinned_schedule
 
     cfg = load_job_config(None, ["--scheduler.cycles=3", "--train.max_steps=90"]).validate(1)
     pinned = with_pinned_schedule(cfg).scheduler
@@ -255,7 +255,7 @@ def test_none_has_no_rewarmup_either():
 
 def test_inv_sqrt_takes_no_decay_steps_and_the_run_directory_adds_none():
     from engine.config import load_job_config
-    from engine.train.job import with_pinned_schedule
+    from engine.train.schedules import with_pinned_schedule
 
     with pytest.raises(ValueError, match="no decay_steps"):
         SchedulerConfig(name="inv_sqrt", decay_steps=10)

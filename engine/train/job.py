@@ -46,7 +46,7 @@ from engine.train.ema import WeightAverage
 from engine.train.losses import StageCrossEntropy
 from engine.train.optim import build_optimizer
 from engine.train.run_dir import check_run_dir
-from engine.train.schedules import build_scheduler, cycle_starts, default_decay_steps
+from engine.train.schedules import build_scheduler, with_pinned_schedule
 from engine.train.summary import job_summary
 
 log = logging.getLogger("forge.train")
@@ -114,20 +114,6 @@ def seed_everything(seed: int) -> None:
 
 def checkpoint_root(cfg: JobConfig, run_dir: Path) -> Path:
     return run_dir / cfg.checkpoint.dir
-
-
-def with_pinned_schedule(cfg: JobConfig) -> JobConfig:
-    """The config with `scheduler.decay_steps` resolved, as the run directory records it: a run resumed
-    with a larger train.max_steps then continues the schedule it trained with (at the floor once decayed)
-    instead of stretching the decay and jumping the LR. With warm restarts a number of cycles is pinned to
-    its step boundaries instead, and each cycle keeps its own default decay."""
-    if cfg.scheduler.cycles is not None:
-        starts = cycle_starts(cfg.scheduler, cfg.train.max_steps)[1:]
-        return cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"cycles": starts or 1})})
-    if cfg.scheduler.decay_steps is not None or cfg.scheduler.name == "inv_sqrt":  # inv_sqrt has no decay length
-        return cfg
-    decay = default_decay_steps(cfg.scheduler, cfg.train.max_steps)
-    return cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"decay_steps": decay})})
 
 
 def check_device_support(cfg: JobConfig, device: torch.device) -> None:

@@ -214,3 +214,17 @@ def key_steps(cfg: JobConfig) -> list[int]:
     if cfg.optimizer.name == "schedule_free_adamw":
         marks.add(cfg.optimizer.schedule_free_warmup_steps - 1)
     return sorted(m for m in marks if 0 <= m <= last)
+
+
+def with_pinned_schedule(cfg: JobConfig) -> JobConfig:
+    """The config with `scheduler.decay_steps` resolved, as the run directory records it: a run resumed
+    with a larger train.max_steps then continues the schedule it trained with (at the floor once decayed)
+    instead of stretching the decay and jumping the LR. With warm restarts a number of cycles is pinned to
+    its step boundaries instead, and each cycle keeps its own default decay."""
+    if cfg.scheduler.cycles is not None:
+        starts = cycle_starts(cfg.scheduler, cfg.train.max_steps)[1:]
+        return cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"cycles": starts or 1})})
+    if cfg.scheduler.decay_steps is not None or cfg.scheduler.name == "inv_sqrt":  # inv_sqrt has no decay length
+        return cfg
+    decay = default_decay_steps(cfg.scheduler, cfg.train.max_steps)
+    return cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"decay_steps": decay})})
