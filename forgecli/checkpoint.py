@@ -18,7 +18,6 @@ from forgecli.ui import LiveBar, PlainLines, err_console, print_json, print_wide
 app = typer.Typer(help="Inspect a run's checkpoints.", no_args_is_help=True)
 
 DAMAGED_EXIT = 1
-PLAIN_INTERVAL_S = 10.0
 STYLES = {"ok": "green", "unverified": "yellow", "incomplete": "dim", "damaged": "bold red"}
 
 
@@ -92,15 +91,8 @@ class PlainProgressView(PlainLines):
     """For logs: one line every 10 s, none for a check quicker than that."""
 
     def __init__(self, target: Console) -> None:
-        self.target, self.last = target, time.perf_counter()
+        self.target, self.last_line = target, time.perf_counter()
 
     def update(self, done: int, total: int) -> None:
-        now = time.perf_counter()
-        if now - self.last >= PLAIN_INTERVAL_S:
-            self.last = now
-            self.target.print(
-                f"verifying: {100 * done / max(total, 1):.0f}% of {total / 2**30:.2f} GiB",
-                markup=False,
-                highlight=False,
-                soft_wrap=True,
-            )
+        if self.due():
+            self.say(f"verifying: {100 * done / max(total, 1):.0f}% of {total / 2**30:.2f} GiB")

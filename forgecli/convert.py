@@ -17,7 +17,6 @@ from forgecli.ui import LiveBar, PlainLines, console, err_console, print_json, u
 if TYPE_CHECKING:  # the engine is imported when a command runs, not when `forge --help` loads the app
     from engine.checkpoint.hf import ConvertProgress, ConvertReport
 
-PLAIN_INTERVAL_S = 10.0
 
 app = typer.Typer(
     name="convert",
@@ -158,15 +157,8 @@ class PlainProgressView(PlainLines):
 
     def __init__(self, target: Console, what: str) -> None:
         self.target, self.what = target, what
-        self.last = time.perf_counter()
+        self.last_line = time.perf_counter()
 
     def update(self, p: ConvertProgress) -> None:
-        now = time.perf_counter()
-        if now - self.last >= PLAIN_INTERVAL_S:
-            self.last = now
-            self.target.print(
-                f"{self.what}: {100 * p.done / max(p.total, 1):.0f}% of {p.total:,} parameters",
-                markup=False,
-                highlight=False,
-                soft_wrap=True,
-            )
+        if self.due():
+            self.say(f"{self.what}: {100 * p.done / max(p.total, 1):.0f}% of {p.total:,} parameters")

@@ -20,8 +20,6 @@ if TYPE_CHECKING:  # the engine is imported when the command runs, not when `for
     from engine.data.tokenize import Progress as TokenizeProgress
     from engine.data.tokenize import TokenizeReport
 
-PLAIN_INTERVAL_S = 10.0
-
 
 @user_errors
 def tokenize(
@@ -168,16 +166,14 @@ class PlainProgressView(PlainLines):
 
     def update(self, p: TokenizeProgress) -> None:
         now = time.perf_counter()
-        quiet = p.phase == self.phase and p.shards == self.shards and now - self.last_line < PLAIN_INTERVAL_S
+        quiet = p.phase == self.phase and p.shards == self.shards and not self.due()
         if p.phase != self.phase:
             self.phase, self.started = p.phase, self.last_event  # the phase began when the previous one reported last
         self.last_event = now
         if quiet:
             return
-        self.shards, self.last_line = p.shards, now
-        self.target.print(
-            f"{p.phase}: {amount(p)}, {detail(p, now - self.started)}", highlight=False, markup=False, soft_wrap=True
-        )
+        self.shards = p.shards
+        self.say(f"{p.phase}: {amount(p)}, {detail(p, now - self.started)}")
 
 
 def amount(p: TokenizeProgress) -> str:

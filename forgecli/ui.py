@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, Self
 
@@ -19,6 +20,7 @@ console = Console()
 err_console = Console(stderr=True)
 
 USER_ERROR_EXIT = 2
+PLAIN_INTERVAL_S = 10.0  # progress lines off a terminal: at most one every this many seconds
 
 
 def is_interactive() -> bool:
@@ -85,7 +87,19 @@ class LiveBar:
 
 
 class PlainLines:
-    """A progress view that prints plain lines as it is updated (logs, pipes): nothing to start or stop."""
+    """A progress view that prints plain lines as it is updated (logs, pipes): nothing to start or stop, and a
+    line at most every PLAIN_INTERVAL_S unless something worth saying at once happened."""
+
+    target: Console
+    last_line: float = 0.0  # when the last line was printed (time.perf_counter())
+
+    def due(self) -> bool:
+        """Whether PLAIN_INTERVAL_S have passed since the last line (the caller then prints one)."""
+        return time.perf_counter() - self.last_line >= PLAIN_INTERVAL_S
+
+    def say(self, text: str) -> None:
+        self.last_line = time.perf_counter()
+        self.target.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def __enter__(self) -> Self:
         return self
