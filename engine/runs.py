@@ -23,10 +23,9 @@ from typing import Any, Literal
 from engine.checkpoint.layout import complete_checkpoints
 from engine.durable import write_durably
 from engine.errors import UserError
+from engine.run_files import METRICS_FILE, RUN_CONFIG
 from engine.run_lock import lock_holder
 
-RUN_CONFIG = "config.toml"
-METRICS_FILE = "metrics.jsonl"
 ATTEMPTS_FILE = "attempts.jsonl"
 ACTIVITY_FILES = (METRICS_FILE, "train.log", ATTEMPTS_FILE)  # what a run writes as it goes: its age
 CURVES = ("loss", "eval_loss", "lr", "tokens_per_sec")  # what `forge runs compare` plots

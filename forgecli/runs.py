@@ -150,7 +150,8 @@ def compare(
 
     """
     from engine.errors import UserError
-    from engine.runs import RUN_CONFIG, config_differences, curves, summarize_run
+    from engine.run_files import RUN_CONFIG
+    from engine.runs import config_differences, curves, summarize_run
 
     for path in run_dirs:
         if not (path / RUN_CONFIG).is_file():

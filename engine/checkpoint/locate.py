@@ -20,8 +20,8 @@ from engine.config.job import JobConfig
 from engine.config.loader import load_job_config
 from engine.config.model import ModelConfig
 from engine.errors import UserError
+from engine.run_files import RUN_CONFIG
 
-RUN_CONFIG = "config.toml"
 MODEL_CONFIG = "model.toml"  # the [model] section beside a checkpoint folder that has no run directory
 TOKENIZER = "tokenizer.json"
 EMA_KEY = "ema"  # the checkpoint entry and train-state flag of the EMA (engine.train.ema.STATE_KEY)

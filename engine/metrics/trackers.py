@@ -21,8 +21,7 @@ from typing import Any, Protocol
 from engine.config.job import JobConfig
 from engine.durable import write_durably
 from engine.errors import UserError
-
-METRICS_FILE = "metrics.jsonl"
+from engine.run_files import METRICS_FILE
 
 
 class Sink(Protocol):

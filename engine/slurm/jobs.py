@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.errors import UserError
+from engine.run_files import METRICS_FILE, RUN_CONFIG
 from engine.slurm.render import (
     SCRIPT_NAME,
     SlurmRequest,
@@ -120,7 +121,7 @@ def check_existing_run(cfg: JobConfig, run_dir: Path) -> None:
     from engine.config.changes import resume_issues
     from engine.errors import ConfigError
 
-    saved = run_dir / "config.toml"
+    saved = run_dir / RUN_CONFIG
     if saved.is_file() and (issues := resume_issues(load_job_config(saved), cfg)):
         raise ConfigError(issues, f"{run_dir} (an existing run: it resumes with its own config)")
 
@@ -230,7 +231,7 @@ def attempts(run_dir: Path) -> list[Attempt]:
 
 def last_step(run_dir: Path) -> dict | None:
     """The last training step the run logged (step, loss), from its metrics."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     if not path.is_file():
         return None
     for line in reversed(path.read_text().splitlines()):

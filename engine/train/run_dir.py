@@ -21,10 +21,9 @@ from engine.config.loader import dump_toml, load_job_config
 from engine.durable import write_durably
 from engine.errors import ConfigError, UserError
 from engine.metrics.trackers import MetricsLogger, build_trackers
+from engine.run_files import METRICS_FILE, RUN_CONFIG
 from engine.run_lock import RunLock
 from engine.runs import record_attempt
-
-RUN_CONFIG = "config.toml"
 
 log = logging.getLogger("forge.train")
 
@@ -96,7 +95,7 @@ def open_run_dir(
             # generate) look for it: a vocabulary can hold several candidates.
             eos = json.dumps({"eos_token": train_data.manifest.eos_token}, indent=2) + "\n"
             write_if_changed(run_dir / "tokenizer_config.json", eos.encode())
-        resumed_from = start_step if (run_dir / "metrics.jsonl").exists() and not created else None
+        resumed_from = start_step if (run_dir / METRICS_FILE).exists() and not created else None
         outputs = RunOutputs(build_trackers(cfg, run_dir, run_dir.name, resumed_from, wandb_run_id), lock, run_dir)
         record_attempt(run_dir, "start", step=start_step)
         return outputs
