@@ -142,7 +142,8 @@ def test_a_dataset_that_cannot_be_loaded_is_a_data_error(tmp_path: Path, dataset
 def test_a_row_that_cannot_be_parsed_midway_leaves_nothing_behind(tmp_path: Path, tok: Path, dataset_repo: Path):
     with open(dataset_repo / "data" / "train.jsonl", "a") as f:
         f.write("{not json\n")
-    with pytest.raises(DataError, match="could not read the rows"):
+    # datasets < 5 reads the first rows when the stream is opened, later versions when they are iterated
+    with pytest.raises(DataError, match="could not (read the rows|load Hugging Face dataset)"):
         tokenize(hub(dataset_repo, streaming=True), tmp_path / "out", tokenizer=tok, shard_tokens=500)
     assert not (tmp_path / "out").exists()
 
