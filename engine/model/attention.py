@@ -22,6 +22,31 @@ SDPA_BACKENDS = {
 }
 
 
+class AttentionCore(nn.Module):
+    """softmax(QK^T/sqrt(d) + mask)V on heads laid out (batch, heads, seq, head_dim), through SDPA.
+
+    A module of its own, without parameters, so that what needs attention's inner tensors reaches them from
+    outside the model: a forward hook sees the queries, keys and values after RoPE (activation extraction),
+    and a layout can replace the kernel for the whole model at once (context parallelism)."""
+
+    def __init__(self, sdpa_backend: str = "auto") -> None:
+        super().__init__()
+        self.sdpa_backend = sdpa_backend
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = True
+    ) -> torch.Tensor:
+        with self._kernel():
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
+            )
+
+    def _kernel(self) -> contextlib.AbstractContextManager:
+        if self.sdpa_backend == "auto":
+            return contextlib.nullcontext()
+        return sdpa_kernel(SDPA_BACKENDS[self.sdpa_backend])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -33,7 +58,7 @@ class Attention(nn.Module):
         # QK-norm is always RMSNorm over the head dimension, whatever norm_type the residual stream uses.
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.sdpa_backend = cfg.sdpa_backend
+        self.core = AttentionCore(cfg.sdpa_backend)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None
@@ -54,13 +79,5 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)
             causal, mask = cache.start == 0, cache.mask(seq)
-        with self._kernel():
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
-            )
+        out = self.core(q, k, v, mask, causal)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
-
-    def _kernel(self) -> contextlib.AbstractContextManager:
-        if self.sdpa_backend == "auto":
-            return contextlib.nullcontext()
-        return sdpa_kernel(SDPA_BACKENDS[self.sdpa_backend])
