@@ -166,12 +166,22 @@ def storage_writer(path: Path) -> FileSystemWriter:
     return FileSystemWriter(path, thread_count=WRITE_THREADS)
 
 
+def model_options(trainable_only: bool) -> StateDictOptions:
+    """What of the model a checkpoint holds: every tensor, or (`trainable_only`, LoRA's save_adapters_only)
+    only those that train, the frozen base being rebuilt from where it came from; loading such a checkpoint
+    fills those and leaves the rest as they are."""
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
 def training_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, extra: Mapping[str, Extra] = MappingProxyType({})
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: Mapping[str, Extra] = MappingProxyType({}),
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """Model and optimizer, plus `extra` entries (e.g. "ema": the EMA of the weights), each saved under its
-    name from its `state_dict()`."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    name from its `state_dict()`; `trainable_only`: see `model_options`."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=model_options(trainable_only))
     return {"model": model_sd, "optimizer": optim_sd, **{name: entry.state_dict() for name, entry in extra.items()}}
 
 
@@ -195,12 +205,15 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     train_state: dict[str, Any],
     extra: Mapping[str, Extra] = MappingProxyType({}),
+    trainable_only: bool = False,
 ) -> Path:
     """Write step_N durably and mark it complete, blocking until it is on disk."""
     path = new_step_dir(root, step)
     with single_process_quiet():
         dcp.save(
-            training_state(model, optimizer, extra), storage_writer=storage_writer(path), no_dist=not distributed()
+            training_state(model, optimizer, extra, trainable_only),
+            storage_writer=storage_writer(path),
+            no_dist=not distributed(),
         )
     raise_writer_failure()
     record_rank_checksums(path, rank())
@@ -344,18 +357,26 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     extra: Mapping[str, Extra] = MappingProxyType({}),
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """Load the model (and the optimizer, when given) in place; return the saved train state. Each `extra`
     entry is filled in place where the train state says the checkpoint holds it (`train_state[name]` true),
-    so checkpoints saved without it still load."""
+    so checkpoints saved without it still load. `trainable_only`: see `model_options`."""
     optimizers = [optimizer] if optimizer is not None else []
-    model_sd, optim_sd = get_state_dict(model, optimizers)
+    options = model_options(trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizers, options=options)
     state = {"model": model_sd, **({"optimizer": optim_sd} if optimizers else {})}
     train_state = json.loads((path / TRAIN_STATE).read_text())  # first: a cheap check that the folder is whole
     verify_checkpoint(path)  # bytes damaged on disk: DCP would load them without a word
     state |= {name: entry.state_dict() for name, entry in extra.items() if train_state.get(name)}
     read_state(path, state)
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
+    set_state_dict(
+        model,
+        optimizers,
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optimizer", {}),
+        options=options,
+    )
     return train_state
 
 

@@ -59,9 +59,15 @@ class Checkpointer:
     clock = staticmethod(time.monotonic)  # what `interval_minutes` is measured with; tests replace it
 
     def __init__(
-        self, root: Path, cfg: CheckpointConfig, device: torch.device, extra: Mapping[str, Extra] | None = None
+        self,
+        root: Path,
+        cfg: CheckpointConfig,
+        device: torch.device,
+        extra: Mapping[str, Extra] | None = None,
+        trainable_only: bool = False,
     ) -> None:
         self.root, self.cfg, self.device = root, cfg, device
+        self.trainable_only = trainable_only  # lora.save_adapters_only: the frozen base is not saved
         self.extra = dict(extra or {})  # saved and restored beside model and optimizer (e.g. "ema")
         self.last_save = self.clock()
         self.pending: PendingSave | None = None
@@ -93,14 +99,14 @@ class Checkpointer:
         self.last_save = self.clock()
         if self.cfg.async_mode == "disabled":
             with write_errors(step, self.root, model, optimizer, self.extra):
-                path = save_checkpoint(self.root, step, model, optimizer, train_state, self.extra)
+                path = save_checkpoint(self.root, step, model, optimizer, train_state, self.extra, self.trainable_only)
             self.prune(step)
             return path
         path = new_step_dir(self.root, step)
         with write_errors(step, self.root, model, optimizer, self.extra):
             staging, upload = start_async_save(
                 path,
-                training_state(model, optimizer, self.extra),
+                training_state(model, optimizer, self.extra, self.trainable_only),
                 stage_in_background=self.cfg.async_mode == "async_with_pinned_mem",
                 pin_memory=self.pin_memory,
                 process_group=self.group,
@@ -161,7 +167,7 @@ class Checkpointer:
         failures = []
         for _step, path in reversed(complete_checkpoints(self.root)):
             try:
-                return path, load_checkpoint(path, model, optimizer, self.extra)
+                return path, load_checkpoint(path, model, optimizer, self.extra, self.trainable_only)
             except UNREADABLE as err:  # any damage: a missing file, a short read, bad JSON, bad pickle
                 log.warning("checkpoint %s cannot be read (%s); trying the one before it", path, describe(err))
                 failures.append(f"{path.name}: {describe(err)}")

@@ -13,6 +13,7 @@ from engine.config.checkpoint import CheckpointConfig
 from engine.config.data import DataConfig, HubDatasetFields
 from engine.config.distributed import DistributedConfig
 from engine.config.eval import EvalConfig
+from engine.config.lora import LoraConfig, lora_issues
 from engine.config.metrics import MetricsConfig
 from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
@@ -34,6 +35,7 @@ class JobConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
     def validate(self, world_size: int = 1) -> JobConfig:  # type: ignore[override]
         """Check the rules that span sections once the world size is known; raise every problem at once."""
@@ -91,6 +93,7 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     issues += ema_issues(cfg)
     issues += moe_issues(cfg)
     issues += layout_issues(cfg, world_size)
+    issues += lora_issues(cfg, world_size)
     return issues
 
 

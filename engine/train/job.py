@@ -30,6 +30,7 @@ from engine.errors import UserError
 from engine.metrics.mfu import peak_flops
 from engine.model import build_model
 from engine.model.attention import CPU_SDPA_BACKENDS
+from engine.model.lora import apply_lora
 from engine.model.moe import moe_metrics
 from engine.model.transformer import Transformer
 from engine.parallel.apply import float8_all_gather, parallelize
@@ -152,11 +153,12 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         mesh = build_mesh(dims, device.type)
         assert mesh.dp_rank == dp_rank, "data_parallel_rank disagrees with the mesh"
     starts_fresh = not (resuming and complete_checkpoints(checkpoint_root(cfg, run_dir)))
+    base_from_load_path = starts_fresh or base_rebuilt(cfg)
     if mesh is None:
-        model = parallelize(initial_model(cfg, starts_fresh).to(device), cfg)
+        model = parallelize(initial_model(cfg, base_from_load_path).to(device), cfg)
         pipeline = None
     else:
-        model, pipeline = distributed_model(cfg, mesh, device, starts_fresh)
+        model, pipeline = distributed_model(cfg, mesh, device, base_from_load_path)
     optimizer = build_optimizer(model, cfg.optimizer)
     ema = WeightAverage.for_training(model, cfg.train)  # a resumed run's is filled by its checkpoint
     job = Job(
@@ -174,7 +176,11 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         summary=job_summary(cfg, place.world_size),
         peak_flops=peak_flops(device, dtype),
         checkpointer=Checkpointer(
-            checkpoint_root(cfg, run_dir), cfg.checkpoint, device, {EMA_KEY: ema} if ema is not None else None
+            checkpoint_root(cfg, run_dir),
+            cfg.checkpoint,
+            device,
+            {EMA_KEY: ema} if ema is not None else None,
+            trainable_only=base_rebuilt(cfg),
         ),
         guard=StepGuard(cfg.train),
         place=place,
@@ -203,12 +209,23 @@ def moe_training(model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None) 
 
 def initial_model(cfg: JobConfig, starts_fresh: bool) -> Transformer:
     """The whole model, on the CPU, with the weights a run starts from: the seed's, or `checkpoint.load_path`'s
-    for a new run (a resumed one loads its checkpoint later)."""
+    for a new run (a resumed one loads its checkpoint later; one whose checkpoints lack the frozen base,
+    `base_rebuilt`, passes starts_fresh = True to rebuild it). With `[lora]`, the loaded model is frozen and
+    gets its adapters (engine/model/lora.py), before any parallelism is applied."""
     seed_everything(cfg.train.seed)
     model = build_model(cfg.model)
     if starts_fresh and cfg.checkpoint.load_path is not None:
         initialize_from(Path(cfg.checkpoint.load_path), model, cfg.checkpoint.exclude_from_loading)
+    if cfg.lora.enabled:
+        apply_lora(model, cfg.lora)
     return model
+
+
+def base_rebuilt(cfg: JobConfig) -> bool:
+    """Checkpoints hold only the trainable weights (lora.save_adapters_only): every attempt, resumed or not,
+    rebuilds the frozen base as the first did (seed, then checkpoint.load_path), and the checkpoint fills in
+    the adapters."""
+    return cfg.lora.enabled and cfg.lora.save_adapters_only
 
 
 def distributed_model(
@@ -223,6 +240,8 @@ def distributed_model(
     seed_everything(cfg.train.seed)
     with torch.device("meta"):
         model = build_model(cfg.model)
+        if cfg.lora.enabled:  # the same module tree as rank 0's initial model
+            apply_lora(model, cfg.lora)
     pipeline = None
     if cfg.distributed.pp > 1:
         pipeline = pipelined(model, cfg, mesh, device)

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from engine.config.job import JobConfig
 from engine.metrics.trackers import MetricsLogger
+from engine.model.lora import merge_adapters
 from engine.parallel.launch import leave_process_group
 from engine.parallel.place import process_place
 from engine.resilience.anomaly import TrainingDiverged
@@ -193,6 +194,7 @@ def run_loop(
     for step in range(job.start_step + 1, t.max_steps + 1):
         with profiler.step(step):
             result = train_step(job, step, batches, loss_fn, hooks)
+        merge_due_adapters(job, step)
         progress.tokens_seen += tokens_per_step
         progress.window.tokens += tokens_per_step
         checkpoint_done(reporter, job.checkpointer.poll())
@@ -234,6 +236,18 @@ def run_loop(
     reporter.on_end(summary)
     log.info("done %s", summary)
     return summary
+
+
+def merge_due_adapters(job: Job, step: int) -> None:
+    """Every lora.merge_interval steps, after the update: fold the adapters into the base and restart them
+    (engine.model.lora.merge_adapters; the model computes the same function before and after). The
+    generator of the new A is seeded by the step, so a resumed run merges exactly as the first attempt."""
+    interval = job.cfg.lora.merge_interval
+    if not job.cfg.lora.enabled or interval is None or step % interval:
+        return
+    job.checkpointer.wait_for_staging()  # a background save must hold its copy before the weights change
+    merged = merge_adapters(job.model, job.cfg.lora, job.cfg.train.seed + step, job.optimizer)
+    log.info("step %d: merged %d LoRA adapters into the base weights", step, merged)
 
 
 @contextlib.contextmanager
