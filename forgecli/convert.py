@@ -40,6 +40,15 @@ def to_hf(
     ema: bool = typer.Option(
         False, "--ema", help="Export the EMA of the weights the run kept (train.ema_decay) instead of the weights."
     ),
+    merge: bool = typer.Option(
+        False, "--merge", help="A [lora] run: write one plain model, each adapter added into its base weight."
+    ),
+    adapters_only: bool = typer.Option(
+        False,
+        "--adapters-only",
+        help="A [lora] run: write only its adapters, as a peft adapter folder (adapter_config.json + "
+        "adapter_model.safetensors) for the base model exported from the run's checkpoint.load_path.",
+    ),
 ) -> None:
     """Export a Forge checkpoint as a Hugging Face `transformers` model folder.
 
@@ -59,11 +68,22 @@ def to_hf(
 
       forge convert to-hf runs/big --out exports/big-ema-hf --ema
 
+      forge convert to-hf runs/lora --out exports/lora-adapter --adapters-only
+
+      forge convert to-hf runs/lora --out exports/lora-merged --merge
+
     """
     from engine.checkpoint.hf import export_to_hf
+    from engine.checkpoint.hf_lora import export_adapters
+    from engine.errors import UserError
 
+    if adapters_only and (merge or ema):
+        raise UserError("--adapters-only writes the adapters alone", "leave out --merge and --ema")
     with progress_view(err_console if as_json else console, "exporting") as view:
-        report = export_to_hf(source, out, dtype=dtype, progress=view.update, ema=ema)
+        if adapters_only:
+            report = export_adapters(source, out, dtype=dtype, progress=view.update)
+        else:
+            report = export_to_hf(source, out, dtype=dtype, progress=view.update, ema=ema, merge=merge)
     show(report, as_json, "exported to Hugging Face")
 
 
@@ -77,6 +97,12 @@ def from_hf(
     ),
     out: Path = typer.Option(..., "--out", "-o", help="The Forge checkpoint folder to write; must not exist yet."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON; progress goes to stderr."),
+    adapter: Path | None = typer.Option(
+        None,
+        "--adapter",
+        help="A peft LoRA adapter folder trained on HF_DIR (adapter_config.json + adapter_model.safetensors): "
+        "imported merged into the weights.",
+    ),
 ) -> None:
     """Import a Hugging Face Llama/Qwen3 (or Qwen2-MoE/Qwen3-MoE/GLM-4-MoE) model folder as a Forge checkpoint.
 
@@ -91,11 +117,13 @@ def from_hf(
 
       forge generate checkpoints/tinyllama --prompt "Once upon a time"
 
+      forge convert from-hf ~/models/TinyLlama-1.1B --adapter ~/adapters/tinyllama-chat --out checkpoints/chat
+
     """
     from engine.checkpoint.hf import import_from_hf, model_toml
 
     with progress_view(err_console if as_json else console, "importing") as view:
-        report = import_from_hf(hf_dir, out, progress=view.update)
+        report = import_from_hf(hf_dir, out, progress=view.update, adapter=adapter)
     show(report, as_json, "imported from Hugging Face")
     if not as_json:
         console.print(f"\n{out / 'model.toml'}:", markup=False, highlight=False, soft_wrap=True)

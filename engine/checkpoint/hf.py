@@ -65,7 +65,7 @@ from engine.checkpoint.hf_mapping import (
     model_config_from_hf,
     to_hf,
 )
-from engine.checkpoint.locate import MODEL_CONFIG, TOKENIZER, ForgeCheckpoint, averaged, find_checkpoint
+from engine.checkpoint.locate import MODEL_CONFIG, TOKENIZER, ForgeCheckpoint, averaged, find_checkpoint, merged
 from engine.config.model import ModelConfig
 from engine.data.tokenizer import Encoder, adds_special_tokens, parse_tokenizer
 from engine.durable import fsync_dir, fsync_file
@@ -119,12 +119,15 @@ def export_to_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: ProgressFn | None = None,
     ema: bool = False,
+    merge: bool = False,
 ) -> ConvertReport:
     """Write the newest complete checkpoint of `source` (run directory, checkpoint folder or step_N) as a
-    Hugging Face model folder `out`, weights cast to `dtype`; `ema`: the EMA of the weights the run kept.
-    Everything is checked before anything is written."""
+    Hugging Face model folder `out`, weights cast to `dtype`; `ema`: the EMA of the weights the run kept;
+    `merge`: a LoRA run's adapters added into their base weights (a plain model; `hf_lora.export_adapters`
+    writes them as a peft adapter instead). Everything is checked before anything is written."""
     torch_dtype = export_dtype(dtype)
     ckpt = find_checkpoint(source, ema=ema)
+    check_merge(ckpt, merge)
     cfg = ckpt.model
     architecture = hf_architecture(cfg)
     layout = hf_layout(cfg)
@@ -147,6 +150,30 @@ def export_to_hf(
             (tmp / TOKENIZER).write_bytes(tokenizer.json_bytes)
             write_json(tmp / TOKENIZER_CONFIG, tokenizer.config)
     return ConvertReport(ckpt.path, out, architecture, cfg, parameters, weight_bytes, files)
+
+
+def check_merge(ckpt: ForgeCheckpoint, merge: bool) -> None:
+    """A LoRA run exports merged (or as an adapter); a plain run has nothing to merge."""
+    if ckpt.lora is None:
+        if merge:
+            raise UserError(
+                f"{ckpt.path} was not trained with [lora]: it has no adapters to merge", "leave out --merge"
+            )
+        return
+    if not merge:
+        raise UserError(
+            f"{ckpt.path} holds LoRA adapters beside a frozen base; exported alone the base would lose them",
+            "pass --merge (one plain model: base + adapters) or --adapters-only (a peft adapter for the base)",
+        )
+    if ckpt.ema:
+        raise UserError(
+            "--ema with --merge: the EMA of the adapters' factors is not an EMA of their product", "leave out --ema"
+        )
+    if ckpt.lora.save_adapters_only:
+        raise UserError(
+            f"{ckpt.path} holds only the adapters (lora.save_adapters_only), not the base to merge them into",
+            f"export them with --adapters-only and load them onto the base from {ckpt.base_path or 'the seed'}",
+        )
 
 
 def export_dtype(name: str) -> torch.dtype:
@@ -254,6 +281,7 @@ def read_checkpoint_tensors(ckpt: ForgeCheckpoint, wanted: dict[str, TensorStora
     try:
         read_state(step, {"model": tensors})
         averaged(ckpt, tensors)
+        merged(ckpt, tensors)
     except (CheckpointException, OSError) as e:  # a shard file missing or cut short
         raise UserError(
             f"cannot read checkpoint {step} ({describe(e)})",
@@ -302,14 +330,20 @@ def export_tokenizer(encoder: Encoder, max_seq_len: int) -> ExportedTokenizer:
 # ---------------------------------------------------------------- Hugging Face → Forge
 
 
-def import_from_hf(hf_dir: Path, out: Path, progress: ProgressFn | None = None) -> ConvertReport:
+def import_from_hf(
+    hf_dir: Path, out: Path, progress: ProgressFn | None = None, adapter: Path | None = None
+) -> ConvertReport:
     """Write the weights of a local HF folder of an architecture `hf_mapping` reads (Llama, Qwen3, and
-    the MoE ones) as a Forge checkpoint folder `out` (layout in the module docstring). Everything is
+    the MoE ones) as a Forge checkpoint folder `out` (layout in the module docstring); `adapter`: a peft
+    LoRA adapter folder for that model, merged into the weights (engine.checkpoint.hf_lora). Everything is
     checked before anything is written."""
+    from engine.checkpoint.hf_lora import read_peft_adapter  # it builds on this module
+
     cfg = read_hf_model_config(hf_dir)
     architecture = hf_architecture(cfg)
     files = safetensors_files(hf_dir)
     layout = check_hf_tensors(hf_dir, files, cfg)
+    updates = read_peft_adapter(adapter, cfg) if adapter is not None else {}
     check_out(out)
     meta = expected_state(cfg)
     total = sum(meta[name].numel() for name in forge_sources(layout))
@@ -318,7 +352,9 @@ def import_from_hf(hf_dir: Path, out: Path, progress: ProgressFn | None = None) 
     with staging(out) as tmp:
         state, done, weight_bytes = {}, 0, 0
         for tensors in forge_tensors(hf_dir, files, layout):
-            for name, tensor in tensors.items():
+            for name, loaded in tensors.items():
+                delta = updates.get(name)
+                tensor = loaded if delta is None else (loaded.float() + delta).to(loaded.dtype)
                 state[name] = tensor
                 done, weight_bytes = done + tensor.numel(), weight_bytes + tensor.nbytes
                 if progress:

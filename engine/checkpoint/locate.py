@@ -18,6 +18,7 @@ from engine.checkpoint.dcp import COMPLETE, TRAIN_STATE, SafeFileSystemReader, l
 from engine.checkpoint.layout import STEP_DIR
 from engine.config.job import JobConfig
 from engine.config.loader import load_job_config
+from engine.config.lora import LoraConfig
 from engine.config.model import ModelConfig
 from engine.errors import UserError
 from engine.run_files import RUN_CONFIG
@@ -34,11 +35,20 @@ class ForgeCheckpoint:
     tokenizer: Path | None  # a tokenizer.json, when the run had one
     averaging_beta1: float | None = None  # schedule-free AdamW's β1: the model to use is its average x
     ema: bool = False  # use the EMA of the weights the run kept (train.ema_decay) instead of its weights
+    lora: LoraConfig | None = None  # the run trained LoRA adapters (engine/model/lora.py) on a frozen base
+    base_path: str | None = None  # its checkpoint.load_path: where an adapters-only checkpoint's base is
 
 
 def run_checkpoint(step: Path, cfg: JobConfig, run_dir: Path) -> ForgeCheckpoint:
     schedule_free = cfg.optimizer.name == "schedule_free_adamw"
-    return ForgeCheckpoint(step, cfg.model, tokenizer_in(run_dir), cfg.optimizer.betas[0] if schedule_free else None)
+    return ForgeCheckpoint(
+        step,
+        cfg.model,
+        tokenizer_in(run_dir),
+        cfg.optimizer.betas[0] if schedule_free else None,
+        lora=cfg.lora if cfg.lora.enabled else None,
+        base_path=cfg.checkpoint.load_path,
+    )
 
 
 def averaged(ckpt: ForgeCheckpoint, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -159,3 +169,28 @@ def with_config(step: Path, root: Path) -> ForgeCheckpoint:
 def tokenizer_in(folder: Path) -> Path | None:
     path = folder / TOKENIZER
     return path if path.is_file() else None
+
+
+def merged(ckpt: ForgeCheckpoint, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """For a LoRA run: each base weight in `tensors` that has an adapter in the checkpoint plus its
+    (alpha / r)·B·A, in fp32 then back to the weight's dtype, i.e. the weights the trained model computes
+    with; other tensors (and every tensor of a run without LoRA) as they are. In place."""
+    if ckpt.lora is None:
+        return tensors
+    metadata = SafeFileSystemReader(ckpt.path).read_metadata().state_dict_metadata
+    modules = [
+        name.removesuffix(".weight") for name in tensors if f"model.{name.removesuffix('.weight')}.lora_A" in metadata
+    ]
+    factors = {
+        f"{module}.{part}": torch.empty(metadata[f"model.{module}.{part}"].size, dtype=torch.float32)
+        for module in modules
+        for part in ("lora_A", "lora_B")
+    }
+    if factors:
+        read_state(ckpt.path, {"model": factors})
+    scaling = ckpt.lora.alpha / ckpt.lora.rank
+    for module in modules:
+        weight = tensors[f"{module}.weight"]
+        delta = factors[f"{module}.lora_B"] @ factors[f"{module}.lora_A"] * scaling
+        weight.copy_((weight.float() + delta).to(weight.dtype))
+    return tensors

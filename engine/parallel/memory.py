@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass
 from engine.config.job import JobConfig
 from engine.config.model import ModelConfig
 from engine.model.estimate import param_counts
+from engine.parallel.lora_memory import trains, weight_bytes, with_adapters
 from engine.parallel.stages import stage_layers, stages_per_rank
 
 FP32 = 4
@@ -378,7 +379,7 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
         raise ValueError(f"the parallel degrees do not divide the world size {world_size}; validate the config first")
     cfg = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"dp_shard": dp_shard})})
     d, t, m = cfg.distributed, cfg.train, cfg.model
-    specs = param_specs(m)
+    specs = with_adapters(param_specs(m), cfg.lora)  # [lora]: frozen base + trained adapters
     per_rank = stages_per_rank(d.pp_schedule) if d.pp > 1 else 1
     n_stages = d.pp * per_rank
     if n_stages > m.n_layers:
@@ -390,7 +391,8 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
         stages = [rank + k * d.pp for k in range(per_rank)]
         owned = [s for stage in stages for s in stage_specs(specs, layers[stage], stage == 0, stage == n_stages - 1)]
         local = {s.name: local_numel(s, d.tp, d.dp_shard * d.cp) for s in owned}
-        params = FP32 * sum(local.values())
+        params = sum(weight_bytes(s, local[s.name], cfg.lora) for s in owned)
+        trained = [s for s in owned if trains(s, cfg.lora)]
         chunk = [stage_activation_bytes(cfg, layers[s], tokens, s == 0, s == n_stages - 1) for s in stages]
         chunks = forward_chunks(cfg, rank)
         blocks = [i for s in stages for i in layers[s]]
@@ -401,8 +403,8 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
                 blocks=tuple((layers[s].start, layers[s].stop - 1) for s in stages),
                 microbatches_in_flight=len(chunks),
                 params=params,
-                grads=params,
-                optimizer=sum(optimizer_state_bytes(cfg, s, local[s.name]) for s in owned)
+                grads=FP32 * sum(local[s.name] for s in trained),
+                optimizer=sum(optimizer_state_bytes(cfg, s, local[s.name]) for s in trained)
                 + (params if t.ema_decay else 0),
                 activations=sum(chunk[local] for local in chunks) + recompute_bytes(cfg, blocks, tokens),
                 buffers=buffer_bytes(cfg, owned, tokens, has_head=n_stages - 1 in stages),
