@@ -1,0 +1,199 @@
+"""LoRA and QLoRA (engine/model/lora.py): parity with `peft`, training that changes only the adapters,
+merging, adapters-only checkpoints and exact resume, exports peft loads, NF4 bases, FSDP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+from engine.checkpoint.dcp import SafeFileSystemReader, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
+from engine.checkpoint.hf import export_to_hf, import_from_hf, load_hf_weights
+from engine.checkpoint.hf_lora import export_adapters
+from engine.config import JobConfig, dump_toml, load_job_config
+from engine.config.lora import LoraConfig
+from engine.model.lora import LoRALinear, apply_lora, merge_adapters
+from engine.model.transformer import Transformer
+from forgecli.app import app
+from tests.test_convert import VOCAB, hf_model, make_run, model_config, random_model
+from tests.test_trainer import TINY
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+PRESET = Path(__file__).parents[1] / "presets" / "debug.toml"
+TARGETS = {
+    "attention": ["layers.*.attention.w[qkvo]"],
+    "all-linear": ["layers.*.attention.*", "layers.*.feed_forward.*", "output"],
+}
+SHAPE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
+
+
+def lora_model(targets: list[str], seed: int = 0, **lora) -> tuple[Transformer, LoraConfig]:
+    """A random base with adapters whose B is random too (B = 0 would hide a wrong B or scaling)."""
+    model = random_model(model_config(**SHAPE), seed)
+    cfg = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=targets, **lora)
+    apply_lora(model, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.3)
+    return model, cfg
+
+
+def save_lora_run(root: Path, model: Transformer, lora: LoraConfig) -> Path:
+    """A run directory of a LoRA run: config.toml with its [lora] section and a checkpoint."""
+    root.mkdir(parents=True)
+    (root / "config.toml").write_text(dump_toml(JobConfig(model=model.cfg, lora=lora)))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    save_checkpoint(root / "checkpoints", 5, model, torch.optim.AdamW(trainable), {"step": 5})
+    return root
+
+
+def loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_peft_gives_our_logits_and_adapter_gradients_and_the_exports_agree(tmp_path, name):
+    """Our export of the base + our --adapters-only export, loaded by PeftModel.from_pretrained, computes our
+    logits (fp32, 1e-5) and our adapters' gradients; --merge gives the same logits as a plain model; and
+    from-hf --adapter imports the same merged weights back."""
+    base = random_model(model_config(**SHAPE))
+    export_to_hf(make_run(tmp_path / "base-run", base), tmp_path / "base-hf")
+    model, lora = lora_model(TARGETS[name])
+    run = save_lora_run(tmp_path / "run", model, lora)
+    export_adapters(run, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert len(config["target_modules"]) == (8 if name == "attention" else 2 * 7 + 1)
+
+    theirs = peft.PeftModel.from_pretrained(hf_model(tmp_path / "base-hf"), tmp_path / "adapter", is_trainable=True)
+    tokens = torch.randint(0, VOCAB, (2, 24))
+    ours_logits, their_logits = model(tokens), theirs(tokens).logits
+    torch.testing.assert_close(their_logits, ours_logits, rtol=1e-5, atol=1e-5)
+    loss_of(ours_logits, tokens).backward()
+    loss_of(their_logits, tokens).backward()
+    their_params = dict(theirs.named_parameters())
+    adapted = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    assert len(adapted) == len(config["target_modules"])
+    for module_name, module in adapted:
+        hf_name = config["target_modules"][sorted(n for n, _ in adapted).index(module_name)]
+        for part in ("lora_A", "lora_B"):
+            their = their_params[f"base_model.model.{hf_name}.{part}.default.weight"]
+            torch.testing.assert_close(their.grad, getattr(module, part).grad, rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for n, p in model.named_parameters() if not n.endswith(("lora_A", "lora_B")))
+
+    export_to_hf(run, tmp_path / "merged", merge=True)
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(tmp_path / "merged")(tokens).logits, ours_logits, rtol=1e-5, atol=1e-5)
+        imported = Transformer(model.cfg)
+        import_from_hf(tmp_path / "base-hf", tmp_path / "imported", adapter=tmp_path / "adapter")
+        load_hf_weights(imported, tmp_path / "merged")  # the merged export …
+        merged_logits = imported(tokens)
+        load_checkpoint(tmp_path / "imported" / "step_0", imported)  # … equals base + peft adapter imported
+        torch.testing.assert_close(imported(tokens), merged_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_lora_run_exports_only_merged_or_as_an_adapter(tmp_path):
+    model, lora = lora_model(TARGETS["attention"])
+    run = save_lora_run(tmp_path / "run", model, lora)
+    runner = CliRunner()
+    plain = runner.invoke(app, ["convert", "to-hf", str(run), "--out", str(tmp_path / "out")])
+    assert plain.exit_code == 2 and "--merge" in plain.output and not (tmp_path / "out").exists()
+    result = runner.invoke(
+        app, ["convert", "to-hf", str(run), "--out", str(tmp_path / "a"), "--adapters-only", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "use_dora": True})
+    )
+    export_to_hf(make_run(tmp_path / "base-run", random_model(model_config(**SHAPE))), tmp_path / "base-hf")
+    refused = runner.invoke(
+        app, ["convert", "from-hf", str(tmp_path / "base-hf"), "--adapter", str(bad), "--out", str(tmp_path / "x")]
+    )
+    assert refused.exit_code == 2 and "use_dora" in refused.output and not (tmp_path / "x").exists()
+
+
+def test_step_zero_is_the_base_and_a_merge_keeps_the_function():
+    """B = 0 at the start: the loss is the base model's bit for bit. Merging folds B·A into the base and restarts
+    the adapter: same loss (fp32 rounding), B = 0 again, the optimizer state zeroed when asked."""
+    tokens = torch.randint(0, VOCAB, (2, 24))
+    base = random_model(model_config(**SHAPE))
+    before = loss_of(base(tokens), tokens)
+    apply_lora(base, LoraConfig(enabled=True, target_modules=TARGETS["all-linear"], init="gaussian"))
+    assert torch.equal(loss_of(base(tokens), tokens), before)
+
+    model, lora = lora_model(TARGETS["all-linear"], reset_optimizer_on_merge=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    loss_of(model(tokens), tokens).backward()
+    optimizer.step()
+    with torch.no_grad():
+        trained = loss_of(model(tokens), tokens)
+        assert merge_adapters(model, lora, seed=3, optimizer=optimizer) == 15
+        torch.testing.assert_close(loss_of(model(tokens), tokens), trained, rtol=1e-6, atol=1e-6)
+    assert all(not m.lora_B.any() and m.lora_A.any() for m in model.modules() if isinstance(m, LoRALinear))
+    assert all(not v.any() for state in optimizer.state.values() for v in state.values())
+
+
+def run_dir_losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def saved(run_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors of the newest checkpoint of `run_dir`, read whole."""
+    path = latest_checkpoint(run_dir / "checkpoints")[1]
+    meta = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    tensors = {n: torch.empty(meta[f"model.{n}"].size) for n in names}
+    read_state(path, {"model": tensors})
+    return tensors
+
+
+def test_training_changes_only_the_adapters_resumes_exactly_and_merges(tmp_path):
+    """From a base run's checkpoint: LoRA on all linears trains and leaves every base tensor bitwise
+    as loaded, and with save_adapters_only (checkpoints without the base) a stopped run resumes to exactly the
+    losses of one run. A merging run's last checkpoint has B = 0 and a base that moved."""
+    from engine.train.run_dir import run_config
+    from engine.train.trainer import train
+
+    def cfg(*extra: str) -> JobConfig:
+        return load_job_config(PRESET, [*TINY, *extra])
+
+    train(cfg("train.max_steps=2"), tmp_path / "base")
+    lora = (
+        f"checkpoint.load_path={tmp_path / 'base'}",
+        "lora.enabled=true",
+        'lora.target_modules=["layers.*.attention.*", "layers.*.feed_forward.*"]',
+        "lora.save_adapters_only=true",
+        "optimizer.lr=1e-2",
+        "scheduler.decay_steps=4",
+    )
+    train(cfg("train.max_steps=6", *lora), tmp_path / "whole")
+    whole = run_dir_losses(tmp_path / "whole")
+    assert len(whole) == 6
+    train(cfg("train.max_steps=3", *lora, "checkpoint.interval=3"), tmp_path / "parts")
+    train(run_config(tmp_path / "parts", ["train.max_steps=6"]), tmp_path / "parts")
+    assert run_dir_losses(tmp_path / "parts") == whole
+
+    path = latest_checkpoint(tmp_path / "whole" / "checkpoints")[1]
+    keys = set(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert len(model_keys) == 2 * 2 * 7 and all(k.endswith(("lora_A", "lora_B")) for k in model_keys)
+
+    base_names = [f"layers.{i}.{w}.weight" for i in range(2) for w in ("attention.wq", "feed_forward.w2")]
+    base = saved(tmp_path / "base", base_names)
+    train(cfg("train.max_steps=3", *lora[:3]), tmp_path / "full")  # checkpoints with the base in them
+    assert all(torch.equal(t, base[n]) for n, t in saved(tmp_path / "full", base_names).items())
+    merging = (*lora[:3], "lora.merge_interval=3", "lora.reset_optimizer_on_merge=true", "optimizer.lr=1e-2")
+    train(cfg("train.max_steps=6", *merging), tmp_path / "merging")
+    moved = saved(tmp_path / "merging", [*base_names, "layers.0.attention.wq.lora_B"])
+    assert not moved.pop("layers.0.attention.wq.lora_B").any()  # merged at step 6, before the checkpoint
+    assert not any(torch.equal(t, base[n]) for n, t in moved.items())
