@@ -165,10 +165,6 @@ def check_merge(ckpt: ForgeCheckpoint, merge: bool) -> None:
             f"{ckpt.path} holds LoRA adapters beside a frozen base; exported alone the base would lose them",
             "pass --merge (one plain model: base + adapters) or --adapters-only (a peft adapter for the base)",
         )
-    if ckpt.ema:
-        raise UserError(
-            "--ema with --merge: the EMA of the adapters' factors is not an EMA of their product", "leave out --ema"
-        )
     if ckpt.lora.save_adapters_only:
         raise UserError(
             f"{ckpt.path} holds only the adapters (lora.save_adapters_only), not the base to merge them into",

@@ -98,6 +98,12 @@ def lora_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                 f"= {getattr(d, degree)}: LoRA adapters are supported under FSDP/HSDP only, not with {degree} > 1 yet",
                 f"set distributed.{degree} = 1 (shard with distributed.dp_shard), or lora.enabled = false",
             )
+    if cfg.train.ema_decay:
+        refuse(
+            "train.ema_decay",
+            "an EMA of the weights is not supported with LoRA yet (it would average the frozen base too)",
+            "set train.ema_decay = 0 with lora.enabled = true",
+        )
     if cfg.train.mixed_precision == "fp8":
         refuse(
             "train.mixed_precision",

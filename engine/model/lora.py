@@ -36,6 +36,7 @@ from engine.config.lora import LoraConfig
 from engine.errors import UserError
 
 ADAPTER_NAMES = ("lora_A", "lora_B")
+NF4_SCALER_BLOCK = 256  # torchao's default: group scales per fp32 factor
 
 
 class LoRALinear(nn.Module):
@@ -80,7 +81,16 @@ class NF4LoRALinear(LoRALinear):
         super().__init__(base, rank, alpha, dropout)
         from torchao.quantization import to_nf4
 
-        self.weight = nn.Parameter(to_nf4(base.weight.detach(), block_size=group_size), requires_grad=False)
+        weight = base.weight.detach()
+        if weight.numel() % group_size:
+            raise UserError(
+                f"lora.group_size = {group_size} does not divide a {list(weight.shape)} weight into whole groups",
+                "choose a power of two that divides the model's dimensions (e.g. 64)",
+            )
+        # The 8-bit group scales are themselves scaled per block of up to 256 of them (torchao needs a divisor).
+        scaler_block = math.gcd(weight.numel() // group_size, NF4_SCALER_BLOCK)
+        nf4 = to_nf4(weight, block_size=group_size, scaler_block_size=scaler_block)
+        self.weight = nn.Parameter(nf4, requires_grad=False)
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4

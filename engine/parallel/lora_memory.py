@@ -3,7 +3,7 @@
 With LoRA the base weights are frozen: they are held (fp32, or NF4 under `lora.quantize_base`), but have no
 gradients and no optimizer state. Each adapted linear adds A [r, in] and B [out, r] (fp32), which train: they
 have gradients and optimizer state like any parameter. An NF4 weight takes 4 bits per element, plus one 8-bit
-scale per `group_size` elements and one fp32 factor per 256 scales (torchao's NF4Tensor), i.e.
+scale per `group_size` elements and one fp32 factor per (up to) 256 scales (torchao's NF4Tensor), i.e.
 0.5 + 1/group_size + 4/(256·group_size) bytes per element (0.516 at the default group size 64).
 What the estimate leaves out: the adapters' own activations (dropout(x) and A·x, [tokens, r] per adapted
 linear: small next to the block's), and FSDP's unsharded-gradient buffer is still sized for a whole block.

@@ -331,8 +331,9 @@ def checkpoint_done(reporter: Reporter, done: tuple[int, Path] | None) -> None:
 
 
 def weights_finite(model: torch.nn.Module) -> bool:
-    """This rank's shards only: callers agree over ranks."""
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    """This rank's shards only: callers agree over ranks. Only the parameters that train can have become
+    non-finite (a frozen LoRA base, possibly NF4, is as loaded)."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters() if p.requires_grad]
     return bool(torch.stack([p.detach().isfinite().all() for p in local]).all())
 
 
