@@ -121,9 +121,13 @@ def from_hf(
 
     """
     from engine.checkpoint.hf import import_from_hf, model_toml
+    from engine.checkpoint.hf_lora import import_with_adapter
 
     with progress_view(err_console if as_json else console, "importing") as view:
-        report = import_from_hf(hf_dir, out, progress=view.update, adapter=adapter)
+        if adapter is None:
+            report = import_from_hf(hf_dir, out, progress=view.update)
+        else:
+            report = import_with_adapter(hf_dir, adapter, out, progress=view.update)
     show(report, as_json, "imported from Hugging Face")
     if not as_json:
         console.print(f"\n{out / 'model.toml'}:", markup=False, highlight=False, soft_wrap=True)

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from engine.checkpoint.dcp import SafeFileSystemReader, latest_checkpoint, load_checkpoint, read_state, save_checkpoint
-from engine.checkpoint.hf import export_to_hf, import_from_hf, load_hf_weights
-from engine.checkpoint.hf_lora import export_adapters
+from engine.checkpoint.hf import export_to_hf, load_hf_weights
+from engine.checkpoint.hf_lora import export_adapters, import_with_adapter
 from engine.config import JobConfig, dump_toml, load_job_config
 from engine.config.lora import LoraConfig
 from engine.model.lora import LoRALinear, apply_lora, merge_adapters
@@ -92,7 +92,7 @@ def test_peft_gives_our_logits_and_adapter_gradients_and_the_exports_agree(tmp_p
     with torch.no_grad():
         torch.testing.assert_close(hf_model(tmp_path / "merged")(tokens).logits, ours_logits, rtol=1e-5, atol=1e-5)
         imported = Transformer(model.cfg)
-        import_from_hf(tmp_path / "base-hf", tmp_path / "imported", adapter=tmp_path / "adapter")
+        import_with_adapter(tmp_path / "base-hf", tmp_path / "adapter", tmp_path / "imported")
         load_hf_weights(imported, tmp_path / "merged")  # the merged export …
         merged_logits = imported(tokens)
         load_checkpoint(tmp_path / "imported" / "step_0", imported)  # … equals base + peft adapter imported
@@ -248,3 +248,34 @@ def test_qlora_nf4_base_is_close_small_and_trains():
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_processes_equals_one_process(tmp_path):
+    """LoRA under FSDP2 on 2 processes (adapters sharded with their block, like every parameter; with
+    activation checkpointing) computes the one-process run: same losses and the same trained adapters."""
+    from tests.test_distributed import forge, records
+
+    common = (
+        "--lora.enabled=true",
+        '--lora.target_modules=["layers.*.attention.*", "layers.*.feed_forward.*"]',
+        "--optimizer.lr=1e-2",
+    )
+    for name, extra in (("one", {}), ("two", {"nproc": 2})):
+        args = (*common, "--train.activation_checkpointing=full") if extra else common
+        result = forge(tmp_path / name, *args, **extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert sorted(two) == sorted(one) == list(range(1, 7))
+    for step in one:
+        assert two[step]["loss"] == pytest.approx(one[step]["loss"], abs=1e-5), step
+    names = [
+        f"layers.{i}.{m}.{p}"
+        for i in range(4)
+        for m in ("attention.wq", "feed_forward.w2")
+        for p in ("lora_A", "lora_B")
+    ]
+    ours, theirs = saved(tmp_path / "two", names), saved(tmp_path / "one", names)
+    assert any(t.any() for n, t in theirs.items() if n.endswith("lora_B"))  # the adapters trained
+    for name in names:
+        torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=0, msg=name)

@@ -327,19 +327,20 @@ def export_tokenizer(encoder: Encoder, max_seq_len: int) -> ExportedTokenizer:
 
 
 def import_from_hf(
-    hf_dir: Path, out: Path, progress: ProgressFn | None = None, adapter: Path | None = None
+    hf_dir: Path,
+    out: Path,
+    progress: ProgressFn | None = None,
+    updates: Callable[[ModelConfig], dict[str, torch.Tensor]] | None = None,
 ) -> ConvertReport:
     """Write the weights of a local HF folder of an architecture `hf_mapping` reads (Llama, Qwen3, and
-    the MoE ones) as a Forge checkpoint folder `out` (layout in the module docstring); `adapter`: a peft
-    LoRA adapter folder for that model, merged into the weights (engine.checkpoint.hf_lora). Everything is
-    checked before anything is written."""
-    from engine.checkpoint.hf_lora import read_peft_adapter  # it builds on this module
-
+    the MoE ones) as a Forge checkpoint folder `out` (layout in the module docstring). `updates`, given the
+    folder's model config: Forge weight name → an fp32 change added to that weight on the way (a peft
+    adapter merged in, `hf_lora.import_with_adapter`). Everything is checked before anything is written."""
     cfg = read_hf_model_config(hf_dir)
     architecture = hf_architecture(cfg)
     files = safetensors_files(hf_dir)
     layout = check_hf_tensors(hf_dir, files, cfg)
-    updates = read_peft_adapter(adapter, cfg) if adapter is not None else {}
+    changes = updates(cfg) if updates is not None else {}
     check_out(out)
     meta = expected_state(cfg)
     total = sum(meta[name].numel() for name in forge_sources(layout))
@@ -349,7 +350,7 @@ def import_from_hf(
         state, done, weight_bytes = {}, 0, 0
         for tensors in forge_tensors(hf_dir, files, layout):
             for name, loaded in tensors.items():
-                delta = updates.get(name)
+                delta = changes.get(name)
                 tensor = loaded if delta is None else (loaded.float() + delta).to(loaded.dtype)
                 state[name] = tensor
                 done, weight_bytes = done + tensor.numel(), weight_bytes + tensor.nbytes

@@ -35,6 +35,7 @@ from engine.checkpoint.hf import (
     ProgressFn,
     check_out,
     export_dtype,
+    import_from_hf,
     read_checkpoint_tensors,
     staging,
     write_json,
@@ -120,6 +121,12 @@ def export_adapters(
 
 
 # ---------------------------------------------------------------- peft adapter → merged into an import
+
+
+def import_with_adapter(hf_dir: Path, adapter: Path, out: Path, progress: ProgressFn | None = None) -> ConvertReport:
+    """`hf.import_from_hf` of the base `hf_dir` with the peft LoRA adapter folder `adapter` merged into its
+    weights: a plain Forge checkpoint of the adapted model."""
+    return import_from_hf(hf_dir, out, progress, updates=lambda cfg: read_peft_adapter(adapter, cfg))
 
 
 def read_peft_adapter(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
