@@ -18,7 +18,8 @@ from tokenizers.decoders import DecodeStream
 
 from engine.checkpoint.dcp import UNREADABLE, describe, load_checkpoint
 from engine.checkpoint.hf import is_hf_folder, load_hf_weights, read_hf_model_config
-from engine.checkpoint.locate import TOKENIZER, ForgeCheckpoint, averaged, find_checkpoint
+from engine.checkpoint.locate import TOKENIZER, ForgeCheckpoint, averaged, find_checkpoint, merged
+from engine.checkpoint.manager import initialize_from
 from engine.data.tokenizer import Encoder, adds_special_tokens
 from engine.errors import UserError
 from engine.model import build_model
@@ -65,9 +66,21 @@ def load_model(target: Path, device: torch.device, ema: bool = False) -> tuple[T
 
 def load_forge_weights(model: Transformer, ckpt: ForgeCheckpoint) -> None:
     """The checkpoint's weights, averaged for a schedule-free run (what its eval loss was measured on), or
-    its EMA of them when asked for."""
-    load_checkpoint(ckpt.path, model)
-    averaged(ckpt, {name: param.data for name, param in model.named_parameters()})
+    its EMA of them when asked for. A LoRA run's adapters are merged into their base weights (in fp32, also
+    for a QLoRA run, whose base trained in NF4); an adapters-only checkpoint's base comes from the run's
+    checkpoint.load_path."""
+    if ckpt.lora is not None and ckpt.lora.save_adapters_only:
+        if ckpt.base_path is None:
+            raise UserError(
+                f"{ckpt.path} holds only LoRA adapters, and its run trained them on a seed-initialised base",
+                "sample from a run whose base came from checkpoint.load_path",
+            )
+        initialize_from(Path(ckpt.base_path), model, [])
+    else:
+        load_checkpoint(ckpt.path, model)
+    weights = {name: param.data for name, param in model.named_parameters()}
+    averaged(ckpt, weights)
+    merged(ckpt, weights)
 
 
 def prompt_ids(encoder: Encoder, text: str) -> list[int]:

@@ -16,9 +16,11 @@ from engine.checkpoint.hf import export_to_hf, load_hf_weights
 from engine.checkpoint.hf_lora import export_adapters, import_with_adapter
 from engine.config import JobConfig, dump_toml, load_job_config
 from engine.config.lora import LoraConfig
+from engine.generate import load_model
 from engine.model.lora import LoRALinear, apply_lora, merge_adapters
 from engine.model.transformer import Transformer
 from forgecli.app import app
+from tests.data_fixtures import tokenizer_file
 from tests.test_convert import VOCAB, hf_model, make_run, model_config, random_model
 from tests.test_trainer import TINY
 
@@ -49,6 +51,7 @@ def save_lora_run(root: Path, model: Transformer, lora: LoraConfig) -> Path:
     """A run directory of a LoRA run: config.toml with its [lora] section and a checkpoint."""
     root.mkdir(parents=True)
     (root / "config.toml").write_text(dump_toml(JobConfig(model=model.cfg, lora=lora)))
+    tokenizer_file(root)
     trainable = [p for p in model.parameters() if p.requires_grad]
     save_checkpoint(root / "checkpoints", 5, model, torch.optim.AdamW(trainable), {"step": 5})
     return root
@@ -89,6 +92,9 @@ def test_peft_gives_our_logits_and_adapter_gradients_and_the_exports_agree(tmp_p
     assert all(p.grad is None for n, p in model.named_parameters() if not n.endswith(("lora_A", "lora_B")))
 
     export_to_hf(run, tmp_path / "merged", merge=True)
+    sampler, _ = load_model(run, torch.device("cpu"))  # forge generate's model: the adapters merged in
+    with torch.no_grad():
+        torch.testing.assert_close(sampler(tokens), ours_logits, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(hf_model(tmp_path / "merged")(tokens).logits, ours_logits, rtol=1e-5, atol=1e-5)
         imported = Transformer(model.cfg)
@@ -279,3 +285,75 @@ def test_fsdp_on_two_processes_equals_one_process(tmp_path):
     assert any(t.any() for n, t in theirs.items() if n.endswith("lora_B"))  # the adapters trained
     for name in names:
         torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_adapted_blocks_checkpoint_and_compile_to_the_same_gradients():
+    """Activation checkpointing and a full-graph compile of adapted blocks (dynamo must trace LoRALinear
+    without a graph break; its eager backend keeps this quick, tests/test_trainer.py runs inductor): same
+    logits and adapter gradients as eager."""
+    from engine.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    model, _ = lora_model(TARGETS["all-linear"])
+    tokens = torch.randint(0, VOCAB, (2, 24))
+
+    def logits_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        logits = model(tokens)
+        loss_of(logits, tokens).backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    eager_logits, eager_grads = logits_and_grads()
+    apply_activation_checkpointing(model, "full")
+    for block in model.layers.values():
+        block.compile(fullgraph=True, backend="eager")
+    logits, grads = logits_and_grads()
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    assert len(grads) == len(eager_grads) == 2 * (2 * 7 + 1)
+    for ours, theirs in zip(grads, eager_grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+
+
+def test_memory_estimate_counts_a_frozen_base_and_trained_adapters():
+    """The estimate of validate-config against the model itself: the adapters add their fp32 weights, and only
+    they have gradients and AdamW state; an NF4 base takes ~0.516 byte per weight."""
+    from engine.parallel.memory import estimate_memory
+
+    cfg = load_job_config(PRESET, [])
+    lora = LoraConfig(enabled=True, target_modules=TARGETS["all-linear"][:2])
+    model = Transformer(cfg.model)
+    apply_lora(model, lora)
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    adapter_numel = sum(p.numel() for p in adapters)
+    target_numel = sum(m.weight.numel() for m in model.modules() if isinstance(m, LoRALinear))
+    plain = estimate_memory(cfg, 1)[0]
+    adapted = estimate_memory(cfg.model_copy(update={"lora": lora}), 1)[0]
+    assert adapted.params == plain.params + 4 * adapter_numel
+    assert adapted.grads == 4 * adapter_numel
+    assert adapted.optimizer == 8 * adapter_numel + 4 * len(adapters)  # exp_avg, exp_avg_sq, step
+    nf4 = estimate_memory(cfg.model_copy(update={"lora": lora.model_copy(update={"quantize_base": "nf4"})}), 1)[0]
+    assert (nf4.params - (adapted.params - 4 * target_numel)) / target_numel == pytest.approx(0.516, abs=0.001)
+
+
+def test_lora_settings_that_cannot_work_exit_2_and_write_nothing(tmp_path):
+    runner = CliRunner()
+    refused = runner.invoke(
+        app, ["validate-config", str(PRESET), "--lora.quantize_base=nf4", "--lora.enabled=true", "--world-size", "2"]
+    )
+    assert refused.exit_code == 2
+    assert "one process only" in refused.output and "save_adapters_only" in refused.output
+    unread = runner.invoke(app, ["validate-config", str(PRESET), "--lora.rank=4"])
+    assert unread.exit_code == 2 and "lora.rank" in unread.output and "lora.enabled" in unread.output
+    typo = runner.invoke(
+        app,
+        [
+            "train",
+            str(PRESET),
+            "--run-dir",
+            str(tmp_path / "run"),
+            *[f"--{o}" for o in TINY],
+            "--lora.enabled=true",
+            '--lora.target_modules=["layers.*.attn.*"]',
+        ],
+    )
+    assert typo.exit_code == 2 and "lora.target_modules" in typo.output
+    assert not (tmp_path / "run").exists()
