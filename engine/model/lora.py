@@ -116,7 +116,7 @@ def target_names(model: nn.Module, cfg: LoraConfig) -> list[str]:
     linear is a UserError (a typo would otherwise train nothing, or less than asked)."""
     linears = linear_names(model)
     for pattern in cfg.target_modules:
-        if not fnmatch.filter(linears, pattern):
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in linears):
             raise UserError(
                 f"lora.target_modules: {pattern!r} matches none of the model's linear layers",
                 f"use globs over names like {', '.join(linears[:4])}, … (e.g. 'layers.*.attention.w[qkvo]')",
