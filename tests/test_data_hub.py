@@ -143,7 +143,7 @@ def test_a_row_that_cannot_be_parsed_midway_leaves_nothing_behind(tmp_path: Path
     with open(dataset_repo / "data" / "train.jsonl", "a") as f:
         f.write("{not json\n")
     # datasets < 5 reads the first rows when the stream is opened, later versions when they are iterated
-    with pytest.raises(DataError, match="could not (read the rows|load Hugging Face dataset)"):
+    with pytest.raises(DataError, match=r"could not (read the rows|load Hugging Face dataset)"):
         tokenize(hub(dataset_repo, streaming=True), tmp_path / "out", tokenizer=tok, shard_tokens=500)
     assert not (tmp_path / "out").exists()
 
