@@ -170,7 +170,23 @@ def test_cross_section_rules_all_reported():
     )
     with pytest.raises(ConfigError) as info:
         cfg.validate(1)
-    assert set(paths(info.value)) == {"train.seq_len", "eval.dataset_path", "scheduler.warmup_steps"}
+    assert set(paths(info.value)) == {"train.seq_len", "eval.dataset_path"}
+
+
+def test_seed_schema_values_are_warnings_not_errors():
+    """A warmup as long as the run and a capacity factor of 0 (dropless) are the seed schema's presets'
+    values: they validate, with a warning that says what they mean."""
+    cfg = load_job_config(
+        REPO / "presets" / "debug_moe.toml",
+        ["--scheduler.warmup_steps=50", "--train.max_steps=20", "--model.moe_capacity_factor=0"],
+    ).validate(1)
+    warnings = {w.path: w.problem for w in cfg.warnings(1)}
+    assert sorted(warnings) == ["model.moe_capacity_factor", "scheduler.warmup_steps"]
+    assert "dropless" in warnings["model.moe_capacity_factor"]
+    assert cfg.model.moe_capacity is None
+    assert load_job_config(REPO / "presets" / "debug.toml").warnings(1) == []
+    with pytest.raises(ConfigError, match="moe_capacity_factor"):
+        load_job_config(REPO / "presets" / "debug_moe.toml", ["--model.moe_capacity_factor=-1"])
 
 
 def test_layout_against_world_size():

@@ -42,6 +42,11 @@ class JobConfig(Section):
             raise ConfigError(issues)
         return self
 
+    def warnings(self, world_size: int = 1) -> list[ConfigIssue]:
+        """What the run does that the user may not expect, but which is not an error (validate-config and
+        `forge train` print them, `--json` lists them): a config that runs elsewhere runs here too."""
+        return config_warnings(self, world_size)
+
     def tokens_per_step(self, world_size: int = 1) -> int:
         """Tokens one optimizer step trains on, summed over the data-parallel ranks."""
         d, t = self.distributed, self.train
@@ -59,14 +64,6 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                 "train.seq_len",
                 f"{t.seq_len} exceeds model.max_seq_len ({m.max_seq_len})",
                 "lower train.seq_len or raise model.max_seq_len",
-            )
-        )
-    if cfg.scheduler.warmup_steps > t.max_steps:
-        issues.append(
-            ConfigIssue(
-                "scheduler.warmup_steps",
-                f"{cfg.scheduler.warmup_steps} is longer than train.max_steps ({t.max_steps})",
-                "shorten the warmup or train longer",
             )
         )
     own_data = cfg.data.dataset_path is not None or cfg.data.hf_dataset_name is not None
@@ -92,6 +89,30 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     issues += moe_issues(cfg)
     issues += layout_issues(cfg, world_size)
     return issues
+
+
+def config_warnings(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """Values that run, with a meaning worth saying out loud. Short benchmark presets keep their
+    production warmup (the seed framework runs them), so a warmup as long as the run is not an error."""
+    warnings = []
+    t, s, m = cfg.train, cfg.scheduler, cfg.model
+    if s.warmup_steps >= t.max_steps and s.name != "none":
+        warnings.append(
+            ConfigIssue(
+                "scheduler.warmup_steps",
+                f"{s.warmup_steps} >= train.max_steps ({t.max_steps}): the whole run warms up and the "
+                f"learning rate never reaches optimizer.lr (it ends at {t.max_steps / (s.warmup_steps + 1):.3g} × lr)",
+                "fine for a short benchmark; shorten the warmup or train longer for a real run",
+            )
+        )
+    if m.is_moe and m.moe_capacity_factor == 0:
+        warnings.append(
+            ConfigIssue(
+                "model.moe_capacity_factor",
+                "0 means no capacity limit: dropless routing, every assignment is computed (as when unset)",
+            )
+        )
+    return warnings
 
 
 def hub_data_issues(cfg: JobConfig) -> list[ConfigIssue]:
