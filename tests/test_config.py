@@ -296,7 +296,21 @@ def test_reference_goes_stale_when_a_field_is_added(tmp_path):
         (["--distributed.cp=2"], 2, {"distributed.cp"}),  # not supported yet
         (["--distributed.tp=2", "--model.ffn_hidden_dim=129"], 2, {"distributed.tp"}),
         (["--distributed.tp=2", "--train.seq_len=63", "--model.max_seq_len=64"], 2, {"train.seq_len"}),
-        (["--distributed.tp=2", "--model.num_experts=4"], 2, {"distributed.tp"}),
+        (
+            ["--distributed.tp=2", "--model.num_experts=4", "--model.moe_packed_experts=false"],
+            2,
+            {"model.moe_packed_experts"},
+        ),
+        (
+            [
+                "--distributed.tp=2",
+                "--model.num_experts=4",
+                "--model.ffn_hidden_dim=258",
+                "--model.moe_expert_ffn_multiplier=0.5",
+            ],
+            2,
+            {"distributed.tp"},
+        ),
         (["--distributed.tp=2", "--train.mixed_precision=fp8"], 2, {"train.mixed_precision"}),
         (["--distributed.dp_replicate=2", "--distributed.dp_shard=2"], 2, {"distributed"}),
     ],
@@ -309,5 +323,6 @@ def test_layout_rules(overrides, world, expected):
 
 
 def test_valid_layouts_pass():
-    for overrides, world in [(["--distributed.tp=2"], 4), (["--distributed.dp_replicate=2"], 4), ([], 8)]:
+    moe_tp = ["--distributed.tp=2", "--model.num_experts=4", "--distributed.ep=2"]
+    for overrides, world in [(["--distributed.tp=2"], 4), (["--distributed.dp_replicate=2"], 4), ([], 8), (moe_tp, 4)]:
         load_job_config(None, overrides).validate(world)

@@ -365,12 +365,22 @@ def tensor_parallel_issues(cfg: JobConfig) -> list[ConfigIssue]:
                 "sequence parallelism splits the positions over the tensor-parallel ranks",
             )
         )
-    if m.is_moe:
+    if m.is_moe and m.expert_ffn_dim % tp:
         issues.append(
             ConfigIssue(
                 "distributed.tp",
-                f"tensor parallelism of MoE models (model.num_experts = {m.num_experts}) is not supported yet",
-                "set distributed.tp = 1 (shard with dp_shard, and the experts with distributed.ep)",
+                f"the experts' width ({m.expert_ffn_dim}) must be divisible by tp ({tp}): each expert's "
+                "hidden units are split over the tensor-parallel ranks",
+                "change model.moe_expert_ffn_multiplier or model.ffn_hidden_dim, or tp",
+            )
+        )
+    if m.is_moe and not m.moe_packed_experts:
+        issues.append(
+            ConfigIssue(
+                "model.moe_packed_experts",
+                "distributed.tp > 1 with an MoE model needs packed experts (one tensor per projection, "
+                "split over the hidden units)",
+                "set model.moe_packed_experts = true",
             )
         )
     if t.mixed_precision == "fp8":

@@ -19,7 +19,7 @@ from engine.config.job import JobConfig
 from engine.errors import UserError
 from engine.model.transformer import Transformer
 from engine.parallel.activation_checkpoint import apply_activation_checkpointing
-from engine.parallel.expert import apply_expert_parallel, fully_shard_experts
+from engine.parallel.expert import apply_expert_parallel, fully_shard_experts, shard_experts
 from engine.parallel.float8 import convert_to_float8
 from engine.parallel.mesh import ParallelMesh
 from engine.parallel.tp import apply_tensor_parallel, uses_loss_parallel
@@ -102,7 +102,9 @@ def parallelize(
         )
     ep_mesh = mesh.get("ep") if mesh is not None else None
     if ep_mesh is not None:
-        apply_expert_parallel(model, ep_mesh)
+        apply_expert_parallel(model, ep_mesh, tp_mesh)
+    elif tp_mesh is not None:
+        shard_experts(model, None, tp_mesh)  # the routed experts' hidden units over tp (a no-op when dense)
     if cfg.train.mixed_precision == "fp8":
         convert_to_float8(
             model, cfg.train.fp8_recipe, fsdp_float8_all_gather=float8_all_gather(cfg, mesh, device), device=device
