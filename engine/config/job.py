@@ -105,6 +105,17 @@ def config_warnings(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                 "fine for a short benchmark; shorten the warmup or train longer for a real run",
             )
         )
+    d = cfg.distributed
+    if d.seed_ep_convention(world_size):
+        warnings.append(
+            ConfigIssue(
+                "distributed.dp_shard",
+                f"{d.dp_shard} × ep {d.ep} × the other degrees fill the world size {world_size}: read as the seed "
+                f"schema's convention (ep a factor of the world size), i.e. FSDP over {d.dp_shard * d.ep} ranks "
+                f"with the experts split over {d.ep} of them",
+                f"write distributed.dp_shard = {d.dp_shard * d.ep} (or -1) to say it the Forge way",
+            )
+        )
     if m.is_moe and m.moe_capacity_factor == 0:
         warnings.append(
             ConfigIssue(
