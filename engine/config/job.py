@@ -518,7 +518,6 @@ def expert_parallel_issues(cfg: JobConfig, dp_shard: int) -> list[ConfigIssue]:
             )
         )
     for applies, field in [
-        (d.dp_replicate > 1, "distributed.dp_replicate"),
         (d.cp > 1, "distributed.cp"),
         (cfg.train.compile_model, "train.compile_model"),
     ]:

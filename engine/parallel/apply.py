@@ -119,6 +119,6 @@ def parallelize(
             mesh.fsdp,
             precision.compute_dtype(cfg.train.mixed_precision, device),
             pipelined=pipelined,
-            expert_mesh=mesh.get("expert_dp"),
+            expert_mesh=mesh.expert_fsdp,
         )
     return model

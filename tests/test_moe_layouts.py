@@ -1,7 +1,8 @@
-"""MoE models under tensor parallelism, as a user starts them (`forge train --nproc-per-node N`, gloo on CPU):
-tp = 2, and tp = 2 × ep = 2 on four processes, each against one process on the same global batch — per-step
-losses, gradient norms, evaluation, the routers' balancing bias step by step, and the final weights (buffers
-included) within 1e-5 — and their checkpoints resume in one process with the uninterrupted run's next loss.
+"""MoE models in the layouts added for them, as a user starts them (`forge train --nproc-per-node N`, gloo on
+CPU): tp = 2; tp = 2 × ep = 2 and ep = 2 under HSDP (2 replicas × dp_shard 2) on four processes; each against
+one process on the same global batch — per-step losses, gradient norms, evaluation, the routers' balancing
+bias step by step, and the final weights (buffers included) within 1e-5 — and their checkpoints resume in one
+process with the uninterrupted run's next loss.
 
 Without the batch-level balance loss, as in test_distributed's expert-parallel comparison: every data-parallel
 rank computes it over its own micro-batch (tp = 2 alone has one data-parallel rank and matches with it too;
@@ -22,12 +23,13 @@ MOE_TP = [*MOE, "--model.moe_aux_loss_weight=0", "--model.moe_router_z_loss_weig
 LAYOUTS = {
     "tp2": (["--distributed.tp=2", "--distributed.dp_shard=1"], 2, 4),
     "tp2_ep2": (["--distributed.tp=2", "--distributed.ep=2"], 4, 2),  # dp_shard = 2 = ep: experts 2 per rank
+    "ep2_hsdp": (["--distributed.dp_replicate=2", "--distributed.dp_shard=2", "--distributed.ep=2"], 4, 1),
 }
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("moe_tp") / "single"
+    run_dir = tmp_path_factory.mktemp("moe_layouts") / "single"
     result = forge(run_dir, *MOE_TP)
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
@@ -36,7 +38,7 @@ def one_process(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def seventh_step(tmp_path_factory, one_process) -> float:
     """The one-process run's step 7, resumed from its own step-6 checkpoint."""
-    run_dir = tmp_path_factory.mktemp("moe_tp") / "single7"
+    run_dir = tmp_path_factory.mktemp("moe_layouts") / "single7"
     shutil.copytree(one_process, run_dir)
     result = forge(run_dir, *MOE_TP, "--train.max_steps=7")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -44,9 +46,7 @@ def seventh_step(tmp_path_factory, one_process) -> float:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_moe_with_tensor_parallelism_matches_one_process_and_resumes_in_one(
-    tmp_path, one_process, seventh_step, layout
-):
+def test_moe_layout_matches_one_process_and_resumes_in_one(tmp_path, one_process, seventh_step, layout):
     args, nproc, batch_size = LAYOUTS[layout]
     run_dir = tmp_path / "run"
     result = forge(run_dir, *MOE_TP, *args, nproc=nproc, batch_size=batch_size)
