@@ -451,11 +451,6 @@ def pipeline_issues(cfg: JobConfig) -> list[ConfigIssue]:
             )
         )
     unsupported = [
-        (
-            m.tie_embeddings,
-            "model.tie_embeddings",
-            "tied embeddings: the embedding (first stage) and the output head (last stage) live on different ranks",
-        ),
         (m.is_moe, "model.num_experts", "MoE models: the routers' auxiliary losses are not carried through the stages"),
         (
             t.loss_fn == "chunked_cross_entropy",

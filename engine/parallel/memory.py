@@ -356,7 +356,8 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
         total += c * (gathered + ends) + (c + FP32) * largest[0]
     elif c < FP32:
         head = sum(tp_local[s.name] for s in stage if s.owner == "head")
-        if has_head and m.tie_embeddings:  # the head is the embedding, which autocast does not cast for the lookup
+        if has_head and m.tie_embeddings and not any(s.owner == "head" for s in stage):  # (pipelined: a copy)
+            # the head is the embedding, which autocast does not cast for the lookup
             head += math.ceil(m.vocab_size / d.tp) * m.dim
         kept = sum(matrices.values()) if t.activation_checkpointing == "none" else max(matrices.values(), default=0)
         total += c * (kept + head)
@@ -392,6 +393,7 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
     for rank in range(d.pp):
         stages = [rank + k * d.pp for k in range(per_rank)]
         owned = [s for stage in stages for s in stage_specs(specs, layers[stage], stage == 0, stage == n_stages - 1)]
+        owned += tied_head_copy(cfg, specs, stages, n_stages)
         local = {s.name: local_numel(s, d.tp, d.dp_shard * d.cp) for s in owned}
         params = FP32 * sum(local.values())
         chunk = [stage_activation_bytes(cfg, layers[s], tokens, s == 0, s == n_stages - 1) for s in stages]
@@ -413,6 +415,15 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
             )
         )
     return rows
+
+
+def tied_head_copy(cfg: JobConfig, specs: list[ParamSpec], stages: list[int], n_stages: int) -> list[ParamSpec]:
+    """Under pipeline parallelism a tied head is a second copy of the embedding on the last stage's rank
+    (engine/parallel/pipeline.py), with its own gradient and optimizer state."""
+    if not cfg.model.tie_embeddings or n_stages == 1 or n_stages - 1 not in stages or 0 in stages:
+        return []
+    [embedding] = [s for s in specs if s.owner == "embedding"]
+    return [ParamSpec("output.weight", embedding.shape, "head", embedding.tp_dim)]
 
 
 def stage_specs(specs: list[ParamSpec], layers: range, first: bool, last: bool) -> list[ParamSpec]:

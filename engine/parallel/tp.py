@@ -80,8 +80,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, loss_paral
     )
     for block in model.layers.values():
         parallelize_block(block, tp_mesh)
-    if model.cfg.tie_embeddings:
+    if model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         # Each style swapped in its own DTensor for the shared weight; both are Shard(0) of the same tensor.
+        # (A pipeline stage holds one of the two: engine/parallel/pipeline.py keeps the copies in step.)
         model.output.weight = model.tok_embeddings.weight
 
 
