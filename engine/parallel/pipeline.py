@@ -266,4 +266,12 @@ def stage_union(parts: list[nn.Module]) -> nn.Module:
         for name in ("tok_embeddings", "norm", "output"):
             if getattr(part, name) is not None:
                 setattr(union, name, getattr(part, name))
+    if union.cfg.tie_embeddings and not hasattr(union, "tok_embeddings") and hasattr(union, "output"):
+        # The last stage's copy of a tied matrix, also under the embedding's name and registered before the
+        # head: as in the full model, its parameter is then named tok_embeddings.weight (optimizer state, a
+        # checkpoint's optimizer entries) while the state dict holds both names, so checkpoints match one
+        # process's.
+        head = union.output
+        del union.output
+        union.tok_embeddings, union.output = head, head
     return union
