@@ -311,7 +311,7 @@ def test_reference_goes_stale_when_a_field_is_added(tmp_path):
             2,
             {"distributed.tp"},
         ),
-        (["--distributed.tp=2", "--train.mixed_precision=fp8"], 2, {"train.mixed_precision"}),
+        (["--distributed.tp=2", "--train.mixed_precision=fp8", "--train.fp8_recipe=rowwise"], 2, {"train.fp8_recipe"}),
         (["--distributed.dp_replicate=2", "--distributed.dp_shard=2"], 2, {"distributed"}),
     ],
 )

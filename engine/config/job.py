@@ -394,12 +394,13 @@ def tensor_parallel_issues(cfg: JobConfig) -> list[ConfigIssue]:
                 "set model.moe_packed_experts = true",
             )
         )
-    if t.mixed_precision == "fp8":
+    if t.mixed_precision == "fp8" and t.fp8_recipe != "tensorwise":
         issues.append(
             ConfigIssue(
-                "train.mixed_precision",
-                "fp8 with distributed.tp > 1 is not supported yet (tensor-parallel float8 layers are not wired in)",
-                "use bf16 with tensor parallelism",
+                "train.fp8_recipe",
+                f"{t.fp8_recipe!r} with distributed.tp > 1 is not supported: a row-parallel layer's input is split "
+                "along the rows its per-row scales would span, and no parity with one process was measured",
+                'use fp8_recipe = "tensorwise" with tensor parallelism',
             )
         )
     return issues

@@ -1,6 +1,7 @@
 """Apply training transformations to a single-device `Transformer`, in a fixed order.
 
-The full order is TP → EP → FP8 → activation checkpointing → compile → FSDP2, one function per stage:
+The full order is TP → EP → FP8 → activation checkpointing → compile → FSDP2, one function per stage
+(under TP, FP8 comes first: it swaps modules, and TP's hooks must be on the swapped ones):
 - tensor parallelism first, because every later stage must see the sharded (DTensor) linears;
 - activation checkpointing wraps each block *before* compile so that the compiled graph contains the
   recomputation instead of the checkpoint wrapper breaking the graph;
@@ -96,6 +97,11 @@ def parallelize(
     The order matters and is pinned by tests/test_parallel_apply.py: see the module docstring."""
     device = device or model.rope_cos.device
     tp_mesh = mesh.get("tp") if mesh is not None else None
+    fp8 = cfg.train.mixed_precision == "fp8"
+    if fp8 and tp_mesh is not None:
+        # FP8 swaps modules, which would drop the hooks TP registers on them: under TP it comes first, and
+        # TP then shards the Float8Linear modules (their float8 casts of DTensors take global scales).
+        convert_to_float8(model, cfg.train.fp8_recipe, device=device)
     if tp_mesh is not None:
         apply_tensor_parallel(
             model, tp_mesh, loss_parallel=uses_loss_parallel(tp_mesh.size(), cfg.train.loss_fn, cfg.distributed.pp)
@@ -105,7 +111,7 @@ def parallelize(
         apply_expert_parallel(model, ep_mesh, tp_mesh)
     elif tp_mesh is not None:
         shard_experts(model, None, tp_mesh)  # the routed experts' hidden units over tp (a no-op when dense)
-    if cfg.train.mixed_precision == "fp8":
+    if fp8 and tp_mesh is None:
         convert_to_float8(
             model, cfg.train.fp8_recipe, fsdp_float8_all_gather=float8_all_gather(cfg, mesh, device), device=device
         )
