@@ -14,7 +14,15 @@ import typer
 from forgecli.completion import complete_preset
 from forgecli.dashboard import LiveDashboard, PlainReporter
 from forgecli.overrides import collect_overrides
-from forgecli.ui import console, err_console, is_interactive, print_json, show_run_failure, user_errors
+from forgecli.ui import (
+    console,
+    err_console,
+    is_interactive,
+    print_json,
+    show_config_warnings,
+    show_run_failure,
+    user_errors,
+)
 
 if TYPE_CHECKING:
     from engine.config import JobConfig
@@ -141,7 +149,10 @@ def run_training(cfg: JobConfig, run_dir: Path, as_json: bool) -> None:
     from engine.parallel.place import process_place
     from engine.train.trainer import train as train_job
 
-    main_rank = process_place().rank == 0  # the other ranks of a multi-process run print nothing
+    place = process_place()
+    main_rank = place.rank == 0  # the other ranks of a multi-process run print nothing
+    if main_rank:
+        show_config_warnings(cfg.warnings(place.world_size))
     live = main_rank and not as_json and is_interactive()
     if not main_rank:
         reporter = None

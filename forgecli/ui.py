@@ -47,6 +47,15 @@ def show_user_error(err: Exception) -> None:
     err_console.print(Panel(body, title="error", border_style="red", expand=False))
 
 
+def show_config_warnings(warnings: list[Any], to: Console | None = None) -> None:
+    """Config warnings (engine.config.job.config_warnings): the run goes ahead, the user is told what it does."""
+    for issue in warnings:
+        hint = f" [dim]({escape(issue.hint)})[/dim]" if issue.hint else ""
+        (to or err_console).print(
+            f"[yellow]warning:[/yellow] {escape(issue.path)}: {escape(issue.problem)}{hint}", soft_wrap=True
+        )
+
+
 def show_run_failure(message: str) -> None:
     """A run that stopped for a reason that is not a bug (diverged, a rank hung): a panel, no traceback."""
     err_console.print(Panel(escape(message), title="training stopped", border_style="red", expand=False))

@@ -14,7 +14,7 @@ from rich.tree import Tree
 
 from forgecli.completion import complete_preset
 from forgecli.overrides import collect_overrides
-from forgecli.ui import console, print_json, user_errors
+from forgecli.ui import console, print_json, show_config_warnings, user_errors
 
 
 @user_errors
@@ -30,7 +30,7 @@ def validate_config(
         False, "--explain", help="Show which file (the preset or one it includes) set each field, or override."
     ),
 ) -> None:
-    """Check a preset and its overrides: every error at once, the resolved config, size and cost.
+    """Check a preset and its overrides: every error at once (exit 2), warnings, the resolved config, size and cost.
 
     Overrides as --section.key=value, values as TOML literals (--optimizer.betas=[0.9,0.95]).
 
@@ -52,6 +52,7 @@ def validate_config(
 
     overrides = collect_overrides(ctx.args)
     cfg = load_job_config(preset, overrides).validate(world_size)
+    warnings = cfg.warnings(world_size)
     if cfg.train.hooks:  # imports the research code they name (only then), as `forge train` will
         from engine.train.hooks import hook_class
 
@@ -75,6 +76,7 @@ def validate_config(
                 **summary,
                 "memory": memory,
                 "lr_schedule": lr_schedule(cfg),
+                "warnings": [{"field": w.path, "problem": w.problem, "hint": w.hint} for w in warnings],
             }
         )
         return
@@ -83,6 +85,7 @@ def validate_config(
     console.print(memory_table(stages, cfg, world_size, gpu_memory_gib))
     console.print(checkpoint_line(checkpoint_bytes(cfg), cfg.checkpoint.keep_last_n))
     console.print(lr_curve(cfg))
+    show_config_warnings(warnings, console)
     console.print("[green]✓ config is valid[/green]" + (f" for world size {world_size}" if world_size > 1 else ""))
 
 

@@ -197,11 +197,19 @@ def test_setup_failures_after_validation_write_nothing(tmp_path):
 
 
 def test_json_summary_is_the_only_stdout(tmp_path):
-    result = forge("train", "presets/debug.toml", "--run-dir", str(tmp_path / "run"), *TINY, "--json")
+    """...and a config warning (a warmup as long as the run) goes to stderr at the start, not into the JSON."""
+    args = ("presets/debug.toml", *TINY, "--scheduler.warmup_steps=6")
+    result = forge("train", *args, "--run-dir", str(tmp_path / "run"), "--json")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["steps"] == 6 and summary["final_loss"] > 0
     assert "step 6/6" in result.stderr
+    assert result.stderr.index("warning: scheduler.warmup_steps") < result.stderr.index("step 6/6")
+    checked = forge("validate-config", *args, "--json")
+    assert checked.returncode == 0, checked.stderr
+    assert [w["field"] for w in json.loads(checked.stdout)["warnings"]] == ["scheduler.warmup_steps"]
+    shown = forge("validate-config", *args)
+    assert "warning: scheduler.warmup_steps: 6 >= train.max_steps (6)" in " ".join(shown.stdout.split())
 
 
 @pytest.mark.slow

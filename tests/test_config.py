@@ -170,7 +170,23 @@ def test_cross_section_rules_all_reported():
     )
     with pytest.raises(ConfigError) as info:
         cfg.validate(1)
-    assert set(paths(info.value)) == {"train.seq_len", "eval.dataset_path", "scheduler.warmup_steps"}
+    assert set(paths(info.value)) == {"train.seq_len", "eval.dataset_path"}
+
+
+def test_seed_schema_values_are_warnings_not_errors():
+    """A warmup as long as the run and a capacity factor of 0 (dropless) are the seed schema's presets'
+    values: they validate, with a warning that says what they mean."""
+    cfg = load_job_config(
+        REPO / "presets" / "debug_moe.toml",
+        ["--scheduler.warmup_steps=50", "--train.max_steps=20", "--model.moe_capacity_factor=0"],
+    ).validate(1)
+    warnings = {w.path: w.problem for w in cfg.warnings(1)}
+    assert sorted(warnings) == ["model.moe_capacity_factor", "scheduler.warmup_steps"]
+    assert "dropless" in warnings["model.moe_capacity_factor"]
+    assert cfg.model.moe_capacity is None
+    assert load_job_config(REPO / "presets" / "debug.toml").warnings(1) == []
+    with pytest.raises(ConfigError, match="moe_capacity_factor"):
+        load_job_config(REPO / "presets" / "debug_moe.toml", ["--model.moe_capacity_factor=-1"])
 
 
 def test_layout_against_world_size():
@@ -280,8 +296,22 @@ def test_reference_goes_stale_when_a_field_is_added(tmp_path):
         (["--distributed.cp=2"], 2, {"distributed.cp"}),  # not supported yet
         (["--distributed.tp=2", "--model.ffn_hidden_dim=129"], 2, {"distributed.tp"}),
         (["--distributed.tp=2", "--train.seq_len=63", "--model.max_seq_len=64"], 2, {"train.seq_len"}),
-        (["--distributed.tp=2", "--model.num_experts=4"], 2, {"distributed.tp"}),
-        (["--distributed.tp=2", "--train.mixed_precision=fp8"], 2, {"train.mixed_precision"}),
+        (
+            ["--distributed.tp=2", "--model.num_experts=4", "--model.moe_packed_experts=false"],
+            2,
+            {"model.moe_packed_experts"},
+        ),
+        (
+            [
+                "--distributed.tp=2",
+                "--model.num_experts=4",
+                "--model.ffn_hidden_dim=258",
+                "--model.moe_expert_ffn_multiplier=0.5",
+            ],
+            2,
+            {"distributed.tp"},
+        ),
+        (["--distributed.tp=2", "--train.mixed_precision=fp8", "--train.fp8_recipe=rowwise"], 2, {"train.fp8_recipe"}),
         (["--distributed.dp_replicate=2", "--distributed.dp_shard=2"], 2, {"distributed"}),
     ],
 )
@@ -293,5 +323,6 @@ def test_layout_rules(overrides, world, expected):
 
 
 def test_valid_layouts_pass():
-    for overrides, world in [(["--distributed.tp=2"], 4), (["--distributed.dp_replicate=2"], 4), ([], 8)]:
+    moe_tp = ["--distributed.tp=2", "--model.num_experts=4", "--distributed.ep=2"]
+    for overrides, world in [(["--distributed.tp=2"], 4), (["--distributed.dp_replicate=2"], 4), ([], 8), (moe_tp, 4)]:
         load_job_config(None, overrides).validate(world)

@@ -138,6 +138,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from engine.config.job import JobConfig
 from engine.model.transformer import Transformer
+from engine.parallel.expert import shard_experts
 from engine.parallel.tp import apply_tensor_parallel, loss_context, uses_loss_parallel
 from engine.train.losses import build_loss
 
@@ -146,7 +147,9 @@ cfg = JobConfig.model_validate(json.loads(sys.argv[2]))
 torch.manual_seed(0)
 model = Transformer(cfg.model)
 parallel_loss = uses_loss_parallel(2, cfg.train.loss_fn)
-apply_tensor_parallel(model, init_device_mesh("cpu", (2,)), loss_parallel=parallel_loss)
+mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+apply_tensor_parallel(model, mesh, loss_parallel=parallel_loss)
+shard_experts(model, None, mesh)  # MoE: the experts' hidden units over tp
 
 
 def storages(t):
@@ -181,10 +184,12 @@ end_process(0)  # leave without interpreter teardown while gloo's threads live (
 """
 
 
-def test_tensor_parallel_activations_match_the_saved_tensors(tmp_path):
+@pytest.mark.parametrize("model", [{}, MOE], ids=["dense", "moe"])
+def test_tensor_parallel_activations_match_the_saved_tensors(tmp_path, model):
     """Under TP + sequence parallelism each rank keeps a 1/tp share of everything but the all-gathered inputs
-    of the projections and of the head (checked on 2 CPU processes, fp32, loss parallel)."""
-    cfg = job({"sdpa_backend": "flash"}, distributed={"tp": 2})
+    of the projections and of the head, and of MoE layers, which route all tokens on every rank (checked on
+    2 CPU processes, fp32, loss parallel)."""
+    cfg = job({"sdpa_backend": "flash", **model}, distributed={"tp": 2})
     script = tmp_path / "tp.py"
     script.write_text(TP_SCRIPT)
     result = torchrun(script, 2, str(tmp_path), cfg.model_dump_json(), timeout=150)
@@ -375,3 +380,16 @@ def test_cli_json_has_the_stages():
         stage["params"] + stage["optimizer"] + stage["buffers"] + max(stage["grads"], stage["activations"])
     )
     assert memory["gpu_memory_gib"] == 0.01 and memory["fits"] is False
+
+
+def test_tensor_parallel_splits_the_experts_hidden_units_not_the_router():
+    """MoE under tp (engine/parallel/tp.py, expert.py): routed and shared experts split over their hidden
+    units, the router gate replicated; every rank routes all of the layer's tokens."""
+    moe = {**MOE, "ffn_hidden_dim": 256}
+    (single,) = estimate_memory(job(moe), 1)
+    (tp,) = estimate_memory(job(moe, distributed={"tp": 2}), 2)
+    m = job(moe).model
+    kv, h = m.kv_heads * m.head_dim, m.expert_ffn_dim
+    experts = 3 * m.num_experts * m.dim * h + 3 * m.dim * h  # routed + one shared
+    split = m.n_layers * (2 * m.dim * m.dim + 2 * kv * m.dim + experts) + 2 * m.vocab_size * m.dim
+    assert tp.params == single.params - 4 * split // 2

@@ -36,9 +36,18 @@ def test_stages_run_in_the_documented_order(monkeypatch):
         ],
     )
     submesh = SimpleNamespace(size=lambda: 2)
-    mesh = SimpleNamespace(get=lambda name: submesh, fsdp=submesh)  # every dimension present
+    mesh = SimpleNamespace(get=lambda name: submesh, fsdp=submesh, expert_fsdp=submesh)  # every dimension present
     apply.parallelize(Transformer(cfg.model), cfg, mesh)
-    assert calls == ORDER
+    # FP8 swaps modules, so under TP it comes first: TP's hooks must be on the swapped modules.
+    assert calls == [
+        "float8",
+        "tensor_parallel",
+        *(name for name in ORDER if name not in ("float8", "tensor_parallel")),
+    ]
+    calls.clear()
+    no_tp = SimpleNamespace(get=lambda name: None if name == "tp" else submesh, fsdp=submesh, expert_fsdp=submesh)
+    apply.parallelize(Transformer(cfg.model), cfg, no_tp)
+    assert calls == [name for name in ORDER if name != "tensor_parallel"]
 
 
 def test_a_single_process_gets_only_what_its_config_asks_for(monkeypatch):

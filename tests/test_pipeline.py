@@ -114,11 +114,16 @@ def test_split_keeps_full_model_names_and_composes_to_the_full_forward():
         part.init_weights()
 
 
-def test_tied_embeddings_are_rejected_with_pp():
+def test_tied_embeddings_split_into_a_copy_on_the_first_and_the_last_stage():
+    """The shared matrix under both of its names, one per end of the pipeline (pipeline.TiedWeight keeps
+    the copies' gradients summed); the stages still compute the whole model."""
     model = Transformer(tiny(tie_embeddings=True))
-    with pytest.raises(UserError, match="tie_embeddings"):
-        split_stages(model, 0, 2, 1)
-    assert len(split_stages(model, 0, 1, 1)) == 1  # pp = 1: the whole model, nothing to tie across ranks
+    [(_, first)] = split_stages(model, 0, 2, 1)
+    [(_, last)] = split_stages(model, 1, 2, 1)
+    assert first.output is None and last.tok_embeddings is None
+    assert torch.equal(first.tok_embeddings.weight, last.output.weight)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 8))
+    torch.testing.assert_close(last(first(tokens)), model(tokens), rtol=0, atol=0)
 
 
 def test_moe_is_rejected_with_pp():

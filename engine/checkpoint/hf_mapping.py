@@ -128,7 +128,7 @@ def hf_architecture(cfg: ModelConfig) -> str:
 
 def moe_architecture(cfg: ModelConfig) -> str:
     """The MoE class whose routing is exactly `cfg`'s (see the module docstring), or a UserError naming the field."""
-    capacity = cfg.moe_capacity_factor
+    capacity = cfg.moe_capacity
     if capacity is not None and capacity * cfg.moe_top_k < cfg.num_experts:
         raise UserError(
             f"model.moe_capacity_factor = {capacity}: Forge's forward drops routed assignments beyond an "

@@ -54,7 +54,15 @@ class DistributedConfig(Section):
 
     def resolved_dp_shard(self, world_size: int) -> int:
         """dp_shard with -1 replaced by what is left of the world size (0 if it does not divide)."""
-        if self.dp_shard != -1:
-            return self.dp_shard
         rest = self.dp_replicate * self.tp * self.pp * self.cp
+        if self.dp_shard != -1:
+            return self.dp_shard * self.ep if self.seed_ep_convention(world_size) else self.dp_shard
         return world_size // rest if world_size % rest == 0 else 0
+
+    def seed_ep_convention(self, world_size: int) -> bool:
+        """Whether an explicit dp_shard is read as the seed schema writes it, with ep a factor of the world size
+        (dp_replicate × dp_shard × tp × pp × cp × ep): Forge's dp_shard then spans dp_shard × ep ranks, the
+        same ranks the seed framework shards and splits the experts over. Only where Forge's own reading
+        (ep carved out of dp_shard) does not fill the world and the seed's does."""
+        rest = self.dp_replicate * self.tp * self.pp * self.cp
+        return self.ep > 1 and self.dp_shard > 0 and rest * self.dp_shard * self.ep == world_size

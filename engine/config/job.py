@@ -44,6 +44,11 @@ class JobConfig(Section):
             raise ConfigError(issues)
         return self
 
+    def warnings(self, world_size: int = 1) -> list[ConfigIssue]:
+        """What the run does that the user may not expect, but which is not an error (validate-config and
+        `forge train` print them, `--json` lists them): a config that runs elsewhere runs here too."""
+        return config_warnings(self, world_size)
+
     def tokens_per_step(self, world_size: int = 1) -> int:
         """Tokens one optimizer step trains on, summed over the data-parallel ranks."""
         d, t = self.distributed, self.train
@@ -61,14 +66,6 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                 "train.seq_len",
                 f"{t.seq_len} exceeds model.max_seq_len ({m.max_seq_len})",
                 "lower train.seq_len or raise model.max_seq_len",
-            )
-        )
-    if cfg.scheduler.warmup_steps > t.max_steps:
-        issues.append(
-            ConfigIssue(
-                "scheduler.warmup_steps",
-                f"{cfg.scheduler.warmup_steps} is longer than train.max_steps ({t.max_steps})",
-                "shorten the warmup or train longer",
             )
         )
     own_data = cfg.data.dataset_path is not None or cfg.data.hf_dataset_name is not None
@@ -95,6 +92,41 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     issues += layout_issues(cfg, world_size)
     issues += lora_issues(cfg, world_size)
     return issues
+
+
+def config_warnings(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """Values that run, with a meaning worth saying out loud. Short benchmark presets keep their
+    production warmup (the seed framework runs them), so a warmup as long as the run is not an error."""
+    warnings = []
+    t, s, m = cfg.train, cfg.scheduler, cfg.model
+    if s.warmup_steps >= t.max_steps and s.name != "none":
+        warnings.append(
+            ConfigIssue(
+                "scheduler.warmup_steps",
+                f"{s.warmup_steps} >= train.max_steps ({t.max_steps}): the whole run warms up and the "
+                f"learning rate never reaches optimizer.lr (it ends at {t.max_steps / (s.warmup_steps + 1):.3g} × lr)",
+                "fine for a short benchmark; shorten the warmup or train longer for a real run",
+            )
+        )
+    d = cfg.distributed
+    if d.seed_ep_convention(world_size):
+        warnings.append(
+            ConfigIssue(
+                "distributed.dp_shard",
+                f"{d.dp_shard} × ep {d.ep} × the other degrees fill the world size {world_size}: read as the seed "
+                f"schema's convention (ep a factor of the world size), i.e. FSDP over {d.dp_shard * d.ep} ranks "
+                f"with the experts split over {d.ep} of them",
+                f"write distributed.dp_shard = {d.dp_shard * d.ep} (or -1) to say it the Forge way",
+            )
+        )
+    if m.is_moe and m.moe_capacity_factor == 0:
+        warnings.append(
+            ConfigIssue(
+                "model.moe_capacity_factor",
+                "0 means no capacity limit: dropless routing, every assignment is computed (as when unset)",
+            )
+        )
+    return warnings
 
 
 def hub_data_issues(cfg: JobConfig) -> list[ConfigIssue]:
@@ -347,20 +379,31 @@ def tensor_parallel_issues(cfg: JobConfig) -> list[ConfigIssue]:
                 "sequence parallelism splits the positions over the tensor-parallel ranks",
             )
         )
-    if m.is_moe:
+    if m.is_moe and m.expert_ffn_dim % tp:
         issues.append(
             ConfigIssue(
                 "distributed.tp",
-                f"tensor parallelism of MoE models (model.num_experts = {m.num_experts}) is not supported yet",
-                "set distributed.tp = 1 (shard with dp_shard, and the experts with distributed.ep)",
+                f"the experts' width ({m.expert_ffn_dim}) must be divisible by tp ({tp}): each expert's "
+                "hidden units are split over the tensor-parallel ranks",
+                "change model.moe_expert_ffn_multiplier or model.ffn_hidden_dim, or tp",
             )
         )
-    if t.mixed_precision == "fp8":
+    if m.is_moe and not m.moe_packed_experts:
         issues.append(
             ConfigIssue(
-                "train.mixed_precision",
-                "fp8 with distributed.tp > 1 is not supported yet (tensor-parallel float8 layers are not wired in)",
-                "use bf16 with tensor parallelism",
+                "model.moe_packed_experts",
+                "distributed.tp > 1 with an MoE model needs packed experts (one tensor per projection, "
+                "split over the hidden units)",
+                "set model.moe_packed_experts = true",
+            )
+        )
+    if t.mixed_precision == "fp8" and t.fp8_recipe != "tensorwise":
+        issues.append(
+            ConfigIssue(
+                "train.fp8_recipe",
+                f"{t.fp8_recipe!r} with distributed.tp > 1 is not supported: a row-parallel layer's input is split "
+                "along the rows its per-row scales would span, and no parity with one process was measured",
+                'use fp8_recipe = "tensorwise" with tensor parallelism',
             )
         )
     return issues
@@ -412,11 +455,6 @@ def pipeline_issues(cfg: JobConfig) -> list[ConfigIssue]:
             )
         )
     unsupported = [
-        (
-            m.tie_embeddings,
-            "model.tie_embeddings",
-            "tied embeddings: the embedding (first stage) and the output head (last stage) live on different ranks",
-        ),
         (m.is_moe, "model.num_experts", "MoE models: the routers' auxiliary losses are not carried through the stages"),
         (
             t.loss_fn == "chunked_cross_entropy",
@@ -479,7 +517,6 @@ def expert_parallel_issues(cfg: JobConfig, dp_shard: int) -> list[ConfigIssue]:
             )
         )
     for applies, field in [
-        (d.dp_replicate > 1, "distributed.dp_replicate"),
         (d.cp > 1, "distributed.cp"),
         (cfg.train.compile_model, "train.compile_model"),
     ]:

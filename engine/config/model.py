@@ -63,9 +63,9 @@ class ModelConfig(Section):
     )
     moe_capacity_factor: float | None = Field(
         None,
-        gt=0,
+        ge=0,
         description="expert capacity = ceil(factor · tokens · top_k / num_experts); assignments beyond "
-        "it are dropped (counted); unset = no capacity limit",
+        "it are dropped (counted); unset or 0 = no capacity limit (dropless, the seed schema's 0)",
     )
     moe_sequence_aux_loss_weight: float = Field(
         0.0, ge=0, description="sequence-level balance loss weight (DeepSeek-V3); 0 = off"
@@ -143,6 +143,11 @@ class ModelConfig(Section):
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def moe_capacity(self) -> float | None:
+        """The capacity factor that limits routing, or None for dropless (unset, or 0 as in the seed schema)."""
+        return self.moe_capacity_factor or None
 
     def is_moe_layer(self, layer: int) -> bool:
         """Block `layer` (0-based) has an MoE feed-forward: with moe_frequency = N, blocks N-1, 2N-1, …"""

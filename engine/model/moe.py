@@ -130,7 +130,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.moe_top_k
-        self.capacity_factor = cfg.moe_capacity_factor
+        self.capacity_factor = cfg.moe_capacity  # None = dropless
         self.gradient_scale = cfg.moe_gradient_scale
         self.loss_weights = (cfg.moe_aux_loss_weight, cfg.moe_sequence_aux_loss_weight, cfg.moe_router_z_loss_weight)
         self.router = build_router(cfg)

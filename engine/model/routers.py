@@ -39,8 +39,10 @@ class SoftmaxTopK(nn.Module):
         self.top_k = cfg.moe_top_k
         self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        logits = F.linear(x.float(), self.gate.weight.float())
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> Routing:
+        """`weight`, when given, runs instead of `gate.weight`: a layout that holds the gate as a DTensor
+        passes its local tensor (tensor parallelism's input hook, engine/parallel/tp.py)."""
+        logits = F.linear(x.float(), (self.gate.weight if weight is None else weight).float())
         probs = logits.softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         return Routing(experts, weights, probs, logits)
@@ -62,8 +64,9 @@ class SigmoidTopK(nn.Module):
         self.register_buffer("pending_load", torch.zeros(cfg.num_experts))
         self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        logits = F.linear(x.float(), self.gate.weight.float())
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> Routing:
+        """`weight`: as in `SoftmaxTopK.forward`."""
+        logits = F.linear(x.float(), (self.gate.weight if weight is None else weight).float())
         scores = logits.sigmoid()
         experts = (scores + self.bias).topk(self.top_k, dim=-1).indices
         chosen = scores.gather(-1, experts)

@@ -1,6 +1,7 @@
 """Apply training transformations to a single-device `Transformer`, in a fixed order.
 
-The full order is TP → EP → FP8 → activation checkpointing → compile → FSDP2, one function per stage:
+The full order is TP → EP → FP8 → activation checkpointing → compile → FSDP2, one function per stage
+(under TP, FP8 comes first: it swaps modules, and TP's hooks must be on the swapped ones):
 - tensor parallelism first, because every later stage must see the sharded (DTensor) linears;
 - activation checkpointing wraps each block *before* compile so that the compiled graph contains the
   recomputation instead of the checkpoint wrapper breaking the graph;
@@ -19,7 +20,7 @@ from engine.config.job import JobConfig
 from engine.errors import UserError
 from engine.model.transformer import Transformer
 from engine.parallel.activation_checkpoint import apply_activation_checkpointing
-from engine.parallel.expert import apply_expert_parallel, fully_shard_experts
+from engine.parallel.expert import apply_expert_parallel, fully_shard_experts, shard_experts
 from engine.parallel.float8 import convert_to_float8
 from engine.parallel.mesh import ParallelMesh
 from engine.parallel.tp import apply_tensor_parallel, uses_loss_parallel
@@ -96,14 +97,21 @@ def parallelize(
     The order matters and is pinned by tests/test_parallel_apply.py: see the module docstring."""
     device = device or model.rope_cos.device
     tp_mesh = mesh.get("tp") if mesh is not None else None
+    fp8 = cfg.train.mixed_precision == "fp8"
+    if fp8 and tp_mesh is not None:
+        # FP8 swaps modules, which would drop the hooks TP registers on them: under TP it comes first, and
+        # TP then shards the Float8Linear modules (their float8 casts of DTensors take global scales).
+        convert_to_float8(model, cfg.train.fp8_recipe, device=device)
     if tp_mesh is not None:
         apply_tensor_parallel(
             model, tp_mesh, loss_parallel=uses_loss_parallel(tp_mesh.size(), cfg.train.loss_fn, cfg.distributed.pp)
         )
     ep_mesh = mesh.get("ep") if mesh is not None else None
     if ep_mesh is not None:
-        apply_expert_parallel(model, ep_mesh)
-    if cfg.train.mixed_precision == "fp8":
+        apply_expert_parallel(model, ep_mesh, tp_mesh)
+    elif tp_mesh is not None:
+        shard_experts(model, None, tp_mesh)  # the routed experts' hidden units over tp (a no-op when dense)
+    if fp8 and tp_mesh is None:
         convert_to_float8(
             model, cfg.train.fp8_recipe, fsdp_float8_all_gather=float8_all_gather(cfg, mesh, device), device=device
         )
@@ -117,6 +125,6 @@ def parallelize(
             mesh.fsdp,
             precision.compute_dtype(cfg.train.mixed_precision, device),
             pipelined=pipelined,
-            expert_mesh=mesh.get("expert_dp"),
+            expert_mesh=mesh.expert_fsdp,
         )
     return model

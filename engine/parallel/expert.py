@@ -40,7 +40,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from engine.errors import UserError
@@ -72,11 +72,12 @@ def check_expert_parallel(moe: MoE, ep: int) -> None:
         )
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Shard the experts of every MoE layer of `model` over the 1-D `ep_mesh` and route tokens between its
-    ranks. The model is either on the meta device (the trainer fills the shards afterwards from rank 0) or
-    holds the same weights on every rank (the shards are then taken from rank 0's).
-    Call after tensor parallelism and before FP8, activation checkpointing, compile and FSDP."""
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> None:
+    """Shard the experts of every MoE layer of `model` over the 1-D `ep_mesh` (and within each expert over
+    `tp_mesh`, see `shard_experts`) and route tokens between its ranks. The model is either on the meta
+    device (the trainer fills the shards afterwards from rank 0) or holds the same weights on every rank (the
+    shards are then taken from rank 0's). Call after tensor parallelism and before FP8, activation
+    checkpointing, compile and FSDP."""
     assert ep_mesh.ndim == 1, "expert parallelism takes a 1-D mesh"
     ep = ep_mesh.size()
     layers = moe_layers(model)
@@ -87,8 +88,36 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         )
     for moe in layers:
         check_expert_parallel(moe, ep)
+    shard_experts(model, ep_mesh, tp_mesh)
+
+
+def shard_experts(model: nn.Module, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None) -> None:
+    """The routed experts of every MoE layer of `model` (a whole model or a pipeline stage, which may have
+    none) over expert parallelism (`ep_mesh`: whole experts per rank, tokens exchanged) and/or tensor
+    parallelism (`tp_mesh`: each expert's hidden units split, Megatron-style within the expert).
+
+    Why within each expert under TP: the tensor-parallel ranks see the same tokens (the MoE layer's input is
+    gathered over the sequence, engine/parallel/tp.py), so they route identically and need no exchange;
+    splitting the hidden units divides every expert's weights and FLOPs by tp at the price of one
+    all-reduce of the experts' output rows, the same collective a dense MLP pays. Splitting whole experts over
+    the tp ranks instead would need a token exchange and leave the ranks with uneven work. With ep > 1 both
+    apply: whole experts over ep, their hidden units over tp, as 2-D DTensors on the (ep, tp) mesh."""
+    layers = moe_layers(model)
+    if not layers or (ep_mesh is None and tp_mesh is None):
+        return
     for moe in layers:
-        parallelize_module(moe.experts, ep_mesh, ExpertParallel())
+        if tp_mesh is not None and not isinstance(moe.experts, PackedExperts):
+            raise UserError(
+                "distributed.tp > 1 with an MoE model needs model.moe_packed_experts = true: the experts' "
+                "hidden units are split over the tensor-parallel ranks as one tensor per projection",
+                "set model.moe_packed_experts = true",
+            )
+    if ep_mesh is not None and tp_mesh is not None:
+        mesh = ep_mesh._get_root_mesh()[("ep", "tp")]  # both are named dimensions of the run's one mesh
+    else:
+        mesh = ep_mesh if ep_mesh is not None else tp_mesh
+    for moe in layers:
+        parallelize_module(moe.experts, mesh, ExpertParallel(ep_mesh, tp_mesh))
 
 
 class Exchange(NamedTuple):
@@ -100,53 +129,85 @@ class Exchange(NamedTuple):
     regroup: torch.Tensor
 
 
+# The dimension of each packed projection that tensor parallelism splits: the experts' hidden units
+# (w1, w3 [experts, dim, hidden]; w2 [experts, hidden, dim]).
+HIDDEN_DIM = {"w1": 2, "w3": 2, "w2": 1}
+
+
 class ExpertParallel(ParallelStyle):
-    """The experts module of one MoE layer over the ep ranks. Its input, (rows sorted by expert, rows per
-    expert [num_experts], implementation, grad_factor), are this rank's assignments; the pre-hook sends each
-    row to the rank holding its expert and gives the module instead the rows every rank sent to this rank's
-    experts, with this rank's shards of the weights; the hook sends each output back to where its row came
-    from, in the order it was sent, so the module's caller gets what one device computes.
+    """The experts module of one MoE layer over the ep ranks and/or within each expert over the tp ranks.
+    Its input, (rows sorted by expert, rows per expert [num_experts], implementation, grad_factor), are this
+    rank's assignments.
+
+    With ep: the pre-hook sends each row to the rank holding its expert and gives the module instead the
+    rows every rank sent to this rank's experts; the hook sends each output back to where its row came from,
+    in the order it was sent, so the module's caller gets what one device computes.
+    With tp: every tp rank has the same rows (and, after the ep exchange, receives the same rows), runs them
+    through its slice of each expert's hidden units, and the hook sums the partial outputs over the tp ranks
+    (an all-reduce); in backward the rows' gradient is summed over the tp ranks likewise. Both are DTensor
+    redistributions (Replicate rows whose gradient is Partial; Partial outputs made Replicate).
+    Either way the module runs on this rank's shards of the weights, passed to it as plain tensors.
 
     One instance per module: the exchange of the call in flight is kept from the pre-hook to the hook (a
     recomputation under activation checkpointing calls both again, in the same order)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ep_mesh: DeviceMesh | None = None, tp_mesh: DeviceMesh | None = None) -> None:
         super().__init__()
+        self.ep_mesh, self.tp_mesh = ep_mesh, tp_mesh
         self.exchange: Exchange | None = None
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, self.shard_experts, self.dispatch, self.return_outputs)
 
     def shard_experts(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        """Each parameter as a DTensor sharded on the expert dimension (rank r holds experts r·E/ep, …)."""
+        """Each parameter as a DTensor over `mesh` ((ep), (tp) or (ep, tp)): sharded on the expert dimension
+        over ep (rank r holds experts r·E/ep, …) and on the hidden units over tp."""
         for param_name, param in list(module.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            placements = [Shard(0)] if self.ep_mesh is not None else []
+            if self.tp_mesh is not None:
+                placements.append(Shard(HIDDEN_DIM[param_name]))
+            sharded = distribute_tensor(param.detach(), mesh, placements, src_data_rank=self.src_data_rank)
             module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
     def dispatch(self, experts: PackedExperts, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        """Forward pre-hook: this rank's rows out to their experts' ranks, the rows for this rank's experts in,
-        grouped by local expert; the module then runs on them with its local weights, whose gradients are
-        scaled by 1/ep (see the module docstring). Under `fully_shard_experts`, FSDP's pre-hook (which runs
-        first: it is registered to) has gathered the weights and cast the rows by then."""
+        """Forward pre-hook: with ep, this rank's rows out to their experts' ranks, the rows for this rank's
+        experts in, grouped by local expert, and expert weight gradients scaled by 1/ep (see the module
+        docstring); with tp, the rows as replicated over the tp ranks. The module then runs on them with its
+        local weights. Under `fully_shard_experts`, FSDP's pre-hook (which runs first: it is registered to)
+        has gathered the weights and cast the rows by then."""
         rows, counts, implementation, grad_factor = inputs
-        assert grad_factor is None, "moe_gradient_scale is rejected under expert parallelism"
-        group, ep = mesh.get_group(), mesh.size()
-        received_counts = exchange_counts(counts, group)  # [ep, local experts]: what each rank sends to each of mine
-        send = counts.view(ep, -1).sum(dim=1).tolist()
-        receive = received_counts.sum(dim=1).tolist()
-        received = all_to_all(rows, receive, send, group)
-        regroup = local_expert_order(received_counts)
-        self.exchange = Exchange(send, receive, regroup)
         weights = tuple(w.to_local() for w in experts.stacked())
-        factor = torch.full((weights[0].shape[0],), 1.0 / ep, dtype=weights[0].dtype, device=weights[0].device)
-        return received[regroup], received_counts.sum(dim=0), implementation, factor, weights
+        if self.ep_mesh is not None:
+            assert grad_factor is None, "moe_gradient_scale is rejected under expert parallelism"
+            group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
+            received_counts = exchange_counts(counts, group)  # [ep, local experts]: what each rank sends me
+            send = counts.view(ep, -1).sum(dim=1).tolist()
+            receive = received_counts.sum(dim=1).tolist()
+            received = all_to_all(rows, receive, send, group)
+            regroup = local_expert_order(received_counts)
+            self.exchange = Exchange(send, receive, regroup)
+            rows, counts = received[regroup], received_counts.sum(dim=0)
+            grad_factor = torch.full((weights[0].shape[0],), 1.0 / ep, dtype=weights[0].dtype, device=rows.device)
+        if self.tp_mesh is not None:
+            # Identity forward; in backward the rows' partial gradients (one per slice of the hidden units)
+            # are summed over the tp ranks.
+            replicated = DTensor.from_local(rows, self.tp_mesh, [Replicate()], run_check=False)
+            rows = replicated.to_local(grad_placements=[Partial()])
+        return rows, counts, implementation, grad_factor, weights
 
     def return_outputs(self, experts: PackedExperts, outputs: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        """Forward hook: the outputs of the received rows back to their ranks, in the order the rows left."""
+        """Forward hook: with tp, the partial outputs summed over the tp ranks (their gradient is replicated,
+        no collective in backward); with ep, the outputs of the received rows back to their ranks, in the
+        order the rows left."""
+        if self.tp_mesh is not None:
+            partial = DTensor.from_local(outputs, self.tp_mesh, [Partial()], run_check=False)
+            outputs = partial.redistribute(self.tp_mesh, [Replicate()]).to_local()
+        if self.ep_mesh is None:
+            return outputs
         assert self.exchange is not None, "the experts module's pre-hook did not run"
         send, receive, regroup = self.exchange
         self.exchange = None
-        return all_to_all(outputs[regroup.argsort()], send, receive, mesh.get_group())
+        return all_to_all(outputs[regroup.argsort()], send, receive, self.ep_mesh.get_group())
 
 
 def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> None:

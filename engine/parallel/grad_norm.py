@@ -10,7 +10,10 @@ from torch.distributed.tensor import DTensor
 
 
 def clip_grad_norm(
-    parameters: Iterable[torch.Tensor], max_norm: float, pipeline_group: dist.ProcessGroup | None = None
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    pipeline_group: dist.ProcessGroup | None = None,
+    duplicates: set[torch.Tensor] | frozenset = frozenset(),
 ) -> torch.Tensor:
     """Clip gradients to a global 2-norm of `max_norm` and return the norm before clipping (`max_norm = inf`
     only measures).
@@ -18,13 +21,16 @@ def clip_grad_norm(
     Gradients may live on different meshes (expert gradients on the ep mesh, the others plain or on the
     dp/tp mesh), which torch's foreach norm and clip cannot mix: one norm per mesh, each reduced over its
     own mesh, then combined, and the clip applied mesh by mesh. Under pipeline parallelism each rank holds
-    other layers: the squared norms are summed over `pipeline_group` too, so every rank clips alike."""
+    other layers: the squared norms are summed over `pipeline_group` too, so every rank clips alike.
+    `duplicates`: parameters whose gradient another pipeline rank holds as well (a tied embedding's
+    second copy), clipped but left out of the norm so that it counts once."""
     by_mesh: dict[object, list[torch.Tensor]] = {}
     parameters = list(parameters)
     for param in parameters:
         if param.grad is not None:
             by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True) for group in by_mesh.values()]
+    counted = [[p.grad for p in group if p not in duplicates] for group in by_mesh.values()]
+    norms = [torch.nn.utils.get_total_norm(grads, foreach=True) for grads in counted if grads]
     squares = [(n.full_tensor() if isinstance(n, DTensor) else n).float().square() for n in norms]
     device = parameters[0].device if parameters else None
     total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)

@@ -9,7 +9,7 @@ What is counted, per rank (bytes):
 
 - params: fp32 master weights. Each tensor is first divided by tp along the dimension tensor parallelism
   shards (attention wq/wk/wv and MLP w1/w3 by rows, wo/w2 by columns, the embedding and the output head
-  by vocabulary rows; norms, routers and experts stay whole), then FSDP2 shards dim 0 over dp_shard × cp
+  by vocabulary rows, MoE experts by hidden units; norms and routers stay whole), then FSDP2 shards dim 0 over dp_shard × cp
   ranks, padding it to a multiple (ceil(rows / shards) rows per rank). Tied embeddings count once.
 - grads: the same shapes in fp32 (FSDP2 reduce-scatters in fp32, the sharded gradients match the params).
 - optimizer: the state tensors of the chosen optimizer, each the shape of its parameter, fp32:
@@ -116,15 +116,16 @@ def mlp_specs(prefix: str, dim: int, hidden: int, owner: int, tp: bool) -> list[
 
 
 def moe_specs(cfg: ModelConfig, prefix: str, layer: int) -> list[ParamSpec]:
-    """Router gate, routed experts (packed [E, …] tensors or one module per expert), shared experts. None of
-    them is tensor parallel."""
+    """Router gate (replicated over tp), routed experts (packed [E, …] tensors, whose hidden units tensor
+    parallelism splits, or one module per expert, which it does not take), shared experts (a tensor-parallel
+    MLP)."""
     d, h, e = cfg.dim, cfg.expert_ffn_dim, cfg.num_experts
     specs = [ParamSpec(f"{prefix}.router.gate.weight", (e, d), layer)]
     if cfg.moe_packed_experts:
         specs += [
-            ParamSpec(f"{prefix}.experts.w1", (e, d, h), layer),
-            ParamSpec(f"{prefix}.experts.w3", (e, d, h), layer),
-            ParamSpec(f"{prefix}.experts.w2", (e, h, d), layer),
+            ParamSpec(f"{prefix}.experts.w1", (e, d, h), layer, 2),
+            ParamSpec(f"{prefix}.experts.w3", (e, d, h), layer, 2),
+            ParamSpec(f"{prefix}.experts.w2", (e, h, d), layer, 1),
         ]
     else:
         for i in range(e):
@@ -134,7 +135,7 @@ def moe_specs(cfg: ModelConfig, prefix: str, layer: int) -> list[ParamSpec]:
                 ParamSpec(f"{prefix}.experts.{i}.w2", (h, d), layer),
             ]
     if cfg.moe_shared_experts:
-        specs += mlp_specs(f"{prefix}.shared", d, cfg.moe_shared_experts * h, layer, tp=False)
+        specs += mlp_specs(f"{prefix}.shared", d, cfg.moe_shared_experts * h, layer, tp=True)
     return specs
 
 
@@ -287,8 +288,10 @@ def layer_activation_bytes(cfg: JobConfig, layer: int, tokens: int) -> int:
     gated = 2 if casts else 1
     if m.is_moe_layer(layer):
         k, shared = m.moe_top_k, m.moe_shared_experts * m.expert_ffn_dim
-        moe = FP32 * (h + 2 * m.num_experts) + c * k * (2 * h + 4 * m.expert_ffn_dim + 1) + 2 * INT64 * k
-        moe += c * (gated * h + 4 * shared) if shared else 0
+        # Under tp every rank routes all of the layer's tokens (engine/parallel/tp.py); only the experts'
+        # hidden units (routed and shared) are split.
+        moe = FP32 * (h + 2 * m.num_experts) + c * k * (2 * h + 1) + c * k * 4 * m.expert_ffn_dim // tp
+        moe += 2 * INT64 * k + (c * gated * h + c * 4 * shared // tp if shared else 0)
         return tokens * (gathered + split // tp) + tokens * moe
     gathered += c * gated * h
     split += c * 4 * m.ffn_dim
@@ -354,7 +357,8 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
         total += c * (gathered + ends) + (c + FP32) * largest[0]
     elif c < FP32:
         head = sum(tp_local[s.name] for s in stage if s.owner == "head")
-        if has_head and m.tie_embeddings:  # the head is the embedding, which autocast does not cast for the lookup
+        if has_head and m.tie_embeddings and not any(s.owner == "head" for s in stage):  # (pipelined: a copy)
+            # the head is the embedding, which autocast does not cast for the lookup
             head += math.ceil(m.vocab_size / d.tp) * m.dim
         kept = sum(matrices.values()) if t.activation_checkpointing == "none" else max(matrices.values(), default=0)
         total += c * (kept + head)
@@ -390,6 +394,7 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
     for rank in range(d.pp):
         stages = [rank + k * d.pp for k in range(per_rank)]
         owned = [s for stage in stages for s in stage_specs(specs, layers[stage], stage == 0, stage == n_stages - 1)]
+        owned += tied_head_copy(cfg, specs, stages, n_stages)
         local = {s.name: local_numel(s, d.tp, d.dp_shard * d.cp) for s in owned}
         params = sum(weight_bytes(s, local[s.name], cfg.lora) for s in owned)
         trained = [s for s in owned if trains(s, cfg.lora)]
@@ -412,6 +417,15 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
             )
         )
     return rows
+
+
+def tied_head_copy(cfg: JobConfig, specs: list[ParamSpec], stages: list[int], n_stages: int) -> list[ParamSpec]:
+    """Under pipeline parallelism a tied head is a second copy of the embedding on the last stage's rank
+    (engine/parallel/pipeline.py), with its own gradient and optimizer state."""
+    if not cfg.model.tie_embeddings or n_stages == 1 or n_stages - 1 not in stages or 0 in stages:
+        return []
+    [embedding] = [s for s in specs if s.owner == "embedding"]
+    return [ParamSpec("output.weight", embedding.shape, "head", embedding.tp_dim)]
 
 
 def stage_specs(specs: list[ParamSpec], layers: range, first: bool, last: bool) -> list[ParamSpec]:

@@ -79,7 +79,11 @@ class ParallelMesh:
 
     def __post_init__(self) -> None:
         # Flattening creates a process group (a collective on every rank): once, here, on all ranks alike.
-        if self.dims.ep > 1:  # expert parallelism rules out dp_replicate > 1 (config validation)
+        self.expert_shard: DeviceMesh | None = None  # with ep under HSDP: dp_shard, flattened from expert_dp × ep
+        if self.dims.ep > 1 and self.dims.dp_replicate > 1:
+            self.expert_shard = self.mesh["expert_dp", "ep"]._flatten("dp_shard")
+            self.dp = self.mesh["dp_replicate", "expert_dp", "ep"]._flatten("dp")
+        elif self.dims.ep > 1:
             self.dp = self.mesh["expert_dp", "ep"]._flatten("dp")
         else:
             self.dp = self.mesh["dp_replicate", "dp_shard"]._flatten("dp") if self.dims.dp > 1 else None
@@ -93,9 +97,19 @@ class ParallelMesh:
         """What `fully_shard` shards over: (dp_replicate, dp_shard) for HSDP, dp_shard alone for FSDP."""
         if self.dp is None:
             return None
+        if self.expert_shard is not None:  # HSDP with ep: replicated over dp_replicate, sharded over dp_shard
+            return self.mesh["dp_replicate", "dp_shard"]
         if self.dims.ep > 1:
             return self.dp
         return self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    @property
+    def expert_fsdp(self) -> DeviceMesh | None:
+        """What `fully_shard` shards the experts over: the ranks holding the same experts, expert_dp, and under
+        HSDP (dp_replicate, expert_dp), replicated over dp_replicate like everything else."""
+        if self.dims.ep == 1:
+            return None
+        return self.mesh["dp_replicate", "expert_dp"] if self.dims.dp_replicate > 1 else self.mesh["expert_dp"]
 
     @property
     def dp_rank(self) -> int:

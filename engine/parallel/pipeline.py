@@ -15,6 +15,12 @@ backward for all of them, and — as the schedules scale gradients by 1 / n_micr
 
 Order of application: split first (`split_stages`), then each stage's module is parallelized on its own
 (TP, activation checkpointing, compile, FSDP: `build_pipeline(parallelize_stage=…)`), then the schedule is built.
+
+Tied embeddings: the first stage holds the embedding and the last the head, each its own copy of the one
+shared matrix (same name as in the full model's state dict: `tok_embeddings.weight`, `output.weight`). Both
+copies start equal, and after every step's backward their gradients are summed between the two ranks
+(`TiedWeight.sync`), so each holds the gradient one device computes for the shared matrix and the same
+optimizer update keeps them equal. The gradient norm counts it once (`Pipeline.norm_duplicates`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
     _PipelineSchedule,
 )
+from torch.distributed.tensor import DTensor
 
 from engine.errors import UserError
 from engine.model.transformer import Transformer
@@ -73,12 +80,6 @@ def split_stages(
     model: Transformer, pp_rank: int, pp_size: int, n_stages_per_rank: int
 ) -> list[tuple[int, Transformer]]:
     """(stage index, stage model) for every stage pipeline rank `pp_rank` runs: stages pp_rank + k·pp_size."""
-    if model.cfg.tie_embeddings and pp_size > 1:
-        raise UserError(
-            "model.tie_embeddings = true cannot be pipelined: the embedding (first stage) and the "
-            "output head (last stage) would live on different ranks",
-            "set model.tie_embeddings = false, or distributed.pp = 1",
-        )
     if model.cfg.is_moe and pp_size > 1:
         raise UserError(
             f"an MoE model (model.num_experts = {model.cfg.num_experts}) cannot be pipelined yet: its "
@@ -88,6 +89,56 @@ def split_stages(
         )
     n_stages = pp_size * n_stages_per_rank
     return [(stage, stage_model(model, stage, n_stages)) for stage in range(pp_rank, n_stages, pp_size)]
+
+
+@dataclass
+class TiedWeight:
+    """This rank's copy of the embedding matrix tied to the head (the `weight` of `module`, the embedding or
+    the head), and the group of the two ranks holding the first and the last stage (the same data-parallel
+    and tensor-parallel position)."""
+
+    module: nn.Module
+    group: dist.ProcessGroup
+    is_head: bool  # the last stage's copy: left out of the gradient norm, which counts the first's
+
+    @property
+    def param(self) -> nn.Parameter:
+        """Looked up at each use: materializing the stage (`to_empty`) replaces the parameter object."""
+        return self.module.weight
+
+    def sync(self) -> None:
+        """Sum the two copies' gradients (each rank's local shard, sharded alike on both ranks)."""
+        grad = self.param.grad
+        if grad is None:
+            grad = self.param.grad = torch.zeros_like(self.param)
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+
+
+def tied_weight(parts: list[nn.Module], pp_mesh: DeviceMesh) -> TiedWeight | None:
+    """The tied embedding copy this rank holds (first stage: the embedding's, last: the head's), if any.
+    A collective over the whole world when pp > 2 (every rank creates every pair's group)."""
+    group = first_last_group(pp_mesh)
+    for part in parts:
+        if part.tok_embeddings is not None:
+            return TiedWeight(part.tok_embeddings, group, is_head=False)
+        if part.output is not None:
+            return TiedWeight(part.output, group, is_head=True)
+    return None
+
+
+def first_last_group(pp_mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group of the first and last pipeline rank at this rank's position in the other mesh
+    dimensions (pp is the outermost). With pp = 2 that is the pipeline group itself."""
+    if pp_mesh.size() == 2:
+        return pp_mesh.get_group()
+    ranks = pp_mesh._get_root_mesh().mesh.reshape(pp_mesh.size(), -1)  # pp is the root mesh's first dimension
+    mine = None
+    for first, last in zip(ranks[0].tolist(), ranks[-1].tolist()):
+        group = dist.new_group([first, last])  # every rank creates every group, in the same order
+        if dist.get_rank() in (first, last):
+            mine = group
+    assert mine is not None
+    return mine
 
 
 @dataclass
@@ -104,6 +155,12 @@ class Pipeline:
     has_last_stage: bool
     group: dist.ProcessGroup
     loss_fn: StageLoss  # what the schedule computes on the last stage
+    tied: TiedWeight | None = None  # with tied embeddings: this rank's copy of the shared matrix
+
+    @property
+    def norm_duplicates(self) -> set[nn.Parameter]:
+        """Parameters whose gradient another pipeline rank holds too, which the global norm counts once."""
+        return {self.tied.param} if self.tied is not None and self.tied.is_head else set()
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward over all microbatches of one optimizer step; inputs and labels are
@@ -114,6 +171,8 @@ class Pipeline:
         target = labels if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        if self.tied is not None:
+            self.tied.sync()
         if losses is None:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()
@@ -162,6 +221,7 @@ def build_pipeline(
     schedule_class = SCHEDULES[schedule]
     runner = schedule_class(stages if per_rank > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
     indices = [stage.stage_index for stage in stages]
+    tied = tied_weight(parts, pp_mesh) if model.cfg.tie_embeddings else None
     return Pipeline(
         runner,
         parts,
@@ -170,6 +230,7 @@ def build_pipeline(
         has_last_stage=n_stages - 1 in indices,
         group=group,
         loss_fn=loss_fn,
+        tied=tied,
     )
 
 
@@ -198,10 +259,19 @@ def stage_union(parts: list[nn.Module]) -> nn.Module:
     copies): what the optimizer and the checkpoints see, so a pipelined run's parameter groups and
     checkpoint keys are those of the unpipelined model, and a checkpoint moves between layouts."""
     union = nn.Module()
+    union.cfg = parts[0].cfg  # the model's config (the optimizer's groups read tie_embeddings from it)
     union.layers = nn.ModuleDict()
     for part in parts:
         union.layers.update(part.layers)
         for name in ("tok_embeddings", "norm", "output"):
             if getattr(part, name) is not None:
                 setattr(union, name, getattr(part, name))
+    if union.cfg.tie_embeddings and not hasattr(union, "tok_embeddings") and hasattr(union, "output"):
+        # The last stage's copy of a tied matrix, also under the embedding's name and registered before the
+        # head: as in the full model, its parameter is then named tok_embeddings.weight (optimizer state, a
+        # checkpoint's optimizer entries) while the state dict holds both names, so checkpoints match one
+        # process's.
+        head = union.output
+        del union.output
+        union.tok_embeddings, union.output = head, head
     return union

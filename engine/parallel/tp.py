@@ -19,17 +19,29 @@ the model code itself never sees a DTensor except as the tensors flowing through
 
 Tied embeddings are supported: the embedding and the head both shard the shared [vocab, dim] weight on dim 0,
 so after the plan the head's weight is pointed at the embedding's DTensor parameter again.
-MoE layers are not handled here (config validation rejects tp > 1 with MoE).
+
+MoE blocks: attention and norms as above. The MoE layer's input is all-gathered over the sequence into a
+plain tensor that every TP rank holds in full (`MoESequenceGather`), so routing, capacity, the auxiliary
+losses and the router load are computed on all the layer's tokens, identically on every TP rank and exactly
+as on one device (a per-rank routing over its sequence shard would change all of them). The router weight
+stays a plain replicated parameter: every rank computes its full gradient from the same values. The shared
+experts are column/row-sharded like a dense MLP, their output all-reduced back to the full tokens. The
+routed experts are sharded within each expert over the hidden units, in engine/parallel/expert.py
+(`shard_experts`, together with expert parallelism when ep > 1). The layer's output is then cut back to
+this rank's sequence shard.
 """
 
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -38,6 +50,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from engine.model.mlp import GatedMLP
+from engine.model.moe import MoE
 from engine.model.transformer import Block, Transformer
 
 # Losses that work on vocabulary-sharded logits (they call F.cross_entropy on the model's output). The chunked
@@ -49,10 +62,10 @@ LOSS_PARALLEL_LOSSES = ("cross_entropy",)
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
     """Shard `model` over the 1-D `tp_mesh` in place. The model is on the meta device (the trainer fills the
     shards afterwards) or holds the same weights on every rank; every TP rank must receive the same batch. The caller checks that tp divides n_heads, n_kv_heads, the FFN width and
-    the sequence length (the vocabulary may shard unevenly) and rejects MoE models and pipeline stages.
+    the sequence length (the vocabulary may shard unevenly). MoE layers' routed experts are left to
+    `engine.parallel.expert.shard_experts`.
     With `loss_parallel`, the forward returns vocabulary-sharded DTensor logits and the loss and its backward
     must run inside `loss_context(True)`; the loss is then a replicated DTensor (`.item()` works)."""
-    assert not model.cfg.is_moe, "tp > 1 with an MoE model should have been rejected by config validation"
     plan = {  # a pipeline stage has only some of these
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
@@ -67,15 +80,25 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, loss_paral
     )
     for block in model.layers.values():
         parallelize_block(block, tp_mesh)
-    if model.cfg.tie_embeddings:
+    if model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         # Each style swapped in its own DTensor for the shared weight; both are Shard(0) of the same tensor.
+        # (A pipeline stage holds one of the two: engine/parallel/pipeline.py keeps the copies in step.)
         model.output.weight = model.tok_embeddings.weight
 
 
 def parallelize_block(block: Block, tp_mesh: DeviceMesh) -> None:
     """Attention and MLP over TP, norms over the sequence: two all-gathers and two reduce-scatters per block."""
-    assert isinstance(block.feed_forward, GatedMLP)
     gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if isinstance(block.feed_forward, MoE):
+        feed_forward = moe_plan(block.feed_forward)
+    else:
+        assert isinstance(block.feed_forward, GatedMLP)
+        feed_forward = {
+            "feed_forward": gather_sequence,
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        }
     parallelize_module(
         block,
         tp_mesh,
@@ -90,10 +113,7 @@ def parallelize_block(block: Block, tp_mesh: DeviceMesh) -> None:
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": gather_sequence,
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            **feed_forward,
         },
     )
     attention = block.attention
@@ -101,6 +121,64 @@ def parallelize_block(block: Block, tp_mesh: DeviceMesh) -> None:
         # q and k are [batch, seq, local heads, head_dim] plain tensors: dimension 2 is the sharded one.
         head_sharded = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(attention, tp_mesh, {"q_norm": head_sharded, "k_norm": head_sharded})
+
+
+def moe_plan(moe: MoE) -> dict[str, ParallelStyle]:
+    """The MoE layer on full tokens (see the module docstring); shared experts sharded like a dense MLP, their
+    plain full input replicated in and their output all-reduced to the full tokens again."""
+    plan: dict[str, ParallelStyle] = {"feed_forward": MoESequenceGather(), "feed_forward.router": ReplicatedRouter()}
+    if moe.shared is not None:
+        plan |= {
+            "feed_forward.shared.w1": ColwiseParallel(),
+            "feed_forward.shared.w3": ColwiseParallel(),
+            "feed_forward.shared.w2": RowwiseParallel(output_layouts=Replicate()),
+        }
+    return plan
+
+
+class MoESequenceGather(ParallelStyle):
+    """An MoE layer between sequence-parallel norms: its input (this rank's sequence shard) all-gathered into
+    the full plain tensor, its output (identical on every TP rank) cut back to this rank's shard.
+
+    The gradients follow DTensor's rules for replicated values: the output's gradient is all-gathered from
+    the ranks' shards (each rank then computes the full, identical gradient), and the input's is this rank's
+    slice of it, with no sum (every rank already holds the whole)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # Hooks only, not distribute_module: that would make every parameter it leaves plain a replicated
+        # DTensor, the router's and the experts' included (the plan's other entries and shard_experts shard them).
+        module.register_forward_pre_hook(partial(self.gather, mesh=device_mesh))
+        module.register_forward_hook(partial(self.scatter, mesh=device_mesh))
+        return module
+
+    @staticmethod
+    def gather(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        return (x.redistribute(mesh, [Replicate()]).to_local(), *inputs[1:])
+
+    @staticmethod
+    def scatter(module: nn.Module, inputs: tuple, outputs: tuple, mesh: DeviceMesh) -> tuple:
+        out, stats = outputs
+        full = DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+        return full.redistribute(mesh, [Shard(1)]).to_local(), stats
+
+
+class ReplicatedRouter(ParallelStyle):
+    """The router's gate weight as a DTensor replicated over the TP ranks (so that the optimizer sees only
+    DTensors, as fused and foreach kernels need), computed with as its local tensor, passed to the router's
+    forward by a pre-hook like the experts' weights. Every rank computes the same full gradient from the same
+    tokens, which the Replicate placement states without a collective."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        distribute_module(module.gate, device_mesh)  # its one parameter, replicated
+        module.register_forward_pre_hook(self.local_weight)
+        return module
+
+    @staticmethod
+    def local_weight(module: nn.Module, inputs: tuple) -> tuple:
+        return (inputs[0], module.gate.weight.to_local())
 
 
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from engine.config.registry import LOSSES
 from engine.config.train import TrainConfig
@@ -152,7 +152,13 @@ def chunks(total: int, size: int) -> list[slice]:
 def with_moe_loss(model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
     """`loss` plus the MoE auxiliary losses of the forward that produced it (none for a dense model)."""
     moe_loss = model.moe_loss() if hasattr(model, "moe_loss") else None
-    return loss if moe_loss is None else loss + moe_loss
+    if moe_loss is None:
+        return loss
+    if isinstance(loss, DTensor):  # loss parallel: a replicated DTensor; the MoE losses are the same on every rank
+        moe_loss = DTensor.from_local(
+            moe_loss, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False
+        )
+    return loss + moe_loss
 
 
 @LOSSES.register("cross_entropy")

@@ -50,7 +50,13 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
     hooks.after_backward(step, job)
     job.scaler.unscale_(job.optimizer)
     max_norm = job.cfg.train.grad_clip_norm or math.inf  # 0 = no clipping; the norm is still reported
-    grad_norm = clip_grad_norm(job.model.parameters(), max_norm, job.pipeline.group if job.pipeline else None)
+    pipeline = job.pipeline
+    grad_norm = clip_grad_norm(
+        job.model.parameters(),
+        max_norm,
+        pipeline.group if pipeline else None,
+        pipeline.norm_duplicates if pipeline else frozenset(),
+    )
     lr = current_lr(job.optimizer)
     loss_value, norm_value = torch.stack(
         [mean_over_ranks(loss_sum), grad_norm.float()]
