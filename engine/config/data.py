@@ -54,6 +54,11 @@ class DataConfig(HubDatasetFields, DataFiles):
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
     pin_memory: bool = Field(False, description="pin host batches (GPU only)")
     prefetch_factor: int | None = Field(None, gt=0, description="batches prefetched per worker (needs num_workers > 0)")
+    pack_sequences: bool = Field(
+        False,
+        description="document-aware packing: a window's documents (ended by the tokenizer's end-of-document "
+        "token) attend only within themselves and restart their RoPE positions at 0 (see docs/data.md)",
+    )
 
     readers: ClassVar[dict[str, str]] = {
         "dataset_path": "data/loader.py",
@@ -68,6 +73,7 @@ class DataConfig(HubDatasetFields, DataFiles):
         "num_workers": "data/loader.py",
         "pin_memory": "data/loader.py",
         "prefetch_factor": "data/loader.py",
+        "pack_sequences": "train/job.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 

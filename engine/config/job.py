@@ -91,7 +91,25 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     issues += ema_issues(cfg)
     issues += moe_issues(cfg)
     issues += layout_issues(cfg, world_size)
+    issues += packing_issues(cfg)
     return issues
+
+
+def packing_issues(cfg: JobConfig) -> list[ConfigIssue]:
+    """Packed documents need a per-window attention mask; the layouts that cannot carry one are refused."""
+    if not cfg.data.pack_sequences:
+        return []
+    d = cfg.distributed
+    unsupported = [(f"distributed.{name}", value) for name, value in (("pp", d.pp), ("cp", d.cp)) if value > 1]
+    return [
+        ConfigIssue(
+            "data.pack_sequences",
+            f"is not supported yet with {name} = {value} (the pipeline stages and context-parallel attention "
+            "take no document mask)",
+            f"set data.pack_sequences = false, or {name} = 1",
+        )
+        for name, value in unsupported
+    ]
 
 
 def hub_data_issues(cfg: JobConfig) -> list[ConfigIssue]:

@@ -30,6 +30,7 @@ from engine.errors import UserError
 from engine.metrics.mfu import peak_flops
 from engine.model import build_model
 from engine.model.attention import CPU_SDPA_BACKENDS
+from engine.model.documents import document_ids
 from engine.model.moe import moe_metrics
 from engine.model.transformer import Transformer
 from engine.parallel.apply import float8_all_gather, parallelize
@@ -96,6 +97,13 @@ class Job:
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Around forward, loss and backward: cross-entropy on vocabulary-sharded logits under loss parallel."""
         return loss_context(self.loss_parallel)
+
+    def documents(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """With data.pack_sequences, the document ids of a micro-batch's windows (the model keeps attention and
+        RoPE positions inside each document); None otherwise, which leaves the model's forward as it was."""
+        if not self.cfg.data.pack_sequences:
+            return None
+        return document_ids(tokens, self.train_data.manifest.eos_id)
 
     def refresh_float8_scales(self) -> None:
         """Under FSDP's float8 all-gather the weights' scales are computed once per weight change (one

@@ -81,7 +81,7 @@ def forward_backward(job: Job, batches: Iterator, loss_fn: ModelLoss) -> torch.T
         inputs, labels = (t.to(job.device, non_blocking=True) for t in next(batches))
         with job.loss_context():
             with job.autocast():
-                loss = loss_fn(job.model, inputs, labels) / accum
+                loss = loss_fn(job.model, inputs, labels, doc_ids=job.documents(inputs)) / accum
             job.scaler.scale(loss).backward()
         loss_sum += local_value(loss.detach())
     return loss_sum
@@ -137,9 +137,10 @@ def held_out_loss(job: Job, loss_fn: ModelLoss) -> float:
 
 def eval_losses(job: Job, loss_fn: ModelLoss) -> list[torch.Tensor]:
     losses = []
-    for inputs, labels in job.eval_data.batches():
+    for batch in job.eval_data.batches():
+        inputs, labels = (t.to(job.device) for t in batch)
         with job.loss_context(), job.autocast():
-            loss = loss_fn(job.model, inputs.to(job.device), labels.to(job.device), z_loss=False)
+            loss = loss_fn(job.model, inputs, labels, z_loss=False, doc_ids=job.documents(inputs))
         losses.append(local_value(loss))
     return losses
 
