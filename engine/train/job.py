@@ -26,6 +26,7 @@ from engine.checkpoint.dcp import complete_checkpoints
 from engine.checkpoint.manager import Checkpointer, initialize_from
 from engine.checkpoint.rng import every_rank_rng_state, restore_rank_rng
 from engine.config.job import JobConfig
+from engine.data.mixture import lr_scale
 from engine.errors import UserError
 from engine.metrics.mfu import peak_flops
 from engine.model import build_model
@@ -174,7 +175,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         dtype=dtype,
         model=model,
         optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps),
+        scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps, lr_scale(cfg.data)),
         scaler=precision.grad_scaler(device, dtype),
         train_data=train_data,
         eval_data=eval_data,

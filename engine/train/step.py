@@ -176,6 +176,7 @@ def step_metrics(
         "tokens_seen": tokens_seen,
         "elapsed_sec": time.perf_counter() - started,
         **job.guard.metrics(),
+        **job.train_data.metrics(step),
         **memory_per_rank(job.device),
         **{k: v for report in job.model_metrics for k, v in report().items()},
     }
