@@ -176,3 +176,34 @@ def test_packed_documents_under_tensor_parallel_and_fsdp(tmp_path):
     for key in ("tp_logits", "tp_grads", "fsdp_logits", "fsdp_grads"):
         assert res[key] < 1e-5, (key, res[key])
     assert res["grad_scale"] > 1e-3, "the gradients should be far larger than the tolerance"
+
+
+def saved_bytes(model: Transformer, tokens: torch.Tensor, doc_ids: torch.Tensor | None) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, doc_ids=doc_ids)
+    return sum(seen.values())
+
+
+def test_memory_estimate_counts_what_packing_saves():
+    """The estimate's packing term (engine.parallel.memory.packing_bytes) equals the extra bytes autograd
+    saves in a packed forward (fp32, SDPA's math kernel on CPU), as the difference of two estimates."""
+    from engine.config import load_job_config
+    from engine.parallel.memory import estimate_memory
+
+    args = [f"--model.{k}={v}" for k, v in CFG.items()] + ["--train.seq_len=32", "--train.batch_size=4"]
+    args += ["--train.mixed_precision=fp32"]
+    plain, packed = (load_job_config(None, [*args, f"--data.pack_sequences={p}"]).validate() for p in ("false", "true"))
+    estimated = estimate_memory(packed, 1)[0].activations - estimate_memory(plain, 1)[0].activations
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**CFG))
+    tokens = torch.randint(1, CFG["vocab_size"], (4, 32))
+    tokens[:, 10] = EOS
+    measured = saved_bytes(model, tokens, document_ids(tokens, EOS)) - saved_bytes(model, tokens, None)
+    assert estimated == measured > 0
