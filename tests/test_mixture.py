@@ -163,7 +163,7 @@ TINY = [
     "--train.batch_size=4",
     "--train.max_steps=8",
     "--scheduler.warmup_steps=2",
-    "--data.anneal_start_step=5",
+    "--data.anneal_start_step=3",
     "--metrics.log_interval=1",
     "--eval.interval=8",
     "--eval.steps=1",
@@ -172,8 +172,9 @@ TINY = [
 
 
 def test_mixture_preset_trains_switches_phase_and_resumes_bitwise(tmp_path):
-    """presets/mixture_debug.toml as a user runs it (shrunk), then resumed from its mid-run checkpoint at step
-    4 (its anneal starts after step 5): the resumed steps repeat the uninterrupted losses bitwise."""
+    """presets/mixture_debug.toml as a user runs it (shrunk), then resumed from its checkpoint at step 4, in
+    the middle of its anneal phase (which starts after step 3): the resumed steps repeat the uninterrupted
+    losses bitwise."""
     whole = tmp_path / "whole"
     result = forge("train", "presets/mixture_debug.toml", "--run-dir", str(whole), *TINY)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -182,8 +183,8 @@ def test_mixture_preset_trains_switches_phase_and_resumes_bitwise(tmp_path):
     plays = [r["data/tokens/plays"] for r in rows]
     poems = [r["data/tokens/poems"] for r in rows]
     assert [a + b for a, b in zip(plays, poems)] == [64 * 4 * s for s in range(1, 9)]
-    assert plays[4] > 0 and plays[4:] == [plays[4]] * 4, "from step 6 on only the poems are drawn"
-    assert poems[5] - poems[4] == poems[7] - poems[6] == 256
+    assert plays[2] > 0 and plays[2:] == [plays[2]] * 6, "from step 4 on only the poems are drawn"
+    assert poems[3] - poems[2] == poems[7] - poems[6] == 64 * 4
     # resume: the run as it was when step 4's checkpoint was written, then trained on
     resumed = tmp_path / "resumed"
     shutil.copytree(whole, resumed)
