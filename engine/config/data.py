@@ -58,6 +58,11 @@ class MixtureSource(Section):
         "or its two disjoint parts, plays and poems",
     )
     weight: PositiveWeight = Field(1.0, description="relative share before mix_temperature; must be > 0")
+    eval_path: str | None = Field(
+        None,
+        description="held-out shards of this source (same tokenizer): with eval.enabled, also evaluated on "
+        "their own, as eval_loss/NAME",
+    )
 
     @model_validator(mode="after")
     def _one_location(self) -> MixtureSource:
@@ -81,8 +86,8 @@ class Mixture(Section):
 
     datasets: list[MixtureSource] = Field(
         default_factory=list,
-        description="[[data.datasets]] {name, path | embedded, weight}: train on a weighted mixture of sources "
-        "instead of dataset_path (docs/data.md#mixtures)",
+        description="[[data.datasets]] {name, path | embedded, weight, eval_path}: train on a weighted mixture of "
+        "sources instead of dataset_path (docs/data.md#mixtures)",
     )
     mix_temperature: float = Field(
         1.0, gt=0, description="source i is drawn with probability w_i^(1/T) / sum_j w_j^(1/T) (T = 1: as given)"

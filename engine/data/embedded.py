@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.data.shards import FORMAT_VERSION
-from engine.data.tokenize import tokenize_texts
+from engine.data.tokenize import write_encoded
 from engine.data.tokenizer import DEFAULT_EOS, Encoder
 from engine.errors import DataError
 
@@ -102,9 +102,11 @@ def write_splits(tmp: Path) -> None:
     plays = [w for w in train if w["title"] not in POEMS]
     poems = [w for w in train if w["title"] in POEMS]
     encoder = Encoder.trained((w["text"] for w in train), VOCAB_SIZE)
+    # Each work is encoded once (a work's tokens do not depend on the others), then written into its splits.
+    ids = dict(zip((w["title"] for w in works), encoder.encode([w["text"] for w in works])))
     for split, chosen in (("train", train), ("val", val), ("plays", plays), ("poems", poems)):
         source = {"corpus": CORPUS.name, "split": split, "works": [w["title"] for w in chosen]}
-        tokenize_texts([w["text"] for w in chosen], tmp / split, encoder, source)
+        write_encoded([ids[w["title"]] for w in chosen], tmp / split, encoder, source)
 
 
 def remove_stale_builds(root: Path, keep: Path) -> None:

@@ -164,6 +164,7 @@ class MixtureData(TrainData):
 @dataclass
 class EvalData(TokenData):
     steps: int = 1
+    per_source: dict[str, EvalData] = field(default_factory=dict)  # mixture sources' own held-out sets by name
 
     @cached_property
     def _loader(self) -> DataLoader:
@@ -240,10 +241,26 @@ def open_eval_data(
             "set eval.dataset_path to held-out shards written by forge tokenize (or eval.hf_dataset_name), "
             "or eval.enabled = false",
         )
-    parts = verified(directory, "eval.dataset_path", cfg.eval.file_pattern, "eval.file_pattern", cfg)
-    check_same_tokenizer(parts[1], directory, train_dir)
     layout = BatchLayout(cfg.train.batch_size, 1, dp_size, dp_rank)
-    return EvalData(*parts, layout, loader_options(cfg), steps=cfg.eval.steps)
+    per_source = {
+        source.name: held_out(Path(source.eval_path), f"data.datasets.{i}.eval_path", cfg, train_dir, layout)
+        for i, source in enumerate(d.datasets)
+        if source.eval_path is not None
+    }
+    return held_out(directory, "eval.dataset_path", cfg, train_dir, layout, per_source)
+
+
+def held_out(
+    directory: Path,
+    path_field: str,
+    cfg: JobConfig,
+    train_dir: Path,
+    layout: BatchLayout,
+    per_source: dict[str, EvalData] | None = None,
+) -> EvalData:
+    parts = verified(directory, path_field, cfg.eval.file_pattern, "eval.file_pattern", cfg)
+    check_same_tokenizer(parts[1], directory, train_dir, path_field)
+    return EvalData(*parts, layout, loader_options(cfg), steps=cfg.eval.steps, per_source=per_source or {})
 
 
 def train_directory(cfg: JobConfig) -> Path:
@@ -358,11 +375,13 @@ def selected_shards(directory: Path, manifest: Manifest, pattern: str, pattern_f
     return shards
 
 
-def check_same_tokenizer(eval_manifest: Manifest, eval_directory: Path, train_directory: Path) -> None:
+def check_same_tokenizer(
+    eval_manifest: Manifest, eval_directory: Path, train_directory: Path, path_field: str = "eval.dataset_path"
+) -> None:
     train_manifest = read_manifest(train_directory)
     if train_manifest.tokenizer_sha256 != eval_manifest.tokenizer_sha256:
         raise DataError(
-            f"eval.dataset_path {eval_directory} was tokenized with a different tokenizer than "
+            f"{path_field} {eval_directory} was tokenized with a different tokenizer than "
             f"data.dataset_path {train_directory}",
             "tokenize the held-out text with the training data's tokenizer.json (forge tokenize --tokenizer)",
         )
