@@ -174,9 +174,17 @@ TINY = [
 def test_mixture_preset_trains_switches_phase_and_resumes_bitwise(tmp_path):
     """presets/mixture_debug.toml as a user runs it (shrunk), then resumed from its checkpoint at step 4, in
     the middle of its anneal phase (which starts after step 3): the resumed steps repeat the uninterrupted
-    losses bitwise."""
+    losses bitwise. The poems source gets a held-out set of its own, here the same works as the main eval
+    set, so its eval_loss/poems must equal eval_loss."""
+    from engine.data.embedded import embedded_corpus
+
+    val = embedded_corpus().val
+    sources = (
+        f'--data.datasets=[{{name="plays", embedded="plays", weight=9.0}}, '
+        f'{{name="poems", embedded="poems", weight=1.0, eval_path="{val}"}}]'
+    )
     whole = tmp_path / "whole"
-    result = forge("train", "presets/mixture_debug.toml", "--run-dir", str(whole), *TINY)
+    result = forge("train", "presets/mixture_debug.toml", "--run-dir", str(whole), *TINY, sources)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = logged(whole)
     assert [r["step"] for r in rows] == list(range(1, 9))
@@ -191,14 +199,16 @@ def test_mixture_preset_trains_switches_phase_and_resumes_bitwise(tmp_path):
     shutil.rmtree(resumed / "checkpoints" / "step_8")
     lines = (resumed / "metrics.jsonl").read_text().splitlines(keepends=True)
     (resumed / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line).get("step", 0) <= 4))
-    result = forge("train", "presets/mixture_debug.toml", "--run-dir", str(resumed), *TINY)
+    result = forge("train", "presets/mixture_debug.toml", "--run-dir", str(resumed), *TINY, sources)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     again = logged(resumed)
     assert [r["step"] for r in again] == list(range(1, 9))
     assert [(r["loss"], r["grad_norm"], r["data/tokens/poems"]) for r in again] == [
         (r["loss"], r["grad_norm"], r["data/tokens/poems"]) for r in rows
     ]
-    assert math.isfinite(rows[-1]["loss"])
+    evals = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
+    assert len(evals) == 1 and evals[0]["step"] == 8
+    assert math.isfinite(evals[0]["eval_loss"]) and evals[0]["eval_loss/poems"] == evals[0]["eval_loss"]
 
 
 def test_bad_sources_are_refused_naming_the_field(tmp_path):
