@@ -234,3 +234,31 @@ def test_bad_sources_are_refused_naming_the_field(tmp_path):
     with pytest.raises(DataError) as raised:
         open_train_data(cfg.validate())
     assert "data.datasets.1.embedded" in raised.value.message and "different tokenizer" in raised.value.message
+
+
+def test_validate_config_prints_the_phase_table_and_the_scaled_lr(tmp_path):
+    """The preset's phases after temperature (9 : 1 at T = 2 → 75 % / 25 %), with tokens per source, and the
+    lr table showing a phase's lr_scale from its first step."""
+    result = forge(
+        "validate-config",
+        "presets/mixture_debug.toml",
+        "--data.anneal_start_step=200",
+        "--scheduler.name=constant",
+        "--scheduler.warmup_steps=0",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    table = result.stdout[result.stdout.index("Data mixture") :]
+    assert "mix_temperature = 2" in table
+    assert "1–200" in table and "75.0% · 307.20 k tok" in table and "25.0% · 102.40 k tok" in table
+    assert "201–300" in table and "100.0% · 204.80 k tok" in table
+    preset = tmp_path / "phases.toml"
+    preset.write_text(
+        '[train]\nmax_steps = 300\n[optimizer]\nlr = 2e-3\n[scheduler]\nname = "constant"\nwarmup_steps = 0\n'
+        '[[data.datasets]]\nname = "plays"\nembedded = "plays"\n[[data.datasets]]\nname = "poems"\n'
+        'embedded = "poems"\n[[data.phases]]\nstart_step = 200\ndataset_weights = { poems = 1.0 }\nlr_scale = 0.1\n'
+    )
+    scaled = forge("validate-config", str(preset))
+    assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+    lr_rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in scaled.stdout.splitlines()
+               if line.count("│") == 3 and line.split("│")[1].strip().replace(",", "").isdigit()}  # fmt: skip
+    assert lr_rows["200"] == "2.000e-03" and lr_rows["201"] == "2.000e-04", lr_rows

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from torchrun import torchrun
 
@@ -207,3 +208,26 @@ def test_memory_estimate_counts_what_packing_saves():
     tokens[:, 10] = EOS
     measured = saved_bytes(model, tokens, document_ids(tokens, EOS)) - saved_bytes(model, tokens, None)
     assert estimated == measured > 0
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_packing_under_activation_checkpointing(mode):
+    """The recomputed blocks get the same document mask: logits and gradients as without checkpointing."""
+    from engine.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    plain = Transformer(ModelConfig(**CFG))
+    wrapped = Transformer(ModelConfig(**CFG))
+    wrapped.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(wrapped, mode)
+    tokens = torch.cat([torch.cat(documents([5, 7, 4], seed=s))[None] for s in range(2)])
+    ids = document_ids(tokens, EOS)
+    outputs = []
+    for model in (plain, wrapped):
+        logits = model(tokens, doc_ids=ids)
+        logits.square().mean().backward()
+        outputs.append((logits.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(outputs[1][0], outputs[0][0], atol=1e-6, rtol=0)
+    assert len(outputs[0][1]) == len(outputs[1][1]) > 0
+    for ours, reference in zip(outputs[1][1], outputs[0][1]):
+        torch.testing.assert_close(ours, reference, atol=1e-6, rtol=0)
