@@ -231,3 +231,14 @@ def test_packing_under_activation_checkpointing(mode):
     assert len(outputs[0][1]) == len(outputs[1][1]) > 0
     for ours, reference in zip(outputs[1][1], outputs[0][1]):
         torch.testing.assert_close(ours, reference, atol=1e-6, rtol=0)
+
+
+def test_packing_is_refused_where_a_layout_takes_no_mask():
+    from engine.config import load_job_config
+    from engine.errors import ConfigError
+
+    for layout in (["--distributed.pp=2", "--train.grad_accum_steps=2"], ["--distributed.cp=2"]):
+        cfg = load_job_config(None, ["--data.pack_sequences=true", *layout])
+        with pytest.raises(ConfigError) as raised:
+            cfg.validate(world_size=2)
+        assert "data.pack_sequences" in [issue.path for issue in raised.value.issues], raised.value.issues
