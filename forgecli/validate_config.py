@@ -84,6 +84,8 @@ def validate_config(
     console.print(summary_table(summary))
     console.print(memory_table(stages, cfg, world_size, gpu_memory_gib))
     console.print(checkpoint_line(checkpoint_bytes(cfg), cfg.checkpoint.keep_last_n))
+    if cfg.data.datasets:
+        console.print(phases_table(cfg, world_size))
     console.print(lr_curve(cfg))
     show_config_warnings(warnings, console)
     console.print("[green]✓ config is valid[/green]" + (f" for world size {world_size}" if world_size > 1 else ""))
@@ -171,6 +173,25 @@ def disk_size(size: int) -> str:
 
 
 SPARK = "▁▂▃▄▅▆▇█"
+
+
+def phases_table(cfg: Any, world_size: int) -> Table:
+    """The data mixture's phases: their steps, lr scale, and each source's share (after temperature) and
+    expected tokens."""
+    from engine.data.mixture import phase_table
+
+    names = [s.name for s in cfg.data.datasets]
+    table = Table(title=f"Data mixture (mix_temperature = {cfg.data.mix_temperature:g})", header_style="bold")
+    for column in ("steps", "lr scale", *names):
+        table.add_column(column, justify="right")
+    for row in phase_table(cfg.data, cfg.train.max_steps, cfg.tokens_per_step(world_size)):
+        shares = [row["sources"][n] for n in names]
+        table.add_row(
+            f"{row['first_step']:,}–{row['last_step']:,}",
+            f"{row['lr_scale']:g}",
+            *(f"{s['probability']:.1%} · {human(s['tokens'])} tok" for s in shares),
+        )
+    return table
 
 
 def lr_schedule(cfg: Any) -> list[dict[str, float]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -43,7 +43,69 @@ class DataFiles(Section):
     )
 
 
-class DataConfig(HubDatasetFields, DataFiles):
+EMBEDDED_SPLITS = ("train", "plays", "poems")  # engine/data/embedded.py builds them; "val" is held out for eval
+PositiveWeight = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class MixtureSource(Section):
+    """One `[[data.datasets]]` entry: a source of training tokens and its share of the mixture."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="what phases and metrics call this source")
+    path: str | None = Field(None, description="directory written by `forge tokenize`")
+    embedded: Literal[EMBEDDED_SPLITS] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="a split of the embedded Shakespeare corpus instead of path: train (every training work), "
+        "or its two disjoint parts, plays and poems",
+    )
+    weight: PositiveWeight = Field(1.0, description="relative share before mix_temperature; must be > 0")
+    eval_path: str | None = Field(
+        None,
+        description="held-out shards of this source (same tokenizer): with eval.enabled, also evaluated on "
+        "their own, as eval_loss/NAME",
+    )
+
+    @model_validator(mode="after")
+    def _one_location(self) -> MixtureSource:
+        if (self.path is None) == (self.embedded is None):
+            raise ValueError("give exactly one of path (forge tokenize output) or embedded (a corpus split)")
+        return self
+
+
+class DataPhase(Section):
+    """One `[[data.phases]]` entry: from `start_step` on, these mixture weights and this lr multiplier."""
+
+    start_step: int = Field(ge=0, description="0-based step from which the phase applies")
+    dataset_weights: dict[str, PositiveWeight] = Field(
+        description="source name → weight (> 0) in this phase; a source left out is not drawn from"
+    )
+    lr_scale: float = Field(1.0, gt=0, description="multiplies the scheduler's lr from start_step on")
+
+
+class Mixture(Section):
+    """The mixture fields of `[data]` (pydantic puts a base's fields first)."""
+
+    datasets: list[MixtureSource] = Field(
+        default_factory=list,
+        description="[[data.datasets]] {name, path | embedded, weight, eval_path}: train on a weighted mixture of "
+        "sources instead of dataset_path (docs/data.md#mixtures)",
+    )
+    mix_temperature: float = Field(
+        1.0, gt=0, description="source i is drawn with probability w_i^(1/T) / sum_j w_j^(1/T) (T = 1: as given)"
+    )
+    phases: list[DataPhase] = Field(
+        default_factory=list,
+        description="[[data.phases]] {start_step, dataset_weights, lr_scale}: mixture weights and lr multiplier "
+        "from each start_step on; before the first, the datasets' weights and scale 1",
+    )
+    anneal_start_step: int | None = Field(
+        None, ge=0, description="shorthand for one final phase: from this step on, anneal_weights (lr_scale 1)"
+    )
+    anneal_weights: dict[str, PositiveWeight] | None = Field(
+        None, description="source name → weight of the anneal phase (needs anneal_start_step)"
+    )
+
+
+class DataConfig(Mixture, HubDatasetFields, DataFiles):
     hf_dataset_text_field: str = Field(
         "text", description="the column that holds the text (also for eval.hf_dataset_name)"
     )
@@ -54,6 +116,11 @@ class DataConfig(HubDatasetFields, DataFiles):
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
     pin_memory: bool = Field(False, description="pin host batches (GPU only)")
     prefetch_factor: int | None = Field(None, gt=0, description="batches prefetched per worker (needs num_workers > 0)")
+    pack_sequences: bool = Field(
+        False,
+        description="document-aware packing: a window's documents (ended by the tokenizer's end-of-document "
+        "token) attend only within themselves and restart their RoPE positions at 0 (see docs/data.md)",
+    )
 
     readers: ClassVar[dict[str, str]] = {
         "dataset_path": "data/loader.py",
@@ -68,6 +135,12 @@ class DataConfig(HubDatasetFields, DataFiles):
         "num_workers": "data/loader.py",
         "pin_memory": "data/loader.py",
         "prefetch_factor": "data/loader.py",
+        "pack_sequences": "train/job.py",
+        "datasets": "data/loader.py",
+        "mix_temperature": "data/mixture.py",
+        "phases": "data/mixture.py",
+        "anneal_start_step": "data/mixture.py",
+        "anneal_weights": "data/mixture.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 

@@ -69,6 +69,7 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
             )
         )
     own_data = cfg.data.dataset_path is not None or cfg.data.hf_dataset_name is not None
+    own_data = own_data or any(source.path is not None for source in cfg.data.datasets)
     if cfg.eval.enabled and cfg.eval.dataset_path is None and cfg.eval.hf_dataset_name is None and own_data:
         issues.append(
             ConfigIssue(
@@ -91,6 +92,8 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     issues += moe_issues(cfg)
     issues += layout_issues(cfg, world_size)
     issues += lora_issues(cfg, world_size)
+    issues += packing_issues(cfg)
+    issues += mixture_issues(cfg)
     return issues
 
 
@@ -127,6 +130,86 @@ def config_warnings(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
             )
         )
     return warnings
+
+
+def mixture_issues(cfg: JobConfig) -> list[ConfigIssue]:
+    """Sources named once and used alone; phases in order, inside the run, naming only sources."""
+    d, max_steps = cfg.data, cfg.train.max_steps
+    if not d.datasets:
+        fields = ("mix_temperature", "phases", "anneal_start_step", "anneal_weights")
+        return [
+            ConfigIssue(f"data.{field}", "is set, but data.datasets lists no sources", "add [[data.datasets]] entries")
+            for field in changed_fields(d, fields)
+        ]
+    issues = [
+        ConfigIssue(f"data.{field}", "and data.datasets are both set", "list the data set as a [[data.datasets]] entry")
+        for field in ("dataset_path", "hf_dataset_name")
+        if getattr(d, field) is not None
+    ]
+    names = [source.name for source in d.datasets]
+    issues += [
+        ConfigIssue(f"data.datasets.{i}.name", f"{name!r} names an earlier source too", "give each source its own name")
+        for i, name in enumerate(names)
+        if name in names[:i]
+    ]
+    if (d.anneal_start_step is None) != (d.anneal_weights is None):
+        missing = "anneal_weights" if d.anneal_weights is None else "anneal_start_step"
+        issues.append(ConfigIssue(f"data.{missing}", "is needed by the anneal shorthand", f"set data.{missing}"))
+    if d.phases and d.anneal_start_step is not None:
+        issues.append(
+            ConfigIssue("data.anneal_start_step", "and data.phases are both set", "write the anneal as a last phase")
+        )
+    declared = [(f"data.phases.{i}", p.start_step, p.dataset_weights) for i, p in enumerate(d.phases)]
+    if d.anneal_start_step is not None and d.anneal_weights is not None:
+        declared.append(("data.anneal", d.anneal_start_step, d.anneal_weights))
+    for k, (where, start, weights) in enumerate(declared):
+        start_field = "data.anneal_start_step" if where == "data.anneal" else f"{where}.start_step"
+        weights_field = "data.anneal_weights" if where == "data.anneal" else f"{where}.dataset_weights"
+        if k and start <= declared[k - 1][1]:
+            issues.append(
+                ConfigIssue(
+                    start_field,
+                    f"{start} is not after the previous phase's {declared[k - 1][1]}",
+                    "sort the phases by start_step",
+                )
+            )
+        if start >= max_steps:
+            issues.append(
+                ConfigIssue(
+                    start_field,
+                    f"{start} is not before train.max_steps ({max_steps})",
+                    "start the phase inside the run",
+                )
+            )
+        unknown = sorted(set(weights) - set(names))
+        if unknown:
+            issues.append(
+                ConfigIssue(
+                    weights_field,
+                    f"names unknown source(s) {', '.join(unknown)}",
+                    f"use names of data.datasets: {', '.join(names)}",
+                )
+            )
+        if not weights:
+            issues.append(ConfigIssue(weights_field, "is empty", "give at least one source a weight"))
+    return issues
+
+
+def packing_issues(cfg: JobConfig) -> list[ConfigIssue]:
+    """Packed documents need a per-window attention mask; the layouts that cannot carry one are refused."""
+    if not cfg.data.pack_sequences:
+        return []
+    d = cfg.distributed
+    unsupported = [(f"distributed.{name}", value) for name, value in (("pp", d.pp), ("cp", d.cp)) if value > 1]
+    return [
+        ConfigIssue(
+            "data.pack_sequences",
+            f"is not supported yet with {name} = {value} (the pipeline stages and context-parallel attention "
+            "take no document mask)",
+            f"set data.pack_sequences = false, or {name} = 1",
+        )
+        for name, value in unsupported
+    ]
 
 
 def hub_data_issues(cfg: JobConfig) -> list[ConfigIssue]:

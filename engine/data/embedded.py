@@ -2,7 +2,8 @@
 
 `engine/data/corpus/shakespeare.jsonl.gz` holds one work per line (see corpus/SOURCE.md). The first use
 trains a byte-level BPE tokenizer (vocab 4096) on the training works and tokenizes them, plus a held-out
-split of two works for evaluation, into `$FORGE_CACHE_DIR/corpus/shakespeare-<digest>/{train,val}` (default
+split of two works for evaluation and the training works split into plays and poems (two sources for
+mixtures), into `$FORGE_CACHE_DIR/corpus/shakespeare-<digest>/{train,val,plays,poems}` (default
 cache `~/.cache/forge`). The digest covers the corpus bytes and this recipe, so a change to either builds a
 new entry. Builders work in a private temporary directory and publish it with one atomic rename, so
 concurrent builders (e.g. every rank of a job) and killed ones can never leave a half-built entry.
@@ -21,14 +22,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.data.shards import FORMAT_VERSION
-from engine.data.tokenize import tokenize_texts
+from engine.data.tokenize import write_encoded
 from engine.data.tokenizer import DEFAULT_EOS, Encoder
 from engine.errors import DataError
 
 CORPUS = Path(__file__).with_name("corpus") / "shakespeare.jsonl.gz"
 HELD_OUT = ("Hamlet", "The Tempest")  # titles of the validation split
+# The training works split in two disjoint parts, for mixtures ([[data.datasets]] embedded = "plays" | "poems").
+POEMS = (
+    "Sonnets",
+    "The Rape of Lucrece",
+    "A Lover's Complaint",
+    "The Passionate Pilgrim",
+    "The Phoenix and the Turtle",
+)
 VOCAB_SIZE = 4096
-RECIPE = {"version": 1, "format": FORMAT_VERSION, "vocab_size": VOCAB_SIZE, "eos": DEFAULT_EOS, "held_out": HELD_OUT}
+RECIPE = {
+    "version": 1,
+    "format": FORMAT_VERSION,
+    "vocab_size": VOCAB_SIZE,
+    "eos": DEFAULT_EOS,
+    "held_out": HELD_OUT,
+    "poems": POEMS,
+}
 STALE_BUILD_SECONDS = 600  # a build takes seconds; a temporary directory this old belongs to a dead builder
 
 
@@ -36,6 +52,10 @@ STALE_BUILD_SECONDS = 600  # a build takes seconds; a temporary directory this o
 class EmbeddedCorpus:
     train: Path
     val: Path
+
+    def split(self, name: str) -> Path:
+        """train, val, or a part of train: plays, poems (all tokenized with the same tokenizer)."""
+        return self.train.parent / name
 
 
 def cache_dir() -> Path:
@@ -76,12 +96,17 @@ def write_splits(tmp: Path) -> None:
     with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
         works = [json.loads(line) for line in f]
     assert set(HELD_OUT) <= {w["title"] for w in works}, "held-out titles missing from the corpus"
+    assert set(POEMS) <= {w["title"] for w in works}, "poem titles missing from the corpus"
     train = [w for w in works if w["title"] not in HELD_OUT]
     val = [w for w in works if w["title"] in HELD_OUT]
+    plays = [w for w in train if w["title"] not in POEMS]
+    poems = [w for w in train if w["title"] in POEMS]
     encoder = Encoder.trained((w["text"] for w in train), VOCAB_SIZE)
-    for split, chosen in (("train", train), ("val", val)):
+    # Each work is encoded once (a work's tokens do not depend on the others), then written into its splits.
+    ids = dict(zip((w["title"] for w in works), encoder.encode([w["text"] for w in works])))
+    for split, chosen in (("train", train), ("val", val), ("plays", plays), ("poems", poems)):
         source = {"corpus": CORPUS.name, "split": split, "works": [w["title"] for w in chosen]}
-        tokenize_texts([w["text"] for w in chosen], tmp / split, encoder, source)
+        write_encoded([ids[w["title"]] for w in chosen], tmp / split, encoder, source)
 
 
 def remove_stale_builds(root: Path, keep: Path) -> None:

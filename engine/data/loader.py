@@ -22,9 +22,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from engine.config import JobConfig
+from engine.config.data import MixtureSource
 from engine.data.embedded import cache_dir, embedded_corpus
 from engine.data.hub_cache import hub_shards
-from engine.data.sampler import BatchLayout, EpochOrder, EvalBatchSampler, TrainBatchSampler
+from engine.data.mixture import Phase, SourceDraws, mixture_phases
+from engine.data.sampler import BatchLayout, EpochOrder, EvalBatchSampler, MixtureBatchSampler, TrainBatchSampler
 from engine.data.shards import MANIFEST, TOKENIZER_FILE, Manifest, ShardInfo, open_shard, read_manifest
 from engine.data.tokenizer import file_sha256
 from engine.errors import DataError
@@ -99,6 +101,10 @@ class TokenData:
 class TrainData(TokenData):
     seed: int = 0
 
+    def metrics(self, steps_done: int) -> dict[str, float]:
+        """What a logged step reports about the data after `steps_done` steps: nothing for one source."""
+        return {}
+
     def batches(self, start_step: int = 0) -> Iterator[Batch]:
         """Endless micro-batches `(inputs, labels)`, int64 [batch_size, seq_len], from optimizer step
         `start_step` on: grad_accum_steps micro-batches per step, the same global batch for any layout."""
@@ -120,8 +126,45 @@ class TrainData(TokenData):
 
 
 @dataclass
+class MixtureData(TrainData):
+    """Several sources behind one `TokenWindows` (source i owns windows offsets[i] … offsets[i+1]-1), drawn
+    from by `engine.data.mixture`; `directory` and `manifest` are the first source's (all share a tokenizer)."""
+
+    names: tuple[str, ...] = ()
+    offsets: tuple[int, ...] = ()
+    phases: tuple[Phase, ...] = ()
+
+    @property
+    def source_windows(self) -> list[int]:
+        return [b - a for a, b in zip(self.offsets, self.offsets[1:])]
+
+    @cached_property
+    def _counter(self) -> SourceDraws:
+        return SourceDraws(self.phases, self.layout.global_batch, self.seed)
+
+    def batches(self, start_step: int = 0) -> Iterator[Batch]:
+        # Each source's own endless shuffled stream, seeded apart from the others and from the source draws.
+        orders = [EpochOrder(n, (self.seed, i)) for i, n in enumerate(self.source_windows)]
+        draws = SourceDraws(self.phases, self.layout.global_batch, self.seed)
+        return iter(self.loader(MixtureBatchSampler(draws, orders, self.offsets, self.layout, start_step)))
+
+    def metrics(self, steps_done: int) -> dict[str, float]:
+        """Per source, over the whole run so far (every rank's draws, known without communication): the
+        tokens drawn (`data/tokens/NAME`, input tokens) and the passes over the source (`data/epochs/NAME`;
+        above 1 means it ran out and is being reused in a new shuffled epoch)."""
+        drawn = self._counter.before(steps_done)
+        seq_len = self.dataset.window - 1
+        metrics: dict[str, float] = {}
+        for name, count, windows in zip(self.names, drawn.tolist(), self.source_windows):
+            metrics[f"data/tokens/{name}"] = count * seq_len
+            metrics[f"data/epochs/{name}"] = count / windows
+        return metrics
+
+
+@dataclass
 class EvalData(TokenData):
     steps: int = 1
+    per_source: dict[str, EvalData] = field(default_factory=dict)  # mixture sources' own held-out sets by name
 
     @cached_property
     def _loader(self) -> DataLoader:
@@ -134,11 +177,45 @@ class EvalData(TokenData):
 
 
 def open_train_data(cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
-    """The training shards of `cfg.data` (the embedded corpus when no data set is named), verified."""
+    """The training shards of `cfg.data` (the embedded corpus when no data set is named), verified; a mixture
+    when `data.datasets` lists sources."""
+    layout = BatchLayout(cfg.train.batch_size, cfg.train.grad_accum_steps, dp_size, dp_rank)
+    if cfg.data.datasets:
+        return open_mixture(cfg, layout)
     directory = train_directory(cfg)
     parts = verified(directory, "data.dataset_path", cfg.data.file_pattern, "data.file_pattern", cfg)
-    layout = BatchLayout(cfg.train.batch_size, cfg.train.grad_accum_steps, dp_size, dp_rank)
     return TrainData(*parts, layout, loader_options(cfg), seed=cfg.train.effective_data_seed)
+
+
+def open_mixture(cfg: JobConfig, layout: BatchLayout) -> MixtureData:
+    """Every `[[data.datasets]]` source verified like a single data set, all with the first one's tokenizer."""
+    opened = []
+    for i, source in enumerate(cfg.data.datasets):
+        field = f"data.datasets.{i}.path" if source.path is not None else f"data.datasets.{i}.embedded"
+        directory = source_directory(source)
+        opened.append(verified(directory, field, cfg.data.file_pattern, "data.file_pattern", cfg))
+        first, this = opened[0], opened[-1]
+        if this[1].tokenizer_sha256 != first[1].tokenizer_sha256:
+            raise DataError(
+                f"{field} {directory} was tokenized with a different tokenizer than {first[0]} "
+                f"(data.datasets.0, {cfg.data.datasets[0].name!r})",
+                "tokenize every source with the same tokenizer.json (forge tokenize --tokenizer)",
+            )
+    windows = [parts[3] for parts in opened]
+    arrays = [a for w in windows for a in w.arrays]
+    paths = [p for w in windows for p in w.paths]
+    dataset = TokenWindows(arrays, paths, cfg.train.seq_len, opened[0][1].vocab_size)
+    offsets = tuple(int(x) for x in np.cumsum([0, *(len(w) for w in windows)]))
+    return MixtureData(
+        *opened[0][:3],
+        dataset,
+        layout,
+        loader_options(cfg),
+        seed=cfg.train.effective_data_seed,
+        names=tuple(s.name for s in cfg.data.datasets),
+        offsets=offsets,
+        phases=tuple(mixture_phases(cfg.data)),
+    )
 
 
 def open_eval_data(
@@ -156,7 +233,7 @@ def open_eval_data(
     elif e.hf_dataset_name:
         tokenizer = Path(d.tokenizer_path) if d.tokenizer_path else train_dir / TOKENIZER_FILE
         directory = hub_shards(cfg, "eval", tokenizer)
-    elif d.dataset_path is None and d.hf_dataset_name is None:
+    elif d.dataset_path is None and d.hf_dataset_name is None and all(s.path is None for s in d.datasets):
         directory = embedded_corpus().val
     else:
         raise DataError(
@@ -164,22 +241,45 @@ def open_eval_data(
             "set eval.dataset_path to held-out shards written by forge tokenize (or eval.hf_dataset_name), "
             "or eval.enabled = false",
         )
-    parts = verified(directory, "eval.dataset_path", cfg.eval.file_pattern, "eval.file_pattern", cfg)
-    check_same_tokenizer(parts[1], directory, train_dir)
     layout = BatchLayout(cfg.train.batch_size, 1, dp_size, dp_rank)
-    return EvalData(*parts, layout, loader_options(cfg), steps=cfg.eval.steps)
+    per_source = {
+        source.name: held_out(Path(source.eval_path), f"data.datasets.{i}.eval_path", cfg, train_dir, layout)
+        for i, source in enumerate(d.datasets)
+        if source.eval_path is not None
+    }
+    return held_out(directory, "eval.dataset_path", cfg, train_dir, layout, per_source)
+
+
+def held_out(
+    directory: Path,
+    path_field: str,
+    cfg: JobConfig,
+    train_dir: Path,
+    layout: BatchLayout,
+    per_source: dict[str, EvalData] | None = None,
+) -> EvalData:
+    parts = verified(directory, path_field, cfg.eval.file_pattern, "eval.file_pattern", cfg)
+    check_same_tokenizer(parts[1], directory, train_dir, path_field)
+    return EvalData(*parts, layout, loader_options(cfg), steps=cfg.eval.steps, per_source=per_source or {})
 
 
 def train_directory(cfg: JobConfig) -> Path:
     """Where the training shards are: data.dataset_path, data.hf_dataset_name's cache entry (built on first
     use), or the embedded corpus."""
     d = cfg.data
+    if d.datasets:
+        return source_directory(d.datasets[0])
     if d.dataset_path:
         return Path(d.dataset_path)
     if d.hf_dataset_name:
         assert d.tokenizer_path is not None, "config validation requires data.tokenizer_path"
         return hub_shards(cfg, "data", Path(d.tokenizer_path))
     return embedded_corpus().train
+
+
+def source_directory(source: MixtureSource) -> Path:
+    """A `[[data.datasets]]` entry's shards: its path, or its split of the embedded corpus (built on first use)."""
+    return Path(source.path) if source.path is not None else embedded_corpus().split(source.embedded)
 
 
 def loader_options(cfg: JobConfig) -> dict[str, Any]:
@@ -275,11 +375,13 @@ def selected_shards(directory: Path, manifest: Manifest, pattern: str, pattern_f
     return shards
 
 
-def check_same_tokenizer(eval_manifest: Manifest, eval_directory: Path, train_directory: Path) -> None:
+def check_same_tokenizer(
+    eval_manifest: Manifest, eval_directory: Path, train_directory: Path, path_field: str = "eval.dataset_path"
+) -> None:
     train_manifest = read_manifest(train_directory)
     if train_manifest.tokenizer_sha256 != eval_manifest.tokenizer_sha256:
         raise DataError(
-            f"eval.dataset_path {eval_directory} was tokenized with a different tokenizer than "
+            f"{path_field} {eval_directory} was tokenized with a different tokenizer than "
             f"data.dataset_path {train_directory}",
             "tokenize the held-out text with the training data's tokenizer.json (forge tokenize --tokenizer)",
         )

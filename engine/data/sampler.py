@@ -10,12 +10,14 @@ resuming at step s needs nothing but s.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import count
 
 import numpy as np
 from torch.utils.data import Sampler
+
+from engine.data.mixture import SourceDraws
 
 
 @dataclass(frozen=True)
@@ -42,16 +44,17 @@ class BatchLayout:
 class EpochOrder:
     """The endless shuffled stream: position p is sample permutation(epoch = p // n)[p % n]."""
 
-    def __init__(self, num_samples: int, seed: int) -> None:
+    def __init__(self, num_samples: int, seed: int | tuple[int, ...]) -> None:
         assert num_samples > 0
         self.num_samples, self.seed = num_samples, seed
+        self._key = list(seed) if isinstance(seed, tuple) else [seed]
         self._cache: dict[int, np.ndarray] = {}
 
     def permutation(self, epoch: int) -> np.ndarray:
         if epoch not in self._cache:
             if len(self._cache) >= 2:  # a batch spans at most two epochs when it is smaller than the data
                 self._cache.pop(min(self._cache))
-            self._cache[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            self._cache[epoch] = np.random.default_rng([*self._key, epoch]).permutation(self.num_samples)
         return self._cache[epoch]
 
     def take(self, position: int, count: int) -> np.ndarray:
@@ -77,6 +80,35 @@ class TrainBatchSampler(Sampler[list[int]]):
         for step in count(self.start_step):
             for micro in range(self.layout.grad_accum_steps):
                 yield self.order.take(self.layout.micro_batch_start(step, micro), self.layout.batch_size).tolist()
+
+
+class MixtureBatchSampler(Sampler[list[int]]):
+    """Endless, for a mixture (engine.data.mixture): this rank's indices into the concatenated sources' windows
+    for every micro-step from optimizer step `start_step` on. Positions of a step's global batch are split
+    over ranks and micro-steps exactly as TrainBatchSampler splits them."""
+
+    def __init__(
+        self,
+        draws: SourceDraws,
+        orders: Sequence[EpochOrder],
+        offsets: Sequence[int],
+        layout: BatchLayout,
+        start_step: int = 0,
+    ) -> None:
+        assert start_step >= 0 and draws.global_batch == layout.global_batch
+        self.draws, self.orders, self.offsets = draws, list(orders), list(offsets)
+        self.layout, self.start_step = layout, start_step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        size = self.layout.batch_size
+        for step in count(self.start_step):
+            sources, positions = self.draws.stream_positions(step)
+            for micro in range(self.layout.grad_accum_steps):
+                first = self.layout.micro_batch_start(step, micro) - step * self.layout.global_batch
+                yield [
+                    self.offsets[source] + int(self.orders[source].take(int(position), 1)[0])
+                    for source, position in zip(sources[first : first + size], positions[first : first + size])
+                ]
 
 
 class EvalBatchSampler(Sampler[list[int]]):

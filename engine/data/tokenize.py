@@ -429,10 +429,21 @@ def tokenize_texts(
 ) -> Manifest:
     """In-memory documents → a finished data set in a new directory, in one encode call (small inputs only;
     no resume: the caller builds in a temporary directory)."""
+    return write_encoded(encoder.encode(list(texts)), out_dir, encoder, source, shard_tokens)
+
+
+def write_encoded(
+    documents: Sequence[np.ndarray],
+    out_dir: Path,
+    encoder: Encoder,
+    source: dict,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+) -> Manifest:
+    """Documents `encoder` already encoded (each ending in EOS) → a finished data set in a new directory."""
     out_dir.mkdir(parents=True)
     atomic_write(out_dir / TOKENIZER_FILE, lambda f: f.write(encoder.json_bytes))
     writer = ShardWriter(out_dir, encoder.dtype, shard_tokens)
-    for index, ids in enumerate(encoder.encode(list(texts))):
+    for index, ids in enumerate(documents):
         writer.add(index, ids)
     writer.close()
     manifest = manifest_of(encoder, writer.written, source)

@@ -61,10 +61,17 @@ class Attention(nn.Module):
         self.core = AttentionCore(cfg.sdpa_backend)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerKV | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """cos/sin are the RoPE tables of x's positions. With a cache (inference), x's keys and values are
-        appended to it and x's queries attend over every cached position."""
+        """cos/sin are the RoPE tables of x's positions ([seq, head_dim], or [batch, seq, head_dim] when each
+        sequence has its own positions). With a cache (inference), x's keys and values are appended to it and
+        x's queries attend over every cached position. `mask` (packed documents, engine.model.documents) is a
+        boolean [batch, 1, seq, seq] that already holds causality: it replaces the causal flag."""
         batch, seq, _ = x.shape
         # Head counts come from the projections' outputs, not the config: under tensor parallelism each rank
         # holds n_heads/tp query and n_kv_heads/tp key/value heads (engine.parallel.tp).
@@ -75,8 +82,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        causal, mask = True, None
+        causal = mask is None
         if cache is not None:
+            assert mask is None, "packed documents are a training-time layout; generation uses the cache's mask"
             k, v = cache.append(k, v)
             causal, mask = cache.start == 0, cache.mask(seq)
         out = self.core(q, k, v, mask, causal)

@@ -22,7 +22,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; cos/sin: [≥ seq, head_dim], of which the first seq rows are used."""
-    seq = x.shape[-2]
-    cos, sin = cos[:seq], sin[:seq]
+    """x: [batch, heads, seq, head_dim]; cos/sin: [≥ seq, head_dim], of which the first seq rows are used, or
+    [batch, seq, head_dim]: each sequence's own positions (packed documents restart theirs)."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    else:
+        seq = x.shape[-2]
+        cos, sin = cos[:seq], sin[:seq]
     return (x * cos + rotate_half(x) * sin).to(x.dtype)

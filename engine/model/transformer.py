@@ -22,6 +22,7 @@ from torch import nn
 from engine.config.model import ModelConfig
 from engine.config.registry import MODELS
 from engine.model.attention import Attention
+from engine.model.documents import document_mask, document_positions
 from engine.model.kv_cache import KVCache, LayerKV
 from engine.model.mlp import GatedMLP
 from engine.model.moe import MoE, MoEStats
@@ -38,12 +39,18 @@ class Block(nn.Module):
         self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer) else GatedMLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerKV | None = None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, MoEStats | None]:
         """→ (output, the MoE layer's routing stats or None for a dense block). The stats are returned, not
         stored, so that compile and activation checkpointing (which reruns this in backward) see no side
-        effects."""
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
+        effects. `mask`: packed documents' attention mask (see Attention.forward)."""
+        # mask by keyword: tensor parallelism's PrepareModuleInput lays out the positional inputs only.
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, mask=mask)
         if isinstance(self.feed_forward, MoE):
             out, stats = self.feed_forward(self.ffn_norm(x))
             return x + out, stats
@@ -71,24 +78,38 @@ class Transformer(nn.Module):
         self.init_weights()
 
     def forward(
-        self, tokens: torch.Tensor, cache: KVCache | None = None, *, return_hidden: bool = False
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        return_hidden: bool = False,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [batch, seq] → logits [batch, seq, vocab]. Without a cache (training) the tokens are
         positions 0 … seq-1; with one (inference) they continue the cached positions, and are added to it.
         With return_hidden, the final-normed hidden states [batch, seq, dim] instead of logits, for losses that
         project them through `output.weight` chunk by chunk (engine.train.losses.chunked_cross_entropy).
         A pipeline stage without `tok_embeddings` takes the previous stage's hidden states [batch, seq, dim]
-        as `tokens`; one without `output` returns its last block's hidden states (not normed)."""
+        as `tokens`; one without `output` returns its last block's hidden states (not normed).
+        doc_ids [batch, seq] (packed documents, engine.model.documents): each token's document in its window;
+        positions restart at every document and attention stays inside it. Training only (no cache)."""
         seq = tokens.shape[1]
         start = 0 if cache is None else cache.length
-        # A later pipeline stage under sequence parallelism gets only its share of the positions, so `seq` is
-        # not the attention's length there: it takes the tables from `start` on (apply_rope cuts them).
-        end = start + seq if self.tok_embeddings is not None else None
-        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        mask = None
+        if doc_ids is not None:
+            assert cache is None, "doc_ids are for packed training windows, not generation"
+            positions = document_positions(doc_ids)
+            cos, sin, mask = self.rope_cos[positions], self.rope_sin[positions], document_mask(doc_ids)
+        else:
+            # A later pipeline stage under sequence parallelism gets only its share of the positions, so `seq`
+            # is not the attention's length there: it takes the tables from `start` on (apply_rope cuts them).
+            end = start + seq if self.tok_embeddings is not None else None
+            cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         moe_stats = {}
         for name, block in self.layers.items():
-            h, stats = block(h, cos, sin, None if cache is None else cache.layer(name, seq))
+            layer_cache = None if cache is None else cache.layer(name, seq)
+            h, stats = block(h, cos, sin, layer_cache, mask=mask)
             if stats is not None:
                 moe_stats[name] = stats
         self.last_moe_stats = moe_stats

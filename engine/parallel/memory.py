@@ -17,11 +17,12 @@ What is counted, per rank (bytes):
   for the 2-D matrices inside the blocks and exp_avg + exp_avg_sq for the rest (its `step` is a Python
   int); schedule_free_adamw z + exp_avg_sq. With `train.ema_decay`, the EMA of the weights adds a copy of
   the params here (fp32, sharded like them).
-- activations: what autograd keeps from forward to backward (see `layer_activation_bytes`), for the
+- activations: what autograd keeps from forward to backward (see `layer_activation_bytes`; packed documents'
+  masks, `packing_bytes`), for the
   micro-batches a rank has in flight (`forward_chunks`): one without pipelining (accumulation steps run one
   after another); with pp, as many as the pipeline schedule holds before its first backward.
 - buffers: transient memory at the peak: FSDP2's unsharded copies (see `buffer_bytes`), autocast's
-  low-precision weight copies when nothing is sharded, the loss's [tokens, vocab] gradients, and Muon's
+  low-precision weight copies when nothing is sharded, the loss's [tokens, vocab] gradients, Muon's
   full-matrix orthogonalization.
 
 The total (`StageMemory.total`) is params + optimizer + buffers + activations + grads, except that with one
@@ -411,7 +412,9 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
                 grads=FP32 * sum(local[s.name] for s in trained),
                 optimizer=sum(optimizer_state_bytes(cfg, s, local[s.name]) for s in trained)
                 + (params if t.ema_decay else 0),
-                activations=sum(chunk[local] for local in chunks) + recompute_bytes(cfg, blocks, tokens),
+                activations=sum(chunk[local] for local in chunks)
+                + recompute_bytes(cfg, blocks, tokens)
+                + packing_bytes(cfg),
                 buffers=buffer_bytes(cfg, owned, tokens, has_head=n_stages - 1 in stages),
                 grads_persist=t.grad_accum_steps > 1 or d.pp > 1,
             )
@@ -426,6 +429,22 @@ def tied_head_copy(cfg: JobConfig, specs: list[ParamSpec], stages: list[int], n_
         return []
     [embedding] = [s for s in specs if s.owner == "embedding"]
     return [ParamSpec("output.weight", embedding.shape, "head", embedding.tp_dim)]
+
+
+def packing_bytes(cfg: JobConfig) -> int:
+    """What data.pack_sequences (engine.model.documents) adds to the saved activations: each block's SDPA
+    keeps the additive [batch, 1, seq, seq] mask it makes from the boolean document mask, in the compute
+    dtype (with activation checkpointing, only the block being recomputed), and the RoPE tables become
+    per-sequence (cos and sin [batch, seq, head_dim] fp32 instead of one [seq, head_dim] pair). The whole
+    sequence and the whole batch of a micro-step on every tp rank (attention runs after the sequence gather;
+    the mask has one head); packing is refused with pp and cp. Measured equal to the saved tensors' bytes
+    in tests/test_packing.py."""
+    t, m = cfg.train, cfg.model
+    if not cfg.data.pack_sequences:
+        return 0
+    blocks = m.n_layers if t.activation_checkpointing == "none" else 1
+    masks = blocks * COMPUTE_BYTES[t.mixed_precision] * t.batch_size * t.seq_len**2
+    return masks + 2 * FP32 * (t.batch_size - 1) * t.seq_len * m.head_dim
 
 
 def stage_specs(specs: list[ParamSpec], layers: range, first: bool, last: bool) -> list[ParamSpec]:

@@ -26,10 +26,12 @@ from engine.checkpoint.dcp import complete_checkpoints
 from engine.checkpoint.manager import Checkpointer, initialize_from
 from engine.checkpoint.rng import every_rank_rng_state, restore_rank_rng
 from engine.config.job import JobConfig
+from engine.data.mixture import lr_scale
 from engine.errors import UserError
 from engine.metrics.mfu import peak_flops
 from engine.model import build_model
 from engine.model.attention import CPU_SDPA_BACKENDS
+from engine.model.documents import document_ids
 from engine.model.lora import apply_lora
 from engine.model.moe import moe_metrics
 from engine.model.transformer import Transformer
@@ -97,6 +99,13 @@ class Job:
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Around forward, loss and backward: cross-entropy on vocabulary-sharded logits under loss parallel."""
         return loss_context(self.loss_parallel)
+
+    def documents(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """With data.pack_sequences, the document ids of a micro-batch's windows (the model keeps attention and
+        RoPE positions inside each document); None otherwise, which leaves the model's forward as it was."""
+        if not self.cfg.data.pack_sequences:
+            return None
+        return document_ids(tokens, self.train_data.manifest.eos_id)
 
     def refresh_float8_scales(self) -> None:
         """Under FSDP's float8 all-gather the weights' scales are computed once per weight change (one
@@ -168,7 +177,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         dtype=dtype,
         model=model,
         optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps),
+        scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps, lr_scale(cfg.data)),
         scaler=precision.grad_scaler(device, dtype),
         train_data=train_data,
         eval_data=eval_data,

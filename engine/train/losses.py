@@ -25,7 +25,13 @@ from engine.config.train import TrainConfig
 
 class ModelLoss(Protocol):
     def __call__(
-        self, model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, z_loss: bool = True
+        self,
+        model: torch.nn.Module,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        z_loss: bool = True,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -164,9 +170,14 @@ def with_moe_loss(model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
 @LOSSES.register("cross_entropy")
 def full_logits_loss(cfg: TrainConfig) -> ModelLoss:
     def loss(
-        model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, z_loss: bool = True
+        model: torch.nn.Module,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        z_loss: bool = True,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        value = cross_entropy(model(tokens), labels, cfg.z_loss_weight if z_loss else 0.0)
+        value = cross_entropy(model(tokens, doc_ids=doc_ids), labels, cfg.z_loss_weight if z_loss else 0.0)
         return with_moe_loss(model, value) if z_loss else value
 
     return loss
@@ -175,9 +186,14 @@ def full_logits_loss(cfg: TrainConfig) -> ModelLoss:
 @LOSSES.register("chunked_cross_entropy")
 def chunked_loss(cfg: TrainConfig) -> ModelLoss:
     def loss(
-        model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, z_loss: bool = True
+        model: torch.nn.Module,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        z_loss: bool = True,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden, weight = model(tokens, return_hidden=True), model.output.weight
+        hidden, weight = model(tokens, return_hidden=True, doc_ids=doc_ids), model.output.weight
         # Under tensor parallelism both are DTensors (sequence-sharded states, vocabulary-sharded head): the
         # chunks then go through the whole head on every rank, as on one device.
         hidden, weight = (t.full_tensor() if isinstance(t, DTensor) else t for t in (hidden, weight))

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from engine.config.registry import SCHEDULERS
 from engine.config.scheduler import SchedulerConfig
+from engine.data.mixture import lr_scale, mixture_phases
 
 if TYPE_CHECKING:
     import torch
@@ -178,11 +179,23 @@ def lr_multiplier(cfg: SchedulerConfig, max_steps: int) -> Callable[[int], float
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_steps: int
+    optimizer: torch.optim.Optimizer,
+    cfg: SchedulerConfig,
+    max_steps: int,
+    phase_scale: Callable[[int], float] | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    """`phase_scale`: the data phases' lr multiplier by step (engine.data.mixture.lr_scale), when they have one."""
     import torch  # here, not at the top: validate-config imports this module and must not load torch
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg, max_steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, with_phase_scale(lr_multiplier(cfg, max_steps), phase_scale))
+
+
+def with_phase_scale(
+    multiplier: Callable[[int], float], phase_scale: Callable[[int], float] | None
+) -> Callable[[int], float]:
+    if phase_scale is None:
+        return multiplier  # no phase scales the lr: the schedule is exactly the scheduler's
+    return lambda step: multiplier(step) * phase_scale(step)
 
 
 def schedule_free_warmup(steps: int, step: int) -> float:
@@ -192,7 +205,7 @@ def schedule_free_warmup(steps: int, step: int) -> float:
 
 def learning_rate(cfg: JobConfig, step: int) -> float:
     """The peak learning rate (`optimizer.lr` times every multiplier) that 0-based `step` trains with."""
-    multiplier = lr_multiplier(cfg.scheduler, cfg.train.max_steps)(step)
+    multiplier = with_phase_scale(lr_multiplier(cfg.scheduler, cfg.train.max_steps), lr_scale(cfg.data))(step)
     if cfg.optimizer.name == "schedule_free_adamw":
         multiplier *= schedule_free_warmup(cfg.optimizer.schedule_free_warmup_steps, step)
     return cfg.optimizer.lr * multiplier
@@ -213,6 +226,8 @@ def key_steps(cfg: JobConfig) -> list[int]:
             marks.add(floor)
     if cfg.optimizer.name == "schedule_free_adamw":
         marks.add(cfg.optimizer.schedule_free_warmup_steps - 1)
+    if cfg.data.datasets:  # where a data phase starts (and may change the lr's scale)
+        marks |= {step for p in mixture_phases(cfg.data) if p.start_step for step in (p.start_step - 1, p.start_step)}
     return sorted(m for m in marks if 0 <= m <= last)
 
 

@@ -87,7 +87,7 @@ def forward_backward(job: Job, batches: Iterator, loss_fn: ModelLoss) -> torch.T
         inputs, labels = (t.to(job.device, non_blocking=True) for t in next(batches))
         with job.loss_context():
             with job.autocast():
-                loss = loss_fn(job.model, inputs, labels) / accum
+                loss = loss_fn(job.model, inputs, labels, doc_ids=job.documents(inputs)) / accum
             job.scaler.scale(loss).backward()
         loss_sum += local_value(loss.detach())
     return loss_sum
@@ -124,7 +124,9 @@ def evaluate(job: Job, loss_fn: ModelLoss) -> dict[str, float]:
     at the EMA of the weights as `eval_loss_ema` when the run keeps one."""
     with eval_mode(job.optimizer):
         loss = held_out_loss(job, loss_fn)
-    metrics = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0))}
+        # a mixture's sources with held-out sets of their own (data.datasets[].eval_path)
+        per_source = {f"eval_loss/{n}": held_out_loss(job, loss_fn, d) for n, d in job.eval_data.per_source.items()}
+    metrics = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 80.0)), **per_source}
     if job.ema is not None:
         with job.ema.swapped_in():
             job.refresh_float8_scales()
@@ -133,27 +135,30 @@ def evaluate(job: Job, loss_fn: ModelLoss) -> dict[str, float]:
     return metrics
 
 
-def held_out_loss(job: Job, loss_fn: ModelLoss) -> float:
-    """The mean loss over the held-out batches at the model's current weights, over all ranks."""
+def held_out_loss(job: Job, loss_fn: ModelLoss, data: Any = None) -> float:
+    """The mean loss over the held-out batches (of `data`, default `job.eval_data`) at the model's current
+    weights, over all ranks."""
+    data = job.eval_data if data is None else data
     job.model.eval()
-    losses = pipeline_eval_losses(job) if job.pipeline is not None else eval_losses(job, loss_fn)
+    losses = pipeline_eval_losses(job, data) if job.pipeline is not None else eval_losses(job, loss_fn, data)
     job.model.train()
     return mean_over_ranks(torch.stack(losses).mean()).item()
 
 
-def eval_losses(job: Job, loss_fn: ModelLoss) -> list[torch.Tensor]:
+def eval_losses(job: Job, loss_fn: ModelLoss, data: Any) -> list[torch.Tensor]:
     losses = []
-    for inputs, labels in job.eval_data.batches():
+    for batch in data.batches():
+        inputs, labels = (t.to(job.device) for t in batch)
         with job.loss_context(), job.autocast():
-            loss = loss_fn(job.model, inputs.to(job.device), labels.to(job.device), z_loss=False)
+            loss = loss_fn(job.model, inputs, labels, z_loss=False, doc_ids=job.documents(inputs))
         losses.append(local_value(loss))
     return losses
 
 
-def pipeline_eval_losses(job: Job) -> list[torch.Tensor]:
+def pipeline_eval_losses(job: Job, data: Any) -> list[torch.Tensor]:
     """The held-out batches through the pipeline schedule, forward only, `grad_accum_steps` of them per pass
     (its microbatches: validation makes eval.steps a multiple); → each pass's mean loss, on every rank."""
-    batches, n = list(job.eval_data.batches()), job.cfg.train.grad_accum_steps
+    batches, n = list(data.batches()), job.cfg.train.grad_accum_steps
     stage_loss = job.pipeline.loss_fn
     assert isinstance(stage_loss, StageCrossEntropy), "the trainer builds its pipelines with this loss"
     losses = []
@@ -181,6 +186,7 @@ def step_metrics(
         "tokens_seen": tokens_seen,
         "elapsed_sec": time.perf_counter() - started,
         **job.guard.metrics(),
+        **job.train_data.metrics(step),
         **memory_per_rank(job.device),
         **{k: v for report in job.model_metrics for k, v in report().items()},
     }

@@ -1,0 +1,244 @@
+"""Document-aware packing (data.pack_sequences): a document inside a packed window is computed exactly as if
+it were run alone, in one process and under tensor parallelism and FSDP.
+
+The reference is the model itself on each document alone (plain causal attention, positions from 0), which
+shares no code with the packed path's mask and per-document positions (engine.model.documents).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torchrun import torchrun
+
+from engine.config.model import ModelConfig
+from engine.model.documents import document_ids, document_mask, document_positions
+from engine.model.transformer import Transformer
+
+EOS = 0
+CFG = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 64, "max_seq_len": 32}
+
+
+def documents(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
+    """Documents of the given lengths, each ending in EOS and holding no other EOS."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.cat([torch.randint(1, CFG["vocab_size"], (n - 1,), generator=g), torch.tensor([EOS])]) for n in lengths
+    ]
+
+
+def test_document_ids_positions_and_mask_on_a_known_window():
+    tokens = torch.tensor([[5, 6, EOS, 7, EOS, 8, 9, 10]])
+    ids = document_ids(tokens, EOS)
+    assert ids.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
+    assert document_positions(ids).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+    mask = document_mask(ids)[0, 0]
+    assert mask.shape == (8, 8)
+    assert mask[4].tolist() == [False, False, False, True, True, False, False, False]
+    assert mask[7].tolist() == [False] * 5 + [True] * 3
+    assert not mask.triu(1).any(), "never attends to a later token"
+
+
+def test_packed_documents_match_each_document_alone():
+    """Two windows of 16 tokens: [a(5) b(7) c(4)] and [d(6) e(10 of 13)], then e's last 3 tokens open a third
+    window [e(3) f(13)]: e is split across windows. Logits of every document (and of each part of e) equal
+    the model run on it alone, and the gradients of a per-token loss equal the sum over documents alone."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**CFG))
+    a, b, c, d, e, f = documents([5, 7, 4, 6, 13, 13])
+    windows = torch.stack([torch.cat([a, b, c]), torch.cat([d, e[:10]]), torch.cat([e[10:], f])])
+    pieces = [[a, b, c], [d, e[:10]], [e[10:], f]]
+    weights = torch.randn(*windows.shape, CFG["vocab_size"], generator=torch.Generator().manual_seed(1))
+
+    logits = model(windows, doc_ids=document_ids(windows, EOS))
+    (logits * weights).sum().backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    checked = 0
+    for row, parts in enumerate(pieces):
+        start = 0
+        for doc in parts:
+            span = slice(start, start + len(doc))
+            alone = model(doc[None])  # a document alone: positions from 0, plain causal attention
+            torch.testing.assert_close(logits[row, span], alone[0], atol=1e-5, rtol=0)
+            (alone[0] * weights[row, span]).sum().backward()
+            start, checked = start + len(doc), checked + 1
+        assert start == windows.shape[1]
+    assert checked == 7
+    # e's first part in its window is e's prefix, computed as the whole of e would compute it
+    prefix = model(e[None])[0, :10]
+    torch.testing.assert_close(logits[1, 6:], prefix, atol=1e-5, rtol=0)
+    assert len(packed_grads) == len(list(model.parameters()))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], p.grad, atol=1e-5, rtol=0, msg=name)
+    # the mask mattered: without it the same windows give other logits
+    assert (model(windows) - logits).abs().max() > 1e-2
+
+
+def test_one_document_window_packs_like_plain_causal_attention():
+    """A window without an end-of-document token is one document: packing changes nothing in it."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**CFG))
+    tokens = torch.randint(1, CFG["vocab_size"], (2, 16))
+    torch.testing.assert_close(model(tokens, doc_ids=document_ids(tokens, EOS)), model(tokens), atol=1e-6, rtol=0)
+
+
+PARALLEL_SCRIPT = """
+import copy, json, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from engine.config.model import ModelConfig
+from engine.model.documents import document_ids
+from engine.model.transformer import Transformer
+from engine.parallel.tp import apply_tensor_parallel
+
+out, cfg_args, eos = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+ref = Transformer(ModelConfig(**cfg_args))
+g = torch.Generator().manual_seed(3)
+tokens = torch.randint(1, cfg_args["vocab_size"], (2, 16), generator=g)
+tokens[0, [4, 9]] = eos  # documents of 5, 5 and 6 tokens
+tokens[1, [2, 13]] = eos  # 3, 11 and 2 tokens
+labels = torch.randint(0, cfg_args["vocab_size"], (2, 16), generator=g)
+ids = document_ids(tokens, eos)
+
+
+def full(t):
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def loss_of(model, rows):
+    logits = model(tokens[rows], doc_ids=ids[rows])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[rows].flatten()), full(logits)
+
+
+ref_loss, ref_logits = loss_of(ref, slice(None))
+ref_loss.backward()
+ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+# each document alone, for the logits: the parallel models are compared with the unpacked computation too
+alone = torch.zeros_like(ref_logits)
+for row in range(2):
+    bounds = [0, *(i + 1 for i in (tokens[row] == eos).nonzero().flatten().tolist() if i + 1 < 16), 16]
+    for s, e in zip(bounds, bounds[1:]):
+        alone[row, s:e] = ref(tokens[row : row + 1, s:e])[0].detach()
+res = {"alone_vs_ref": (alone - ref_logits).abs().max().item()}
+
+# tensor parallelism over both ranks: every rank sees both windows
+tp_model = copy.deepcopy(ref)
+tp_model.zero_grad()
+apply_tensor_parallel(tp_model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))["tp"], loss_parallel=False)
+loss, logits = loss_of(tp_model, slice(None))
+loss.backward()
+res["tp_logits"] = (logits - alone).abs().max().item()
+res["tp_grads"] = max((full(p.grad) - ref_grads[n]).abs().max().item() for n, p in tp_model.named_parameters())
+
+# FSDP over both ranks: each rank trains on its own window; the reduce-scatter averages the gradients
+fsdp_model = copy.deepcopy(ref)
+fsdp_model.zero_grad()
+dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+for block in fsdp_model.layers.values():
+    fully_shard(block, mesh=dp_mesh)
+fully_shard(fsdp_model, mesh=dp_mesh)
+loss, logits = loss_of(fsdp_model, slice(rank, rank + 1))
+loss.backward()
+res["fsdp_logits"] = (logits - alone[rank : rank + 1]).abs().max().item()
+res["fsdp_grads"] = max((full(p.grad) - ref_grads[n]).abs().max().item() for n, p in fsdp_model.named_parameters())
+res["grad_scale"] = max(g.abs().max().item() for g in ref_grads.values())
+res["params"] = [len(ref_grads), len(list(tp_model.parameters())), len(list(fsdp_model.parameters()))]
+worst = torch.tensor([res["tp_logits"], res["tp_grads"], res["fsdp_logits"], res["fsdp_grads"]])
+dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+res["tp_logits"], res["tp_grads"], res["fsdp_logits"], res["fsdp_grads"] = worst.tolist()
+if rank == 0:
+    (__import__("pathlib").Path(out) / "result.json").write_text(json.dumps(res))
+dist.barrier()
+dist.destroy_process_group()
+from engine.parallel.launch import end_process
+end_process(0)
+"""
+
+
+def test_packed_documents_under_tensor_parallel_and_fsdp(tmp_path):
+    """One launch of 2 processes checks both layouts against the single-process model: logits equal each
+    document alone, gradients equal the single-process packed gradients (fp32, 1e-5)."""
+    script = tmp_path / "packing_parallel.py"
+    script.write_text(PARALLEL_SCRIPT)
+    result = torchrun(script, 2, str(tmp_path), json.dumps(CFG), str(EOS), timeout=180)
+    assert result.returncode == 0, result.stdout[-4000:]
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["params"][0] == res["params"][1] == res["params"][2] > 0
+    assert res["alone_vs_ref"] < 1e-5
+    for key in ("tp_logits", "tp_grads", "fsdp_logits", "fsdp_grads"):
+        assert res[key] < 1e-5, (key, res[key])
+    assert res["grad_scale"] > 1e-3, "the gradients should be far larger than the tolerance"
+
+
+def saved_bytes(model: Transformer, tokens: torch.Tensor, doc_ids: torch.Tensor | None) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, doc_ids=doc_ids)
+    return sum(seen.values())
+
+
+def test_memory_estimate_counts_what_packing_saves():
+    """The estimate's packing term (engine.parallel.memory.packing_bytes) equals the extra bytes autograd
+    saves in a packed forward (fp32, SDPA's math kernel on CPU), as the difference of two estimates."""
+    from engine.config import load_job_config
+    from engine.parallel.memory import estimate_memory
+
+    args = [f"--model.{k}={v}" for k, v in CFG.items()] + ["--train.seq_len=32", "--train.batch_size=4"]
+    args += ["--train.mixed_precision=fp32"]
+    plain, packed = (load_job_config(None, [*args, f"--data.pack_sequences={p}"]).validate() for p in ("false", "true"))
+    estimated = estimate_memory(packed, 1)[0].activations - estimate_memory(plain, 1)[0].activations
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**CFG))
+    tokens = torch.randint(1, CFG["vocab_size"], (4, 32))
+    tokens[:, 10] = EOS
+    measured = saved_bytes(model, tokens, document_ids(tokens, EOS)) - saved_bytes(model, tokens, None)
+    assert estimated == measured > 0
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_packing_under_activation_checkpointing(mode):
+    """The recomputed blocks get the same document mask: logits and gradients as without checkpointing."""
+    from engine.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    plain = Transformer(ModelConfig(**CFG))
+    wrapped = Transformer(ModelConfig(**CFG))
+    wrapped.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(wrapped, mode)
+    tokens = torch.cat([torch.cat(documents([5, 7, 4], seed=s))[None] for s in range(2)])
+    ids = document_ids(tokens, EOS)
+    outputs = []
+    for model in (plain, wrapped):
+        logits = model(tokens, doc_ids=ids)
+        logits.square().mean().backward()
+        outputs.append((logits.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(outputs[1][0], outputs[0][0], atol=1e-6, rtol=0)
+    assert len(outputs[0][1]) == len(outputs[1][1]) > 0
+    for ours, reference in zip(outputs[1][1], outputs[0][1]):
+        torch.testing.assert_close(ours, reference, atol=1e-6, rtol=0)
+
+
+def test_packing_is_refused_where_a_layout_takes_no_mask():
+    from engine.config import load_job_config
+    from engine.errors import ConfigError
+
+    for layout in (["--distributed.pp=2", "--train.grad_accum_steps=2"], ["--distributed.cp=2"]):
+        cfg = load_job_config(None, ["--data.pack_sequences=true", *layout])
+        with pytest.raises(ConfigError) as raised:
+            cfg.validate(world_size=2)
+        assert "data.pack_sequences" in [issue.path for issue in raised.value.issues], raised.value.issues
