@@ -71,20 +71,30 @@ class Transformer(nn.Module):
         self.init_weights()
 
     def forward(
-        self, tokens: torch.Tensor, cache: KVCache | None = None, *, return_hidden: bool = False
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        return_hidden: bool = False,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [batch, seq] → logits [batch, seq, vocab]. Without a cache (training) the tokens are
         positions 0 … seq-1; with one (inference) they continue the cached positions, and are added to it.
         With return_hidden, the final-normed hidden states [batch, seq, dim] instead of logits, for losses that
         project them through `output.weight` chunk by chunk (engine.train.losses.chunked_cross_entropy).
         A pipeline stage without `tok_embeddings` takes the previous stage's hidden states [batch, seq, dim]
-        as `tokens`; one without `output` returns its last block's hidden states (not normed)."""
+        as `tokens`; one without `output` returns its last block's hidden states (not normed).
+        `positions` [seq], the tokens' places in their sequences, replaces 0 … seq-1 where a rank holds only
+        some positions of each sequence (context parallelism passes them, engine/parallel/context.py)."""
         seq = tokens.shape[1]
         start = 0 if cache is None else cache.length
         # A later pipeline stage under sequence parallelism gets only its share of the positions, so `seq` is
         # not the attention's length there: it takes the tables from `start` on (apply_rope cuts them).
         end = start + seq if self.tok_embeddings is not None else None
-        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        if positions is None:
+            cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         moe_stats = {}
         for name, block in self.layers.items():
