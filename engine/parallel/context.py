@@ -15,8 +15,9 @@ loss) works on a cp-th of the activations. Three parts, applied from outside the
 - **The attention** (`CP_CORES`): each block's `attention.core` (SDPA on (batch, heads, seq, head_dim), after
   RoPE) is replaced by a module that attends this rank's queries to the keys of the whole sequence, chosen by
   `distributed.cp_method`:
-    `allgather`  gather K and V from the cp group (Llama 3's choice): one collective of the K/V size, then one
-                 SDPA call with the causal mask in head-tail order. Memory: the whole sequence's K/V per layer.
+    `allgather`  gather K and V from the cp group (Llama 3's choice): one collective of the K/V size, then an
+                 SDPA call per local chunk over the keys up to its end, causal at the bottom-right.
+                 Memory: the whole sequence's K/V per layer.
     `ring`       pass K/V blocks around the ring; each step's transfer is started before the current block is
                  computed (functional collectives wait on first use), and the blocks' results merge through
                  their log-sum-exp; a block's attention weights are recomputed in backward, not saved.
@@ -41,6 +42,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from engine.errors import UserError
@@ -116,17 +118,34 @@ class ContextParallelCore(nn.Module):
 
 
 class AllGatherCore(ContextParallelCore):
-    """K and V gathered from the whole cp group, then one SDPA call of the local queries over them."""
+    """K and V gathered from the whole cp group and put in sequence order; then each of this rank's two
+    chunks of queries attends the keys up to its own end, causal at the bottom-right (its last keys are its
+    own positions). No [local, seq] mask is built: on CUDA the memory-efficient kernel applies the lower-right
+    causal mask itself (without GQA; with GQA, and on CPU, PyTorch materializes the chunk's mask)."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         local = q.shape[2]
         kv = funcol.all_gather_tensor_autograd(torch.stack([k, v]).contiguous(), 3, self.mesh)
-        k, v = kv.unbind(0)  # (batch, kv heads, cp·local, head_dim): rank 0's positions, rank 1's, …
+        natural = torch.argsort(all_positions(local, self.size, q.device))  # position → gathered index
+        k, v = kv.index_select(3, natural).unbind(0)  # (batch, kv heads, seq, head_dim) in sequence order
         if not causal:
             return self.sdpa(q, k, v)
-        q_pos = head_tail_indices(local * self.size, self.size, self.rank, q.device)
-        mask = self.causal_mask(q_pos, all_positions(local, self.size, q.device))
-        return self.sdpa(q, k, v, attn_mask=mask)
+        chunk = local // 2
+        ends = ((self.rank + 1) * chunk, (2 * self.size - self.rank) * chunk)  # each chunk's last position + 1
+        outs = [
+            self.sdpa(part, k[:, :, :end], v[:, :, :end], attn_mask=lower_right_causal(chunk, end, q.device))
+            for part, end in zip(q.split(chunk, dim=2), ends)
+        ]
+        return torch.cat(outs, dim=2)
+
+
+def lower_right_causal(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """The causal mask of `rows` queries that are the last `rows` of `cols` keys: PyTorch's CausalBias, which
+    CUDA's memory-efficient kernel applies without building it; under torch.compile, which cannot trace
+    CausalBias, the same mask built as a tensor."""
+    if torch.compiler.is_compiling():
+        return torch.arange(cols, device=device)[None, :] <= torch.arange(cols - rows, cols, device=device)[:, None]
+    return causal_lower_right(rows, cols)
 
 
 class UlyssesCore(ContextParallelCore):
@@ -239,9 +258,11 @@ def torch_ring(attention: nn.Module, cp_mesh: DeviceMesh) -> None:
     from torch.distributed.tensor.experimental._context_parallel import (
         _ContextParallel,
         _enable_context_parallel_dispatcher,
+        set_rotate_method,
     )
     from torch.distributed.tensor.parallel import parallelize_module
 
+    set_rotate_method("alltoall")  # pass K/V blocks to the next rank (its default gathers them all at once)
     _enable_context_parallel_dispatcher()
     style = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA)
     parallelize_module(attention, cp_mesh, {"core": style})
