@@ -177,21 +177,31 @@ class UlyssesCore(ContextParallelCore):
 
 class RingCore(ContextParallelCore):
     """K/V blocks passed around the ring, cp steps; each step's transfer overlaps the current block's
-    attention, and the blocks merge by their log-sum-exp (the online softmax of flash attention)."""
+    attention, and the blocks merge by their log-sum-exp (the online softmax of flash attention).
+
+    Under the head-tail split only the own block needs a mask. Another rank's block is seen whole by part of
+    the queries and not at all by the rest: a rank s < r holds chunks s and 2cp−1−s, and all of this rank's
+    queries see chunk s and none sees chunk 2cp−1−s; a rank s > r holds positions that only this rank's late
+    chunk (2cp−1−r) sees, all of them. Those blocks cost half the attention and no mask."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        local = q.shape[2]
-        q_pos = head_tail_indices(local * self.size, self.size, self.rank, q.device)
+        half = q.shape[2] // 2
+        q_pos = head_tail_indices(q.shape[2] * self.size, self.size, self.rank, q.device)
         block = torch.stack([k, v]).contiguous()
         out = lse = None
         for step in range(self.size):
             source = (self.rank - step) % self.size  # whose K/V `block` holds
             following = self.pass_on(block) if step < self.size - 1 else None  # in flight during the compute
-            k_pos = head_tail_indices(local * self.size, self.size, source, q.device)
-            mask = self.causal_mask(q_pos, k_pos) if causal else None
-            # recomputed in backward, as a flash kernel does: only the blocks and results stay saved
-            block_out, block_lse = checkpoint(block_attention, q, *block.unbind(0), mask, use_reentrant=False)
-            out, lse = (block_out, block_lse) if out is None else merge(out, lse, block_out, block_lse)
+            k, v = block.unbind(0)
+            if out is None or not causal:
+                mask = self.causal_mask(q_pos, q_pos) if causal else None  # step 0: this rank's own block
+                partial = attention_piece(q, k, v, mask)
+                out, lse = partial if out is None else merge(out, lse, *partial)
+            elif source < self.rank:
+                out, lse = merge(out, lse, *attention_piece(q, k[:, :, :half], v[:, :, :half], None))
+            else:
+                late = merge(out[:, :, half:], lse[:, :, half:], *attention_piece(q[:, :, half:], k, v, None))
+                out, lse = (torch.cat([whole[:, :, :half], part], dim=2) for whole, part in zip((out, lse), late))
             block = following
         return out.to(q.dtype)
 
@@ -201,6 +211,14 @@ class RingCore(ContextParallelCore):
         send, receive = [0] * self.size, [0] * self.size
         send[(self.rank + 1) % self.size] = receive[(self.rank - 1) % self.size] = block.shape[0]
         return funcol.all_to_all_single_autograd(block, receive, send, self.mesh)
+
+
+def attention_piece(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_attention`, recomputed in backward as a flash kernel does: only its inputs and results stay
+    saved, not the [queries, keys] weights."""
+    return checkpoint(block_attention, q, k, v, mask, use_reentrant=False)
 
 
 def block_attention(
