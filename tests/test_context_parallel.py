@@ -20,6 +20,7 @@ from engine.errors import ConfigError, UserError
 from engine.model.attention import AttentionCore
 from engine.model.transformer import Transformer
 from engine.parallel.context import AllGatherCore, all_positions, block_attention, head_tail_indices, merge
+from engine.parallel.memory import estimate_memory
 
 PARITY_SCRIPT = """
 import copy, json, sys
@@ -235,3 +236,21 @@ def test_layouts_context_parallelism_cannot_run_are_refused(overrides, field, me
         cfg.validate(world_size=cfg.distributed.cp * cfg.distributed.pp)
     issues = [issue for issue in caught.value.issues if issue.path == field]
     assert len(issues) == 1 and message in issues[0].problem, caught.value.issues
+
+
+def test_memory_estimate_divides_activations_by_cp():
+    """Every rank holds seq_len / cp positions: ulysses saves exactly half of one process's activations at
+    cp = 2; allgather adds the other rank's K and V of every layer (fp32: 4 bytes × 2 × kv width)."""
+    base = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2"]
+    base += ["--model.vocab_size=128", "--train.seq_len=64", "--train.batch_size=2", "--train.mixed_precision=fp32"]
+    cp2 = ["--distributed.cp=2", "--distributed.dp_shard=1"]
+
+    def activations(overrides: list[str], world: int) -> int:
+        [stage] = estimate_memory(load_job_config(None, base + overrides).validate(world), world)
+        return stage.activations
+
+    one = activations([], 1)
+    assert activations([*cp2, "--distributed.cp_method=ulysses"], 2) * 2 == one
+    kv_width = 2 * 16
+    gathered = 2 * (2 * 32) * 4 * 2 * kv_width  # layers × (batch × local positions) × fp32 × (k, v) × width
+    assert activations(cp2, 2) == one // 2 + gathered
