@@ -28,8 +28,8 @@ loss) works on a cp-th of the activations. Three parts, applied from outside the
   Backward goes through PyTorch's differentiable functional collectives (all_gather_tensor_autograd,
   all_to_all_single_autograd), which also trace under torch.compile.
 
-What does not compose yet is refused by config validation (engine/config/job.py): pipeline parallelism,
-expert parallelism / MoE, and masks passed to the core (packed documents, KV caches) are refused here.
+What does not compose yet is refused: pipeline parallelism and MoE models by config validation
+(engine/config/job.py), an attention mask passed to the core (packed documents, a KV cache) by the core.
 """
 
 from __future__ import annotations
@@ -84,14 +84,12 @@ class ContextParallel:
         return args, {**kwargs, "positions": head_tail_indices(local * self.size, self.size, self.rank, tokens.device)}
 
 
-class ContextParallelCore(nn.Module):
+class ContextParallelCore(AttentionCore):
     """SDPA across the cp group for queries, keys and values of this rank's positions, (batch, heads,
     local seq, head_dim). Parameterless like the `AttentionCore` it replaces, whose kernel choice it keeps."""
 
     def __init__(self, core: AttentionCore, mesh: DeviceMesh) -> None:
-        super().__init__()
-        self.sdpa_backend = core.sdpa_backend
-        self.kernel = core._kernel
+        super().__init__(core.sdpa_backend)
         self.mesh, self.size, self.rank = mesh, mesh.size(), mesh.get_local_rank()
 
     def forward(
@@ -109,7 +107,7 @@ class ContextParallelCore(nn.Module):
         raise NotImplementedError
 
     def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
-        with self.kernel():
+        with self._kernel():
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1], **options)
 
     def causal_mask(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
