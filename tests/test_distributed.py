@@ -187,6 +187,11 @@ def test_a_context_parallel_run_resumes_in_one_process_and_back(tmp_path, eight_
     assert sorted(records(run_dir)) == list(range(1, 9))
     for step in range(1, 9):
         assert records(run_dir)[step]["loss"] == pytest.approx(records(eight_steps)[step]["loss"], abs=1e-5)
+    evals, expected = records(run_dir, "eval_loss"), records(eight_steps, "eval_loss")
+    common = sorted(evals.keys() & expected.keys())
+    assert {3, 6, 8} <= set(common), (sorted(evals), sorted(expected))  # 3 and 6 under cp = 2 (ulysses), 8 allgather
+    for step in common:
+        assert evals[step]["eval_loss"] == pytest.approx(expected[step]["eval_loss"], abs=1e-5)
 
 
 def test_a_tensor_parallel_checkpoint_resumes_under_fsdp(tmp_path, eight_steps):
