@@ -109,6 +109,8 @@ TWO_PROCESSES = {
 }
 FOUR_PROCESSES = {
     "cp2_dp_shard2": ["--distributed.cp=2", "--distributed.dp_shard=2", "--distributed.cp_method=ring"],
+    # HSDP: replicated over dp_replicate, sharded over dp_shard × cp (here 1 × 2)
+    "cp2_hsdp2": ["--distributed.cp=2", "--distributed.dp_replicate=2", "--distributed.dp_shard=1"],
     "cp2_tp2": ["--distributed.cp=2", "--distributed.tp=2", "--distributed.dp_shard=1"],
     "cp2_tp2_ulysses": [
         "--distributed.cp=2",
