@@ -293,7 +293,11 @@ def test_reference_goes_stale_when_a_field_is_added(tmp_path):
 @pytest.mark.parametrize(
     "overrides,world,expected",
     [
-        (["--distributed.cp=2"], 2, {"distributed.cp"}),  # not supported yet
+        (
+            ["--distributed.cp=2", "--distributed.pp=2", "--train.grad_accum_steps=2"],
+            4,
+            {"distributed.pp"},
+        ),  # not with cp yet
         (["--distributed.tp=2", "--model.ffn_hidden_dim=129"], 2, {"distributed.tp"}),
         (["--distributed.tp=2", "--train.seq_len=63", "--model.max_seq_len=64"], 2, {"train.seq_len"}),
         (

@@ -114,6 +114,7 @@ def one_process(tmp_path_factory) -> Path:
 # Evaluation runs through the schedule too, 2 micro-batches a pass: 4 batches of 2 are the one-process run's
 # 2 batches of 4 held-out sequences.
 PIPELINE = ["--distributed.pp=2", "--distributed.dp_shard=1", "--train.grad_accum_steps=2", "--eval.steps=4"]
+CONTEXT_PARALLEL = ["--distributed.cp=2", "--distributed.dp_shard=1"]
 LAYOUTS = {
     "fsdp": ([], 2),
     "hsdp": (["--distributed.dp_replicate=2", "--distributed.dp_shard=1"], 2),
@@ -170,6 +171,27 @@ def test_a_sharded_run_resumes_in_one_process_and_back(tmp_path, eight_steps):
     assert result.returncode == 0, result.stderr[-3000:]
     for step in (7, 8):
         assert records(sharded)[step]["loss"] == pytest.approx(records(reference)[step]["loss"], abs=1e-5)
+
+
+def test_a_context_parallel_run_resumes_in_one_process_and_back(tmp_path, eight_steps):
+    """cp = 2 (ulysses) → one process → cp = 2 (allgather), as a user runs it: both ranks read the same 4
+    sequences and keep half of each; the sharded checkpoint loads in either layout, and each step's loss is
+    the uninterrupted one-process run's."""
+    run_dir = tmp_path / "run"
+    result = forge(run_dir, *CONTEXT_PARALLEL, "--distributed.cp_method=ulysses", nproc=2, batch_size=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = forge(run_dir, "--train.max_steps=7")
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = forge(run_dir, "--train.max_steps=8", *CONTEXT_PARALLEL, nproc=2, batch_size=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(records(run_dir)) == list(range(1, 9))
+    for step in range(1, 9):
+        assert records(run_dir)[step]["loss"] == pytest.approx(records(eight_steps)[step]["loss"], abs=1e-5)
+    evals, expected = records(run_dir, "eval_loss"), records(eight_steps, "eval_loss")
+    common = sorted(evals.keys() & expected.keys())
+    assert {3, 6, 8} <= set(common), (sorted(evals), sorted(expected))  # 3 and 6 under cp = 2 (ulysses), 8 allgather
+    for step in common:
+        assert evals[step]["eval_loss"] == pytest.approx(expected[step]["eval_loss"], abs=1e-5)
 
 
 def test_a_tensor_parallel_checkpoint_resumes_under_fsdp(tmp_path, eight_steps):

@@ -8,13 +8,22 @@ import engine.parallel.apply as apply
 from engine.config import load_job_config
 from engine.model.transformer import Transformer
 
-ORDER = ["tensor_parallel", "expert_parallel", "float8", "activation_checkpointing", "compile", "fsdp"]
+ORDER = [
+    "tensor_parallel",
+    "context_parallel",
+    "expert_parallel",
+    "float8",
+    "activation_checkpointing",
+    "compile",
+    "fsdp",
+]
 
 
 def test_stages_run_in_the_documented_order(monkeypatch):
     calls: list[str] = []
     for name, attr in [
         ("tensor_parallel", "apply_tensor_parallel"),
+        ("context_parallel", "apply_context_parallel"),
         ("expert_parallel", "apply_expert_parallel"),
         ("float8", "convert_to_float8"),
         ("activation_checkpointing", "apply_activation_checkpointing"),

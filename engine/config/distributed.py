@@ -14,7 +14,14 @@ class DistributedConfig(Section):
     dp_replicate: int = Field(1, gt=0, description="replicas of the sharded group (HSDP)")
     tp: int = Field(1, gt=0, description="tensor-parallel degree")
     pp: int = Field(1, gt=0, description="pipeline-parallel degree")
-    cp: int = Field(1, gt=0, description="context-parallel degree (not supported yet: must be 1)")
+    cp: int = Field(
+        1, gt=0, description="context-parallel degree: every sequence is split over cp ranks (long contexts)"
+    )
+    cp_method: Literal["allgather", "ring", "ulysses"] = Field(
+        "allgather",
+        description="attention across the cp ranks: allgather (gather K/V), ring (pass K/V blocks around), "
+        "ulysses (all-to-all to whole sequences of heads/cp heads; heads divisible by tp × cp)",
+    )
     ep: int = Field(1, gt=0, description="expert-parallel degree (MoE): experts sharded over ep of the dp_shard ranks")
     pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
         "1f1b", description="pipeline schedule when pp > 1; interleaved_1f1b runs two stages per rank"
@@ -34,7 +41,8 @@ class DistributedConfig(Section):
         "dp_replicate": "parallel/mesh.py",
         "tp": "parallel/mesh.py, parallel/tp.py",
         "pp": "parallel/mesh.py, parallel/pipeline.py",
-        "cp": "parallel/mesh.py",
+        "cp": "parallel/mesh.py, parallel/context.py",
+        "cp_method": "parallel/context.py",
         "ep": "parallel/mesh.py, parallel/expert.py",
         "pp_schedule": "parallel/pipeline.py",
         "nccl_timeout_sec": "train/job.py, train/trainer.py",

@@ -434,10 +434,50 @@ def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
         issues += pipeline_issues(cfg)
     if d.ep > 1:
         issues += expert_parallel_issues(cfg, dp_shard)
-    for name in ("cp",):
-        if getattr(d, name) > 1:
+    issues += context_parallel_issues(cfg)
+    return issues
+
+
+def context_parallel_issues(cfg: JobConfig) -> list[ConfigIssue]:
+    """Context parallelism splits every sequence into 2·cp chunks (head-tail), whose halves tensor
+    parallelism splits again, and does not compose with pipelines or mixture-of-experts routing yet."""
+    m, t, d = cfg.model, cfg.train, cfg.distributed
+    if d.cp == 1:
+        if "cp_method" in changed_fields(d, ["cp_method"]):
+            return [ConfigIssue("distributed.cp_method", "is set, but distributed.cp = 1", "set distributed.cp > 1")]
+        return []
+    issues = []
+    if t.seq_len % (2 * d.cp) or (t.seq_len // d.cp) % d.tp:
+        issues.append(
+            ConfigIssue(
+                "train.seq_len",
+                f"{t.seq_len} must be divisible by 2 × distributed.cp ({2 * d.cp}), and each rank's "
+                f"{t.seq_len} / cp positions by distributed.tp ({d.tp}): the sequence is cut into 2·cp "
+                "chunks, two per cp rank",
+                f"use a multiple of {2 * d.cp * d.tp}",
+            )
+        )
+    group = d.cp * d.tp
+    if d.cp_method == "ulysses" and (m.n_heads % group or m.kv_heads % group):
+        issues.append(
+            ConfigIssue(
+                "distributed.cp_method",
+                f"ulysses splits the heads over the cp ranks: n_heads ({m.n_heads}) and n_kv_heads "
+                f"({m.kv_heads}) must be divisible by tp × cp ({group})",
+                'use cp_method = "allgather" or "ring", or change the heads',
+            )
+        )
+    for applies, field, what in [
+        (d.pp > 1, "distributed.pp", "pipeline parallelism (the stages would pass sequence-sharded activations)"),
+        (m.is_moe, "model.num_experts", "MoE models (the routers' sequence statistics would see part of a sequence)"),
+    ]:
+        if applies:
             issues.append(
-                ConfigIssue(f"distributed.{name}", f"{name} > 1 is not supported yet", f"set distributed.{name} = 1")
+                ConfigIssue(
+                    field,
+                    f"context parallelism (distributed.cp = {d.cp}) does not support {what} yet",
+                    "use distributed.cp = 1 for this run",
+                )
             )
     return issues
 

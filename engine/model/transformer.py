@@ -84,6 +84,7 @@ class Transformer(nn.Module):
         *,
         return_hidden: bool = False,
         doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [batch, seq] → logits [batch, seq, vocab]. Without a cache (training) the tokens are
         positions 0 … seq-1; with one (inference) they continue the cached positions, and are added to it.
@@ -92,7 +93,9 @@ class Transformer(nn.Module):
         A pipeline stage without `tok_embeddings` takes the previous stage's hidden states [batch, seq, dim]
         as `tokens`; one without `output` returns its last block's hidden states (not normed).
         doc_ids [batch, seq] (packed documents, engine.model.documents): each token's document in its window;
-        positions restart at every document and attention stays inside it. Training only (no cache)."""
+        positions restart at every document and attention stays inside it. Training only (no cache).
+        `positions` [seq], the tokens' places in their sequences, replaces 0 … seq-1 where a rank holds only
+        some positions of each sequence (context parallelism passes them, engine/parallel/context.py)."""
         seq = tokens.shape[1]
         start = 0 if cache is None else cache.length
         mask = None
@@ -100,6 +103,8 @@ class Transformer(nn.Module):
             assert cache is None, "doc_ids are for packed training windows, not generation"
             positions = document_positions(doc_ids)
             cos, sin, mask = self.rope_cos[positions], self.rope_sin[positions], document_mask(doc_ids)
+        elif positions is not None:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         else:
             # A later pipeline stage under sequence parallelism gets only its share of the positions, so `seq`
             # is not the attention's length there: it takes the tables from `start` on (apply_rope cuts them).

@@ -1,8 +1,10 @@
 """Apply training transformations to a single-device `Transformer`, in a fixed order.
 
-The full order is TP → EP → FP8 → activation checkpointing → compile → FSDP2, one function per stage
+The full order is TP → CP → EP → FP8 → activation checkpointing → compile → FSDP2, one function per stage
 (under TP, FP8 comes first: it swaps modules, and TP's hooks must be on the swapped ones):
 - tensor parallelism first, because every later stage must see the sharded (DTensor) linears;
+- context parallelism swaps each block's attention core before checkpointing and compile wrap the blocks,
+  so recomputation and the compiled graph contain the cp collectives;
 - activation checkpointing wraps each block *before* compile so that the compiled graph contains the
   recomputation instead of the checkpoint wrapper breaking the graph;
 - FSDP2 last: `fully_shard` shards whatever parameters the earlier stages left (TP's DTensors become 2-D,
@@ -20,6 +22,7 @@ from engine.config.job import JobConfig
 from engine.errors import UserError
 from engine.model.transformer import Transformer
 from engine.parallel.activation_checkpoint import apply_activation_checkpointing
+from engine.parallel.context import apply_context_parallel
 from engine.parallel.expert import apply_expert_parallel, fully_shard_experts, shard_experts
 from engine.parallel.float8 import convert_to_float8
 from engine.parallel.mesh import ParallelMesh
@@ -106,6 +109,9 @@ def parallelize(
         apply_tensor_parallel(
             model, tp_mesh, loss_parallel=uses_loss_parallel(tp_mesh.size(), cfg.train.loss_fn, cfg.distributed.pp)
         )
+    cp_mesh = mesh.get("cp") if mesh is not None else None
+    if cp_mesh is not None:
+        apply_context_parallel(model, cp_mesh, cfg.distributed.cp_method, device)
     ep_mesh = mesh.get("ep") if mesh is not None else None
     if ep_mesh is not None:
         apply_expert_parallel(model, ep_mesh, tp_mesh)

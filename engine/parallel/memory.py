@@ -295,8 +295,24 @@ def layer_activation_bytes(cfg: JobConfig, layer: int, tokens: int) -> int:
         moe += 2 * INT64 * k + (c * gated * h + c * 4 * shared // tp if shared else 0)
         return tokens * (gathered + split // tp) + tokens * moe
     gathered += c * gated * h
-    split += c * 4 * m.ffn_dim
+    split += c * 4 * m.ffn_dim + context_parallel_bytes(cfg)
     return tokens * gathered + tokens * split // tp
+
+
+def context_parallel_bytes(cfg: JobConfig) -> int:
+    """What a cp attention core (engine/parallel/context.py) saves beyond the local q, k, v and output, per
+    local token (÷ tp like the rest of attention): allgather keeps the gathered K and V of the other cp−1
+    ranks; ring keeps the K/V blocks it received and each step's partial output and log-sum-exp (fp32), its
+    attention weights being recomputed; ulysses keeps its head-sharded whole-sequence q, k, v, the same bytes
+    as the local ones."""
+    m, cp = cfg.model, cfg.distributed.cp
+    kv, c = m.kv_heads * m.head_dim, COMPUTE_BYTES[cfg.train.mixed_precision]
+    if cp == 1 or cfg.distributed.cp_method == "ulysses":
+        return 0
+    received = c * 2 * kv * (cp - 1)
+    if cfg.distributed.cp_method == "allgather":
+        return received
+    return received + FP32 * (m.dim + m.n_heads) * cp
 
 
 def checkpointed_layer_bytes(cfg: JobConfig, layer: int, tokens: int) -> int:

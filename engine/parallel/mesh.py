@@ -8,7 +8,10 @@ always built together when either is > 1, so FSDP gets its 2-D HSDP mesh even wh
 
 Derived 1-D meshes, flattened from the named ones:
   `dp`  = dp_replicate × dp_shard: ranks that read different data (the batch is split over it);
-  `fsdp` is not flattened: HSDP takes the 2-D (dp_replicate, dp_shard) mesh, plain FSDP the `dp_shard` one.
+  `fsdp` is not flattened: HSDP takes the 2-D (dp_replicate, dp_shard) mesh, plain FSDP the `dp_shard` one;
+  `dp_shard_cp` = dp_shard × cp: under context parallelism FSDP shards the parameters over the cp ranks too
+  (they hold the same parameters and each computes a part of every sequence's gradient, which FSDP's
+  reduce-scatter averages, like torchtitan's layout).
 """
 
 from __future__ import annotations
@@ -87,6 +90,9 @@ class ParallelMesh:
             self.dp = self.mesh["expert_dp", "ep"]._flatten("dp")
         else:
             self.dp = self.mesh["dp_replicate", "dp_shard"]._flatten("dp") if self.dims.dp > 1 else None
+        self.dp_shard_cp = None
+        if self.dims.cp > 1 and self.dims.dp > 1:
+            self.dp_shard_cp = self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
 
     def get(self, name: str) -> DeviceMesh | None:
         names = self.mesh.mesh_dim_names or ()
@@ -94,7 +100,13 @@ class ParallelMesh:
 
     @property
     def fsdp(self) -> DeviceMesh | None:
-        """What `fully_shard` shards over: (dp_replicate, dp_shard) for HSDP, dp_shard alone for FSDP."""
+        """What `fully_shard` shards over: (dp_replicate, dp_shard) for HSDP, dp_shard alone for FSDP; with
+        cp > 1, dp_shard × cp in their place (the cp ranks' gradients must be averaged too)."""
+        if self.dims.cp > 1:
+            if self.dp_shard_cp is None:
+                return self.mesh["cp"]
+            replicated = self.dims.dp_replicate > 1
+            return self.mesh["dp_replicate", "dp_shard_cp"] if replicated else self.mesh["dp_shard_cp"]
         if self.dp is None:
             return None
         if self.expert_shard is not None:  # HSDP with ep: replicated over dp_replicate, sharded over dp_shard

@@ -36,6 +36,7 @@ from engine.model.lora import apply_lora
 from engine.model.moe import moe_metrics
 from engine.model.transformer import Transformer
 from engine.parallel.apply import float8_all_gather, parallelize
+from engine.parallel.context import ContextParallel
 from engine.parallel.launch import device_for, join_process_group
 from engine.parallel.mesh import ParallelDims, ParallelMesh, build_mesh
 from engine.parallel.pipeline import Pipeline, build_pipeline, stage_union
@@ -80,6 +81,7 @@ class Job:
     float8_all_gather: bool = False  # FSDP gathers float8 weights: their scales are computed after each update
     ema: WeightAverage | None = None  # the EMA of the weights (train.ema_decay), saved in every checkpoint
     loss_parallel: bool = False  # the logits stay vocabulary-sharded over the tensor-parallel ranks
+    context: ContextParallel | None = None  # context parallelism: each rank keeps part of every sequence
     model_metrics: tuple[Callable[[], dict[str, float]], ...] = ()  # logged with each step's (MoE routing)
     start_step: int = 0
     tokens_seen: int = 0
@@ -106,6 +108,13 @@ class Job:
         if not self.cfg.data.pack_sequences:
             return None
         return document_ids(tokens, self.train_data.manifest.eos_id)
+
+    def local_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What this rank trains on of a micro-batch: all of it, or under context parallelism its positions
+        of every sequence (the cp ranks read the same batch; the model's hook supplies the positions)."""
+        if self.context is None:
+            return inputs, labels
+        return self.context.shard(inputs), self.context.shard(labels)
 
     def refresh_float8_scales(self) -> None:
         """Under FSDP's float8 all-gather the weights' scales are computed once per weight change (one
@@ -198,6 +207,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         float8_all_gather=float8_all_gather(cfg, mesh, device),
         ema=ema,
         loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn, dims.pp),
+        context=ContextParallel(mesh.get("cp")) if mesh is not None and dims.cp > 1 else None,
         model_metrics=moe_training(model, cfg, mesh),
     )
     restored = job.checkpointer.restore(model, optimizer) if resuming else None

@@ -84,7 +84,7 @@ def forward_backward(job: Job, batches: Iterator, loss_fn: ModelLoss) -> torch.T
     accum = job.cfg.train.grad_accum_steps
     loss_sum = torch.zeros((), device=job.device)
     for _ in range(accum):
-        inputs, labels = (t.to(job.device, non_blocking=True) for t in next(batches))
+        inputs, labels = job.local_batch(*(t.to(job.device, non_blocking=True) for t in next(batches)))
         with job.loss_context():
             with job.autocast():
                 loss = loss_fn(job.model, inputs, labels, doc_ids=job.documents(inputs)) / accum
@@ -110,7 +110,8 @@ def local_value(value: torch.Tensor) -> torch.Tensor:
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     """The mean of a per-rank loss over all ranks: the data-parallel mean (tensor-parallel ranks hold equal
-    copies, which does not change a mean)."""
+    copies, which does not change a mean; context-parallel ranks the means of equally many positions of the
+    same sequences, whose mean is the whole sequences')."""
     if not distributed():
         return value
     value = value.detach().clone()
@@ -148,7 +149,7 @@ def held_out_loss(job: Job, loss_fn: ModelLoss, data: Any = None) -> float:
 def eval_losses(job: Job, loss_fn: ModelLoss, data: Any) -> list[torch.Tensor]:
     losses = []
     for batch in data.batches():
-        inputs, labels = (t.to(job.device) for t in batch)
+        inputs, labels = job.local_batch(*(t.to(job.device) for t in batch))
         with job.loss_context(), job.autocast():
             loss = loss_fn(job.model, inputs, labels, z_loss=False, doc_ids=job.documents(inputs))
         losses.append(local_value(loss))

@@ -1,0 +1,258 @@
+"""Context parallelism (engine.parallel.context) trains exactly like one process.
+
+Every process builds the same seeded model, keeps one copy as the single-process reference and lays the other
+out with `engine.parallel.apply.parallelize` on the engine's mesh (cp alone, cp × dp_shard, cp × tp); each
+takes the same AdamW steps with gradient clipping, the cp copy on its head-tail slice of every sequence. The
+per-step losses (averaged over the ranks, as the trainer logs them), the gradient norms and the final full
+weights must agree to 1e-5 (fp32). One launch checks several layouts, to keep the suite's time.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torchrun import torchrun
+
+from engine.config import load_job_config
+from engine.errors import ConfigError, UserError
+from engine.model.attention import AttentionCore
+from engine.model.transformer import Transformer
+from engine.parallel.context import AllGatherCore, all_positions, block_attention, head_tail_indices, merge
+from engine.parallel.memory import estimate_memory
+
+PARITY_SCRIPT = """
+import copy, json, sys
+import torch, torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from engine.config import load_job_config
+from engine.model.transformer import Transformer
+from engine.parallel.apply import parallelize
+from engine.parallel.context import ContextParallel
+from engine.parallel.mesh import ParallelDims, build_mesh
+from engine.parallel.tp import loss_context, uses_loss_parallel
+from engine.train.losses import build_loss
+from engine.train.optim import build_optimizer
+
+out, cases = sys.argv[1], json.loads(sys.argv[2])
+dist.init_process_group("gloo")
+TINY = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.vocab_size=64",
+        "--model.max_seq_len=24", "--train.seq_len=24", "--train.batch_size=2", "--optimizer.lr=1e-3",
+        "--train.z_loss_weight=1e-3"]
+
+
+def full(t):
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+results = {}
+for name, overrides in cases.items():
+    cfg = load_job_config(None, TINY + overrides).validate(world_size=dist.get_world_size())
+    dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
+    mesh = build_mesh(dims, "cpu")
+    torch.manual_seed(0)
+    ref = Transformer(cfg.model)
+    model = parallelize(copy.deepcopy(ref), cfg, mesh)
+    loss_fn, parallel_loss = build_loss(cfg.train), uses_loss_parallel(dims.tp, cfg.train.loss_fn)
+    ref_opt, opt = (build_optimizer(m, cfg.optimizer) for m in (ref, model))
+    cp = ContextParallel(mesh.get("cp"))
+    dp, dp_rank = dims.dp, mesh.dp_rank
+    per_rank = 4 // dp
+    res = {"ref_loss": [], "loss": [], "ref_norm": [], "norm": [],
+           "core": type(model.layers["0"].attention.core).__name__,
+           "positions": cp.shard(torch.arange(24)[None]).flatten().tolist()}
+    for step in range(4):
+        batch = torch.randint(0, 64, (4, 25), generator=torch.Generator().manual_seed(step))
+        tokens, labels = batch[:, :-1], batch[:, 1:]
+        ref_loss = loss_fn(ref, tokens, labels)
+        ref_loss.backward()
+        res["ref_norm"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item())
+        ref_opt.step(); ref_opt.zero_grad()
+        rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        with loss_context(parallel_loss):
+            loss = loss_fn(model, cp.shard(tokens[rows]), cp.shard(labels[rows]))
+            loss.backward()
+        res["norm"].append(full(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)).item())
+        opt.step(); opt.zero_grad()
+        loss = full(loss).clone()
+        dist.all_reduce(loss)
+        res["ref_loss"].append(ref_loss.item()); res["loss"].append(loss.item() / dist.get_world_size())
+    res["weight_error"] = max((full(p) - q.detach()).abs().max().item()
+                              for p, q in zip(model.parameters(), ref.parameters()))
+    res["weights"] = len(list(model.parameters()))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, res["positions"])
+    res["positions"] = gathered
+    results[name] = res
+if dist.get_rank() == 0:
+    (__import__("pathlib").Path(out) / "result.json").write_text(json.dumps(results))
+dist.barrier()
+dist.destroy_process_group()
+from engine.parallel.launch import end_process
+end_process(0)
+"""
+
+CP2 = ["--distributed.cp=2", "--distributed.dp_shard=1"]
+TWO_PROCESSES = {
+    "allgather": [*CP2, "--distributed.cp_method=allgather"],
+    "ring": [*CP2, "--distributed.cp_method=ring"],
+    "ulysses": [*CP2, "--distributed.cp_method=ulysses"],
+    # recomputation reruns the collectives in backward; QK-norm sees the sharded positions
+    "ring_full_ac_qk_norm": [
+        *CP2,
+        "--distributed.cp_method=ring",
+        "--train.activation_checkpointing=full",
+        "--model.qk_norm=true",
+    ],
+    "ulysses_selective_ac": [*CP2, "--distributed.cp_method=ulysses", "--train.activation_checkpointing=selective"],
+}
+FOUR_PROCESSES = {
+    "cp2_dp_shard2": ["--distributed.cp=2", "--distributed.dp_shard=2", "--distributed.cp_method=ring"],
+    # HSDP: replicated over dp_replicate, sharded over dp_shard × cp (here 1 × 2)
+    "cp2_hsdp2": ["--distributed.cp=2", "--distributed.dp_replicate=2", "--distributed.dp_shard=1"],
+    "cp2_tp2": ["--distributed.cp=2", "--distributed.tp=2", "--distributed.dp_shard=1"],
+    "cp2_tp2_ulysses": [
+        "--distributed.cp=2",
+        "--distributed.tp=2",
+        "--distributed.dp_shard=1",
+        "--distributed.cp_method=ulysses",
+        "--model.n_heads=8",
+        "--model.n_kv_heads=4",
+        "--model.dim=64",
+    ],
+}
+CORES = {"allgather": "AllGatherCore", "ring": "RingCore", "ulysses": "UlyssesCore"}
+
+
+def run_cases(tmp_path, cases: dict[str, list[str]], nproc: int) -> dict:
+    script = tmp_path / "cp_parity.py"
+    script.write_text(PARITY_SCRIPT)
+    result = torchrun(script, nproc, str(tmp_path), json.dumps(cases), timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+def assert_parity(results: dict, cases: dict[str, list[str]]) -> None:
+    assert sorted(results) == sorted(cases)
+    for name, res in results.items():
+        method = next((arg.split("=")[1] for arg in cases[name] if "cp_method" in arg), "allgather")
+        assert res["core"] == CORES[method], name  # the cp core ran, not the plain one
+        assert len(res["loss"]) == len(res["ref_loss"]) == 4
+        for ours, ref in zip(res["loss"], res["ref_loss"]):
+            assert ours == pytest.approx(ref, abs=1e-5), name
+        for ours, ref in zip(res["norm"], res["ref_norm"]):
+            assert ours == pytest.approx(ref, rel=1e-4), name
+        assert res["weights"] > 0 and res["weight_error"] < 1e-5, (name, res["weight_error"])
+        # the cp ranks held the head-tail halves: 0-5 with 18-23, and 6-11 with 12-17
+        positions = {tuple(p) for p in res["positions"]}
+        assert positions == {(*range(6), *range(18, 24)), (*range(6, 12), *range(12, 18))}, name
+
+
+def test_context_parallel_matches_one_process_for_every_method(tmp_path):
+    assert_parity(run_cases(tmp_path, TWO_PROCESSES, 2), TWO_PROCESSES)
+
+
+@pytest.mark.slow
+def test_context_parallel_composes_with_fsdp_and_tensor_parallel(tmp_path):
+    assert_parity(run_cases(tmp_path, FOUR_PROCESSES, 4), FOUR_PROCESSES)
+
+
+def test_head_tail_split_balances_causal_work():
+    """Each rank gets one early and one late chunk, so every rank scores the same number of (query, key)
+    pairs under the causal mask; a plain split gives the last rank 3× the first's at cp = 2."""
+    seq, cp = 24, 2
+    parts = [head_tail_indices(seq, cp, r) for r in range(cp)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(seq))
+    work = [int((p + 1).sum()) for p in parts]  # position p attends p + 1 keys
+    assert work[0] == work[1] == seq * (seq + 1) // 4
+    plain = [int((torch.arange(r * 12, (r + 1) * 12) + 1).sum()) for r in range(cp)]
+    assert plain[1] > 2.5 * plain[0]
+    assert all_positions(12, cp, torch.device("cpu")).tolist() == torch.cat(parts).tolist()
+
+
+def test_ring_blocks_merge_to_full_attention_with_gradients():
+    """The ring's pieces on one process: attention over two key blocks (one seen by no early query, as in the
+    head-tail layout) merged by log-sum-exp equals one causal SDPA, values and gradients."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 8, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    pos = torch.arange(8)
+    first, second = slice(0, 4), slice(4, 8)
+    out, lse = block_attention(q, k[:, :, second], v[:, :, second], pos[4:][None, :] <= pos[:, None])
+    block_out, block_lse = block_attention(q, k[:, :, first], v[:, :, first], pos[:4][None, :] <= pos[:, None])
+    merged, _ = merge(out, lse, block_out, block_lse)
+    torch.testing.assert_close(merged.to(q.dtype), expected)
+    grads = torch.autograd.grad(merged.sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want)
+
+
+def test_a_mask_under_context_parallelism_is_refused():
+    """Packed documents or a KV cache pass a mask; a cp core cannot apply one to part of a sequence."""
+
+    class OneRank:
+        def size(self):
+            return 2
+
+        def get_local_rank(self):
+            return 0
+
+    core = AllGatherCore(AttentionCore(), OneRank())
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(UserError, match="cannot apply an attention mask"):
+        core(q, q, q, torch.ones(4, 8, dtype=torch.bool), False)
+
+
+def test_positions_pick_the_rope_rows():
+    cfg = load_job_config(None, ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.vocab_size=64"])
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    tokens = torch.randint(0, 64, (1, 8))
+    natural = model(tokens, positions=torch.arange(8))
+    torch.testing.assert_close(natural, model(tokens))
+    # RoPE sees only distances: shifted positions change nothing, spread ones do
+    torch.testing.assert_close(model(tokens, positions=torch.arange(8) + 3), natural)
+    assert not torch.allclose(model(tokens, positions=torch.arange(8) * 2), natural)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "message"),
+    [
+        (["--distributed.cp=2", "--train.seq_len=30"], "train.seq_len", "divisible by 2 × distributed.cp (4)"),
+        (
+            ["--distributed.cp=2", "--distributed.cp_method=ulysses", "--model.n_kv_heads=1"],
+            "distributed.cp_method",
+            "divisible by tp × cp (2)",
+        ),
+        (["--distributed.cp=2", "--distributed.pp=2"], "distributed.pp", "does not support pipeline parallelism"),
+        (["--distributed.cp=2", "--model.num_experts=4"], "model.num_experts", "does not support MoE models"),
+        (["--distributed.cp_method=ring"], "distributed.cp_method", "distributed.cp = 1"),
+    ],
+)
+def test_layouts_context_parallelism_cannot_run_are_refused(overrides, field, message):
+    base = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=2", "--model.vocab_size=64", "--train.seq_len=32"]
+    cfg = load_job_config(None, base + overrides)
+    with pytest.raises(ConfigError) as caught:
+        cfg.validate(world_size=cfg.distributed.cp * cfg.distributed.pp)
+    issues = [issue for issue in caught.value.issues if issue.path == field]
+    assert len(issues) == 1 and message in issues[0].problem, caught.value.issues
+
+
+def test_memory_estimate_divides_activations_by_cp():
+    """Every rank holds seq_len / cp positions: ulysses saves exactly half of one process's activations at
+    cp = 2; allgather adds the other rank's K and V of every layer (fp32: 4 bytes × 2 × kv width)."""
+    base = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2"]
+    base += ["--model.vocab_size=128", "--train.seq_len=64", "--train.batch_size=2", "--train.mixed_precision=fp32"]
+    cp2 = ["--distributed.cp=2", "--distributed.dp_shard=1"]
+
+    def activations(overrides: list[str], world: int) -> int:
+        [stage] = estimate_memory(load_job_config(None, base + overrides).validate(world), world)
+        return stage.activations
+
+    one = activations([], 1)
+    assert activations([*cp2, "--distributed.cp_method=ulysses"], 2) * 2 == one
+    kv_width = 2 * 16
+    gathered = 2 * (2 * 32) * 4 * 2 * kv_width  # layers × (batch × local positions) × fp32 × (k, v) × width
+    assert activations(cp2, 2) == one // 2 + gathered
