@@ -41,11 +41,13 @@ from engine.interp.store import (
     write_npz,
     write_tokens,
 )
-from engine.interp.tokens import TokenStream, open_tokens, windows
+from engine.interp.tokens import open_tokens, windows
 from engine.precision import compute_dtype
 
 STORED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHARD_MB = 256
+BACKENDS = "cpu:gloo,cuda:nccl"
+JOIN_TIMEOUT_S = 1800.0  # a barrier waits for the slowest rank's shards
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class ExtractRequest:
     dtype: str | None = None  # None: the compute dtype
     step: int | None = None
     storage: str = "shards"  # "shards" or "npz"
-    shard_mb: int = DEFAULT_SHARD_MB
+    shard_mb: float = DEFAULT_SHARD_MB
     attention: tuple[str, ...] = ()
     heads: tuple[int, ...] = ()  # () = every head
     query_positions: tuple[int, ...] = ()  # () = every position; negative counts from the window's end
@@ -93,10 +95,21 @@ class StopForward(Exception):
 
 
 def device_for_extraction() -> torch.device:
-    if torch.cuda.is_available():
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    """One GPU per process (by local rank) when there are GPUs, else the CPU."""
+    from engine.parallel.launch import device_for
+    from engine.parallel.place import process_place
+
+    return device_for(process_place())
+
+
+def join_if_launched() -> None:
+    """A process started by `--nproc-per-node` (or torchrun, srun) joins its group: the processes then split
+    the shards and meet at barriers before the manifest is written."""
+    from engine.parallel.launch import join_process_group
+    from engine.parallel.place import process_place
+
+    if process_place().world_size > 1 and not dist.is_initialized():
+        join_process_group(BACKENDS, JOIN_TIMEOUT_S, device_for_extraction())
 
 
 def checkpoint_path(target: Path, step: int | None) -> Path:
@@ -175,7 +188,11 @@ class Extraction:
                 f"use --seq-len {self.model.cfg.max_seq_len} or less",
             )
         self.attention = AttentionCapture.make(
-            attention_targets(request.attention, outputs), request.heads, request.query_positions, self.model.cfg, self.seq_len
+            attention_targets(request.attention, outputs),
+            request.heads,
+            request.query_positions,
+            self.model.cfg,
+            self.seq_len,
         )
         if not self.layers and not self.attention.blocks:
             raise UserError("nothing to extract", "name modules with --layers, or attention with --attention")
@@ -184,7 +201,9 @@ class Extraction:
         ] + self.attention.columns(DTYPES[self.stored])
         self.tokens = open_tokens(self.encoder, request.data, request.text, request.max_tokens)
         per_window = sum(c.row_bytes * (self.seq_len if self.per_token(c) else 1) for c in self.columns)
-        self.plan = Plan.make(len(self.tokens), self.seq_len, request.batch_size, per_window, request.shard_mb << 20)
+        self.plan = Plan.make(
+            len(self.tokens), self.seq_len, request.batch_size, per_window, int(request.shard_mb * 2**20)
+        )
 
     def per_token(self, column: Column) -> bool:
         return column.name in self.layers and self.request.positions == "all"
@@ -205,18 +224,12 @@ class Extraction:
 
     def prepare(self) -> bool:
         """Create or reopen the output folder; True when it already holds this finished extraction. Every rank
-        checks; rank 0 writes `request.json` and the tokens before any rank writes a shard."""
+        checks the folder before any rank changes it (so all refuse together), then rank 0 writes
+        `request.json` and the tokens before any rank writes a shard."""
         wanted = dumps(self.identity())
-        if self.out.exists() and not (self.out / REQUEST).is_file() and any(self.out.iterdir()):
-            raise UserError(
-                f"--out {self.out} exists and is not a forge extract output",
-                "pass a new folder, or an earlier forge extract output to resume",
-            )
-        if (self.out / REQUEST).is_file() and (self.out / REQUEST).read_bytes() != wanted:
-            raise UserError(
-                f"--out {self.out} holds an extraction made with other arguments",
-                "rerun with the same arguments to resume it, or pass a new --out folder",
-            )
+        barrier()
+        self.check_out(wanted)
+        barrier()
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             for leftover in self.out.glob(f"*{TMP_SUFFIX}"):
@@ -227,6 +240,18 @@ class Extraction:
                 write_tokens(self.out / TOKENS, self.tokens.read(0, len(self.tokens)))
         barrier()
         return (self.out / MANIFEST).is_file()
+
+    def check_out(self, wanted: bytes) -> None:
+        if self.out.exists() and not (self.out / REQUEST).is_file() and any(self.out.iterdir()):
+            raise UserError(
+                f"--out {self.out} exists and is not a forge extract output",
+                "pass a new folder, or an earlier forge extract output to resume",
+            )
+        if (self.out / REQUEST).is_file() and (self.out / REQUEST).read_bytes() != wanted:
+            raise UserError(
+                f"--out {self.out} holds an extraction made with other arguments",
+                "rerun with the same arguments to resume it, or pass a new --out folder",
+            )
 
     def run(self, progress: Callable[[Progress], None] | None = None) -> Summary:
         resumed = (self.out / REQUEST).is_file()
@@ -373,9 +398,10 @@ def check_request(request: ExtractRequest) -> None:
         raise UserError(f"--dtype {request.dtype!r} is not one of {', '.join(STORED_DTYPES)}", "e.g. --dtype bf16")
     if request.storage not in ("shards", "npz"):
         raise UserError(f"--format {request.storage!r} is not one of shards, npz", "e.g. --format npz")
-    for flag, value in (("--batch-size", request.batch_size), ("--shard-mb", request.shard_mb)):
-        if value < 1:
-            raise UserError(f"{flag} {value} must be at least 1", f"e.g. {flag} 8")
+    if request.batch_size < 1:
+        raise UserError(f"--batch-size {request.batch_size} must be at least 1", "e.g. --batch-size 8")
+    if request.shard_mb <= 0:
+        raise UserError(f"--shard-mb {request.shard_mb} must be positive", f"e.g. --shard-mb {DEFAULT_SHARD_MB}")
     if request.seq_len is not None and request.seq_len < 1:
         raise UserError(f"--seq-len {request.seq_len} must be at least 1", "leave it out to use the model's context")
 

@@ -11,7 +11,7 @@ day it is added. The probe runs twice at different lengths so that a (batch, hea
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,10 +53,7 @@ def probe_outputs(model: nn.Module) -> dict[str, ModuleOutput]:
     device = next(model.parameters()).device
     for length in PROBE_LENGTHS:
         outputs: dict[str, object] = {}
-        handles = [
-            modules[name].register_forward_hook(lambda _m, _a, out, name=name: outputs.setdefault(name, out))
-            for name in names
-        ]
+        handles = [modules[name].register_forward_hook(keep_first(outputs, name)) for name in names]
         try:
             model(torch.zeros(2, length, dtype=torch.long, device=device))
         finally:
@@ -64,6 +61,11 @@ def probe_outputs(model: nn.Module) -> dict[str, ModuleOutput]:
                 handle.remove()
         seen[length] = outputs
     return {name: describe(name, [seen[length].get(name) for length in PROBE_LENGTHS]) for name in names}
+
+
+def keep_first(outputs: dict[str, object], name: str) -> Callable:
+    """A hook that records what `name` returns the first time it runs."""
+    return lambda _module, _args, out: outputs.setdefault(name, out)
 
 
 def describe(name: str, outputs: Sequence[object]) -> ModuleOutput:

@@ -206,7 +206,13 @@ def in_memory(xs: Sequence[np.ndarray], metric: str, **options: object) -> np.nd
     rows = len(xs[0])
     indices = list(range(len(xs)))
     return pairwise(
-        lambda a, b: [x[a:b] for x in xs], rows, [int(np.prod(x.shape[1:])) for x in xs], indices, indices, metric, **options
+        lambda a, b: [x[a:b] for x in xs],
+        rows,
+        [int(np.prod(x.shape[1:])) for x in xs],
+        indices,
+        indices,
+        metric,
+        **options,
     )
 
 
@@ -257,7 +263,9 @@ def compare(
     def chosen(acts: object, where: Path) -> list[str]:
         names = [n for n in acts.layers if not layers or any(matches(n, p) for p in layers)]
         if not names:
-            raise UserError(f"--layers {' '.join(layers)} matches no layer of {where}", f"it has {', '.join(acts.layers)}")
+            raise UserError(
+                f"--layers {' '.join(layers)} matches no layer of {where}", f"it has {', '.join(acts.layers)}"
+            )
         return names
 
     left, right = chosen(a, first), chosen(b, second or first)

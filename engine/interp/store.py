@@ -85,7 +85,7 @@ class ShardFile:
         raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
         self.data_start = 8 + len(raw)
-        self.file = open(self.tmp, "wb")
+        self.file = open(self.tmp, "wb")  # noqa: SIM115  (kept open while the batches arrive; commit closes it)
         self.file.write(struct.pack("<Q", len(raw)) + raw)
         self.file.truncate(self.data_start + offset)
 

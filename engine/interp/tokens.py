@@ -36,11 +36,10 @@ class TokenStream:
     def of(cls, pieces: Sequence[np.ndarray], identity: dict, limit: int | None) -> TokenStream:
         kept, total = [], 0
         for piece in pieces:
-            if limit is not None and total + len(piece) > limit:
-                piece = piece[: limit - total]
-            if len(piece):
-                kept.append(piece)
-                total += len(piece)
+            cut = piece if limit is None else piece[: max(0, limit - total)]
+            if len(cut):
+                kept.append(cut)
+                total += len(cut)
         starts = tuple(int(x) for x in np.cumsum([0, *(len(p) for p in kept)]))
         return cls(kept, identity, starts)
 
