@@ -99,6 +99,9 @@ def run(
         "--query-positions",
         help="Query positions of --attention (negative: from the window's end) [default: all].",
     ),
+    routing: list[str] = typer.Option(
+        None, "--routing", help="MoE blocks whose routing (chosen experts and their weights) to store per token."
+    ),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", min=1, help="Processes splitting the data."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary (or the layer list) as JSON."),
 ) -> None:
@@ -145,6 +148,7 @@ def run(
         attention=split(attention),
         heads=integers(heads, "--heads"),
         query_positions=integers(query_positions, "--query-positions"),
+        routing=split(routing),
     )
     join_if_launched()
     from engine.parallel.place import process_place

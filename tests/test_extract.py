@@ -298,3 +298,29 @@ def test_two_processes_write_what_one_writes_from_an_fsdp_checkpoint(setup, tmp_
         logits = reference(torch.from_numpy(acts.tokens[:SEQ].astype(np.int64))[None])[0]
     np.testing.assert_allclose(acts["output"][:SEQ], logits.numpy(), rtol=0, atol=1e-5)
     assert acts.manifest["step"] == 3
+
+
+def test_moe_routing_and_token_shards(setup, tmp_path):
+    """Routing of a MoE block as the router computed it, over a `forge tokenize` folder of the same text."""
+    _, _, data = setup
+    moe = ModelConfig(vocab_size=400, max_seq_len=SEQ, dim=32, n_layers=2, n_heads=2, num_experts=4, moe_top_k=2)
+    run = make_run(tmp_path / "moe", random_model(moe).eval(), with_tokenizer=True)
+    shards = tmp_path / "shards"
+    tokenize_files([data], shards, tokenizer=run / "tokenizer.json")
+    extract_cli(run, tmp_path / "acts", "--routing", "layers.*", "--layers", "layers.0", "--data", shards,
+                "--max-tokens", "70")  # fmt: skip
+    acts = load_activations(tmp_path / "acts")
+    experts, weights = acts["layers.1.routing.experts"], acts["layers.1.routing.weights"]
+    assert experts.shape == (70, 2) and experts.dtype == torch.int32 and weights.shape == (70, 2)
+    model = random_model(moe).eval()
+    seen = []
+    model.layers["1"].feed_forward.router.register_forward_hook(lambda m, a, out: seen.append(out))
+    for start in (0, SEQ, 2 * SEQ):
+        with torch.no_grad():
+            model(torch.from_numpy(acts.tokens[start : start + SEQ].astype(np.int64))[None])
+    assert np.array_equal(experts.numpy(), torch.cat([r.experts for r in seen]).numpy())
+    np.testing.assert_allclose(weights.numpy(), torch.cat([r.weights for r in seen]).numpy(), rtol=0, atol=1e-6)
+    direct = Extraction(run, tmp_path / "unused", ExtractRequest(layers=("norm",), data=str(data), max_tokens=70))
+    assert np.array_equal(acts.tokens, direct.tokens.read(0, 70))  # shards hold what the files tokenize to
+    result = forge("extract", setup[1], "--routing", "layers.*", "--text", "hi", "--out", tmp_path / "dense")
+    assert result.exit_code == 2 and "the model is dense" in result.said and not (tmp_path / "dense").exists()

@@ -25,14 +25,16 @@ from engine.checkpoint.locate import locate_checkpoint
 from engine.data.tokenizer import Encoder
 from engine.durable import TMP_SUFFIX, write_durably
 from engine.errors import UserError
-from engine.interp.attention import AttentionCapture, attention_targets
+from engine.interp.attention import CORE, AttentionCapture, attention_targets
 from engine.interp.modules import ModuleOutput, first_tensor, probe_outputs, resolve_layers
+from engine.interp.routing import RoutingCapture, routing_targets
 from engine.interp.store import (
     DTYPES,
     MANIFEST,
     NPZ,
     REQUEST,
     TOKENS,
+    TORCH_OF,
     Column,
     ShardFile,
     dumps,
@@ -68,6 +70,7 @@ class ExtractRequest:
     attention: tuple[str, ...] = ()
     heads: tuple[int, ...] = ()  # () = every head
     query_positions: tuple[int, ...] = ()  # () = every position; negative counts from the window's end
+    routing: tuple[str, ...] = ()  # MoE blocks whose routing (experts, weights) to store per token
 
 
 @dataclass
@@ -194,11 +197,17 @@ class Extraction:
             self.model.cfg,
             self.seq_len,
         )
-        if not self.layers and not self.attention.blocks:
-            raise UserError("nothing to extract", "name modules with --layers, or attention with --attention")
-        self.columns = [
-            Column(name, outputs[name].shape, DTYPES[self.stored]) for name in self.layers
-        ] + self.attention.columns(DTYPES[self.stored])
+        self.routing = RoutingCapture(tuple(routing_targets(request.routing, self.model)), self.model.cfg.moe_top_k)
+        if not self.layers and not self.attention.blocks and not self.routing.blocks:
+            raise UserError(
+                "nothing to extract",
+                "name modules with --layers, attention with --attention, MoE routing with --routing",
+            )
+        stored = DTYPES[self.stored]
+        routing = self.routing.columns(stored)
+        self.columns = [Column(name, outputs[name].shape, stored) for name in self.layers]
+        self.columns += self.attention.columns(stored) + routing
+        self.token_columns = {*self.layers, *(c.name for c in routing)}  # one row per token (the rest per window)
         self.tokens = open_tokens(self.encoder, request.data, request.text, request.max_tokens)
         per_window = sum(c.row_bytes * (self.seq_len if self.per_token(c) else 1) for c in self.columns)
         self.plan = Plan.make(
@@ -206,7 +215,7 @@ class Extraction:
         )
 
     def per_token(self, column: Column) -> bool:
-        return column.name in self.layers and self.request.positions == "all"
+        return column.name in self.token_columns and self.request.positions == "all"
 
     def identity(self) -> dict:
         """The request as it decides the output: arguments, checkpoint, model config, data."""
@@ -316,15 +325,13 @@ class Extraction:
         """One batch through the model up to the last requested module → column name → rows."""
         tokens = torch.from_numpy(np.stack([self.tokens.read(*self.plan.windows[w]) for w in window_ids]))
         caught: dict[str, torch.Tensor] = {}
-        wanted = {*self.layers, *(f"{block}.attention.core" for block in self.attention.blocks)}
+        catchers = self.catchers(len(window_ids), caught)
+        wanted = set(catchers)
         modules = dict(self.model.named_modules())
 
         def hook(name: str) -> Callable:
             def catch(module: nn.Module, args: tuple, output: object) -> None:
-                if name in self.layers:
-                    caught[name] = first_tensor(output)
-                if name.endswith(".attention.core") and name.removesuffix(".attention.core") in self.attention.blocks:
-                    self.attention.catch(name.removesuffix(".attention.core"), args, caught)
+                catchers[name](args, output)
                 wanted.discard(name)
                 if not wanted:
                     raise StopForward
@@ -342,10 +349,25 @@ class Extraction:
                 handle.remove()
         return {column.name: self.rows_of(column, caught[column.name]) for column in self.columns}
 
+    def catchers(self, batch: int, caught: dict[str, torch.Tensor]) -> dict[str, Callable[[tuple, object], None]]:
+        """Module name → what its forward hook keeps (a module may serve several captures)."""
+        jobs: dict[str, list[Callable[[tuple, object], None]]] = {}
+        for name in self.layers:
+            jobs.setdefault(name, []).append(lambda args, out, name=name: caught.__setitem__(name, first_tensor(out)))
+        for block in self.attention.blocks:
+            jobs.setdefault(f"{block}.{CORE}", []).append(
+                lambda args, out, block=block: self.attention.catch(block, args, caught)
+            )
+        for name, block in self.routing.modules().items():
+            jobs.setdefault(name, []).append(
+                lambda args, out, block=block: self.routing.catch(block, out, batch, caught)
+            )
+        return {name: lambda args, out, fns=fns: [fn(args, out) for fn in fns] for name, fns in jobs.items()}
+
     def rows_of(self, column: Column, value: torch.Tensor) -> torch.Tensor:
-        if column.name in self.layers:
+        if column.name in self.token_columns:
             value = value.reshape(-1, *column.shape) if self.per_token(column) else value[:, -1]
-        return value.to(self.stored)
+        return value.to(TORCH_OF[column.dtype])
 
     def finish(self) -> None:
         """Rank 0, every shard on disk: the `.npz` when asked, then the manifest (which marks the end)."""
@@ -370,6 +392,7 @@ class Extraction:
             "eos_id": self.encoder.eos_id,
             "layers": self.layers,
             "attention": self.attention.describe(),
+            "routing": list(self.routing.blocks),
             "columns": [{"name": c.name, "shape": list(c.shape), "dtype": c.dtype} for c in self.columns],
             "rows": {"positions": self.request.positions, "seq_len": self.seq_len, "windows": len(self.plan.windows)},
             "tokens": {"file": TOKENS, "count": len(self.tokens)},

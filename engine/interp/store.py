@@ -41,8 +41,8 @@ NPZ = "activations.npz"
 TOKENS_KEY = "tokens"
 
 # safetensors dtype names ↔ torch dtypes, and the numpy dtype their bytes are read as (bf16 as its bits)
-DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-STORAGE = {"F32": np.float32, "BF16": np.uint16, "F16": np.float16}
+DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int32: "I32"}
+STORAGE = {"F32": np.float32, "BF16": np.uint16, "F16": np.float16, "I32": np.int32}
 TORCH_OF = {name: dtype for dtype, name in DTYPES.items()}
 
 
