@@ -221,6 +221,13 @@ def test_list_layers_and_compare(setup, tmp_path):
     assert listed["layers.2"]["shape"] == [64] and listed["output"]["shape"] == [400]
     assert listed["layers.0.attention.wk"]["shape"] == [32] and listed["layers"]["shape"] is None
     extract_cli(run, tmp_path / "a", "--layers", "layers.*", "--data", data, "--max-tokens", "120")
+    extract_cli(
+        run, tmp_path / "last", "--layers", "layers.2", "--data", data, "--max-tokens", "120", "--positions", "last"
+    )
+    every, last = load_activations(tmp_path / "a"), load_activations(tmp_path / "last")
+    ends = [31, 63, 95, 119]  # the last position of each window (the fourth one is short)
+    assert np.array_equal(last.tokens, every.tokens[ends])
+    np.testing.assert_allclose(last["layers.2"].numpy(), every["layers.2"][ends], rtol=0, atol=1e-5)
     result = forge("extract", "compare", tmp_path / "a", "--metric", "cka", "--json")
     matrix = np.array(json.loads(result.output)["values"])
     assert matrix.shape == (3, 3) and np.allclose(np.diag(matrix), 1) and np.allclose(matrix, matrix.T)

@@ -76,14 +76,19 @@ class AttentionCapture:
             "query_positions": list(self.query_positions) or "all",
         }
 
-    def catch(self, block: str, args: tuple, caught: dict[str, torch.Tensor]) -> None:
+    def catch(self, block: str, args: tuple, kwargs: dict, caught: dict[str, torch.Tensor]) -> None:
         """From the core's inputs (q, k, v, mask, causal), the weights of the chosen heads and queries."""
-        q, k = args[0], args[1]
-        caught[self.column_name(block)] = self.weights(q, k)
+        inputs = dict(zip(("q", "k", "v", "mask", "causal"), args)) | kwargs
+        caught[self.column_name(block)] = self.weights(
+            inputs["q"], inputs["k"], inputs.get("mask"), inputs.get("causal", True)
+        )
 
-    def weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    def weights(
+        self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = True
+    ) -> torch.Tensor:
         """q (batch, heads, L, d), k (batch, kv_heads, L, d) → (batch, chosen heads, queries, seq_len) fp32, with
-        the causal mask SDPA applies; queries past a short window's end are rows of zeros."""
+        the masks SDPA applies (causal, and an explicit boolean or additive mask when the caller passes one);
+        queries past a short window's end are rows of zeros."""
         batch, n_heads, length, dim = q.shape
         heads = torch.tensor(self.heads, device=q.device)
         k = k[:, heads // (n_heads // k.shape[1])]  # the kv head each query head reads (grouped-query)
@@ -95,7 +100,12 @@ class AttentionCapture:
         if not inside:
             return out
         scores = (q[:, heads][:, :, rows].float() @ k.float().transpose(-1, -2)) / math.sqrt(dim)
-        future = torch.arange(length, device=q.device)[None, :] > rows[:, None]
-        scores = scores.masked_fill(future, float("-inf"))
-        out[:, :, inside, :length] = torch.softmax(scores, dim=-1)
+        if causal:
+            scores = scores.masked_fill(
+                torch.arange(k.shape[2], device=q.device)[None, :] > rows[:, None], float("-inf")
+            )
+        if mask is not None:
+            mask = mask.expand(batch, n_heads, length, k.shape[2])[:, heads][:, :, rows]
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+        out[:, :, inside, : k.shape[2]] = torch.softmax(scores, dim=-1)
         return out

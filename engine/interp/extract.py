@@ -330,15 +330,15 @@ class Extraction:
         modules = dict(self.model.named_modules())
 
         def hook(name: str) -> Callable:
-            def catch(module: nn.Module, args: tuple, output: object) -> None:
-                catchers[name](args, output)
+            def catch(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+                catchers[name](args, kwargs, output)
                 wanted.discard(name)
                 if not wanted:
                     raise StopForward
 
             return catch
 
-        handles = [modules[name].register_forward_hook(hook(name)) for name in sorted(wanted)]
+        handles = [modules[name].register_forward_hook(hook(name), with_kwargs=True) for name in sorted(wanted)]
         try:
             with torch.autocast(self.device.type, dtype=self.compute, enabled=self.compute != torch.float32):
                 self.model(tokens.to(self.device))
@@ -349,20 +349,20 @@ class Extraction:
                 handle.remove()
         return {column.name: self.rows_of(column, caught[column.name]) for column in self.columns}
 
-    def catchers(self, batch: int, caught: dict[str, torch.Tensor]) -> dict[str, Callable[[tuple, object], None]]:
+    def catchers(self, batch: int, caught: dict[str, torch.Tensor]) -> dict[str, Callable[[tuple, dict, object], None]]:
         """Module name → what its forward hook keeps (a module may serve several captures)."""
-        jobs: dict[str, list[Callable[[tuple, object], None]]] = {}
+        jobs: dict[str, list[Callable[[tuple, dict, object], None]]] = {}
         for name in self.layers:
-            jobs.setdefault(name, []).append(lambda args, out, name=name: caught.__setitem__(name, first_tensor(out)))
+            jobs.setdefault(name, []).append(lambda a, kw, out, name=name: caught.__setitem__(name, first_tensor(out)))
         for block in self.attention.blocks:
             jobs.setdefault(f"{block}.{CORE}", []).append(
-                lambda args, out, block=block: self.attention.catch(block, args, caught)
+                lambda a, kw, out, block=block: self.attention.catch(block, a, kw, caught)
             )
         for name, block in self.routing.modules().items():
             jobs.setdefault(name, []).append(
-                lambda args, out, block=block: self.routing.catch(block, out, batch, caught)
+                lambda a, kw, out, block=block: self.routing.catch(block, out, batch, caught)
             )
-        return {name: lambda args, out, fns=fns: [fn(args, out) for fn in fns] for name, fns in jobs.items()}
+        return {name: lambda a, kw, out, fns=fns: [fn(a, kw, out) for fn in fns] for name, fns in jobs.items()}
 
     def rows_of(self, column: Column, value: torch.Tensor) -> torch.Tensor:
         if column.name in self.token_columns:

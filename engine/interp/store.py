@@ -201,7 +201,10 @@ class Activations:
         self.folder, self.manifest, self.arrays = folder, manifest, arrays
         self.layers = list(manifest["layers"])
         rows = manifest["rows"]
-        self.tokens = stream[np.asarray(manifest["row_token_index"])] if rows["positions"] == "last" else stream
+        if rows["positions"] == "last":  # the last token of each window
+            ends = np.minimum(np.arange(1, rows["windows"] + 1) * rows["seq_len"], len(stream)) - 1
+            stream = np.asarray(stream[ends])
+        self.tokens = stream
 
     def __getitem__(self, name: str) -> LayerArray:
         if name not in self.arrays:
