@@ -272,7 +272,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent("""
     # the command as a worker of `forge extract --nproc-per-node 2` runs it (the group is joined already)
     try:
         app(["extract", str(run), "--out", str(run.parent / "two"), "--layers", "layers.*,output", "--data", data,
-             "--max-tokens", "300", "-b", "2", "--shard-mb", "0.02", "--attention", "layers.0"])
+             "--max-tokens", "300", "-b", "2", "--shard-mb", "0.02", "--attention", "layers.0", "--step", "3"])
     except SystemExit as ended:
         assert not ended.code, ended.code
     dist.destroy_process_group()
@@ -293,7 +293,7 @@ def test_two_processes_write_what_one_writes_from_an_fsdp_checkpoint(setup, tmp_
     assert result.returncode == 0, result.stdout[-4000:]
     assert len(list((run / "checkpoints" / "step_3").glob("*.distcp"))) == 2  # really sharded
     extract_cli(run, tmp_path / "one", "--layers", "layers.*,output", "--data", data, "--max-tokens", "300",
-                "-b", "2", "--shard-mb", "0.02", "--attention", "layers.0")  # fmt: skip
+                "-b", "2", "--shard-mb", "0.02", "--attention", "layers.0", "--step", "3")  # fmt: skip
     one, two = read_dir(tmp_path / "one"), read_dir(tmp_path / "two")
     assert sum(name.startswith("shard-") for name in one) >= 3 and one == two
     acts = load_activations(tmp_path / "one")
