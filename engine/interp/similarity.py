@@ -148,7 +148,7 @@ def pairwise(
         raise UserError(f"similarity needs at least 2 rows (got {rows})", "extract more tokens")
     if metric == "rsa":
         picked = np.unique(np.linspace(0, rows - 1, min(rows, rsa_rows)).round().astype(np.int64))
-        blocks = read_rows(read, picked, len(widths))
+        blocks = read_rows(read, picked, len(widths), batch_rows)
         rdms = [rdm(block) for block in blocks]
         return np.array([[spearman(rdms[p], rdms[q]) for q in right] for p in left])
     stats = GramStats(list(widths))
@@ -165,12 +165,17 @@ def pairwise(
     return np.array([[measure(p, q) for q in right] for p in left])
 
 
-def read_rows(read: Callable[[int, int], list[np.ndarray]], picked: np.ndarray, count: int) -> list[np.ndarray]:
-    """The picked rows of every representation, read one row range at a time."""
+def read_rows(
+    read: Callable[[int, int], list[np.ndarray]], picked: np.ndarray, count: int, batch_rows: int
+) -> list[np.ndarray]:
+    """The picked rows (sorted) of every representation, read batch by batch in order."""
     parts: list[list[np.ndarray]] = [[] for _ in range(count)]
-    for index in picked:
-        for p, block in enumerate(read(int(index), int(index) + 1)):
-            parts[p].append(np.asarray(block, dtype=np.float64).reshape(1, -1))
+    for start in range(0, int(picked[-1]) + 1, batch_rows):
+        inside = picked[(picked >= start) & (picked < start + batch_rows)] - start
+        if len(inside) == 0:
+            continue
+        for p, block in enumerate(read(start, min(start + batch_rows, int(picked[-1]) + 1))):
+            parts[p].append(np.asarray(block, dtype=np.float64).reshape(len(block), -1)[inside])
     return [np.concatenate(p) for p in parts]
 
 
@@ -185,12 +190,12 @@ def rdm(x: np.ndarray) -> np.ndarray:
 def ranks(values: np.ndarray) -> np.ndarray:
     """Ranks with ties averaged (what Spearman's correlation uses)."""
     order = np.argsort(values, kind="stable")
-    sorted_values = values[order]
-    ranked = np.empty(len(values))
-    starts = np.flatnonzero(np.r_[True, sorted_values[1:] != sorted_values[:-1]])
+    ordered = values[order]
+    new_group = np.r_[True, ordered[1:] != ordered[:-1]]
+    starts = np.flatnonzero(new_group)
     ends = np.r_[starts[1:], len(values)]
-    for start, end in zip(starts, ends):
-        ranked[order[start:end]] = (start + end - 1) / 2
+    ranked = np.empty(len(values))
+    ranked[order] = ((starts + ends - 1) / 2)[np.cumsum(new_group) - 1]
     return ranked
 
 
