@@ -246,7 +246,7 @@ class Extraction:
             if not (self.out / REQUEST).is_file():
                 write_durably(self.out / REQUEST, wanted)
             if not (self.out / TOKENS).is_file():
-                write_tokens(self.out / TOKENS, self.tokens.read(0, len(self.tokens)))
+                write_tokens(self.out / TOKENS, self.tokens)
         barrier()
         return (self.out / MANIFEST).is_file()
 

@@ -128,8 +128,19 @@ def read_shard(path: Path) -> dict[str, np.ndarray]:
     return arrays
 
 
-def write_tokens(path: Path, tokens: np.ndarray) -> None:
-    atomic_write(path, lambda f: np.lib.format.write_array(f, tokens.astype(np.uint32), allow_pickle=False))
+TOKEN_CHUNK = 1 << 22  # tokens copied at a time: the stream itself may be larger than memory
+
+
+def write_tokens(path: Path, stream: Any) -> None:
+    """The token ids of a TokenStream as one uint32 `.npy`, copied chunk by chunk."""
+
+    def write(f: Any) -> None:
+        total = len(stream)
+        np.lib.format.write_array_header_1_0(f, {"descr": "<u4", "fortran_order": False, "shape": (total,)})
+        for start in range(0, total, TOKEN_CHUNK):
+            f.write(stream.read(start, min(total, start + TOKEN_CHUNK)).astype("<u4").tobytes())
+
+    atomic_write(path, write)
 
 
 def write_npz(folder: Path, shards: Sequence[Path], columns: Sequence[Column]) -> None:
