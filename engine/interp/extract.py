@@ -43,7 +43,7 @@ from engine.interp.store import (
     write_npz,
     write_tokens,
 )
-from engine.interp.tokens import open_tokens, windows
+from engine.interp.tokens import open_tokens
 from engine.precision import compute_dtype
 
 STORED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -75,6 +75,8 @@ class ExtractRequest:
 
 @dataclass
 class Progress:
+    """Of this process's share of the data (all of it with one process)."""
+
     tokens_done: int
     tokens_total: int
     bytes_written: int
@@ -152,22 +154,47 @@ def config_sha256(model: nn.Module) -> str:
 @dataclass(frozen=True)
 class Plan:
     """Windows cut into batches (a shorter last window alone, so a batch is rectangular) and batches grouped
-    into shards of about `shard_mb`."""
+    into shards of about `shard_mb`. Arithmetic, not lists: its size does not grow with the data."""
 
-    windows: list[tuple[int, int]]
-    batches: list[list[int]]  # window indices
-    shards: list[list[int]]  # batch indices
+    total: int  # tokens
+    seq_len: int
+    batch_size: int
+    per_shard: int  # batches
 
     @classmethod
     def make(cls, total: int, seq_len: int, batch_size: int, window_bytes: int, shard_bytes: int) -> Plan:
-        wins = windows(total, seq_len)
-        full = [i for i, (a, b) in enumerate(wins) if b - a == seq_len]
-        batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
-        if len(full) < len(wins):
-            batches.append([len(wins) - 1])
-        per_shard = max(1, shard_bytes // max(1, window_bytes * batch_size))
-        shards = [list(range(i, min(i + per_shard, len(batches)))) for i in range(0, len(batches), per_shard)]
-        return cls(wins, batches, shards)
+        return cls(total, seq_len, batch_size, max(1, shard_bytes // max(1, window_bytes * batch_size)))
+
+    @property
+    def windows(self) -> int:
+        return -(-self.total // self.seq_len)
+
+    def window(self, index: int) -> tuple[int, int]:
+        """[start, end) of window `index` in the token stream."""
+        return index * self.seq_len, min((index + 1) * self.seq_len, self.total)
+
+    @property
+    def full_batches(self) -> int:
+        return -(-(self.total // self.seq_len) // self.batch_size)
+
+    @property
+    def batches(self) -> int:
+        return self.full_batches + (self.total % self.seq_len > 0)
+
+    def batch(self, index: int) -> range:
+        """The window indices of batch `index`."""
+        full = self.total // self.seq_len
+        if index < self.full_batches:
+            return range(index * self.batch_size, min((index + 1) * self.batch_size, full))
+        return range(full, full + 1)
+
+    @property
+    def shards(self) -> int:
+        return -(-self.batches // self.per_shard)
+
+    def shard(self, index: int) -> range:
+        """The batch indices of shard `index`."""
+        return range(index * self.per_shard, min((index + 1) * self.per_shard, self.batches))
 
 
 class Extraction:
@@ -269,12 +296,13 @@ class Extraction:
         if finished:
             if self.rank == 0:
                 self.remove_joined_shards()  # a run killed after its manifest, while removing them
-            summary.shards_skipped = len(self.plan.shards)
+            summary.shards_skipped = self.plan.shards
             return summary
+        mine = range(self.rank, self.plan.shards, self.world)  # shards are dealt out round-robin
+        share = sum(self.shard_tokens(self.plan.shard(index)) for index in mine)
         done = 0
-        for index, batches in enumerate(self.plan.shards):
-            if index % self.world != self.rank:
-                continue
+        for index in mine:
+            batches = self.plan.shard(index)
             path = self.out / shard_name(index)
             tokens = self.shard_tokens(batches)
             if path.is_file() or (self.out / NPZ).is_file():
@@ -285,7 +313,7 @@ class Extraction:
                 summary.bytes += path.stat().st_size
             done += tokens
             if progress is not None:
-                progress(Progress(done, len(self.tokens), summary.bytes))
+                progress(Progress(done, share, summary.bytes))
         barrier()
         if self.rank == 0:
             self.finish()
@@ -293,18 +321,18 @@ class Extraction:
         return summary
 
     def shard_tokens(self, batches: Sequence[int]) -> int:
-        wins = [self.plan.windows[w] for b in batches for w in self.plan.batches[b]]
+        wins = [self.plan.window(w) for b in batches for w in self.plan.batch(b)]
         return sum(end - start for start, end in wins)
 
     def rows(self) -> int:
         if self.request.positions == "last":
-            return len(self.plan.windows)
+            return self.plan.windows
         return len(self.tokens)
 
     def shard_rows(self, batches: Sequence[int], column: Column) -> int:
-        wins = [w for b in batches for w in self.plan.batches[b]]
+        wins = [w for b in batches for w in self.plan.batch(b)]
         if self.per_token(column):
-            return sum(self.plan.windows[w][1] - self.plan.windows[w][0] for w in wins)
+            return sum(self.plan.window(w)[1] - self.plan.window(w)[0] for w in wins)
         return len(wins)
 
     def write_shard(self, path: Path, batches: Sequence[int]) -> None:
@@ -312,7 +340,7 @@ class Extraction:
         try:
             rows = dict.fromkeys((c.name for c in self.columns), 0)
             for b in batches:
-                for name, values in self.forward(self.plan.batches[b]).items():
+                for name, values in self.forward(self.plan.batch(b)).items():
                     shard.write(name, rows[name], values)
                     rows[name] += len(values)
             shard.commit()
@@ -323,7 +351,7 @@ class Extraction:
     @torch.no_grad()
     def forward(self, window_ids: Sequence[int]) -> dict[str, torch.Tensor]:
         """One batch through the model up to the last requested module → column name → rows."""
-        tokens = torch.from_numpy(np.stack([self.tokens.read(*self.plan.windows[w]) for w in window_ids]))
+        tokens = torch.from_numpy(np.stack([self.tokens.read(*self.plan.window(w)) for w in window_ids]))
         caught: dict[str, torch.Tensor] = {}
         catchers = self.catchers(len(window_ids), caught)
         wanted = set(catchers)
@@ -371,7 +399,7 @@ class Extraction:
 
     def finish(self) -> None:
         """Rank 0, every shard on disk: the `.npz` when asked, then the manifest (which marks the end)."""
-        names = [shard_name(i) for i in range(len(self.plan.shards))]
+        names = [shard_name(i) for i in range(self.plan.shards)]
         if self.request.storage == "npz" and not (self.out / NPZ).is_file():
             write_npz(self.out, [self.out / n for n in names], self.columns)
         write_manifest(self.out, self.manifest(names))
@@ -379,7 +407,7 @@ class Extraction:
 
     def remove_joined_shards(self) -> None:
         if self.request.storage == "npz":
-            for index in range(len(self.plan.shards)):
+            for index in range(self.plan.shards):
                 (self.out / shard_name(index)).unlink(missing_ok=True)
 
     def manifest(self, shards: list[str]) -> dict:
@@ -394,7 +422,7 @@ class Extraction:
             "attention": self.attention.describe(),
             "routing": list(self.routing.blocks),
             "columns": [{"name": c.name, "shape": list(c.shape), "dtype": c.dtype} for c in self.columns],
-            "rows": {"positions": self.request.positions, "seq_len": self.seq_len, "windows": len(self.plan.windows)},
+            "rows": {"positions": self.request.positions, "seq_len": self.seq_len, "windows": self.plan.windows},
             "tokens": {"file": TOKENS, "count": len(self.tokens)},
             "storage": self.request.storage,
             "shards": shards if self.request.storage == "shards" else [],

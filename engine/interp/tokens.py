@@ -117,8 +117,3 @@ def add_encoded(pieces: list[np.ndarray], encoder: Encoder, texts: list[str]) ->
     encoded = encoder.encode(texts)
     pieces.extend(encoded)
     return sum(len(e) for e in encoded)
-
-
-def windows(total: int, seq_len: int) -> list[tuple[int, int]]:
-    """[start, end) of each window: consecutive `seq_len` cuts, the last one shorter when the tokens run out."""
-    return [(start, min(start + seq_len, total)) for start in range(0, total, seq_len)]
