@@ -335,3 +335,16 @@ def test_moe_routing_and_token_shards(setup, tmp_path):
     assert np.array_equal(acts.tokens, direct.tokens.read(0, 70))  # shards hold what the files tokenize to
     result = forge("extract", setup[1], "--routing", "layers.*", "--text", "hi", "--out", tmp_path / "dense")
     assert result.exit_code == 2 and "the model is dense" in result.said and not (tmp_path / "dense").exists()
+
+
+def test_indexing_a_layer_across_shards_is_numpy_indexing():
+    from engine.interp.store import LayerArray
+
+    whole = np.arange(40, dtype=np.float32).reshape(20, 2)
+    layer = LayerArray([whole[:7], whole[7:12], whole[12:]], "F32")
+    picks = [slice(3, 15), slice(None, None, 3), slice(-5, None), slice(15, 3, -2), slice(5, 5), 4, -1, [19, 2, 8]]
+    picks += [np.arange(20) % 3 == 0, (slice(2, 9), 1), (5, 0)]
+    assert len(picks) == 11
+    for pick in picks:
+        assert np.array_equal(layer[pick], whole[pick]), pick
+    assert layer.shape == (20, 2) and np.array_equal(layer.numpy(), whole)

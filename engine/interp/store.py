@@ -177,14 +177,23 @@ class LayerArray:
         return self.shape[0]
 
     def __getitem__(self, index: Any) -> np.ndarray | torch.Tensor:
-        rows = np.arange(len(self))[index[0] if isinstance(index, tuple) else index]
+        first = index[0] if isinstance(index, tuple) else index
         rest = index[1:] if isinstance(index, tuple) else ()
+        if isinstance(first, slice):  # only the selected row numbers are ever made, not one per row
+            chosen = range(len(self))[first]
+            rows = np.arange(chosen.start, chosen.stop, chosen.step)
+        elif isinstance(first, (int, np.integer)):
+            rows = np.int64(range(len(self))[first])
+        else:
+            rows = np.asarray(first)
+            rows = np.where(rows < 0, rows + len(self), rows) if rows.dtype != bool else np.flatnonzero(rows)
         if np.ndim(rows) == 0:
             piece = int(np.searchsorted(self.starts, rows, side="right") - 1)
             return self.wrap(self.pieces[piece][(rows - self.starts[piece], *rest)])
         which = np.searchsorted(self.starts, rows, side="right") - 1
-        parts = [self.pieces[p][rows[which == p] - self.starts[p]] for p in np.unique(which)]
-        joined = np.concatenate(parts) if parts else np.zeros((0, *self.shape[1:]), self.pieces[0].dtype)
+        joined = np.empty((len(rows), *self.shape[1:]), self.pieces[0].dtype)
+        for p in np.unique(which):  # each shard read once, rows kept in the order asked
+            joined[which == p] = self.pieces[p][rows[which == p] - self.starts[p]]
         return self.wrap(joined[(slice(None), *rest)])
 
     def wrap(self, array: np.ndarray) -> np.ndarray | torch.Tensor:
