@@ -145,10 +145,11 @@ def test_bf16_is_exact_and_npz_equals_shards(setup, tmp_path):
 
 def test_killed_at_random_moments_resumes_byte_identical(setup, tmp_path):
     _, run, data = setup
-    args = ["--layers", "layers.*", "--data", str(data), "--shard-mb", "0.002", "-b", "1", "--positions", "all"]
+    args = ["--layers", "layers.*", "--data", str(data), "--max-tokens", "380", "--shard-mb", "0.002", "-b", "1"]
+    args += ["--positions", "all"]
     extract_cli(run, tmp_path / "reference", *args)
     reference = read_dir(tmp_path / "reference")
-    assert sum(name.startswith("shard-") for name in reference) > 20
+    assert sum(name.startswith("shard-") for name in reference) == 12  # one window per shard
     interrupted = 0
     for seed in range(3):
         out = tmp_path / f"killed{seed}"
@@ -156,7 +157,7 @@ def test_killed_at_random_moments_resumes_byte_identical(setup, tmp_path):
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         chance = random.Random(seed)
-        done_before_kill = chance.randint(0, 12)  # shards on disk when the kill lands (of about 22)
+        done_before_kill = chance.randint(0, 8)  # shards on disk when the kill lands (of 12)
         deadline = time.monotonic() + 60
         while proc.poll() is None and time.monotonic() < deadline:
             if (out / "tokens.npy").exists() and len(list(out.glob("shard-*.safetensors"))) >= done_before_kill:
