@@ -6,7 +6,20 @@ import sys
 
 import typer
 
-from forgecli import checkpoint, convert, doctor, generate, init, resume, runs, slurm, tokenize, train, validate_config
+from forgecli import (
+    checkpoint,
+    convert,
+    doctor,
+    extract,
+    generate,
+    init,
+    resume,
+    runs,
+    slurm,
+    tokenize,
+    train,
+    validate_config,
+)
 from forgecli.completion import OverrideCommand
 
 app = typer.Typer(
@@ -30,6 +43,7 @@ app.command("generate")(generate.generate)
 app.command("init")(init.init)
 app.add_typer(runs.app, name="runs")
 app.add_typer(slurm.app, name="slurm")
+app.add_typer(extract.app, name="extract")
 
 
 def main() -> None:
