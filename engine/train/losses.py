@@ -114,12 +114,15 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             for chunk in chunks(tokens, chunk_size):
                 h = hidden[chunk].to(dtype)
                 logits = (h @ head.T).float()
-                lse[chunk] = torch.logsumexp(logits, dim=-1)
-                nll += (lse[chunk] - logits.gather(1, labels[chunk, None]).squeeze(1)).sum()
+                target = logits.gather(1, labels[chunk, None]).squeeze(1)
                 if with_grads:
-                    grad_logits = chunk_logits_grad(logits, lse[chunk], labels[chunk], z_loss_weight).to(dtype)
+                    grad_logits, lse[chunk] = softmax_grad(logits, labels[chunk], z_loss_weight)
+                    grad_logits = grad_logits.to(dtype)
                     grad_hidden[chunk] = grad_logits @ head
                     accumulate_product(grad_head, grad_logits.T, h)
+                else:
+                    lse[chunk] = torch.logsumexp(logits, dim=-1)
+                nll += (lse[chunk] - target).sum()
             loss = (nll + z_loss_weight * lse.square().sum()) / tokens
         if with_grads:  # the mean's 1/tokens last, in the gradients' own dtype: nothing small is rounded to bf16
             ctx.save_for_backward(grad_hidden.div_(tokens), grad_head.div_(tokens).to(weight.dtype))
@@ -134,16 +137,20 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def chunk_logits_grad(
-    logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, z_loss_weight: float
-) -> torch.Tensor:
-    """tokens × d loss / d logits for one chunk, written over `logits` (fp32): the summed cross-entropy's
-    softmax − onehot, with z-loss's 2w·lse·softmax added. Values in [-1, 1 + 2w·lse], safe in bf16/fp16."""
-    grad = logits.sub_(lse[:, None]).exp_()  # softmax
+def softmax_grad(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens × d loss / d logits, logsumexp) for one chunk, the gradient written over `logits` (fp32) in
+    four passes (max, exp of the difference, sum, scale): the summed cross-entropy's softmax − onehot, with
+    z-loss's 2w·lse·softmax added. Values in [-1, 1 + 2w·lse], safe to round to bf16/fp16."""
+    peak = logits.amax(dim=-1, keepdim=True)
+    grad = logits.sub_(peak).exp_()
+    total = grad.sum(dim=-1, keepdim=True)
+    lse = total.log() + peak
+    scale = total.reciprocal()
     if z_loss_weight:
-        grad.mul_(1 + 2 * z_loss_weight * lse[:, None])
+        scale = scale * (1 + 2 * z_loss_weight * lse)
+    grad.mul_(scale)
     grad[torch.arange(grad.shape[0], device=grad.device), labels] -= 1
-    return grad
+    return grad, lse.squeeze(1)
 
 
 def accumulate_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
