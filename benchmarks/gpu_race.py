@@ -23,8 +23,12 @@ which only grows, so it is not comparable across sides there). Sides run one aft
 freed before the next is built, in alternating order across modes.
 
     python benchmarks/gpu_race.py --device cuda --out race_1b.json                         # one H100
-    python benchmarks/gpu_race.py --device cuda --preset presets/8b.toml --seq-len 8192 --batch-size 1
+    python benchmarks/gpu_race.py --device cuda --seq-len 8192 --batch-size 1 --out race_1b_8k.json
     python benchmarks/gpu_race.py --device cpu --toy --modes bf16 --steps 2 --warmup 1     # the suite's check
+
+Both sides keep fp32 weights, gradients and AdamW state on the one device (16 bytes a parameter), so the
+1B preset (1.24B parameters, ~20 GB) fits an H100 and the 8B one (~128 GB before activations) does not:
+an 8B race needs FSDP over several GPUs, which this one-device script does not set up.
 """
 
 from __future__ import annotations
