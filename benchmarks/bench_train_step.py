@@ -1,7 +1,9 @@
 """Our training step vs Hugging Face `transformers` LlamaForCausalLM + torch.optim.AdamW, same process.
 
-Both models get the same shape, batch, sequence length, dtype and thread count, and the same loss
-function applied to their logits, so the ratio measures model + optimizer implementation only.
+Both models get the same shape, batch, sequence length, dtype and thread count. Forge's step is the one
+`forge train` runs: its model, its loss (`train.loss_fn`, default as configured; `--loss-fn` picks
+another), `train.compile_model` with `--compile`. `transformers` gets Forge's plain cross-entropy on its
+logits (the same computation as its own `ForCausalLMLoss`).
 `transformers` runs twice: with torch.optim.AdamW as constructed by default (the usual HF training
 step) and with the fused AdamW kernel Forge uses, so the optimizer's share of the difference is visible.
 Steps are timed in alternating rounds (ours, theirs, ours, …) so machine drift hits both alike.
@@ -21,11 +23,14 @@ import torch
 import transformers
 from bench_args import emit, model_config, model_parser
 
+from engine.config.job import JobConfig
 from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
+from engine.config.train import TrainConfig
 from engine.model import build_model
+from engine.parallel.apply import parallelize
 from engine.precision import COMPUTE_DTYPES, autocast
-from engine.train.losses import cross_entropy
+from engine.train.losses import build_loss, cross_entropy
 from engine.train.optim import build_optimizer
 
 
@@ -48,48 +53,66 @@ def hf_llama(cfg: ModelConfig) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(hf_cfg)
 
 
-def step_timer(model, optimizer, logits_of, batch, device, dtype):
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def step_timer(model, optimizer, loss_of, batch, device, dtype, clock=time.perf_counter):
     inputs, labels = batch
 
     def step() -> float:
-        start = time.perf_counter()
+        start = clock()
         with autocast(device, dtype):
-            loss = cross_entropy(logits_of(model, inputs), labels)
+            loss = loss_of(model, inputs, labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return clock() - start
 
     return step
 
 
 def main() -> None:
-    args = model_parser(__doc__, batch_size=16, warmup=3, steps=8).parse_args()
+    parser = model_parser(__doc__, batch_size=16, warmup=3, steps=8)
+    parser.add_argument("--loss-fn", default=TrainConfig().loss_fn, help="Forge's train.loss_fn")
+    parser.add_argument("--compile", action="store_true", help="Forge with train.compile_model = true")
+    parser.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="wall: elapsed time; cpu: this process's CPU time (all threads), for a machine other jobs share",
+    )
+    args = parser.parse_args()
+    train_cfg = TrainConfig(loss_fn=args.loss_fn, compile_model=args.compile)
+    clock = CLOCKS[args.clock]
 
     device, dtype = torch.device(args.device), COMPUTE_DTYPES[args.dtype]
     cfg = model_config(args)
     torch.manual_seed(0)
     batch = tuple(torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), device=device) for _ in range(2))
     ours = build_model(cfg).to(device)
+    ours_train = parallelize(ours, JobConfig(model=cfg, train=train_cfg))  # what forge train applies on one device
     theirs, theirs_fused = hf_llama(cfg).to(device), hf_llama(cfg).to(device)
     assert ours.num_parameters() == theirs.num_parameters(), (ours.num_parameters(), theirs.num_parameters())
-    hf_logits = lambda m, x: m(input_ids=x).logits  # noqa: E731
+    hf_loss = lambda m, x, y: cross_entropy(m(input_ids=x).logits, y)  # noqa: E731
     adamw = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     timers = {
-        "forge": step_timer(ours, build_optimizer(ours, OptimizerConfig()), lambda m, x: m(x), batch, device, dtype),
+        "forge": step_timer(
+            ours_train, build_optimizer(ours, OptimizerConfig()), build_loss(train_cfg), batch, device, dtype, clock
+        ),
         "transformers": step_timer(
-            theirs, torch.optim.AdamW(theirs.parameters(), **adamw), hf_logits, batch, device, dtype
+            theirs, torch.optim.AdamW(theirs.parameters(), **adamw), hf_loss, batch, device, dtype, clock
         ),
         "transformers_fused_adamw": step_timer(
             theirs_fused,
             torch.optim.AdamW(theirs_fused.parameters(), fused=True, **adamw),
-            hf_logits,
+            hf_loss,
             batch,
             device,
             dtype,
+            clock,
         ),
     }
     for step in timers.values():
@@ -110,6 +133,7 @@ def main() -> None:
         **vars(args),
         "parameters": ours.num_parameters(),
         "threads": torch.get_num_threads(),
+        "clock": args.clock,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

@@ -37,9 +37,11 @@ def start_line(info: dict[str, Any]) -> str:
     active = (
         f" ({params['active']:,} active per token)" if params.get("active", params["total"]) != params["total"] else ""
     )
+    peak = info.get("peak_flops")
+    mfu_basis = f", MFU against {peak / 1e9:,.1f} GFLOP/s peak per device" if peak else ", no MFU (peak unknown)"
     return (
         f"training {params['total']:,} parameters{active} on {info['device']} ({info['dtype']}), "
-        f"{info['max_steps']} steps × {info['tokens_per_step']:,} tokens{resumed} → {info['run_dir']}"
+        f"{info['max_steps']} steps × {info['tokens_per_step']:,} tokens{resumed}{mfu_basis} → {info['run_dir']}"
     )
 
 

@@ -58,6 +58,25 @@ def test_chunked_under_bf16_autocast_is_close_to_plain():
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
 
 
+def test_chunked_does_the_plain_losss_matmuls_once_and_none_without_grad():
+    """Training: exactly the plain loss's matmul FLOPs (forward + the two gradient products; the logits
+    are not recomputed). Evaluation (no grad): the forward product only."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    in_place = {torch.ops.aten.addmm_: lambda out, a, b, *args, **kwargs: 2 * a[0] * a[1] * b[1]}  # not in torch's
+    flops = {}
+    for name, loss_of in (("plain", plain), ("chunked", lambda h, w, y, z: chunked_cross_entropy(h, w, y, 8, z))):
+        with FlopCounterMode(display=False, custom_mapping=in_place) as counter:
+            loss_of(*inputs(), 1e-2).backward()
+        flops[name] = counter.get_total_flops()
+    assert flops["chunked"] == flops["plain"] == 3 * 2 * BATCH * SEQ * DIM * VOCAB
+    hidden, weight, labels = inputs()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        loss = chunked_cross_entropy(hidden, weight, labels, 8, 1e-2)
+    assert counter.get_total_flops() == 2 * BATCH * SEQ * DIM * VOCAB
+    torch.testing.assert_close(loss, plain(hidden, weight, labels, 1e-2).detach(), rtol=0, atol=1e-6)
+
+
 class LargestTensor(TorchDispatchMode):
     """Records the largest number of elements of any tensor an op produces."""
 

@@ -12,9 +12,8 @@ from torch.utils import flop_counter
 
 from engine.config import JobConfig
 from engine.errors import UserError
-from engine.metrics import mfu as mfu_module
 from engine.metrics.memory import memory_stats
-from engine.metrics.mfu import measured_cpu_flops, mfu, peak_flops
+from engine.metrics.mfu import mfu, peak_flops
 from engine.metrics.trackers import build_trackers
 
 
@@ -194,18 +193,82 @@ def test_bad_env_override_is_a_user_error(monkeypatch: pytest.MonkeyPatch, value
         peak_flops(torch.device("cpu"), torch.float32)
 
 
-def test_cpu_peak_is_measured_once(monkeypatch: pytest.MonkeyPatch):
+ZEN4_KVM = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+cpu MHz\t\t: 2596.138
+siblings\t: 2
+cpu cores\t: 2
+flags\t\t: fpu lm fma avx avx2 avx512f avx512bw avx512_bf16
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+"""
+
+SPR = """vendor_id\t: GenuineIntel
+cpu family\t: 6
+model name\t: Intel(R) Xeon(R) Platinum 8480+ @ 2.00GHz
+cpu MHz\t\t: 1900.000
+siblings\t: 112
+cpu cores\t: 56
+flags\t\t: fpu lm fma avx avx2 avx512f avx512_bf16 amx_bf16 amx_tile
+"""
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "max_khz", "logical", "threads", "dtype", "expected"),
+    [
+        # Zen 4 runs AVX-512 on two 256-bit FMA units: 2 cores × 2 FLOP × 8 lanes × 2 units × 2.596 GHz
+        (ZEN4_KVM, None, 2, 2, "float32", 2 * 32 * 2596.138e6),
+        (ZEN4_KVM, None, 2, 1, "float32", 1 * 32 * 2596.138e6),  # one thread: one core's units
+        (ZEN4_KVM, None, 2, 8, "float32", 2 * 32 * 2596.138e6),  # more threads than cores add nothing
+        (ZEN4_KVM, None, 2, 2, "bfloat16", 2 * 64 * 2596.138e6),  # VDPBF16PS: twice the fp32 rate
+        (ZEN4_KVM, None, 2, 2, "float16", 2 * 32 * 2596.138e6),  # no fp16 math: converted to fp32
+        (
+            ZEN4_KVM.replace("family\t: 25", "family\t: 26"),
+            None,
+            2,
+            2,
+            "float32",
+            2 * 64 * 2596.138e6,
+        ),  # Zen 5: 512-bit units
+        (ZEN4_KVM, "3700000", 2, 2, "float32", 2 * 32 * 3.7e9),  # cpufreq's boost clock wins over cpu MHz
+        # Sapphire Rapids: clock from the model name; 112 logical CPUs are 56 cores (SMT 2); AMX for bf16
+        (SPR, None, 112, 112, "float32", 56 * 64 * 2.0e9),
+        (SPR, None, 112, 112, "bfloat16", 56 * 1024 * 2.0e9),
+    ],
+)
+def test_cpu_peak_from_its_description(cpuinfo, max_khz, logical, threads, dtype, expected):
+    from engine.metrics.cpu_peak import describe
+
+    cpu = describe(cpuinfo, max_khz, logical)
+    assert cpu is not None
+    assert cpu.peak(dtype, threads) == pytest.approx(expected)
+
+
+def test_cpu_without_a_description_has_no_peak():
+    from engine.metrics.cpu_peak import describe
+
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\n"
+    assert describe(arm, None, 4) is None
+    assert describe(ZEN4_KVM.replace("cpu MHz\t\t: 2596.138\n", ""), None, 2) is None  # no clock stated
+
+
+def test_cpu_peak_is_this_machines_description_not_a_timing(monkeypatch: pytest.MonkeyPatch):
+    """The peak the trainer divides by is the same figure every time (no micro-benchmark), at least what
+    this machine's description allows, and MFU never comes out above 1."""
+    from engine.metrics.cpu_peak import this_cpu
+
     monkeypatch.delenv("FORGE_PEAK_FLOPS", raising=False)
-    monkeypatch.setattr(mfu_module, "CPU_MATMUL_SIZE", 256)
-    monkeypatch.setattr(mfu_module, "CPU_MEASURE_SECONDS", 0.05)
-    measured_cpu_flops.cache_clear()
-    try:
-        first = peak_flops(torch.device("cpu"), torch.float32)
-        assert first is not None and 1e8 < first < 1e14
-        assert peak_flops(torch.device("cpu"), torch.bfloat16) == first
-        assert measured_cpu_flops.cache_info().misses == 1
-    finally:
-        measured_cpu_flops.cache_clear()
+    cpu = this_cpu()
+    if cpu is None:
+        pytest.skip("no x86-64 /proc/cpuinfo here")
+    peaks = {peak_flops(torch.device("cpu"), torch.float32) for _ in range(3)}
+    assert peaks == {cpu.peak("float32", torch.get_num_threads())}
+    assert mfu(1e6, 0.99 * peaks.pop() / 1e6, cpu.peak("float32", torch.get_num_threads())) == pytest.approx(0.99)
+    assert mfu(1e6, 2e6, 1e12) is None  # 2e12 FLOP/s over a 1e12 peak: the peak is wrong, not 200%
 
 
 def test_cpu_memory_stats():

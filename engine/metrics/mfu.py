@@ -1,9 +1,10 @@
 """Model FLOPs utilisation: achieved training FLOP/s over the device's dense peak FLOP/s.
 
 Peaks are vendor datasheet figures for dense math (never the 2:4-sparsity numbers), per device as torch
-sees it. On a CPU there is no meaningful datasheet peak, so the peak is the rate this process measures for
-a large fp32 matmul: CPU MFU says how close training comes to the machine's own matmul speed.
-`FORGE_PEAK_FLOPS` (FLOP/s, e.g. `989e12`) overrides everything, for devices missing from the table.
+sees it. On a CPU the peak is computed from the CPU's own description (engine.metrics.cpu_peak: cores ×
+FMA width × FMA units × clock), never timed: a start-up matmul benchmark moves with whatever else the
+machine is doing, and MFU must not. `FORGE_PEAK_FLOPS` (FLOP/s, e.g. `989e12`) overrides everything, for
+devices missing from the table.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import functools
 import math
 import os
 import re
-import time
 from dataclasses import dataclass
 
 import torch
 
 from engine.errors import UserError
+from engine.metrics.cpu_peak import CpuDescription, this_cpu
 
 PEAK_ENV = "FORGE_PEAK_FLOPS"
 T = 1e12
@@ -55,9 +56,6 @@ GPU_PEAKS: tuple[tuple[str, DevicePeak], ...] = (
     (r"\bMI250X\b", DevicePeak(bf16=191.5 * T, fp16=191.5 * T, tf32=None, fp32=47.9 * T)),  # one GCD = one torch device
 )
 
-CPU_MATMUL_SIZE = 2048
-CPU_MEASURE_SECONDS = 0.5
-
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     """Dense peak FLOP/s of `device` for matmuls in `dtype`; None when unknown (MFU is then not reported)."""
@@ -68,15 +66,19 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
         tf32 = torch.get_float32_matmul_precision() != "highest"
         return table_peak(torch.cuda.get_device_name(device), dtype, tf32)
     if device.type == "cpu":
-        return measured_cpu_flops()
+        return cpu_peak(dtype, torch.get_num_threads())
     return None
 
 
 def mfu(flops_per_token: float, tokens_per_sec: float, peak: float | None) -> float | None:
-    """Fraction of peak used. Pass one device's throughput and peak (or the global ones × world size)."""
+    """Fraction of peak used. Pass one device's throughput and peak (or the global ones × world size).
+
+    None without a peak, and None above 1: more than the peak proves the peak wrong (a CPU running above
+    every clock it states), and an impossible figure is worse than none."""
     if not peak:
         return None
-    return flops_per_token * tokens_per_sec / peak
+    value = flops_per_token * tokens_per_sec / peak
+    return value if value <= 1.0 else None
 
 
 def parse_override(text: str) -> float:
@@ -107,13 +109,13 @@ def table_peak(device_name: str, dtype: torch.dtype, tf32: bool) -> float | None
 
 
 @functools.cache
-def measured_cpu_flops() -> float:
-    """fp32 matmul FLOP/s of this process (its current thread count), timed once for about half a second."""
-    n = CPU_MATMUL_SIZE
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)  # warm-up: thread pool start, allocation
-    reps, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < CPU_MEASURE_SECONDS:
-        torch.mm(a, b)
-        reps += 1
-    return 2 * n**3 * reps / elapsed
+def described_cpu() -> CpuDescription | None:
+    """Read once per process: the description does not change while it runs."""
+    return this_cpu()
+
+
+def cpu_peak(dtype: torch.dtype, threads: int) -> float | None:
+    """This CPU's hardware peak for `threads` compute threads in `dtype`; None where it cannot be described
+    (not x86-64 Linux): MFU is then not reported, rather than measured against a guess."""
+    cpu = described_cpu()
+    return None if cpu is None else cpu.peak(str(dtype).removeprefix("torch."), threads)

@@ -332,11 +332,13 @@ def loss_activation_bytes(cfg: JobConfig, tokens: int) -> int:
     """Saved by the final norm, the head and the loss on one rank. The final norm is sequence parallel
     (÷ tp); the head reads the whole sequence. cross_entropy keeps the fp32 log-probabilities
     [tokens, vocab/tp] (vocabulary-parallel head), and the fp32 logits too with z-loss;
-    chunked_cross_entropy keeps the hidden states and one logsumexp per token."""
+    chunked_cross_entropy keeps the gradients it computes in forward: the hidden states' (their dtype) and
+    the whole head's (fp32)."""
     m, t, tp = cfg.model, cfg.train, cfg.distributed.tp
-    saved = tokens * norm_bytes(cfg) // tp + INT64 * tokens  # and the labels
+    saved = tokens * norm_bytes(cfg) // tp
     if t.loss_fn == "chunked_cross_entropy":
-        return saved + tokens * (residual_bytes(cfg) * m.dim + FP32)
+        return saved + tokens * residual_bytes(cfg) * m.dim + FP32 * m.vocab_size * m.dim
+    saved += INT64 * tokens  # the labels
     logits = FP32 * tokens * math.ceil(m.vocab_size / tp) * (2 if t.z_loss_weight else 1)
     return saved + COMPUTE_BYTES[t.mixed_precision] * tokens * m.dim + logits
 
@@ -351,8 +353,8 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
       parallelism nothing is resharded: all of the stage's weights stay gathered through the step.
     - no FSDP, compute dtype below fp32: autocast's low-precision copies of the matmul weights, which
       autograd keeps until backward (with activation checkpointing, only the recomputed block's and the head's).
-    - the loss's gradients in backward: two fp32 [tokens, vocab/tp] tensors for cross_entropy, two
-      [ce_chunk_size, vocab] chunks plus an fp32 head gradient for chunked_cross_entropy.
+    - the loss's gradients: two fp32 [tokens, vocab/tp] tensors in backward for cross_entropy, two
+      [ce_chunk_size, vocab] chunks in forward for chunked_cross_entropy (its head gradient is an activation).
     - muon: the full fp32 matrix it orthogonalizes (gathered from its shards), its iterate and the result.
     """
     d, t, m = cfg.distributed, cfg.train, cfg.model
@@ -380,7 +382,7 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
         kept = sum(matrices.values()) if t.activation_checkpointing == "none" else max(matrices.values(), default=0)
         total += c * (kept + head)
     if has_head and t.loss_fn == "chunked_cross_entropy":
-        total += 2 * FP32 * min(t.ce_chunk_size, tokens) * m.vocab_size + FP32 * m.vocab_size * m.dim
+        total += 2 * FP32 * min(t.ce_chunk_size, tokens) * m.vocab_size
     elif has_head:
         total += 2 * FP32 * tokens * math.ceil(m.vocab_size / d.tp)
     hidden = [s.numel for s in stage if len(s.shape) == 2 and s.name.startswith("layers.")]

@@ -77,19 +77,27 @@ def chunked_cross_entropy(
     """`cross_entropy(hidden @ weightᵀ, labels, z_loss_weight)` without ever holding all the logits.
 
     hidden [batch, seq, dim] (the final-normed states), weight [vocab, dim] (the output head). The logits
-    of `chunk_size` tokens at a time are computed, reduced to their loss and dropped; backward recomputes
-    them chunk by chunk. Peak extra memory is a few [chunk_size, vocab] fp32 buffers instead of several
-    [tokens, vocab] ones. Under autocast the matmuls run in the autocast dtype, as the output Linear's would.
+    of `chunk_size` tokens at a time are computed, reduced to their loss and, when gradients are wanted,
+    turned in place into their gradient and from it into the gradients of the hidden states and of the head,
+    then dropped. Peak extra memory is a few [chunk_size, vocab] fp32 buffers instead of several
+    [tokens, vocab] ones, and the FLOPs are those of the plain loss (no recomputation); the separate
+    log-softmax, its backward and their zero-fills over [tokens, vocab] never run. Under autocast the
+    matmuls run in the autocast dtype, as the output Linear's would.
     """
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-    return ChunkedCrossEntropy.apply(hidden.flatten(0, 1), weight, labels.flatten(), chunk_size, z_loss_weight, dtype)
+    with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return ChunkedCrossEntropy.apply(
+        hidden.flatten(0, 1), weight, labels.flatten(), chunk_size, z_loss_weight, dtype, with_grads
+    )
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Forward keeps only each token's logsumexp; backward recomputes a chunk's logits and turns them into
-    d loss / d logits = (softmax · (1 + 2w·lse) − onehot(label)) / tokens, then into the gradients of
-    the hidden states and of the head."""
+    """Forward computes, chunk by chunk, each token's loss and (for training) d loss / d logits =
+    (softmax · (1 + 2w·lse) − onehot(label)) / tokens, and from it the gradients of the hidden states
+    and of the head; backward only scales those by the incoming gradient (a scalar: the loss is a mean).
+    The gradients are computed before backward asks for them, which is what lets each chunk's logits be
+    dropped as soon as it is done, without computing them again in backward."""
 
     @staticmethod
     def forward(
@@ -100,47 +108,55 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         chunk_size: int,
         z_loss_weight: float,
         dtype: torch.dtype,
+        with_grads: bool,
     ) -> torch.Tensor:
+        tokens = labels.numel()
         with torch.autocast(hidden.device.type, enabled=False):
             head = weight.to(dtype)
             lse = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
             nll = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for chunk in chunks(labels.numel(), chunk_size):
-                logits = (hidden[chunk].to(dtype) @ head.T).float()
-                lse[chunk] = torch.logsumexp(logits, dim=-1)
-                nll += (lse[chunk] - logits.gather(1, labels[chunk, None]).squeeze(1)).sum()
-            loss = (nll + z_loss_weight * lse.square().sum()) / labels.numel()
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk_size, ctx.z_loss_weight, ctx.dtype = chunk_size, z_loss_weight, dtype
+            grad_hidden = torch.empty_like(hidden) if with_grads else None
+            grad_head = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grads else None
+            for chunk in chunks(tokens, chunk_size):
+                h = hidden[chunk].to(dtype)
+                logits = (h @ head.T).float()
+                target = logits.gather(1, labels[chunk, None]).squeeze(1)
+                if with_grads:
+                    grad_logits, lse[chunk] = softmax_grad(logits, labels[chunk], z_loss_weight)
+                    grad_logits = grad_logits.to(dtype)
+                    grad_hidden[chunk] = grad_logits @ head
+                    accumulate_product(grad_head, grad_logits.T, h)
+                else:
+                    lse[chunk] = torch.logsumexp(logits, dim=-1)
+                nll += (lse[chunk] - target).sum()
+            loss = (nll + z_loss_weight * lse.square().sum()) / tokens
+        if with_grads:  # the mean's 1/tokens last, in the gradients' own dtype: nothing small is rounded to bf16
+            ctx.save_for_backward(grad_hidden.div_(tokens), grad_head.div_(tokens).to(weight.dtype))
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        hidden, weight, labels, lse = ctx.saved_tensors
-        dtype, tokens = ctx.dtype, labels.numel()
-        with torch.autocast(hidden.device.type, enabled=False):
-            head = weight.to(dtype)
-            grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-            grad_head = (
-                torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-                if ctx.needs_input_grad[1]
-                else None
-            )
-            scale = grad_loss.float() / tokens
-            for chunk in chunks(tokens, ctx.chunk_size):
-                h = hidden[chunk].to(dtype)
-                grad_logits = (h @ head.T).float().sub_(lse[chunk, None]).exp_()  # softmax
-                if ctx.z_loss_weight:
-                    grad_logits.mul_(1 + 2 * ctx.z_loss_weight * lse[chunk, None])
-                rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
-                grad_logits[rows, labels[chunk]] -= 1
-                grad_logits = grad_logits.mul_(scale).to(dtype)
-                if grad_hidden is not None:
-                    grad_hidden[chunk] = grad_logits @ head
-                if grad_head is not None:
-                    accumulate_product(grad_head, grad_logits.T, h)
-        grad_weight = grad_head.to(weight.dtype) if grad_head is not None else None
-        return grad_hidden, grad_weight, None, None, None, None
+        grad_hidden, grad_head = ctx.saved_tensors
+        scale = grad_loss.to(grad_hidden.dtype)
+        grad_weight = grad_head * scale if ctx.needs_input_grad[1] else None
+        grad_hidden = grad_hidden * scale if ctx.needs_input_grad[0] else None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def softmax_grad(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens × d loss / d logits, logsumexp) for one chunk, the gradient written over `logits` (fp32) in
+    four passes (max, exp of the difference, sum, scale): the summed cross-entropy's softmax − onehot, with
+    z-loss's 2w·lse·softmax added. Values in [-1, 1 + 2w·lse], safe to round to bf16/fp16."""
+    peak = logits.amax(dim=-1, keepdim=True)
+    grad = logits.sub_(peak).exp_()
+    total = grad.sum(dim=-1, keepdim=True)
+    lse = total.log() + peak
+    scale = total.reciprocal()
+    if z_loss_weight:
+        scale = scale * (1 + 2 * z_loss_weight * lse)
+    grad.mul_(scale)
+    grad[torch.arange(grad.shape[0], device=grad.device), labels] -= 1
+    return grad, lse.squeeze(1)
 
 
 def accumulate_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -184,6 +184,7 @@ def step_metrics(
         "grad_norm": result.grad_norm,
         "tokens_per_sec": tokens_per_sec,
         "mfu": mfu(job.summary["flops_per_token"], tokens_per_sec, peak),
+        "flops_per_sec": job.summary["flops_per_token"] * tokens_per_sec,
         "tokens_seen": tokens_seen,
         "elapsed_sec": time.perf_counter() - started,
         **job.guard.metrics(),

@@ -182,6 +182,7 @@ def run_loop(
         "dtype": str(job.dtype).removeprefix("torch."),
         "max_steps": t.max_steps,
         "start_step": job.start_step,
+        "peak_flops": job.peak_flops,
         **job.summary,
     }
     reporter.on_start(info)
