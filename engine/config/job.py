@@ -578,22 +578,29 @@ def pipeline_issues(cfg: JobConfig) -> list[ConfigIssue]:
             )
         )
     unsupported = [
-        (m.is_moe, "model.num_experts", "MoE models: the routers' auxiliary losses are not carried through the stages"),
+        (
+            m.is_moe,
+            "model.num_experts",
+            "MoE models: the routers' auxiliary losses are not carried through the stages",
+            "use distributed.pp = 1 for this run",
+        ),
         (
             t.loss_fn == "chunked_cross_entropy",
             "train.loss_fn",
             "chunked cross-entropy: the last stage computes the loss from its logits",
+            'set train.loss_fn = "cross_entropy" (the same loss, computed from the logits), or distributed.pp = 1',
         ),
-        (t.mixed_precision == "fp16", "train.mixed_precision", "fp16 loss scaling"),
+        (
+            t.mixed_precision == "fp16",
+            "train.mixed_precision",
+            "fp16 loss scaling",
+            'use train.mixed_precision = "bf16", or distributed.pp = 1',
+        ),
     ]
-    for applies, field, what in unsupported:
+    for applies, field, what, fix in unsupported:
         if applies:
             issues.append(
-                ConfigIssue(
-                    field,
-                    f"pipeline parallelism (distributed.pp = {d.pp}) does not support {what} yet",
-                    "use distributed.pp = 1 for this run",
-                )
+                ConfigIssue(field, f"pipeline parallelism (distributed.pp = {d.pp}) does not support {what} yet", fix)
             )
     return issues
 

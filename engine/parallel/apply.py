@@ -57,6 +57,7 @@ def apply_fsdp(
     *,
     pipelined: bool = False,
     expert_mesh: DeviceMesh | None = None,
+    head_read_after_forward: bool = False,
 ) -> None:
     """FSDP2 over `mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP), each block its own unit, then the rest.
 
@@ -65,6 +66,12 @@ def apply_fsdp(
     every block frees its gathered weights after its forward and gathers them again in backward (memory
     over communication), except the last block, whose backward follows at once. Under pipeline
     parallelism nothing reshards: every micro-batch would gather each block again.
+
+    `head_read_after_forward`: the loss takes `output.weight` itself after the model's forward (the chunked
+    cross-entropy projects the final hidden states chunk by chunk). The root unit then stays gathered until
+    its backward, so that attribute is the gathered parameter, whose gradient FSDP reduce-scatters over the
+    data-parallel ranks; resharded, it would be the local shard, and a gradient reaching it directly would
+    skip that reduction (each rank would keep its own batch's gradient of the head).
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if expert_mesh is not None:  # expert-parallel experts: sharded over the ranks that hold the same experts
@@ -72,7 +79,7 @@ def apply_fsdp(
     blocks = list(model.layers.values())
     for index, block in enumerate(blocks):
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not pipelined and index < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=not pipelined)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=not (pipelined or head_read_after_forward))
 
 
 def float8_all_gather(cfg: JobConfig, mesh: ParallelMesh | None, device: torch.device) -> bool:
@@ -132,5 +139,6 @@ def parallelize(
             precision.compute_dtype(cfg.train.mixed_precision, device),
             pipelined=pipelined,
             expert_mesh=mesh.expert_fsdp,
+            head_read_after_forward=cfg.train.loss_fn == "chunked_cross_entropy",
         )
     return model
