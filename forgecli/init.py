@@ -33,7 +33,8 @@ def init(
     defaults: bool = typer.Option(
         False,
         "--defaults",
-        help="Ask nothing: the first preset found (or the built-in defaults) on the embedded corpus, one process.",
+        help="Ask nothing: the debug preset's model (or the first preset found, or the built-in defaults) on the "
+        "embedded corpus, one process.",
     ),
     base: Path | None = typer.Option(
         None,
@@ -60,7 +61,7 @@ def init(
       forge init debug_commented.toml --from presets/debug.toml --force
 
     """
-    from engine.config.writer import answers_from, build_preset
+    from engine.config.writer import answers_from, build_preset, default_preset
     from engine.durable import write_durably
     from engine.errors import UserError
 
@@ -76,7 +77,7 @@ def init(
     if base is not None:
         answers = answers_from(base)
     elif defaults:
-        answers = answers_from(next(iter(presets.values()), None))
+        answers = answers_from(presets.get(default_preset(presets) or ""))
     else:
         answers = ask(presets)
     written = build_preset(answers, str(preset))
@@ -100,16 +101,16 @@ def preset_choices() -> dict[str, Path]:
 
 def ask(presets: dict[str, Path]) -> InitAnswers:
     """The questions, each with the answer of the chosen base preset as its default."""
-    from engine.config.writer import answers_from
+    from engine.config.writer import answers_from, default_preset
 
     console.print("[bold]forge init[/bold]: a few questions; Enter takes the default in brackets.")
     size = Prompt.ask(
         "Model size (a preset's model, or custom dimensions)",
         console=console,
         choices=[*presets, CUSTOM],
-        default=next(iter(presets), CUSTOM),
+        default=default_preset(presets) or CUSTOM,
     )
-    answers = answers_from(presets.get(size, next(iter(presets.values()), None)))  # custom: sized anew
+    answers = answers_from(presets.get(size) or presets.get(default_preset(presets) or ""))  # custom: sized anew
     if size == CUSTOM:
         dims = (
             IntPrompt.ask("  hidden size (dim)", console=console, default=256),

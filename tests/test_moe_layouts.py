@@ -17,7 +17,8 @@ import pytest
 
 from tests.test_distributed import MOE, assert_same_run, forge, records
 
-pytestmark = pytest.mark.slow
+# One worker runs the module, so its one-process reference and resume are computed once, not on each worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("moe_layouts")]
 
 MOE_TP = [*MOE, "--model.moe_aux_loss_weight=0", "--model.moe_router_z_loss_weight=0.001"]
 LAYOUTS = {

@@ -75,6 +75,15 @@ def find_presets(folders: list[Path]) -> dict[str, Path]:
     return found
 
 
+DEFAULT_PRESET = "debug"  # the model that trains on one CPU in minutes: what a first preset should start from
+
+
+def default_preset(presets: dict[str, Path]) -> str | None:
+    """The preset whose answers `forge init` offers first: `debug` where it is found, else the first one (the
+    scaling presets sort before it and would start a newcomer on a model no laptop trains)."""
+    return DEFAULT_PRESET if DEFAULT_PRESET in presets else next(iter(presets), None)
+
+
 def answers_from(base: Path | None) -> InitAnswers:
     """The answers that reproduce `base` (its model, data, precision, optimizer and steps): what `--from`
     writes, and the defaults the prompts offer."""
