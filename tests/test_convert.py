@@ -282,14 +282,12 @@ FSDP_SCRIPT = textwrap.dedent("""
 
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from engine.checkpoint.dcp import COMPLETE, TRAIN_STATE
     from engine.checkpoint.hf import load_hf_weights
     from engine.config.model import ModelConfig
     from engine.model.transformer import Transformer
+    from tests.torchrun import save_sharded_checkpoint
 
     tmp, shape, vocab = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
     dist.init_process_group("gloo")
@@ -305,19 +303,7 @@ FSDP_SCRIPT = textwrap.dedent("""
     model.reshard()  # the root keeps its parameters gathered after forward (for backward); shard them again
     if dist.get_rank() == 0:
         torch.save(logits, tmp / "fsdp_logits.pt")
-    # What save_checkpoint writes, with the folder made by one rank only: save_checkpoint itself creates
-    # it on every rank, which races with two processes (multi-rank saving is issue 4's).
-    step = tmp / "fsdp" / "checkpoints" / "step_1"
-    if dist.get_rank() == 0:
-        step.mkdir(parents=True)
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, torch.optim.AdamW(model.parameters()))
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=step)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (step / TRAIN_STATE).write_text(json.dumps({"step": 1}))
-        (step / COMPLETE).write_text("")
-    dist.barrier()
+    save_sharded_checkpoint(model, tmp / "fsdp" / "checkpoints" / "step_1", 1)
     dist.destroy_process_group()
     from engine.parallel.launch import end_process
     end_process(0)  # leave without interpreter teardown while gloo's threads live (see end_process)

@@ -247,14 +247,12 @@ TWO_PROCESS_SCRIPT = textwrap.dedent("""
 
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from engine.checkpoint.dcp import COMPLETE, TRAIN_STATE
     from engine.config.model import ModelConfig
     from engine.model.transformer import Transformer
     from forgecli.app import app
+    from tests.torchrun import save_sharded_checkpoint
 
     run, shape, data = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo")
@@ -263,17 +261,7 @@ TWO_PROCESS_SCRIPT = textwrap.dedent("""
     for block in model.layers.values():
         fully_shard(block)
     fully_shard(model)
-    step = run / "checkpoints" / "step_3"
-    if dist.get_rank() == 0:
-        step.mkdir(parents=True)
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, torch.optim.AdamW(model.parameters()))
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=step)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (step / TRAIN_STATE).write_text(json.dumps({"step": 3}))
-        (step / COMPLETE).write_text("")
-    dist.barrier()
+    save_sharded_checkpoint(model, run / "checkpoints" / "step_3", 3)
     # the command as a worker of `forge extract --nproc-per-node 2` runs it (the group is joined already)
     try:
         app(["extract", str(run), "--out", str(run.parent / "two"), "--layers", "layers.*,output", "--data", data,

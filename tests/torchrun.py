@@ -93,3 +93,28 @@ def run_bounded(command: list[str], timeout: float, **popen: object) -> subproce
         if proc.poll() is None:
             kill_tree(proc)
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def save_sharded_checkpoint(model, step_dir: Path, step: int) -> None:
+    """Inside a torchrun script: write what the trainer's checkpointer writes for a sharded `model` (its DCP
+    shards from every rank, an AdamW state, the train state and the completion marker), with the folder made
+    by rank 0 alone, as a checkpoint saved under FSDP for tests that load one elsewhere."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from engine.checkpoint.dcp import COMPLETE, TRAIN_STATE
+
+    if dist.get_rank() == 0:
+        step_dir.mkdir(parents=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, torch.optim.AdamW(model.parameters()))
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=step_dir)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (step_dir / TRAIN_STATE).write_text(json.dumps({"step": step}))
+        (step_dir / COMPLETE).write_text("")
+    dist.barrier()

@@ -104,7 +104,9 @@ class ContextParallelCore(AttentionCore):
         return self.attend(q, k, v, causal)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        raise NotImplementedError
+        """The method's attention over the whole sequence: each `cp_method` is a subclass that defines it
+        (AllGatherCore, UlyssesCore, RingCore); this base is never instantiated (CP_CORES maps the names)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define attend()")
 
     def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
         with self._kernel():
