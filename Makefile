@@ -8,7 +8,7 @@ VENV ?= .venv
 # The CPU build that lies on this machine's disk. GPU users: see README "Installing torch".
 TORCH_SPEC ?= torch==2.13.0
 # loadgroup: the slurm tests (one xdist group) run in one worker, which starts the one test cluster.
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=40
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.forge-installed
