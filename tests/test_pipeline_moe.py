@@ -18,11 +18,14 @@ import torch
 
 from engine.checkpoint.dcp import load_checkpoint
 from engine.config import load_job_config
+from engine.config.job import JobConfig
 from engine.errors import ConfigError
 from engine.model.transformer import Transformer
+from engine.parallel.memory import estimate_memory
+from engine.parallel.pipeline import stage_model
+from engine.train.losses import cross_entropy
 from tests.test_distributed import MOE, PIPELINE, forge, records
-
-pytestmark = pytest.mark.slow
+from tests.test_memory_estimate import ACTIVATION_TOLERANCE, is_weight_copy
 
 # The one-process run takes the pipeline's micro-batches: 2 of 2 sequences a step (the auxiliary losses and the
 # bias update are per micro-batch), and evaluates the same 4 held-out batches of 2.
@@ -30,6 +33,7 @@ MICRO = ["--train.grad_accum_steps=2", "--eval.steps=4", "--train.loss_fn=cross_
 MOE_PP = [*MOE, "--model.moe_router_z_loss_weight=0.001", *MICRO]
 
 
+@pytest.mark.slow
 def test_moe_pipelined_matches_one_process_and_resumes_in_one(tmp_path):
     single, piped = tmp_path / "single", tmp_path / "pp2"
     result = forge(single, *MOE_PP, "--train.max_steps=7", batch_size=2)  # its step 7: what the resume must give
@@ -75,3 +79,53 @@ def test_full_checkpointing_with_a_balancing_bias_is_refused_in_a_pipeline():
     load_job_config(None, [*args, "--train.activation_checkpointing=selective"]).validate(2)
     softmax = [a for a in args if not a.startswith(("--model.moe_router=", "--model.moe_bias_schedule="))]
     load_job_config(None, [*softmax, "--model.moe_router=softmax_topk"]).validate(2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_memory_estimate_of_each_stage_is_what_its_moe_stage_holds(precision):
+    """pp = 2 (1F1B) of a two-block MoE model, one block a stage: each pipeline rank's parameters are those
+    of its stage model, and its activations are its micro-batches in flight times what one micro-batch
+    through the stage saves (measured with saved-tensor hooks; the tolerance and the CPU RMSNorm's extra
+    copy as in tests/test_memory_estimate.py)."""
+    model_cfg = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 128, "max_seq_len": 32}
+    train = {"batch_size": 2, "seq_len": 32, "mixed_precision": precision, "grad_accum_steps": 2, "z_loss_weight": 0}
+    cfg = JobConfig(
+        model={**model_cfg, "sdpa_backend": "flash", "num_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1},
+        train={**train, "loss_fn": "cross_entropy"},
+        distributed={"pp": 2},
+    ).validate(2)
+    rows = estimate_memory(cfg, 2)
+    assert [row.microbatches_in_flight for row in rows] == [2, 1]  # 1F1B's warm-up depth
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 32))
+    h = tokens
+    for stage, row in enumerate(rows):
+        part = stage_model(model, stage, 2)
+        assert row.params == sum(p.nbytes for p in part.parameters())
+        h, saved = saved_bytes(part, h, tokens if stage == 1 else None, precision == "bf16")
+        cpu_rmsnorm_extra = (2 + stage) * 4 * cfg.model.dim * tokens.numel()  # 2 per block, the final norm
+        estimate = row.activations // row.microbatches_in_flight + cpu_rmsnorm_extra
+        assert abs(estimate / saved - 1) < ACTIVATION_TOLERANCE, (stage, estimate, saved)
+
+
+def saved_bytes(part: Transformer, inputs: torch.Tensor, labels: torch.Tensor | None, bf16: bool):
+    """(output, bytes of the distinct activations autograd saves) of one micro-batch through a stage model, and
+    through the loss on the last stage."""
+    state = {t.untyped_storage().data_ptr() for t in [*part.parameters(), *part.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in state and not is_weight_copy(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = inputs.detach().requires_grad_(inputs.is_floating_point())  # as the stage receives it
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", torch.bfloat16, enabled=bf16),
+    ):
+        out = part(x)
+        if labels is not None:
+            cross_entropy(out, labels)
+    return out, sum(seen.values())
