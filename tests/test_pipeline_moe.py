@@ -19,10 +19,12 @@ import torch
 from engine.checkpoint.dcp import load_checkpoint
 from engine.config import load_job_config
 from engine.config.job import JobConfig
+from engine.config.model import ModelConfig
 from engine.errors import ConfigError
 from engine.model.transformer import Transformer
 from engine.parallel.memory import estimate_memory
 from engine.parallel.pipeline import stage_model
+from engine.parallel.pipeline_moe import StageAuxLosses
 from engine.train.losses import cross_entropy
 from tests.test_distributed import MOE, PIPELINE, forge, records
 from tests.test_memory_estimate import ACTIVATION_TOLERANCE, is_weight_copy
@@ -129,3 +131,30 @@ def saved_bytes(part: Transformer, inputs: torch.Tensor, labels: torch.Tensor | 
         if labels is not None:
             cross_entropy(out, labels)
     return out, sum(seen.values())
+
+
+def test_stages_carrying_their_aux_losses_give_one_process_gradients():
+    """Two stage models of an MoE model, run one after the other with `StageAuxLosses` attached, backward
+    from the last stage's cross-entropy only: the gradients and the logged loss are those of the whole
+    model's cross-entropy + auxiliary losses (without carrying, the first stage's routers get none of theirs)."""
+    cfg = ModelConfig(
+        dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16, num_experts=4, moe_top_k=2,
+        moe_aux_loss_weight=0.01, moe_sequence_aux_loss_weight=0.01, moe_router_z_loss_weight=0.01,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    tokens = torch.randint(0, 64, (2, 16))
+    parts, carried = [stage_model(model, stage, 2) for stage in (0, 1)], StageAuxLosses()
+    one_process = cross_entropy(model(tokens), tokens) + model.moe_loss()
+    one_process.backward()
+    expected = {name: p.grad for name, p in model.named_parameters()}
+    for part in parts:
+        carried.attach(part)
+    cross_entropy(parts[1](parts[0](tokens)), tokens).backward()
+    grads = {name: p.grad for part in parts for name, p in part.named_parameters()}
+    assert sorted(grads) == sorted(expected) and grads["layers.0.feed_forward.router.gate.weight"] is not None
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], atol=1e-6, rtol=1e-5, msg=name)
+    aux = carried.mean(1, tokens.device)
+    assert aux > 0 and carried.values == []
+    torch.testing.assert_close(cross_entropy(model(tokens), tokens) + aux, one_process.detach())
