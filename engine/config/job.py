@@ -577,13 +577,18 @@ def pipeline_issues(cfg: JobConfig) -> list[ConfigIssue]:
                 f"set eval.steps to a multiple of {t.grad_accum_steps}",
             )
         )
+    if m.is_moe and m.moe_router == "sigmoid_topk" and t.activation_checkpointing == "full":
+        issues.append(
+            ConfigIssue(
+                "train.activation_checkpointing",
+                f"'full' with distributed.pp = {d.pp} and model.moe_router = 'sigmoid_topk' would route "
+                "differently in backward than in forward: a pipeline stage runs later micro-batches' "
+                "forwards, which move the routers' balancing bias, before an earlier one's backward, whose "
+                "full recomputation would then choose experts with the new bias",
+                'use train.activation_checkpointing = "selective" (it keeps the routing decisions) or "none"',
+            )
+        )
     unsupported = [
-        (
-            m.is_moe,
-            "model.num_experts",
-            "MoE models: the routers' auxiliary losses are not carried through the stages",
-            "use distributed.pp = 1 for this run",
-        ),
         (
             t.loss_fn == "chunked_cross_entropy",
             "train.loss_fn",

@@ -210,6 +210,13 @@ def moe_metrics(model: nn.Module) -> dict[str, float]:
     """Flat metrics of the routing of `model`'s last forward: each MoE layer's row (`moe/{layer}/…`), the
     largest imbalance and the dropped assignments of all layers; {} for a dense model. `model` is a
     Transformer (its `moe_layers()` and `last_moe_stats`). One host sync for all of them."""
+    return with_moe_totals(moe_layer_metrics(model))
+
+
+def moe_layer_metrics(model: nn.Module) -> dict[str, float]:
+    """Each MoE layer's row of `model`'s last forward (`moe/{layer}/…`), in one host sync; {} when dense. A
+    pipeline stage reports its own layers, and the rows of all stages together are one process's
+    (engine/parallel/pipeline_moe.py)."""
     if not model.last_moe_stats:
         return {}
     layers = model.moe_layers()
@@ -218,11 +225,19 @@ def moe_metrics(model: nn.Module) -> dict[str, float]:
         row = layers[name].metrics(stats)
         keys += [f"moe/{name}/{key}" for key in row]
         values += [v.detach().float().reshape(()) for v in row.values()]
-    flat = dict(zip(keys, torch.stack(values).tolist()))
-    names = list(model.last_moe_stats)
-    flat["moe/imbalance"] = max(flat[f"moe/{n}/imbalance"] for n in names)
-    flat["moe/dropped"] = sum(flat[f"moe/{n}/dropped"] for n in names)
-    return flat
+    return dict(zip(keys, torch.stack(values).tolist()))
+
+
+def with_moe_totals(flat: dict[str, float]) -> dict[str, float]:
+    """The layers' rows plus the largest imbalance and the dropped assignments over all of them."""
+    names = list(dict.fromkeys(key.split("/")[1] for key in flat))
+    if not names:
+        return {}
+    totals = {
+        "moe/imbalance": max(flat[f"moe/{n}/imbalance"] for n in names),
+        "moe/dropped": sum(flat[f"moe/{n}/dropped"] for n in names),
+    }
+    return {**flat, **totals}
 
 
 def within_capacity(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:

@@ -36,7 +36,8 @@ gradients equal `none`'s. The block has no randomness (no dropout), hence `prese
 MoE blocks return (output, routing stats); the stats and aux losses come from the original forward, and the
 recomputation's copies are discarded, so nothing is counted twice. The sigmoid router's balancing bias is
 changed only between training forwards (by hooks on the whole model, engine/train/balancing.py), so the
-recomputation routes exactly as the forward did.
+recomputation routes exactly as the forward did. Not so in a pipeline stage, which may run later forwards before
+an earlier backward: there `selective` stays exact (it keeps `topk`'s output) and `full` is refused.
 
 Wrapping happens before `torch.compile` (engine.parallel.apply): the compiled graph then contains the
 recomputation, and compile applies the same policy when it partitions forward and backward. Use selective

@@ -21,6 +21,15 @@ shared matrix (same name as in the full model's state dict: `tok_embeddings.weig
 copies start equal, and after every step's backward their gradients are summed between the two ranks
 (`TiedWeight.sync`), so each holds the gradient one device computes for the shared matrix and the same
 optimizer update keeps them equal. The gradient norm counts it once (`Pipeline.norm_duplicates`).
+
+Shapes: every stage is told up front what it receives and sends for one micro-batch (`StageShapes`), so the
+schedule's first step does not run each stage once on placeholder inputs to learn them (torch's metadata
+inference). That pass is a training forward and backward: it would move the MoE routers' balancing bias
+(engine/train/balancing.py) and, on a later stage, route uninitialised memory. A forward hook checks every
+stage's output against what was declared.
+
+Mixture of experts: each stage's routers' auxiliary losses ride on its output to the schedule's backward,
+and the logged loss and routing metrics cover every stage (engine/parallel/pipeline_moe.py).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from engine.errors import UserError
 from engine.model.transformer import Transformer
+from engine.parallel.pipeline_moe import StageAuxLosses
 from engine.parallel.stages import stage_layers, stages_per_rank
 
 SCHEDULES: dict[str, type[_PipelineSchedule]] = {
@@ -54,6 +64,50 @@ SCHEDULES: dict[str, type[_PipelineSchedule]] = {
 
 # A loss on the last stage's output: (logits [batch, seq, vocab], labels [batch, seq]) → scalar mean loss.
 StageLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StageShapes:
+    """What the stages pass for one micro-batch: token ids [batch, seq] into the first stage, hidden states
+    [batch, hidden_seq, dim] between stages (hidden_seq = seq / tp: the residual stream is sequence-sharded
+    under tensor parallelism), full logits [batch, seq, vocab] out of the last."""
+
+    batch: int
+    seq: int
+    hidden_seq: int
+    dim: int
+    vocab: int
+    hidden_dtype: torch.dtype  # the residual stream's: fp32 under autocast, the compute dtype under FSDP
+    logits_dtype: torch.dtype
+
+    def inputs(self, stage: int) -> torch.Tensor:
+        """The example input of `stage` (on the meta device: only its shape, dtype and requires_grad count)."""
+        if stage == 0:
+            return torch.empty(self.batch, self.seq, dtype=torch.int64, device="meta")
+        return self.hidden().requires_grad_()
+
+    def outputs(self, stage: int, n_stages: int) -> torch.Tensor:
+        if stage == n_stages - 1:
+            shape = (self.batch, self.seq, self.vocab)
+            return torch.empty(shape, dtype=self.logits_dtype, device="meta").requires_grad_()
+        return self.hidden().requires_grad_()
+
+    def hidden(self) -> torch.Tensor:
+        return torch.empty(self.batch, self.hidden_seq, self.dim, dtype=self.hidden_dtype, device="meta")
+
+
+def check_output_hook(expected: torch.Tensor, stage: int) -> Callable:
+    """A forward hook that fails loudly when a stage's output is not what its `StageShapes` declared: the next
+    stage would receive the bytes into a buffer of the declared shape and dtype."""
+
+    def check(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if output.shape != expected.shape or output.dtype != expected.dtype:
+            raise RuntimeError(
+                f"pipeline stage {stage} produced {tuple(output.shape)} {output.dtype}, but its StageShapes "
+                f"declared {tuple(expected.shape)} {expected.dtype} (engine/parallel/pipeline.py)"
+            )
+
+    return check
 
 
 def stage_layer_names(n_layers: int, n_stages: int) -> list[list[str]]:
@@ -80,13 +134,6 @@ def split_stages(
     model: Transformer, pp_rank: int, pp_size: int, n_stages_per_rank: int
 ) -> list[tuple[int, Transformer]]:
     """(stage index, stage model) for every stage pipeline rank `pp_rank` runs: stages pp_rank + k·pp_size."""
-    if model.cfg.is_moe and pp_size > 1:
-        raise UserError(
-            f"an MoE model (model.num_experts = {model.cfg.num_experts}) cannot be pipelined yet: its "
-            "routers' auxiliary losses are computed on every stage but the pipeline loss exists only "
-            "on the last one",
-            "set distributed.pp = 1, or model.num_experts = 0",
-        )
     n_stages = pp_size * n_stages_per_rank
     return [(stage, stage_model(model, stage, n_stages)) for stage in range(pp_rank, n_stages, pp_size)]
 
@@ -155,7 +202,9 @@ class Pipeline:
     has_last_stage: bool
     group: dist.ProcessGroup
     loss_fn: StageLoss  # what the schedule computes on the last stage
+    n_microbatches: int
     tied: TiedWeight | None = None  # with tied embeddings: this rank's copy of the shared matrix
+    aux_losses: StageAuxLosses | None = None  # MoE: the routers' auxiliary losses of this rank's stages
 
     @property
     def norm_duplicates(self) -> set[nn.Parameter]:
@@ -164,18 +213,22 @@ class Pipeline:
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward over all microbatches of one optimizer step; inputs and labels are
-        [n_microbatches · batch, seq]. → the mean microbatch loss (detached) on the last stage's rank, else
-        None. Gradients are left in the parts' .grad for the caller's clip and optimizer step. The schedule
-        divides every .grad by n_microbatches at the end, so they must be zero (or None) before the call."""
+        [n_microbatches · batch, seq]. → this rank's share of the step's loss (detached; `step_loss` sums
+        the shares): the mean microbatch loss on the last stage's rank, plus with MoE the mean of this
+        rank's stages' auxiliary losses; None for a dense model's other ranks. Gradients are left in the
+        parts' .grad for the caller's clip and optimizer step. The schedule divides every .grad by
+        n_microbatches at the end, so they must be zero (or None) before the call."""
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         target = labels if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         if self.tied is not None:
             self.tied.sync()
-        if losses is None:
-            return None
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        share = None if losses is None else torch.stack([loss.detach() for loss in losses]).mean()
+        if self.aux_losses is not None:
+            aux = self.aux_losses.mean(self.n_microbatches, inputs.device)
+            share = aux if share is None else share + aux
+        return share
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
@@ -186,12 +239,12 @@ class Pipeline:
         self.schedule.eval(*args, target=labels if self.has_last_stage else None, losses=losses, return_outputs=False)
         return None if losses is None else torch.stack(losses).mean()
 
-    def broadcast_loss(self, loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        """The step's loss on every pipeline rank (a collective: all ranks of the pipeline call it), from the
-        rank holding the last stage, which is pipeline rank pp-1 under the loop placement."""
-        value = loss.detach().float().reshape(()) if loss is not None else torch.zeros((), device=device)
+    def step_loss(self, share: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """The loss on every pipeline rank (a collective: all ranks of the pipeline call it): the sum of the
+        ranks' shares from `step` or `evaluate` (None counts 0)."""
+        value = share.detach().float().reshape(()) if share is not None else torch.zeros((), device=device)
         value = value.to(device).clone()
-        dist.broadcast(value, group=self.group, group_src=self.group.size() - 1)
+        dist.all_reduce(value, group=self.group)
         return value
 
 
@@ -202,22 +255,30 @@ def build_pipeline(
     n_microbatches: int,
     loss_fn: StageLoss,
     device: torch.device,
+    shapes: StageShapes,
     parallelize_stage: Callable[[Transformer], nn.Module] | None = None,
 ) -> Pipeline:
     """Cut `model` (the full single-device model, identical on every rank, possibly on the meta device) into
     this rank's stages, apply `parallelize_stage` to each (TP / AC / compile / FSDP — whatever the caller
     applies to a whole model otherwise), and build the schedule. `loss_fn` is the per-microbatch mean loss:
-    the schedule divides gradients by `n_microbatches` itself."""
+    the schedule divides gradients by `n_microbatches` itself. `shapes`: what the stages pass (see there)."""
     pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
     per_rank = stages_per_rank(schedule)
     check_microbatches(schedule, pp_size, n_microbatches)
     group = pp_mesh.get_group()
     n_stages = pp_size * per_rank
+    aux_losses = StageAuxLosses() if model.cfg.is_moe else None
     parts, stages = [], []
     for index, part in split_stages(model, pp_rank, pp_size, per_rank):
         module = parallelize_stage(part) if parallelize_stage is not None else part
+        inputs, outputs = shapes.inputs(index), shapes.outputs(index, n_stages)
+        module.register_forward_hook(check_output_hook(outputs, index))
+        if aux_losses is not None:
+            aux_losses.attach(module)
         parts.append(module)
-        stages.append(PipelineStage(module, index, n_stages, device, group=group))
+        stages.append(
+            PipelineStage(module, index, n_stages, device, input_args=inputs, output_args=outputs, group=group)
+        )
     schedule_class = SCHEDULES[schedule]
     runner = schedule_class(stages if per_rank > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
     indices = [stage.stage_index for stage in stages]
@@ -230,7 +291,9 @@ def build_pipeline(
         has_last_stage=n_stages - 1 in indices,
         group=group,
         loss_fn=loss_fn,
+        n_microbatches=n_microbatches,
         tied=tied,
+        aux_losses=aux_losses,
     )
 
 

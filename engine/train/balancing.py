@@ -13,6 +13,12 @@ Applying the load right after a backward instead would show evaluation (between 
 the next training forward has not used yet. Hooks on the root module fire once per forward call, never for the
 recomputed blocks; forwards without gradient or in eval mode (evaluation, generation) neither apply nor record.
 
+Under pipeline parallelism the hooks sit on each stage (engine/train/job.py), whose routers see the same
+micro-batches in the same order as on one device. A stage may run micro-batch i+1's forward before micro-batch
+i's backward (1F1B, GPipe): the bias has then moved before that backward, which is harmless when the backward
+does not route again (no checkpointing, or selective checkpointing, which keeps the routing decisions) and
+wrong under full checkpointing, which config validation therefore refuses there.
+
 Under data parallelism each rank's recorded load is summed over the data-parallel group right after it is
 recorded (`all_reduce_router_load`), before any checkpoint can save it, so every rank applies the same update.
 """

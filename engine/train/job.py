@@ -39,7 +39,8 @@ from engine.parallel.apply import float8_all_gather, parallelize
 from engine.parallel.context import ContextParallel
 from engine.parallel.launch import device_for, join_process_group
 from engine.parallel.mesh import ParallelDims, ParallelMesh, build_mesh
-from engine.parallel.pipeline import Pipeline, build_pipeline, stage_union
+from engine.parallel.pipeline import Pipeline, StageShapes, build_pipeline, stage_union
+from engine.parallel.pipeline_moe import pipeline_moe_metrics
 from engine.parallel.place import ProcessPlace, process_place
 from engine.parallel.tp import loss_context, uses_loss_parallel
 from engine.resilience.anomaly import StepGuard
@@ -208,7 +209,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         ema=ema,
         loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn, dims.pp),
         context=ContextParallel(mesh.get("cp")) if mesh is not None and dims.cp > 1 else None,
-        model_metrics=moe_training(model, cfg, mesh),
+        model_metrics=moe_training(model, cfg, mesh, pipeline),
     )
     restored = job.checkpointer.restore(model, optimizer) if resuming else None
     if restored is not None:
@@ -217,13 +218,21 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     return job
 
 
-def moe_training(model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None) -> tuple[Callable, ...]:
-    """What training adds to an MoE model (which is never pipelined, so `model` is the whole Transformer):
-    the routers' balancing, over the global batch under data parallelism; → its routing metrics' reporter."""
+def moe_training(
+    model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None, pipeline: Pipeline | None
+) -> tuple[Callable, ...]:
+    """What training adds to an MoE model: the routers' balancing, over the global batch under data
+    parallelism, on the whole model or on each pipeline stage (each routes its own layers); → the reporter of
+    its routing metrics, which a pipeline gathers from every stage."""
     if not cfg.model.is_moe:
         return ()
-    attach_router_balancing(model, mesh.dp.get_group() if mesh is not None and mesh.dp is not None else None)
-    return (partial(moe_metrics, model),)
+    group = mesh.dp.get_group() if mesh is not None and mesh.dp is not None else None
+    if pipeline is None:
+        attach_router_balancing(model, group)
+        return (partial(moe_metrics, model),)
+    for part in pipeline.model_parts:
+        attach_router_balancing(part, group)
+    return (partial(pipeline_moe_metrics, pipeline.model_parts, pipeline.group),)
 
 
 def initial_model(cfg: JobConfig, starts_fresh: bool) -> Transformer:
@@ -303,7 +312,26 @@ def pipelined(model: Transformer, cfg: JobConfig, mesh: ParallelMesh, device: to
         cfg.train.grad_accum_steps,
         loss,
         device,
+        stage_shapes(cfg, mesh, device),
         parallelize_stage=lambda part: parallelize(part, cfg, mesh, device=device, pipelined=True),
+    )
+
+
+def stage_shapes(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> StageShapes:
+    """What this run's stages pass per micro-batch. The residual stream is in the dtype of the embedding's
+    weight: the compute dtype under FSDP (which gathers the weights in it and casts a stage's inputs to it),
+    else fp32 (autocast leaves the embedding and the residual adds in fp32); the head's logits are in the
+    compute dtype either way. Sequence parallelism leaves each tp rank seq / tp positions between stages."""
+    compute = precision.compute_dtype(cfg.train.mixed_precision, device)
+    m, t = cfg.model, cfg.train
+    return StageShapes(
+        batch=t.batch_size,
+        seq=t.seq_len,
+        hidden_seq=t.seq_len // cfg.distributed.tp,
+        dim=m.dim,
+        vocab=m.vocab_size,
+        hidden_dtype=compute if mesh.fsdp is not None else torch.float32,
+        logits_dtype=compute,
     )
 
 

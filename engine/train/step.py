@@ -100,7 +100,7 @@ def pipeline_forward_backward(job: Job, batches: Iterator) -> torch.Tensor:
     inputs, labels = (torch.cat(parts).to(job.device, non_blocking=True) for parts in zip(*micro))
     with job.autocast():
         loss = job.pipeline.step(inputs, labels)
-    return job.pipeline.broadcast_loss(loss, job.device)
+    return job.pipeline.step_loss(loss, job.device)
 
 
 def local_value(value: torch.Tensor) -> torch.Tensor:
@@ -168,7 +168,7 @@ def pipeline_eval_losses(job: Job, data: Any) -> list[torch.Tensor]:
             inputs, labels = (torch.cat(parts).to(job.device) for parts in zip(*batches[first : first + n]))
             with job.autocast():
                 loss = job.pipeline.evaluate(inputs, labels)
-            losses.append(job.pipeline.broadcast_loss(loss, job.device))
+            losses.append(job.pipeline.step_loss(loss, job.device))
     return losses
 
 

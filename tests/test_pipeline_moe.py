@@ -1,0 +1,163 @@
+"""Pipeline parallelism with a mixture-of-experts model, as a user starts it (`forge train --nproc-per-node 2`,
+gloo on CPU): pp = 2 (1F1B, selective checkpointing) against one process on the same micro-batches — per-step
+losses, gradient norms, evaluation, every routing metric (the balancing bias of each layer, its load
+imbalance, the auxiliary losses) step by step, and the step-6 weights and router buffers within 1e-5 — and its
+checkpoint resumes in one process with the uninterrupted run's next loss (measured: every loss within 1e-6;
+without carrying the auxiliary losses, 9e-4 apart by step 6). Also in-process: stage models carrying their
+auxiliary losses give one process's gradients; the memory estimate of each stage is its stage model's; full
+activation checkpointing with a balancing bias is refused in a pipeline.
+
+Both runs train with the batch-level balance loss, the router z-loss and the sigmoid router's balancing bias.
+Each stage's routers' auxiliary losses reach the schedule's backward on the stage's output
+(engine/parallel/pipeline_moe.py); without them the routers' gradients, and from step 2 the losses, differ.
+The stages are told their shapes up front, so no placeholder forward moves the bias before step 1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.checkpoint.dcp import load_checkpoint
+from engine.config import load_job_config
+from engine.config.job import JobConfig
+from engine.config.model import ModelConfig
+from engine.errors import ConfigError
+from engine.model.transformer import Transformer
+from engine.parallel.memory import estimate_memory
+from engine.parallel.pipeline import stage_model
+from engine.parallel.pipeline_moe import StageAuxLosses
+from engine.train.losses import cross_entropy
+from tests.test_distributed import MOE, PIPELINE, forge, records
+from tests.test_memory_estimate import ACTIVATION_TOLERANCE, is_weight_copy
+
+# The one-process run takes the pipeline's micro-batches: 2 of 2 sequences a step (the auxiliary losses and the
+# bias update are per micro-batch), and evaluates the same 4 held-out batches of 2.
+MICRO = ["--train.grad_accum_steps=2", "--eval.steps=4", "--train.loss_fn=cross_entropy"]
+MOE_PP = [*MOE, "--model.moe_router_z_loss_weight=0.001", *MICRO]
+
+
+@pytest.mark.slow
+def test_moe_pipelined_matches_one_process_and_resumes_in_one(tmp_path):
+    single, piped = tmp_path / "single", tmp_path / "pp2"
+    result = forge(single, *MOE_PP, "--train.max_steps=7", batch_size=2)  # its step 7: what the resume must give
+    assert result.returncode == 0, result.stderr[-3000:]
+    pipeline = [*PIPELINE, "--distributed.pp_schedule=1f1b", "--train.activation_checkpointing=selective"]
+    result = forge(piped, *MOE_PP, *pipeline, nproc=2, batch_size=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours, ref = records(piped), records(single)
+    assert sorted(ours) == list(range(1, 7)), ours.keys()
+    routing = sorted(key for key in ref[6] if key.startswith("moe/"))
+    # 4 MoE layers × (imbalance, dropped, 3 aux losses, bias min/max) + the two totals, from both stages
+    assert len(routing) == 4 * 7 + 2 and sorted(key for key in ours[6] if key.startswith("moe/")) == routing
+    assert ref[6]["moe/0/bias_max"] > 0 and ref[6]["moe/3/balance_loss"] > 0
+    for step in range(1, 7):
+        assert ours[step]["loss"] == pytest.approx(ref[step]["loss"], abs=1e-5), step
+        assert ours[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-3), step
+        for key in routing:
+            assert ours[step][key] == pytest.approx(ref[step][key], abs=1e-6), (step, key)
+    evals, ref_evals = records(piped, "eval_loss"), records(single, "eval_loss")
+    assert sorted(evals) == [3, 6] and evals[6]["eval_loss"] == pytest.approx(ref_evals[6]["eval_loss"], abs=1e-5)
+    # The step-6 weights, every router's bias, pending load and update count included.
+    expected = step_weights(single, 6)
+    for name, value in step_weights(piped, 6).items():
+        torch.testing.assert_close(value, expected[name], atol=1e-5, rtol=0, msg=name)
+    # Step 7 in one process, from the pipelined run's step-6 checkpoint.
+    result = forge(piped, *MOE_PP, "--train.max_steps=7", batch_size=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert records(piped)[7]["loss"] == pytest.approx(ref[7]["loss"], abs=1e-5)
+
+
+def step_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    model = Transformer(load_job_config(run_dir / "config.toml").model)
+    load_checkpoint(run_dir / "checkpoints" / f"step_{step}", model)
+    return model.state_dict()
+
+
+def test_full_checkpointing_with_a_balancing_bias_is_refused_in_a_pipeline():
+    """A stage runs later micro-batches' forwards (moving the bias) before an earlier one's backward, whose
+    full recomputation would route with the moved bias; selective checkpointing keeps the routing decisions."""
+    args = [*MOE, *PIPELINE, "--train.activation_checkpointing=full"]
+    with pytest.raises(ConfigError, match=r"train\.activation_checkpointing: .full. with distributed\.pp = 2"):
+        load_job_config(None, args).validate(2)
+    load_job_config(None, [*args, "--train.activation_checkpointing=selective"]).validate(2)
+    softmax = [a for a in args if not a.startswith(("--model.moe_router=", "--model.moe_bias_schedule="))]
+    load_job_config(None, [*softmax, "--model.moe_router=softmax_topk"]).validate(2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_memory_estimate_of_each_stage_is_what_its_moe_stage_holds(precision):
+    """pp = 2 (1F1B) of a two-block MoE model, one block a stage: each pipeline rank's parameters are those
+    of its stage model, and its activations are its micro-batches in flight times what one micro-batch
+    through the stage saves (measured with saved-tensor hooks; the tolerance and the CPU RMSNorm's extra
+    copy as in tests/test_memory_estimate.py)."""
+    model_cfg = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 128, "max_seq_len": 32}
+    train = {"batch_size": 2, "seq_len": 32, "mixed_precision": precision, "grad_accum_steps": 2, "z_loss_weight": 0}
+    cfg = JobConfig(
+        model={**model_cfg, "sdpa_backend": "flash", "num_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1},
+        train={**train, "loss_fn": "cross_entropy"},
+        distributed={"pp": 2},
+    ).validate(2)
+    rows = estimate_memory(cfg, 2)
+    assert [row.microbatches_in_flight for row in rows] == [2, 1]  # 1F1B's warm-up depth
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 32))
+    h = tokens
+    for stage, row in enumerate(rows):
+        part = stage_model(model, stage, 2)
+        assert row.params == sum(p.nbytes for p in part.parameters())
+        h, saved = saved_bytes(part, h, tokens if stage == 1 else None, precision == "bf16")
+        cpu_rmsnorm_extra = (2 + stage) * 4 * cfg.model.dim * tokens.numel()  # 2 per block, the final norm
+        estimate = row.activations // row.microbatches_in_flight + cpu_rmsnorm_extra
+        assert abs(estimate / saved - 1) < ACTIVATION_TOLERANCE, (stage, estimate, saved)
+
+
+def saved_bytes(part: Transformer, inputs: torch.Tensor, labels: torch.Tensor | None, bf16: bool):
+    """(output, bytes of the distinct activations autograd saves) of one micro-batch through a stage model, and
+    through the loss on the last stage."""
+    state = {t.untyped_storage().data_ptr() for t in [*part.parameters(), *part.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in state and not is_weight_copy(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = inputs.detach().requires_grad_(inputs.is_floating_point())  # as the stage receives it
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", torch.bfloat16, enabled=bf16),
+    ):
+        out = part(x)
+        if labels is not None:
+            cross_entropy(out, labels)
+    return out, sum(seen.values())
+
+
+def test_stages_carrying_their_aux_losses_give_one_process_gradients():
+    """Two stage models of an MoE model, run one after the other with `StageAuxLosses` attached, backward
+    from the last stage's cross-entropy only: the gradients and the logged loss are those of the whole
+    model's cross-entropy + auxiliary losses (without carrying, the first stage's routers get none of theirs)."""
+    cfg = ModelConfig(
+        dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16, num_experts=4, moe_top_k=2,
+        moe_aux_loss_weight=0.01, moe_sequence_aux_loss_weight=0.01, moe_router_z_loss_weight=0.01,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    tokens = torch.randint(0, 64, (2, 16))
+    parts, carried = [stage_model(model, stage, 2) for stage in (0, 1)], StageAuxLosses()
+    one_process = cross_entropy(model(tokens), tokens) + model.moe_loss()
+    one_process.backward()
+    expected = {name: p.grad for name, p in model.named_parameters()}
+    for part in parts:
+        carried.attach(part)
+    cross_entropy(parts[1](parts[0](tokens)), tokens).backward()
+    grads = {name: p.grad for part in parts for name, p in part.named_parameters()}
+    assert sorted(grads) == sorted(expected) and grads["layers.0.feed_forward.router.gate.weight"] is not None
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], atol=1e-6, rtol=1e-5, msg=name)
+    aux = carried.mean(1, tokens.device)
+    assert aux > 0 and carried.values == []
+    torch.testing.assert_close(cross_entropy(model(tokens), tokens) + aux, one_process.detach())
