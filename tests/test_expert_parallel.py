@@ -1,10 +1,13 @@
 """Expert parallelism on CPU under torchrun (gloo): ep = 2 trains as plain data parallelism (ep = 1) over the
 same ranks and data — 6 AdamW steps with gradient clipping; per-step losses, first-step gradients, gradient
 norms and final parameters within 1e-5 — for both routers, shared experts, capacity, the loop implementation,
-a rank that receives no token at all, full and selective activation checkpointing, and with FSDP (2 ranks,
-and 4 ranks where each expert shard is FSDP-sharded over 2). DCP checkpoints go both ways between the sharded
-and an unsharded model. Plus the validation rules, the module's two expert implementations, and in one process
-the layout's seam: hooks on the experts module, no method patched on an instance."""
+a rank that receives no token at all, full and selective activation checkpointing, torch.compile (the MoE
+blocks compiled around their routed experts, fp32, the compiled graphs counted), and with FSDP (2 ranks,
+and 4 ranks where each expert shard is FSDP-sharded over 2). In the same launch, MoE under tp = 2 with full
+and selective checkpointing against one process on the union of the ranks' batches. DCP checkpoints go both
+ways between the sharded and an unsharded model, and the sharded run's checkpoint, in one process, gives the
+uninterrupted run's next loss. Plus the validation rules, the module's two expert implementations, and in
+one process the layout's seam: hooks on the experts module, no method patched on an instance."""
 
 from __future__ import annotations
 
@@ -264,7 +267,8 @@ def check_compiled(records: list[dict], compiled: bool) -> None:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_ep2_matches_data_parallel_ep1(two_ranks, name):
-    """dp = 2 with ep = 2 against dp = 2 with ep = 1, same data per rank: losses and parameters within 1e-5."""
+    """dp = 2 with ep = 2 against dp = 2 with ep = 1, same data per rank (tp cases: tp = 2 against one process
+    on the union of the ranks' batches): losses and parameters within 1e-5, compiled where the case says."""
     records = two_ranks[name]
     check_parity(records, CASES[name]["layout"])
     check_compiled(records, CASES[name].get("compile", False))
