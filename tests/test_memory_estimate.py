@@ -403,4 +403,5 @@ def test_expert_parallelism_with_compile_is_estimated_like_eager():
     layout = {"dp_shard": 4, "ep": 2}
     compiled = job(MOE, train={"compile_model": True}, distributed=layout).validate(4)
     assert estimate_memory(compiled, 4) == estimate_memory(job(MOE, distributed=layout), 4)
-    assert estimate_memory(compiled, 4)[0].params == estimate_memory(job(MOE, distributed={"dp_shard": 4}), 4)[0].params
+    (data_parallel,) = estimate_memory(job(MOE, distributed={"dp_shard": 4}), 4)
+    assert estimate_memory(compiled, 4)[0].params == data_parallel.params
