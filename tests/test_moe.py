@@ -467,6 +467,15 @@ def test_checkpointing_an_moe_model_compiled_in_regions_is_refused(layout):
         parallelize(Transformer(moe_config()), auto)
 
 
+def test_validate_config_accepts_expert_parallelism_with_compile_and_names_what_it_still_refuses():
+    from tests.test_cli import forge
+
+    layout = ["--world-size", "2", "--distributed.ep=2", "--train.compile_model=true"]
+    assert forge("validate-config", "presets/debug_moe.toml", *layout).returncode == 0
+    refused = forge("validate-config", "presets/debug_moe.toml", *layout, "--train.activation_checkpointing=full")
+    assert refused.returncode == 2 and "train.activation_checkpointing" in refused.stderr, refused.stderr
+
+
 def test_compiling_an_moe_model_under_tensor_parallelism_is_refused():
     """PyTorch 2.13's on-disk AOTAutograd cache served one block's compiled tensor-parallel attention a backward
     compiled for another once warm (first-step gradients of the second block off by 100 %; exact with
