@@ -393,3 +393,15 @@ def test_tensor_parallel_splits_the_experts_hidden_units_not_the_router():
     experts = 3 * m.num_experts * m.dim * h + 3 * m.dim * h  # routed + one shared
     split = m.n_layers * (2 * m.dim * m.dim + 2 * kv * m.dim + experts) + 2 * m.vocab_size * m.dim
     assert tp.params == single.params - 4 * split // 2
+
+
+def test_expert_parallelism_with_compile_is_estimated_like_eager():
+    """ep = 2 with compile validates, and its estimate is the eager one: the MoE blocks compile in regions
+    around the routed experts, whose activations and exchanged rows are those the eager count already holds
+    (a compiled region saves no more than eager). Against plain data parallelism over the same 4 ranks, each
+    rank holds the same share of the experts' weights (4 experts ÷ 2 ep ranks, FSDP over the 2 holding them)."""
+    layout = {"dp_shard": 4, "ep": 2}
+    compiled = job(MOE, train={"compile_model": True}, distributed=layout).validate(4)
+    assert estimate_memory(compiled, 4) == estimate_memory(job(MOE, distributed=layout), 4)
+    (data_parallel,) = estimate_memory(job(MOE, distributed={"dp_shard": 4}), 4)
+    assert estimate_memory(compiled, 4)[0].params == data_parallel.params

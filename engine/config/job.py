@@ -301,7 +301,38 @@ def moe_issues(cfg: JobConfig) -> list[ConfigIssue]:
                 "use a frequency <= n_layers (1 = every block)",
             )
         )
+    t = cfg.train
+    if t.compile_model and cfg.distributed.tp > 1:
+        issues.append(
+            ConfigIssue(
+                "train.compile_model",
+                f"= true with distributed.tp = {cfg.distributed.tp} is not supported for an MoE model: PyTorch's "
+                "on-disk AOTAutograd cache hands one block's compiled tensor-parallel attention a backward "
+                "compiled for another (measured with torch 2.13: wrong gradients once the cache is warm)",
+                "set train.compile_model = false, or distributed.tp = 1",
+            )
+        )
+    # "auto" is bf16 on the GPUs a layout is planned for; engine.parallel.apply checks again where it runs.
+    bf16 = t.mixed_precision in ("bf16", "fp8", "auto")
+    if t.compile_model and t.activation_checkpointing != "none" and moe_compiled_in_regions(cfg, bf16):
+        issues.append(
+            ConfigIssue(
+                "train.activation_checkpointing",
+                f"= {t.activation_checkpointing!r} with train.compile_model = true is not supported for an MoE model "
+                "compiled around its routed experts (ep > 1, or compute other than bf16): a checkpointed block "
+                "would recompute them differently from its forward",
+                'set it to "none", or train.compile_model = false',
+            )
+        )
     return issues
+
+
+def moe_compiled_in_regions(cfg: JobConfig, compute_bf16: bool) -> bool:
+    """Whether torch.compile takes an MoE block in regions around its routed experts instead of whole
+    (engine/parallel/apply.py): whenever the experts' call holds what does not trace into one graph — expert
+    parallelism's token exchange, grouped_mm outside bf16. (With tp > 1 an MoE model does not compile at all:
+    `moe_issues`.)"""
+    return cfg.distributed.ep > 1 or not compute_bf16
 
 
 def optimization_issues(cfg: JobConfig) -> list[ConfigIssue]:
@@ -651,16 +682,12 @@ def expert_parallel_issues(cfg: JobConfig, dp_shard: int) -> list[ConfigIssue]:
                 "set it to false, or distributed.ep = 1",
             )
         )
-    for applies, field in [
-        (d.cp > 1, "distributed.cp"),
-        (cfg.train.compile_model, "train.compile_model"),
-    ]:
-        if applies:
-            issues.append(
-                ConfigIssue(
-                    field,
-                    "is not supported with expert parallelism (distributed.ep > 1) yet",
-                    "use distributed.ep = 1 for this",
-                )
+    if d.cp > 1:
+        issues.append(
+            ConfigIssue(
+                "distributed.cp",
+                "is not supported with expert parallelism (distributed.ep > 1) yet",
+                "use distributed.ep = 1 for this",
             )
+        )
     return issues

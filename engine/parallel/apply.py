@@ -14,12 +14,15 @@ The full order is TP → CP → EP → FP8 → activation checkpointing → comp
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from engine import precision
-from engine.config.job import JobConfig
+from engine.config.job import JobConfig, moe_compiled_in_regions
 from engine.errors import UserError
+from engine.model.moe import MoE
 from engine.model.transformer import Transformer
 from engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from engine.parallel.context import apply_context_parallel
@@ -29,25 +32,69 @@ from engine.parallel.mesh import ParallelMesh
 from engine.parallel.tp import apply_tensor_parallel, uses_loss_parallel
 
 
-def apply_compile(model: Transformer) -> None:
-    """Compile block by block: blocks are identical, so one compiled graph is reused n_layers times."""
+def apply_compile(model: Transformer, moe_regions: bool = False) -> None:
+    """Compile block by block: blocks are identical, so one compiled graph is reused n_layers times.
+
+    A block compiles whole, as one graph (`fullgraph`), checkpoint wrapper included, so that the graph holds
+    the recomputation and compile applies the selective policy when it partitions forward and backward. With
+    `moe_regions` (`check_compilable`), an MoE block compiles in regions instead (`compiled_regions`), each
+    one full graph as well."""
     for block in model.layers.values():
-        block.compile(fullgraph=True)
+        for region in compiled_regions(block, moe_regions):
+            region.compile(fullgraph=True)
 
 
-def check_compilable(cfg: JobConfig, device: torch.device) -> None:
-    """Compiled grouped_mm (MoE experts) only has a bf16 kernel: an MoE model compiles only under bf16 (the
-    compute dtype on `device`, where the model trains)."""
+def compiled_regions(block: nn.Module, moe_regions: bool) -> list[nn.Module]:
+    """What of one (possibly checkpoint-wrapped) block compiles: the block itself, or with `moe_regions` in an
+    MoE block its attention and the MoE layer's router and shared experts, while the rest runs eagerly: the
+    routed experts with their sort and combine, the norms (torch's own modules, which compile only inside a
+    caller) and the residual adds.
+
+    Why the routed experts stay eager there: their call is where expert parallelism hooks in (an all-to-all
+    whose splits are data-dependent host values), and compiled grouped_mm accepts only bf16 (fp32 fails while
+    tracing). Inside a compiled block either breaks the graph, and the block then splits into a cascade of
+    resumed frames, each hook compiled on its own, or, inside a checkpointed block, the whole block silently
+    runs eagerly. Compiling the regions around the experts keeps every graph whole (`fullgraph`: a
+    region that cannot compile fails loudly instead of running eagerly). The cost: the norms and the routed
+    experts' elementwise work (their activation, the gather and weighted scatter of rows) run unfused; each
+    grouped matmul is one kernel either way."""
+    inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
+    moe = getattr(inner, "feed_forward", None)
+    if not moe_regions or not isinstance(moe, MoE):
+        return [block]
+    return [inner.attention, moe.router, *([moe.shared] if moe.shared is not None else [])]
+
+
+def check_compilable(cfg: JobConfig, device: torch.device) -> bool:
+    """Whether the MoE blocks compile in regions (`compiled_regions`) rather than whole: they do unless the
+    routed experts trace, i.e. bf16 compute (the compute dtype on `device`, where the model trains) without
+    ep. An MoE model under tp is refused (see the message). Regions refuse activation checkpointing: a
+    checkpointed block must recompute in backward exactly the ops its forward ran, and PyTorch reruns
+    compiled regions inside an eager checkpoint without dynamo: a different op sequence (the selective
+    policy's cache fails) and different rounding (routing may differ)."""
     if not cfg.model.is_moe:
-        return
-    dtype = precision.compute_dtype(cfg.train.mixed_precision, device)
-    if dtype != torch.bfloat16:
+        return False
+    if cfg.distributed.tp > 1:
         raise UserError(
-            f"train.compile_model = true with an MoE model (model.num_experts = {cfg.model.num_experts}) "
-            f"needs bf16 compute, but train.mixed_precision resolves to {str(dtype).removeprefix('torch.')} "
-            "here: torch.compile's grouped matrix multiply supports only bf16",
-            'set train.mixed_precision = "bf16", or train.compile_model = false',
+            f"train.compile_model = true with distributed.tp = {cfg.distributed.tp} is not supported for an MoE "
+            "model: PyTorch's on-disk AOTAutograd cache hands one block's compiled tensor-parallel attention a "
+            "backward compiled for another (measured with torch 2.13: wrong gradients once the cache is warm)",
+            "set train.compile_model = false, or distributed.tp = 1",
         )
+    bf16 = precision.compute_dtype(cfg.train.mixed_precision, device) == torch.bfloat16
+    if not moe_compiled_in_regions(cfg, bf16):
+        return False
+    if cfg.train.activation_checkpointing != "none":
+        dtype = "bf16" if bf16 else "fp32"
+        raise UserError(
+            f"train.activation_checkpointing = {cfg.train.activation_checkpointing!r} with train.compile_model = true "
+            f"is not supported for this MoE model ({dtype} compute, distributed.ep = {cfg.distributed.ep}): its "
+            "blocks compile around the routed experts, and a checkpointed block would recompute them differently "
+            "from its forward",
+            'set train.activation_checkpointing = "none", or train.compile_model = false '
+            "(or bf16 compute without ep, where MoE blocks compile whole)",
+        )
+    return True
 
 
 def apply_fsdp(
@@ -130,8 +177,7 @@ def parallelize(
         )
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile_model:
-        check_compilable(cfg, device)
-        apply_compile(model)
+        apply_compile(model, check_compilable(cfg, device))
     if mesh is not None and mesh.fsdp is not None:
         apply_fsdp(
             model,

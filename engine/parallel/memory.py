@@ -34,7 +34,9 @@ checkpointing, accumulation, AdamW/Muon, QK-norm, MoE, and FSDP2 on one rank. It
 Assumptions, as engine.parallel builds a run: with data parallelism (dp_replicate × dp_shard > 1), FSDP2 with
 MixedPrecisionPolicy(param_dtype=compute dtype, reduce_dtype=fp32) and no autocast; without it, autocast
 over fp32 weights (the residual stream stays fp32); sequence parallelism with tp; "auto" precision
-estimated as bf16 (a GPU run).
+estimated as bf16 (a GPU run). `compile_model` is counted as eager: a compiled graph saves no more than the
+eager ops it replaces, and MoE blocks compiled in regions (ep > 1, or not bf16) keep their routed experts,
+with the rows the all-to-all brings (k per token on average), eager and counted as such.
 """
 
 from __future__ import annotations
