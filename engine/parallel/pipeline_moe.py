@@ -67,9 +67,9 @@ class StageAuxLosses:
     def mean(self, n_microbatches: int, device: torch.device) -> torch.Tensor:
         """The mean over the step's micro-batches of this rank's stages' auxiliary losses; starts the next
         step's count."""
-        total = torch.stack(self.values).sum() if self.values else torch.zeros((), device=device)
+        total = torch.stack([v.float() for v in self.values]).sum() if self.values else torch.zeros((), device=device)
         self.values = []
-        return total.float() / n_microbatches
+        return total / n_microbatches
 
 
 def pipeline_moe_metrics(parts: list[nn.Module], group: dist.ProcessGroup) -> dict[str, float]:

@@ -95,7 +95,7 @@ class Job:
         return self.place.rank == 0
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.mesh is not None and self.mesh.fsdp is not None:
+        if fsdp_casts(self.mesh):
             return contextlib.nullcontext()  # FSDP gathers the weights in the compute dtype itself
         return precision.autocast(self.device, self.dtype)
 
@@ -317,6 +317,12 @@ def pipelined(model: Transformer, cfg: JobConfig, mesh: ParallelMesh, device: to
     )
 
 
+def fsdp_casts(mesh: ParallelMesh | None) -> bool:
+    """FSDP casts the weights (and a module's inputs) to the compute dtype itself, so no autocast runs; the
+    pipeline's declared stage shapes follow the same rule."""
+    return mesh is not None and mesh.fsdp is not None
+
+
 def stage_shapes(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> StageShapes:
     """What this run's stages pass per micro-batch. The residual stream is in the dtype of the embedding's
     weight: the compute dtype under FSDP (which gathers the weights in it and casts a stage's inputs to it),
@@ -330,7 +336,7 @@ def stage_shapes(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> St
         hidden_seq=t.seq_len // cfg.distributed.tp,
         dim=m.dim,
         vocab=m.vocab_size,
-        hidden_dtype=compute if mesh.fsdp is not None else torch.float32,
+        hidden_dtype=compute if fsdp_casts(mesh) else torch.float32,
         logits_dtype=compute,
     )
 
