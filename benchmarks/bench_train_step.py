@@ -7,6 +7,10 @@ logits (the same computation as its own `ForCausalLMLoss`).
 `transformers` runs twice: with torch.optim.AdamW as constructed by default (the usual HF training
 step) and with the fused AdamW kernel Forge uses, so the optimizer's share of the difference is visible.
 Steps are timed in alternating rounds (ours, theirs, ours, …) so machine drift hits both alike.
+A third entry, `kernels_only`, times just the step's matrix multiplies (in the layouts the compiled step
+uses) and its attention forward + backward, on random tensors of the same shapes: the kernels both
+steps run and neither can skip. `ratio_transformers_over_kernels_only` is therefore the most any step
+with these kernels could be ahead of `transformers`, and forge / kernels_only is Forge's own overhead.
 
     python benchmarks/bench_train_step.py                      # CPU, fp32, the debug-sized model
     python benchmarks/bench_train_step.py --dim 512 --n-layers 8 --seq-len 512
@@ -15,11 +19,13 @@ Steps are timed in alternating rounds (ours, theirs, ours, …) so machine drift
 
 from __future__ import annotations
 
+import math
 import platform
 import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 import transformers
 from bench_args import emit, model_config, model_parser
 
@@ -74,6 +80,68 @@ def step_timer(model, optimizer, loss_of, batch, device, dtype, clock=time.perf_
     return step
 
 
+def kernels_timer(cfg: ModelConfig, batch_size: int, seq_len: int, chunk: int, device, dtype, clock=time.perf_counter):
+    """One step's unavoidable kernels, nothing else: per layer the seven projections' forward matmuls and, for
+    each, its weight gradient (gradᵀ @ input) and input gradient (grad @ weight), and SDPA forward + backward;
+    then the output head's three matmuls (logits, their input and weight gradients) `chunk` tokens at a time.
+    No norms, activations, residuals, softmax of the loss, optimizer or clipping: what the step adds to these
+    is overhead a faster implementation could remove; these kernels it cannot."""
+    tokens, dim, ffn, vocab = batch_size * seq_len, cfg.dim, cfg.ffn_dim, cfg.vocab_size
+    q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    x, act, grad_ffn, grad_dim, grad_q, grad_kv = (
+        t(tokens, dim),
+        t(tokens, ffn),
+        t(tokens, ffn),
+        t(tokens, dim),
+        t(tokens, q_out),
+        t(tokens, kv_out),
+    )
+    wq, wkv, wo, w13, w2 = t(q_out, dim), t(kv_out, dim), t(dim, q_out), t(ffn, dim), t(dim, ffn)
+    forward = ((x, wq), (x, wkv), (x, wkv), (grad_q, wo), (x, w13), (x, w13), (act, w2))
+    backward = (
+        (grad_dim, act, w2),
+        (grad_ffn, x, w13),
+        (grad_ffn, x, w13),
+        (grad_dim, grad_q, wo),
+        (grad_q, x, wq),
+        (grad_kv, x, wkv),
+        (grad_kv, x, wkv),
+    )
+    # Heads laid out as the model hands them to SDPA: [batch, heads, seq, head_dim] views of [batch, seq, heads, head_dim].
+    q, k, v = (
+        t(batch_size, seq_len, heads, cfg.head_dim).transpose(1, 2).requires_grad_()
+        for heads in (cfg.n_heads, cfg.kv_heads, cfg.kv_heads)
+    )
+    grad_out = t(batch_size, seq_len, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+    head, hidden, grad_logits = t(vocab, dim), t(chunk, dim), t(chunk, vocab)
+    grad_head = torch.zeros(vocab, dim, device=device, dtype=dtype)
+
+    def step() -> float:
+        start = clock()
+        for _ in range(cfg.n_layers):
+            for inputs, weight in forward:
+                inputs @ weight.T
+            for grad, inputs, weight in backward:
+                grad.T @ inputs
+                grad @ weight
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.kv_heads != cfg.n_heads).backward(
+                grad_out
+            )
+        for _ in range(math.ceil(tokens / chunk)):
+            hidden @ head.T
+            grad_logits @ head
+            grad_head.addmm_(grad_logits.T, hidden)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return clock() - start
+
+    return step
+
+
 def main() -> None:
     parser = model_parser(__doc__, batch_size=16, warmup=3, steps=8)
     parser.add_argument("--loss-fn", default=TrainConfig().loss_fn, help="Forge's train.loss_fn")
@@ -114,6 +182,16 @@ def main() -> None:
             dtype,
             clock,
         ),
+        # the head's matmuls in the chunks Forge's chunked loss uses (the plain loss: all tokens at once, same FLOPs)
+        "kernels_only": kernels_timer(
+            cfg,
+            args.batch_size,
+            args.seq_len,
+            train_cfg.ce_chunk_size if train_cfg.loss_fn == "chunked_cross_entropy" else args.batch_size * args.seq_len,
+            device,
+            dtype,
+            clock,
+        ),
     }
     for step in timers.values():
         for _ in range(args.warmup):
@@ -129,6 +207,10 @@ def main() -> None:
     }
     for name in ("transformers", "transformers_fused_adamw"):
         result[f"ratio_forge_over_{name}"] = result["forge"]["tokens_per_sec"] / result[name]["tokens_per_sec"]
+    # The ceiling: transformers' step over the kernels alone; and what Forge spends beyond them.
+    kernels = result["kernels_only"]["median_step_sec"]
+    result["ratio_transformers_over_kernels_only"] = result["transformers"]["median_step_sec"] / kernels
+    result["forge_overhead_over_kernels_only"] = result["forge"]["median_step_sec"] / kernels - 1
     result["setup"] = {
         **vars(args),
         "parameters": ours.num_parameters(),
