@@ -33,7 +33,7 @@ from engine.errors import DataError
 
 IDENTITY_SAMPLE_TOKENS = 4096  # tokens at each end of a shard that its identity covers
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]  # (inputs, labels), and for a mixture the rows' sources (SourceWindows)
 
 
 class TokenWindows(Dataset[Batch]):
@@ -74,6 +74,21 @@ class TokenWindows(Dataset[Batch]):
         return {**self.__dict__, "_arrays": None}
 
 
+class SourceWindows(TokenWindows):
+    """A mixture's windows, source after source (source i owns samples offsets[i] … offsets[i+1]-1): a sample
+    is (inputs, labels, source index), so a step knows which source each row came from and can report each
+    source's loss (engine/train/source_losses.py)."""
+
+    def __init__(self, windows: Sequence[TokenWindows], seq_len: int, vocab_size: int) -> None:
+        arrays, paths = [a for w in windows for a in w.arrays], [p for w in windows for p in w.paths]
+        super().__init__(arrays, paths, seq_len, vocab_size)
+        self.offsets = tuple(int(x) for x in np.cumsum([0, *(len(w) for w in windows)]))
+
+    def __getitem__(self, index: int) -> Batch:
+        source = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return (*super().__getitem__(index), torch.tensor(source))
+
+
 @dataclass
 class TokenData:
     """One verified data set and how this rank batches it."""
@@ -100,6 +115,7 @@ class TokenData:
 @dataclass
 class TrainData(TokenData):
     seed: int = 0
+    names: tuple[str, ...] = ()  # a mixture's sources, whose index each batch row carries; () for one data set
 
     def metrics(self, steps_done: int) -> dict[str, float]:
         """What a logged step reports about the data after `steps_done` steps: nothing for one source."""
@@ -127,10 +143,9 @@ class TrainData(TokenData):
 
 @dataclass
 class MixtureData(TrainData):
-    """Several sources behind one `TokenWindows` (source i owns windows offsets[i] … offsets[i+1]-1), drawn
+    """Several sources behind one `SourceWindows` (source i owns windows offsets[i] … offsets[i+1]-1), drawn
     from by `engine.data.mixture`; `directory` and `manifest` are the first source's (all share a tokenizer)."""
 
-    names: tuple[str, ...] = ()
     offsets: tuple[int, ...] = ()
     phases: tuple[Phase, ...] = ()
 
@@ -201,11 +216,7 @@ def open_mixture(cfg: JobConfig, layout: BatchLayout) -> MixtureData:
                 f"(data.datasets.0, {cfg.data.datasets[0].name!r})",
                 "tokenize every source with the same tokenizer.json (forge tokenize --tokenizer)",
             )
-    windows = [parts[3] for parts in opened]
-    arrays = [a for w in windows for a in w.arrays]
-    paths = [p for w in windows for p in w.paths]
-    dataset = TokenWindows(arrays, paths, cfg.train.seq_len, opened[0][1].vocab_size)
-    offsets = tuple(int(x) for x in np.cumsum([0, *(len(w) for w in windows)]))
+    dataset = SourceWindows([parts[3] for parts in opened], cfg.train.seq_len, opened[0][1].vocab_size)
     return MixtureData(
         *opened[0][:3],
         dataset,
@@ -213,7 +224,7 @@ def open_mixture(cfg: JobConfig, layout: BatchLayout) -> MixtureData:
         loader_options(cfg),
         seed=cfg.train.effective_data_seed,
         names=tuple(s.name for s in cfg.data.datasets),
-        offsets=offsets,
+        offsets=dataset.offsets,
         phases=tuple(mixture_phases(cfg.data)),
     )
 
