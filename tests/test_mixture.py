@@ -135,6 +135,10 @@ def test_same_global_batches_under_any_layout_and_after_a_resume():
         ("--data.phases=[{start_step=100, dataset_weights={a=1.0}}]", "data.phases.0.start_step"),
         ("--data.anneal_start_step=50", "data.anneal_weights"),
         ("--data.dataset_path=/x", "data.dataset_path"),
+        ('--data.datasets=[{name="a"}]', "data.datasets.0.path"),
+        ('--data.datasets=[{name="a", path="/a", embedded="poems"}]', "data.datasets.0.embedded"),
+        ('--data.datasets=[{name="a", path="/a", hf_split="test"}]', "data.datasets.0.hf_split"),
+        ('--data.datasets=[{name="a", hf_name="org/set"}]', "data.tokenizer_path"),
     ],
 )
 def test_bad_mixtures_name_the_field(override, field):

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from engine.config import JobConfig
 from engine.config.data import MixtureSource
 from engine.data.embedded import cache_dir, embedded_corpus
-from engine.data.hub_cache import hub_shards
+from engine.data.hub_cache import hub_shards, source_shards
 from engine.data.mixture import Phase, SourceDraws, mixture_phases
 from engine.data.sampler import BatchLayout, EpochOrder, EvalBatchSampler, MixtureBatchSampler, TrainBatchSampler
 from engine.data.shards import MANIFEST, TOKENIZER_FILE, Manifest, ShardInfo, open_shard, read_manifest
@@ -206,8 +206,8 @@ def open_mixture(cfg: JobConfig, layout: BatchLayout) -> MixtureData:
     """Every `[[data.datasets]]` source verified like a single data set, all with the first one's tokenizer."""
     opened = []
     for i, source in enumerate(cfg.data.datasets):
-        field = f"data.datasets.{i}.path" if source.path is not None else f"data.datasets.{i}.embedded"
-        directory = source_directory(source)
+        field = f"data.datasets.{i}.{next(f for f in MixtureSource.LOCATIONS if getattr(source, f) is not None)}"
+        directory = source_directory(cfg, i)
         opened.append(verified(directory, field, cfg.data.file_pattern, "data.file_pattern", cfg))
         first, this = opened[0], opened[-1]
         if this[1].tokenizer_sha256 != first[1].tokenizer_sha256:
@@ -244,7 +244,7 @@ def open_eval_data(
     elif e.hf_dataset_name:
         tokenizer = Path(d.tokenizer_path) if d.tokenizer_path else train_dir / TOKENIZER_FILE
         directory = hub_shards(cfg, "eval", tokenizer)
-    elif d.dataset_path is None and d.hf_dataset_name is None and all(s.path is None for s in d.datasets):
+    elif d.dataset_path is None and d.hf_dataset_name is None and all(s.embedded is not None for s in d.datasets):
         directory = embedded_corpus().val
     else:
         raise DataError(
@@ -279,7 +279,7 @@ def train_directory(cfg: JobConfig) -> Path:
     use), or the embedded corpus."""
     d = cfg.data
     if d.datasets:
-        return source_directory(d.datasets[0])
+        return source_directory(cfg, 0)
     if d.dataset_path:
         return Path(d.dataset_path)
     if d.hf_dataset_name:
@@ -288,9 +288,22 @@ def train_directory(cfg: JobConfig) -> Path:
     return embedded_corpus().train
 
 
-def source_directory(source: MixtureSource) -> Path:
-    """A `[[data.datasets]]` entry's shards: its path, or its split of the embedded corpus (built on first use)."""
+def source_directory(cfg: JobConfig, index: int) -> Path:
+    """`[[data.datasets]]` entry `index`'s shards: its path, its split of the embedded corpus, or its Hugging
+    Face dataset's cache entry (either built on first use)."""
+    source = cfg.data.datasets[index]
+    if source.hf_name is not None:
+        return source_shards(cfg, index, mixture_tokenizer(cfg))
     return Path(source.path) if source.path is not None else embedded_corpus().split(source.embedded)
+
+
+def mixture_tokenizer(cfg: JobConfig) -> Path:
+    """What a mixture's Hugging Face sources are tokenized with: data.tokenizer_path, else the tokenizer.json
+    beside the first source that has shards (every source must share it; validation requires one of them)."""
+    if cfg.data.tokenizer_path is not None:
+        return Path(cfg.data.tokenizer_path)
+    first = next(i for i, source in enumerate(cfg.data.datasets) if source.hf_name is None)
+    return source_directory(cfg, first) / TOKENIZER_FILE
 
 
 def loader_options(cfg: JobConfig) -> dict[str, Any]:
