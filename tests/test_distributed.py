@@ -99,7 +99,7 @@ def assert_same_run(run_dir: Path, reference: Path, tol: float = 1e-5) -> None:
         assert record["loss"] == pytest.approx(ref[step]["loss"], abs=tol), step
         assert record["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=100 * tol), step
         per_source = sorted(k for k in ref[step] if k.startswith("loss/"))
-        assert per_source and sorted(k for k in record if k.startswith("loss/")) == per_source, step
+        assert sorted(k for k in record if k.startswith("loss/")) == per_source, step
         for key in per_source:
             assert record[key] == pytest.approx(ref[step][key], abs=tol), (step, key)
     evals = records(run_dir, "eval_loss")
@@ -162,6 +162,7 @@ def test_layouts_match_one_process(tmp_path, one_process, layout):
     result = forge(tmp_path / "run", *args, nproc=2, batch_size=batch_size)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(tmp_path / "run", one_process)
+    assert all(any(k.startswith("loss/") for k in r) for r in records(one_process).values()), "per-source losses"
     metrics = records(tmp_path / "run")[6]
     assert {"mem_peak_gib/rank0", "mem_peak_gib/rank1"} <= metrics.keys()
     assert metrics["mem_peak_gib"] == max(metrics["mem_peak_gib/rank0"], metrics["mem_peak_gib/rank1"])
