@@ -26,6 +26,9 @@ def fmt_metrics(metrics: dict[str, Any]) -> dict[str, str]:
         "MFU": f"{100 * mfu:.1f}%" if mfu is not None else "n/a",
         "memory": f"{memory:.2f} GiB" if memory is not None else "n/a",
     }
+    for key, value in metrics.items():  # a mixture: each source's loss in the step (engine/train/source_losses.py)
+        if key.startswith("loss/"):
+            shown[f"loss {key.removeprefix('loss/')}"] = f"{value:.4f}"
     if "moe/imbalance" in metrics:  # MoE: the worst layer's max/mean tokens per expert (1 = balanced)
         shown["expert imbalance"] = f"{metrics['moe/imbalance']:.2f}"
     return shown

@@ -474,3 +474,69 @@ def test_a_cache_build_reports_through_the_view_the_cli_installs(
     last = seen[-1][1]
     assert last.phase == "tokenizing" and last.done == last.total == len(TEXTS)
     assert last.tokens == all_tokens(entry).size
+
+
+# --- a Hugging Face dataset as a mixture source ([[data.datasets]] hf_name) ----------------------------------
+
+
+def test_a_mixture_with_a_hugging_face_source_trains_and_reuses_its_cache(
+    tmp_path: Path, dataset_repo: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """`forge train` on shards from `forge tokenize` mixed with a local dataset folder named by hf_name: the
+    folder is tokenized once into the cache (with the tokenizer beside the shards), both sources train and
+    report; a second run finds the entry and tokenizes nothing, training on the same tokens."""
+    from tests.data_fixtures import tokenized
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(cache))
+    shards = tokenized(tmp_path, TEXTS[:6], name="shards")
+    sources = (
+        f'--data.datasets=[{{name="files", path="{shards}", weight=1.0}}, '
+        f'{{name="hub", hf_name="{dataset_repo}", hf_split="train", text_field="text", weight=1.0}}]'
+    )
+    args = [f"--{o}" for o in TINY if not o.startswith("eval.")] + ["--eval.enabled=false", sources]
+    result = forge("train", "presets/debug.toml", "--run-dir", str(tmp_path / "run"), *args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "tokenizing" in result.stderr
+    entries = sorted((cache / "hf").glob("*/manifest.json"))
+    assert len(entries) == 1
+    from engine.data.shards import read_manifest
+
+    assert read_manifest(entries[0].parent).tokenizer_sha256 == read_manifest(shards).tokenizer_sha256
+    first = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in first if "loss" in r][-1]
+    assert last["step"] == 4 and last["data/tokens/files"] > 0 and last["data/tokens/hub"] > 0
+    assert last["data/tokens/files"] + last["data/tokens/hub"] == 4 * 4 * 32
+    assert any("loss/hub" in r for r in first) and any("loss/files" in r for r in first)
+
+    monkeypatch.setattr("engine.data.hub_cache.tokenize", None)  # the second run must not tokenize again
+    from engine.config import load_job_config
+    from engine.train.trainer import train
+
+    train(load_job_config(REPO / "presets" / "debug.toml", args), tmp_path / "again")
+    again = [json.loads(line) for line in (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()]
+    assert numbers(again) == numbers(first)
+    assert sorted((cache / "hf").glob("*/manifest.json")) == entries
+
+
+def test_bad_hugging_face_sources_exit_2_naming_the_field(tmp_path: Path, dataset_repo: Path):
+    """hf_name beside path (found by validate-config), a text column the dataset lacks (found when the data is
+    opened, before tokenizing or any process group), and a source tokenized with another tokenizer than the
+    run's: exit 2, the field named, nothing tokenized, no run directory written."""
+    from tests.data_fixtures import tokenized
+
+    shards = tokenized(tmp_path, TEXTS[:6], name="shards")
+    cases = [
+        ("validate-config", f'{{name="hub", hf_name="{dataset_repo}", path="{shards}"}}', ["data.datasets.1.hf_name", "and data.datasets.1.path are both set"]),
+        ("train", f'{{name="hub", hf_name="{dataset_repo}", text_field="body"}}', ["data.datasets.1.hf_name", "no column 'body'", "data.datasets.1.text_field"]),
+        ("train", '{name="poems", embedded="poems"}', ["data.datasets.1.embedded", "different tokenizer"]),
+    ]  # fmt: skip
+    for command, entry, expected in cases:
+        sources = f'--data.datasets=[{{name="files", path="{shards}"}}, {entry}]'
+        run_dir = tmp_path / "run"
+        where = ["--run-dir", str(run_dir)] if command == "train" else []
+        result = forge(command, "presets/debug.toml", *where, "--eval.enabled=false", sources)
+        output = " ".join((result.stdout + result.stderr).replace("│", " ").split())
+        assert result.returncode == 2, output[-3000:]
+        assert all(text in output for text in expected), (expected, output[-3000:])
+        assert "Traceback" not in output and "tokenizing" not in output and not run_dir.exists()

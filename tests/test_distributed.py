@@ -40,10 +40,14 @@ TINY = [
     "--train.max_steps=6",
     "--optimizer.eps=1e-5",
     "--train.z_loss_weight=1e-3",
+    '--data.datasets=[{name="plays", embedded="plays", weight=2.0}, {name="poems", embedded="poems", weight=1.0}]',
 ]
 
 
 # z-loss: trained with, left out of the eval loss (the pipeline turns it off for its forward-only passes).
+# A mixture of two sources: every layout must also report each source's loss (loss/plays, loss/poems) as one
+# process does, reduced over the ranks that hold its rows (data parallel) or positions (context parallel), and
+# taken from the last stage under pipelining.
 # eps: Adam moves an entry with a near-zero gradient by about lr whatever the gradient's size, so a rounding-level
 # difference in a rarely seen token's embedding row could move it by 1e-5; a larger eps keeps such updates small.
 def child_env() -> dict[str, str]:
@@ -94,6 +98,10 @@ def assert_same_run(run_dir: Path, reference: Path, tol: float = 1e-5) -> None:
     for step, record in ours.items():
         assert record["loss"] == pytest.approx(ref[step]["loss"], abs=tol), step
         assert record["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=100 * tol), step
+        per_source = sorted(k for k in ref[step] if k.startswith("loss/"))
+        assert sorted(k for k in record if k.startswith("loss/")) == per_source, step
+        for key in per_source:
+            assert record[key] == pytest.approx(ref[step][key], abs=tol), (step, key)
     evals = records(run_dir, "eval_loss")
     assert sorted(evals) == [3, 6], evals.keys()
     assert evals[6]["eval_loss"] == pytest.approx(records(reference, "eval_loss")[6]["eval_loss"], abs=tol)
@@ -154,6 +162,7 @@ def test_layouts_match_one_process(tmp_path, one_process, layout):
     result = forge(tmp_path / "run", *args, nproc=2, batch_size=batch_size)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(tmp_path / "run", one_process)
+    assert all(any(k.startswith("loss/") for k in r) for r in records(one_process).values()), "per-source losses"
     metrics = records(tmp_path / "run")[6]
     assert {"mem_peak_gib/rank0", "mem_peak_gib/rank1"} <= metrics.keys()
     assert metrics["mem_peak_gib"] == max(metrics["mem_peak_gib/rank0"], metrics["mem_peak_gib/rank1"])

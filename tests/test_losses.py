@@ -140,3 +140,33 @@ def test_the_pipeline_stage_loss_leaves_z_loss_out_for_evaluation():
     with stage_loss.plain():
         assert torch.equal(stage_loss(logits, labels), cross_entropy(logits, labels))
     assert torch.equal(stage_loss(logits, labels), cross_entropy(logits, labels, 0.1))
+
+
+@pytest.mark.parametrize("z", [0.0, 1e-3])
+def test_token_losses_leave_the_loss_bitwise_unchanged(z):
+    """Asking for the per-token losses (a mixture's per-source accounting) changes neither loss nor gradients
+    by a bit, for both losses; the plain loss stays bitwise F.cross_entropy; the tokens' values are torch's
+    reduction='none' cross-entropy."""
+    hidden, weight, labels = inputs()
+    reference = F.cross_entropy((hidden @ weight.T).flatten(0, 1), labels.flatten(), reduction="none")
+    for loss_of in (
+        lambda keep: cross_entropy(hidden @ weight.T, labels, z, keep),
+        lambda keep: chunked_cross_entropy(hidden, weight, labels, 8, z, keep),
+    ):
+        results = []
+        for keep in (None, []):
+            hidden.grad = weight.grad = None
+            loss = loss_of(None if keep is None else keep.append)
+            loss.backward()
+            results.append((loss.detach(), hidden.grad.clone(), weight.grad.clone()))
+        assert all(torch.equal(a, b) for a, b in zip(*results))
+        assert len(keep) == 1 and keep[0].shape == labels.shape and not keep[0].requires_grad
+        torch.testing.assert_close(keep[0].flatten(), reference.detach(), rtol=0, atol=1e-5)
+    logits = (hidden @ weight.T).detach()
+    assert torch.equal(cross_entropy(logits, labels), F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+    stage_loss = StageCrossEntropy(z)
+    with stage_loss.recording() as recorded:
+        stage_loss(logits[:2], labels[:2])
+        stage_loss(logits[2:], labels[2:])
+    assert stage_loss.token_losses is None and [t.shape for t in recorded] == [(2, SEQ), (1, SEQ)]
+    torch.testing.assert_close(torch.cat(recorded).flatten(), reference.detach(), rtol=0, atol=1e-5)

@@ -135,6 +135,10 @@ def test_same_global_batches_under_any_layout_and_after_a_resume():
         ("--data.phases=[{start_step=100, dataset_weights={a=1.0}}]", "data.phases.0.start_step"),
         ("--data.anneal_start_step=50", "data.anneal_weights"),
         ("--data.dataset_path=/x", "data.dataset_path"),
+        ('--data.datasets=[{name="a"}]', "data.datasets.0.path"),
+        ('--data.datasets=[{name="a", path="/a", embedded="poems"}]', "data.datasets.0.embedded"),
+        ('--data.datasets=[{name="a", path="/a", hf_split="test"}]', "data.datasets.0.hf_split"),
+        ('--data.datasets=[{name="a", hf_name="org/set"}]', "data.tokenizer_path"),
     ],
 )
 def test_bad_mixtures_name_the_field(override, field):
@@ -262,3 +266,74 @@ def test_validate_config_prints_the_phase_table_and_the_scaled_lr(tmp_path):
     lr_rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in scaled.stdout.splitlines()
                if line.count("│") == 3 and line.split("│")[1].strip().replace(",", "").isdigit()}  # fmt: skip
     assert lr_rows["200"] == "2.000e-03" and lr_rows["201"] == "2.000e-04", lr_rows
+
+
+class WeightsBeforeEachStep:
+    """A TrainHooks that keeps a copy of the weights each step starts from."""
+
+    def __init__(self) -> None:
+        self.weights: dict[int, dict] = {}
+
+    def before_step(self, step, job) -> None:
+        self.weights[step] = {k: v.detach().clone() for k, v in job.model.state_dict().items()}
+
+    def after_backward(self, step, job) -> None:
+        pass
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "chunked_cross_entropy"])
+def test_per_source_loss_equals_a_recomputation_by_source(tmp_path, loss_fn):
+    """A 2-source mixture trained in process (2 steps of 2 accumulated micro-batches): each step's logged
+    `loss/NAME` equals the mean of torch's own per-token cross-entropy (reduction='none') over the rows
+    drawn from NAME, recomputed from the weights the step started from on the step's batches (1e-5)."""
+    import torch
+    import torch.nn.functional as F
+
+    from engine.data.loader import open_train_data
+    from engine.model.transformer import Transformer
+    from engine.train.trainer import train
+
+    sources = '[{name="plays", embedded="plays", weight=1.0}, {name="poems", embedded="poems", weight=1.0}]'
+    cfg = load_job_config(
+        REPO / "presets" / "debug.toml",
+        [
+            *TINY[:6],
+            "--train.batch_size=3",
+            "--train.grad_accum_steps=2",
+            "--train.max_steps=2",
+            "--metrics.log_interval=1",
+            "--eval.enabled=false",
+            "--train.mixed_precision=fp32",
+            "--train.z_loss_weight=1e-3",  # the per-source loss is plain CE: z-loss must not leak into it
+            f"--train.loss_fn={loss_fn}",
+            *(["--train.ce_chunk_size=40"] if loss_fn == "chunked_cross_entropy" else []),  # chunks across rows
+            f"--data.datasets={sources}",
+        ],
+    )
+    hooks = WeightsBeforeEachStep()
+    train(cfg, tmp_path / "run", hooks=hooks)
+    rows = logged(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2] and sorted(hooks.weights) == [1, 2]
+    cfg = cfg.validate()
+    batches = open_train_data(cfg).batches()
+    model = Transformer(cfg.model)
+    for row in rows:
+        model.load_state_dict(hooks.weights[row["step"]])
+        sums, counts = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+        for _ in range(2):
+            inputs, labels, source = next(batches)
+            with torch.no_grad():
+                logits = model(inputs)
+            tokens = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+            sums.index_add_(0, source, tokens.double().sum(1))
+            counts.index_add_(0, source, torch.full((len(source),), float(labels.shape[1]), dtype=torch.float64))
+        assert counts.sum() == 6 * 64
+        drawn = [n for n, c in zip(("plays", "poems"), counts.tolist()) if c > 0]
+        assert sorted(k for k in row if k.startswith("loss/")) == [f"loss/{n}" for n in drawn]
+        for i, name in enumerate(("plays", "poems")):
+            if counts[i] > 0:
+                assert row[f"loss/{name}"] == pytest.approx((sums[i] / counts[i]).item(), abs=1e-5), name
+        # without z-loss the token-weighted mean of the sources is the step's CE; with it, loss is higher
+        assert (sums.sum() / counts.sum()).item() < row["loss"]
+    both = [r for r in rows if "loss/plays" in r and "loss/poems" in r]
+    assert both and abs(both[0]["loss/plays"] - both[0]["loss/poems"]) > 1e-3, "the sources' losses differ"

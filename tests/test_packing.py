@@ -21,7 +21,7 @@ EOS = 0
 CFG = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 64, "max_seq_len": 32}
 
 
-def documents(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
+def documents_of(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
     """Documents of the given lengths, each ending in EOS and holding no other EOS."""
     g = torch.Generator().manual_seed(seed)
     return [
@@ -47,7 +47,7 @@ def test_packed_documents_match_each_document_alone():
     the model run on it alone, and the gradients of a per-token loss equal the sum over documents alone."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**CFG))
-    a, b, c, d, e, f = documents([5, 7, 4, 6, 13, 13])
+    a, b, c, d, e, f = documents_of([5, 7, 4, 6, 13, 13])
     windows = torch.stack([torch.cat([a, b, c]), torch.cat([d, e[:10]]), torch.cat([e[10:], f])])
     pieces = [[a, b, c], [d, e[:10]], [e[10:], f]]
     weights = torch.randn(*windows.shape, CFG["vocab_size"], generator=torch.Generator().manual_seed(1))
@@ -193,21 +193,62 @@ def saved_bytes(model: Transformer, tokens: torch.Tensor, doc_ids: torch.Tensor 
 
 
 def test_memory_estimate_counts_what_packing_saves():
-    """The estimate's packing term (engine.parallel.memory.packing_bytes) equals the extra bytes autograd
-    saves in a packed forward (fp32, SDPA's math kernel on CPU), as the difference of two estimates."""
+    """The packing term on CPU (engine.parallel.memory.packing_bytes: SDPA's dense mask) equals the extra bytes
+    autograd saves in a packed forward (fp32, SDPA's math kernel), as does the estimate for CUDA with heads
+    of 8 (too small for FlexAttention); with heads of 16 CUDA counts FlexAttention's block mask instead."""
     from engine.config import load_job_config
-    from engine.parallel.memory import estimate_memory
+    from engine.parallel.memory import estimate_memory, packing_bytes
 
     args = [f"--model.{k}={v}" for k, v in CFG.items()] + ["--train.seq_len=32", "--train.batch_size=4"]
     args += ["--train.mixed_precision=fp32"]
     plain, packed = (load_job_config(None, [*args, f"--data.pack_sequences={p}"]).validate() for p in ("false", "true"))
-    estimated = estimate_memory(packed, 1)[0].activations - estimate_memory(plain, 1)[0].activations
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**CFG))
     tokens = torch.randint(1, CFG["vocab_size"], (4, 32))
     tokens[:, 10] = EOS
     measured = saved_bytes(model, tokens, document_ids(tokens, EOS)) - saved_bytes(model, tokens, None)
-    assert estimated == measured > 0
+    estimated = estimate_memory(packed, 1)[0].activations - estimate_memory(plain, 1)[0].activations
+    assert estimated == packing_bytes(packed, "cpu") == measured > 0
+    wide = packed.model_copy(update={"model": packed.model.model_copy(update={"n_heads": 2, "n_kv_heads": 1})})
+    wide = wide.model_copy(update={"train": wide.train.model_copy(update={"seq_len": 128})})
+    rope = 2 * 4 * 3 * 128 * 16  # cos and sin [batch - 1 more, seq, head_dim] fp32
+    assert packing_bytes(wide, "cuda") == 4 * 4 * 4 * (1 + 1) + rope  # one block: counts and indices, int32
+    assert packing_bytes(wide, "cpu") == 2 * 4 * 4 * 128**2 + rope  # 2 blocks' additive fp32 masks
+
+
+def test_flex_attention_path_equals_the_dense_mask_path(monkeypatch):
+    """The CUDA kernel choice (FlexAttention with a document block mask) computes what SDPA with the dense
+    mask computes: forced onto the CPU, the model's logits on windows of 384 tokens (three 128-blocks, some
+    wholly masked and skipped) with several documents, one split at a block edge, equal the dense path's
+    (fp32, 1e-5), with grouped-query heads. Forward only: PyTorch's FlexAttention has no backward on CPU
+    (NotImplementedError in torch 2.13), so the gradients are left to the GPU (not measured here)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from engine.model import packed_kernel
+
+    choose = packed_kernel.packed_attention_backend
+    assert choose("cuda", 64, 2048) == "flex" and choose("cpu", 64, 2048) == choose("mps", 64, 2048) == "sdpa"
+    assert choose("cuda", 8, 2048) == choose("cuda", 64, 64) == "sdpa"  # heads under 16, windows under a block
+    cfg = ModelConfig(**{**CFG, "dim": 64, "max_seq_len": 384})  # 4 heads of 16
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    windows = torch.stack([torch.cat(documents_of([100, 28, 150, 106], seed=s)) for s in range(2)])
+    ids = document_ids(windows, EOS)
+    assert ids.max() == 3
+    with torch.no_grad():
+        dense = model(windows, doc_ids=ids)
+        seen = []
+        hook = model.layers["0"].attention.core.register_forward_hook(lambda mod, args, out: seen.append(args[3]))
+        monkeypatch.setitem(packed_kernel.PACKED_ATTENTION, "cpu", "flex")
+        flex = model(windows, doc_ids=ids)
+        hook.remove()
+    assert len(seen) == 1 and isinstance(seen[0], BlockMask), "the flex path ran"
+    # blocks each query block reads (partial + full): [1, 2, 3] causally; the documents (0-99, 100-127,
+    # 128-277, 278-383) leave [1, 1, 2]: the third document's queries never read the first block
+    visited = seen[0].kv_num_blocks + seen[0].full_kv_num_blocks
+    assert visited.shape == (2, 1, 3) and visited[:, 0].tolist() == [[1, 1, 2]] * 2
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=0)
+    assert (model(windows) - dense).abs().max() > 1e-2, "the documents' mask matters on these windows"
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -220,7 +261,7 @@ def test_packing_under_activation_checkpointing(mode):
     wrapped = Transformer(ModelConfig(**CFG))
     wrapped.load_state_dict(plain.state_dict())
     apply_activation_checkpointing(wrapped, mode)
-    tokens = torch.cat([torch.cat(documents([5, 7, 4], seed=s))[None] for s in range(2)])
+    tokens = torch.cat([torch.cat(documents_of([5, 7, 4], seed=s))[None] for s in range(2)])
     ids = document_ids(tokens, EOS)
     outputs = []
     for model in (plain, wrapped):

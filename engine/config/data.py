@@ -48,7 +48,8 @@ PositiveWeight = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 class MixtureSource(Section):
-    """One `[[data.datasets]]` entry: a source of training tokens and its share of the mixture."""
+    """One `[[data.datasets]]` entry: a source of training tokens and its share of the mixture. Exactly one of
+    path, embedded and hf_name says where its tokens are (engine/config/job.py: mixture_issues)."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="what phases and metrics call this source")
     path: str | None = Field(None, description="directory written by `forge tokenize`")
@@ -57,6 +58,16 @@ class MixtureSource(Section):
         description="a split of the embedded Shakespeare corpus instead of path: train (every training work), "
         "or its two disjoint parts, plays and poems",
     )
+    hf_name: str | None = Field(
+        None,
+        description="a Hugging Face dataset (Hub id or local folder) instead of path: tokenized once into the "
+        "Forge cache like data.hf_dataset_name, with data.tokenizer_path (else the tokenizer beside the first "
+        "path or embedded source)",
+    )
+    hf_config: str | None = Field(None, description="hf_name's configuration (subset)")
+    hf_split: str = Field("train", description="hf_name's split")
+    hf_revision: str | None = Field(None, description="hf_name's Hub branch, tag or commit")
+    text_field: str = Field("text", description="hf_name's column that holds the text")
     weight: PositiveWeight = Field(1.0, description="relative share before mix_temperature; must be > 0")
     eval_path: str | None = Field(
         None,
@@ -64,11 +75,8 @@ class MixtureSource(Section):
         "their own, as eval_loss/NAME",
     )
 
-    @model_validator(mode="after")
-    def _one_location(self) -> MixtureSource:
-        if (self.path is None) == (self.embedded is None):
-            raise ValueError("give exactly one of path (forge tokenize output) or embedded (a corpus split)")
-        return self
+    LOCATIONS: ClassVar[tuple[str, ...]] = ("path", "embedded", "hf_name")
+    HUB_FIELDS: ClassVar[tuple[str, ...]] = ("hf_config", "hf_split", "hf_revision", "text_field")
 
 
 class DataPhase(Section):
@@ -86,8 +94,9 @@ class Mixture(Section):
 
     datasets: list[MixtureSource] = Field(
         default_factory=list,
-        description="[[data.datasets]] {name, path | embedded, weight, eval_path}: train on a weighted mixture of "
-        "sources instead of dataset_path (docs/data.md#mixtures)",
+        description="[[data.datasets]] {name, path | embedded | hf_name (+ hf_config, hf_split, hf_revision, "
+        "text_field), weight, eval_path}: train on a weighted mixture of sources instead of dataset_path "
+        "(docs/data.md#mixtures)",
     )
     mix_temperature: float = Field(
         1.0, gt=0, description="source i is drawn with probability w_i^(1/T) / sum_j w_j^(1/T) (T = 1: as given)"
@@ -111,7 +120,8 @@ class DataConfig(Mixture, HubDatasetFields, DataFiles):
     )
     hf_streaming: bool = Field(
         False,
-        description="tokenize from a stream instead of downloading the dataset first (also for eval.hf_dataset_name)",
+        description="tokenize from a stream instead of downloading the dataset first (also for eval.hf_dataset_name "
+        "and the hf_name entries of data.datasets)",
     )
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
     pin_memory: bool = Field(False, description="pin host batches (GPU only)")
@@ -136,7 +146,7 @@ class DataConfig(Mixture, HubDatasetFields, DataFiles):
         "pin_memory": "data/loader.py",
         "prefetch_factor": "data/loader.py",
         "pack_sequences": "train/job.py",
-        "datasets": "data/loader.py",
+        "datasets": "data/loader.py, data/hub_cache.py",
         "mix_temperature": "data/mixture.py",
         "phases": "data/mixture.py",
         "anneal_start_step": "data/mixture.py",

@@ -10,7 +10,7 @@ from engine.config import optimizer as optimizer_fields
 from engine.config import scheduler as scheduler_fields
 from engine.config.base import Section
 from engine.config.checkpoint import CheckpointConfig
-from engine.config.data import DataConfig, HubDatasetFields
+from engine.config.data import DataConfig, HubDatasetFields, MixtureSource
 from engine.config.distributed import DistributedConfig
 from engine.config.eval import EvalConfig
 from engine.config.lora import LoraConfig, lora_issues
@@ -69,7 +69,7 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
             )
         )
     own_data = cfg.data.dataset_path is not None or cfg.data.hf_dataset_name is not None
-    own_data = own_data or any(source.path is not None for source in cfg.data.datasets)
+    own_data = own_data or any(source.embedded is None for source in cfg.data.datasets)
     if cfg.eval.enabled and cfg.eval.dataset_path is None and cfg.eval.hf_dataset_name is None and own_data:
         issues.append(
             ConfigIssue(
@@ -146,6 +146,7 @@ def mixture_issues(cfg: JobConfig) -> list[ConfigIssue]:
         for field in ("dataset_path", "hf_dataset_name")
         if getattr(d, field) is not None
     ]
+    issues += source_location_issues(d.datasets, d.tokenizer_path)
     names = [source.name for source in d.datasets]
     issues += [
         ConfigIssue(f"data.datasets.{i}.name", f"{name!r} names an earlier source too", "give each source its own name")
@@ -195,6 +196,39 @@ def mixture_issues(cfg: JobConfig) -> list[ConfigIssue]:
     return issues
 
 
+def source_location_issues(sources: list[MixtureSource], tokenizer_path: str | None) -> list[ConfigIssue]:
+    """Each source in exactly one place (shards, the embedded corpus, a Hugging Face dataset), the Hugging
+    Face fields only beside hf_name, and a tokenizer to encode the Hugging Face sources with."""
+    issues = []
+    for i, source in enumerate(sources):
+        where = f"data.datasets.{i}"
+        given = [field for field in MixtureSource.LOCATIONS if getattr(source, field) is not None]
+        if len(given) != 1:
+            issues.append(
+                ConfigIssue(
+                    f"{where}.{given[-1] if given else 'path'}",
+                    f"and {where}.{given[0]} are both set" if given else "is unset, and so are embedded and hf_name",
+                    "give exactly one of path (forge tokenize output), embedded (a corpus split) or hf_name "
+                    "(a Hugging Face dataset)",
+                )
+            )
+        if source.hf_name is None:
+            issues += [
+                ConfigIssue(f"{where}.{field}", f"is set, but {where}.hf_name is unset", "remove it, or set hf_name")
+                for field in changed_fields(source, MixtureSource.HUB_FIELDS)
+            ]
+    hub = [i for i, source in enumerate(sources) if source.hf_name is not None]
+    if hub and tokenizer_path is None and all(source.hf_name is not None for source in sources):
+        issues.append(
+            ConfigIssue(
+                "data.tokenizer_path",
+                f"is needed to tokenize data.datasets.{hub[0]}.hf_name (no source has shards with a tokenizer)",
+                "point it at a tokenizer.json (e.g. one written by forge tokenize)",
+            )
+        )
+    return issues
+
+
 def packing_issues(cfg: JobConfig) -> list[ConfigIssue]:
     """Packed documents need a per-window attention mask; the layouts that cannot carry one are refused."""
     if not cfg.data.pack_sequences:
@@ -235,16 +269,17 @@ def hub_data_issues(cfg: JobConfig) -> list[ConfigIssue]:
                     "train (or evaluate) on one of them",
                 )
             )
-    hub_in_use = cfg.data.hf_dataset_name is not None or cfg.eval.hf_dataset_name is not None
-    if not hub_in_use:
-        issues += [
-            ConfigIssue(
-                f"data.{field}",
-                "is set, but neither data.hf_dataset_name nor eval.hf_dataset_name is",
-                "name a dataset, or remove it",
-            )
-            for field in changed_fields(cfg.data, ("hf_dataset_text_field", "hf_streaming"))
-        ]
+    named = cfg.data.hf_dataset_name is not None or cfg.eval.hf_dataset_name is not None
+    streamed = named or any(source.hf_name is not None for source in cfg.data.datasets)
+    readers = {
+        "hf_dataset_text_field": (named, "neither data.hf_dataset_name nor eval.hf_dataset_name is"),
+        "hf_streaming": (streamed, "no dataset is named (data.hf_dataset_name, eval.hf_dataset_name, hf_name)"),
+    }
+    issues += [
+        ConfigIssue(f"data.{field}", f"is set, but {readers[field][1]}", "name a dataset, or remove it")
+        for field in changed_fields(cfg.data, readers)
+        if not readers[field][0]
+    ]
     if cfg.data.hf_dataset_name is not None and cfg.data.tokenizer_path is None:
         issues.append(
             ConfigIssue(

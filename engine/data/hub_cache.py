@@ -1,5 +1,5 @@
-"""Hugging Face datasets named in the config (`data.hf_dataset_name`, `eval.hf_dataset_name`), tokenized once
-into the Forge cache and then read like any shards.
+"""Hugging Face datasets named in the config (`data.hf_dataset_name`, `eval.hf_dataset_name`, the `hf_name` of a
+`[[data.datasets]]` entry), tokenized once into the Forge cache and then read like any shards.
 
 Training reads token shards, so that the sample order is a pure function of the step and a resumed run is
 exact; a dataset named in the config therefore goes through `forge tokenize`'s machinery first. The entry is
@@ -18,10 +18,11 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.config.data import HubDatasetFields
+from engine.config.data import HubDatasetFields, MixtureSource
 from engine.data import DEFAULT_SHARD_TOKENS
 from engine.data.embedded import cache_dir
 from engine.data.hub import HubSource
@@ -43,32 +44,69 @@ def hub_shards(cfg: JobConfig, section: str, tokenizer: Path) -> Path:
     """The cache directory holding the split that `cfg.<section>.hf_dataset_name` names, tokenized with
     `tokenizer`; built on first use. What goes wrong is reported in terms of the config's fields."""
     values, d = getattr(cfg, section), cfg.data
+    fields = ", ".join(f"{section}.{field}" for field in HubDatasetFields.model_fields)
+    request = HubRequest(
+        values.hf_dataset_name,
+        values.hf_dataset_config,
+        values.hf_dataset_split,
+        values.hf_dataset_revision,
+        d.hf_dataset_text_field,
+        f"{section}.hf_dataset_name",
+        f"{fields} and data.hf_dataset_text_field",
+    )
+    return cached_shards(request, d.hf_streaming, tokenizer, cfg.model.vocab_size)
+
+
+def source_shards(cfg: JobConfig, index: int, tokenizer: Path) -> Path:
+    """The same for the `hf_name` of `[[data.datasets]]` entry `index`: one cache, keyed alike, so a source
+    tokenized once (as a mixture's source or as data.hf_dataset_name) is reused by either."""
+    source, where = cfg.data.datasets[index], f"data.datasets.{index}"
+    assert source.hf_name is not None
+    fields = ", ".join(f"{where}.{field}" for field in ("hf_name", *MixtureSource.HUB_FIELDS))
+    request = HubRequest(
+        source.hf_name,
+        source.hf_config,
+        source.hf_split,
+        source.hf_revision,
+        source.text_field,
+        f"{where}.hf_name",
+        fields,
+    )
+    return cached_shards(request, cfg.data.hf_streaming, tokenizer, cfg.model.vocab_size)
+
+
+@dataclass(frozen=True)
+class HubRequest:
+    """A Hugging Face split to tokenize, and how errors name the config fields that asked for it."""
+
+    name: str
+    config: str | None
+    split: str
+    revision: str | None
+    text_field: str
+    field: str  # the field naming the dataset, e.g. data.hf_dataset_name
+    fields: str  # every field that shapes it, for the hints
+
+
+def cached_shards(request: HubRequest, streaming: bool, tokenizer: Path, vocab_size: int) -> Path:
+    r = request
     if not tokenizer.is_file():
         raise DataError(
-            f"{section}.hf_dataset_name needs a tokenizer: {tokenizer} not found",
-            "set data.tokenizer_path to a tokenizer.json",
+            f"{r.field} needs a tokenizer: {tokenizer} not found", "set data.tokenizer_path to a tokenizer.json"
         )
     encoder = Encoder.from_file(tokenizer, None)
-    if encoder.vocab_size > cfg.model.vocab_size:  # found now rather than after hours of tokenizing
+    if encoder.vocab_size > vocab_size:  # found now rather than after hours of tokenizing
         raise DataError(
-            f"the tokenizer {tokenizer} has {encoder.vocab_size} tokens, more than model.vocab_size = "
-            f"{cfg.model.vocab_size}",
+            f"the tokenizer {tokenizer} has {encoder.vocab_size} tokens, more than model.vocab_size = {vocab_size}",
             f"set model.vocab_size to at least {encoder.vocab_size}",
         )
-    name = values.hf_dataset_name
-    name = str(Path(name).resolve()) if Path(name).is_dir() else name  # a local folder, wherever the run starts
-    fields = ", ".join(f"{section}.{field}" for field in HubDatasetFields.model_fields)
-    fields += " and data.hf_dataset_text_field"
+    name = str(Path(r.name).resolve()) if Path(r.name).is_dir() else r.name  # a local folder, wherever the run starts
     try:
-        source = HubSource(
-            name, values.hf_dataset_config, values.hf_dataset_split, d.hf_streaming, values.hf_dataset_revision
-        )
-        source.check(d.hf_dataset_text_field)
+        source = HubSource(name, r.config, r.split, streaming, r.revision)
+        source.check(r.text_field)
     except DataError as e:
-        raise DataError(f"{section}.hf_dataset_name: {e.message}", f"{e.hint} (config fields: {fields})") from None
-    entry = (
-        cache_dir() / "hf" / run_key(source, d.hf_dataset_text_field, DEFAULT_SHARD_TOKENS, encoder, None, None)[:16]
-    )
+        raise DataError(f"{r.field}: {e.message}", f"{e.hint} (config fields: {r.fields})") from None
+    entry = cache_dir() / "hf" / run_key(source, r.text_field, DEFAULT_SHARD_TOKENS, encoder, None, None)[:16]
     if (entry / MANIFEST).is_file():
         return entry
     with locked(entry.parent / f"{entry.name}.lock", f"{source} is being tokenized into {entry} by another process"):
@@ -76,13 +114,9 @@ def hub_shards(cfg: JobConfig, section: str, tokenizer: Path) -> Path:
             say(f"tokenizing {source} into {entry} (once: later runs reuse it)")
             try:
                 with (PROGRESS_VIEWS[-1] if PROGRESS_VIEWS else progress_lines)(str(source)) as progress:
-                    report = tokenize(
-                        source, entry, tokenizer=tokenizer, text_field=d.hf_dataset_text_field, progress=progress
-                    )
+                    report = tokenize(source, entry, tokenizer=tokenizer, text_field=r.text_field, progress=progress)
             except DataError as e:
-                raise DataError(
-                    f"{section}.hf_dataset_name: {e.message}", f"{e.hint} (config fields: {fields})"
-                ) from None
+                raise DataError(f"{r.field}: {e.message}", f"{e.hint} (config fields: {r.fields})") from None
             say(f"tokenized {source}: {report.manifest.total_tokens:,} tokens in {report.seconds:.0f} s")
     return entry
 

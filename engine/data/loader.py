@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from engine.config import JobConfig
 from engine.config.data import MixtureSource
 from engine.data.embedded import cache_dir, embedded_corpus
-from engine.data.hub_cache import hub_shards
+from engine.data.hub_cache import hub_shards, source_shards
 from engine.data.mixture import Phase, SourceDraws, mixture_phases
 from engine.data.sampler import BatchLayout, EpochOrder, EvalBatchSampler, MixtureBatchSampler, TrainBatchSampler
 from engine.data.shards import MANIFEST, TOKENIZER_FILE, Manifest, ShardInfo, open_shard, read_manifest
@@ -33,7 +33,7 @@ from engine.errors import DataError
 
 IDENTITY_SAMPLE_TOKENS = 4096  # tokens at each end of a shard that its identity covers
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]  # (inputs, labels), and for a mixture the rows' sources (SourceWindows)
 
 
 class TokenWindows(Dataset[Batch]):
@@ -74,6 +74,21 @@ class TokenWindows(Dataset[Batch]):
         return {**self.__dict__, "_arrays": None}
 
 
+class SourceWindows(TokenWindows):
+    """A mixture's windows, source after source (source i owns samples offsets[i] … offsets[i+1]-1): a sample
+    is (inputs, labels, source index), so a step knows which source each row came from and can report each
+    source's loss (engine/train/source_losses.py)."""
+
+    def __init__(self, windows: Sequence[TokenWindows], seq_len: int, vocab_size: int) -> None:
+        arrays, paths = [a for w in windows for a in w.arrays], [p for w in windows for p in w.paths]
+        super().__init__(arrays, paths, seq_len, vocab_size)
+        self.offsets = tuple(int(x) for x in np.cumsum([0, *(len(w) for w in windows)]))
+
+    def __getitem__(self, index: int) -> Batch:
+        source = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return (*super().__getitem__(index), torch.tensor(source))
+
+
 @dataclass
 class TokenData:
     """One verified data set and how this rank batches it."""
@@ -100,6 +115,7 @@ class TokenData:
 @dataclass
 class TrainData(TokenData):
     seed: int = 0
+    names: tuple[str, ...] = ()  # a mixture's sources, whose index each batch row carries; () for one data set
 
     def metrics(self, steps_done: int) -> dict[str, float]:
         """What a logged step reports about the data after `steps_done` steps: nothing for one source."""
@@ -127,10 +143,9 @@ class TrainData(TokenData):
 
 @dataclass
 class MixtureData(TrainData):
-    """Several sources behind one `TokenWindows` (source i owns windows offsets[i] … offsets[i+1]-1), drawn
+    """Several sources behind one `SourceWindows` (source i owns windows offsets[i] … offsets[i+1]-1), drawn
     from by `engine.data.mixture`; `directory` and `manifest` are the first source's (all share a tokenizer)."""
 
-    names: tuple[str, ...] = ()
     offsets: tuple[int, ...] = ()
     phases: tuple[Phase, ...] = ()
 
@@ -191,8 +206,8 @@ def open_mixture(cfg: JobConfig, layout: BatchLayout) -> MixtureData:
     """Every `[[data.datasets]]` source verified like a single data set, all with the first one's tokenizer."""
     opened = []
     for i, source in enumerate(cfg.data.datasets):
-        field = f"data.datasets.{i}.path" if source.path is not None else f"data.datasets.{i}.embedded"
-        directory = source_directory(source)
+        field = f"data.datasets.{i}.{next(f for f in MixtureSource.LOCATIONS if getattr(source, f) is not None)}"
+        directory = source_directory(cfg, i)
         opened.append(verified(directory, field, cfg.data.file_pattern, "data.file_pattern", cfg))
         first, this = opened[0], opened[-1]
         if this[1].tokenizer_sha256 != first[1].tokenizer_sha256:
@@ -201,11 +216,7 @@ def open_mixture(cfg: JobConfig, layout: BatchLayout) -> MixtureData:
                 f"(data.datasets.0, {cfg.data.datasets[0].name!r})",
                 "tokenize every source with the same tokenizer.json (forge tokenize --tokenizer)",
             )
-    windows = [parts[3] for parts in opened]
-    arrays = [a for w in windows for a in w.arrays]
-    paths = [p for w in windows for p in w.paths]
-    dataset = TokenWindows(arrays, paths, cfg.train.seq_len, opened[0][1].vocab_size)
-    offsets = tuple(int(x) for x in np.cumsum([0, *(len(w) for w in windows)]))
+    dataset = SourceWindows([parts[3] for parts in opened], cfg.train.seq_len, opened[0][1].vocab_size)
     return MixtureData(
         *opened[0][:3],
         dataset,
@@ -213,7 +224,7 @@ def open_mixture(cfg: JobConfig, layout: BatchLayout) -> MixtureData:
         loader_options(cfg),
         seed=cfg.train.effective_data_seed,
         names=tuple(s.name for s in cfg.data.datasets),
-        offsets=offsets,
+        offsets=dataset.offsets,
         phases=tuple(mixture_phases(cfg.data)),
     )
 
@@ -233,7 +244,7 @@ def open_eval_data(
     elif e.hf_dataset_name:
         tokenizer = Path(d.tokenizer_path) if d.tokenizer_path else train_dir / TOKENIZER_FILE
         directory = hub_shards(cfg, "eval", tokenizer)
-    elif d.dataset_path is None and d.hf_dataset_name is None and all(s.path is None for s in d.datasets):
+    elif d.dataset_path is None and d.hf_dataset_name is None and all(s.embedded is not None for s in d.datasets):
         directory = embedded_corpus().val
     else:
         raise DataError(
@@ -268,7 +279,7 @@ def train_directory(cfg: JobConfig) -> Path:
     use), or the embedded corpus."""
     d = cfg.data
     if d.datasets:
-        return source_directory(d.datasets[0])
+        return source_directory(cfg, 0)
     if d.dataset_path:
         return Path(d.dataset_path)
     if d.hf_dataset_name:
@@ -277,9 +288,22 @@ def train_directory(cfg: JobConfig) -> Path:
     return embedded_corpus().train
 
 
-def source_directory(source: MixtureSource) -> Path:
-    """A `[[data.datasets]]` entry's shards: its path, or its split of the embedded corpus (built on first use)."""
+def source_directory(cfg: JobConfig, index: int) -> Path:
+    """`[[data.datasets]]` entry `index`'s shards: its path, its split of the embedded corpus, or its Hugging
+    Face dataset's cache entry (either built on first use)."""
+    source = cfg.data.datasets[index]
+    if source.hf_name is not None:
+        return source_shards(cfg, index, mixture_tokenizer(cfg))
     return Path(source.path) if source.path is not None else embedded_corpus().split(source.embedded)
+
+
+def mixture_tokenizer(cfg: JobConfig) -> Path:
+    """What a mixture's Hugging Face sources are tokenized with: data.tokenizer_path, else the tokenizer.json
+    beside the first source that has shards (every source must share it; validation requires one of them)."""
+    if cfg.data.tokenizer_path is not None:
+        return Path(cfg.data.tokenizer_path)
+    first = next(i for i, source in enumerate(cfg.data.datasets) if source.hf_name is None)
+    return source_directory(cfg, first) / TOKENIZER_FILE
 
 
 def loader_options(cfg: JobConfig) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Causal self-attention with grouped-query heads, optional QK-norm, RoPE, and PyTorch's SDPA kernels."""
+"""Causal self-attention with grouped-query heads, optional QK-norm, RoPE, and PyTorch's SDPA kernels (packed
+documents on CUDA: FlexAttention)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask
 
 from engine.config.model import ModelConfig
+from engine.model.documents import flex_document_attention
 from engine.model.kv_cache import LayerKV
 from engine.model.rope import apply_rope
 
@@ -34,8 +37,15 @@ class AttentionCore(nn.Module):
         self.sdpa_backend = sdpa_backend
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = True
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | BlockMask | None = None,
+        causal: bool = True,
     ) -> torch.Tensor:
+        if isinstance(mask, BlockMask):  # packed documents on CUDA (engine.model.documents)
+            return flex_document_attention(q, k, v, mask)
         with self._kernel():
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
@@ -71,7 +81,8 @@ class Attention(nn.Module):
         """cos/sin are the RoPE tables of x's positions ([seq, head_dim], or [batch, seq, head_dim] when each
         sequence has its own positions). With a cache (inference), x's keys and values are appended to it and
         x's queries attend over every cached position. `mask` (packed documents, engine.model.documents) is a
-        boolean [batch, 1, seq, seq] that already holds causality: it replaces the causal flag."""
+        boolean [batch, 1, seq, seq], or on CUDA a FlexAttention BlockMask, that already holds causality: it
+        replaces the causal flag."""
         batch, seq, _ = x.shape
         # Head counts come from the projections' outputs, not the config: under tensor parallelism each rank
         # holds n_heads/tp query and n_kv_heads/tp key/value heads (engine.parallel.tp).

@@ -6,11 +6,21 @@ marks the boundaries exactly). Each document must be trained on as if it were al
 restart at 0 and its tokens attend only to earlier tokens of the same document. These helpers turn a
 window's tokens into document ids, then into per-token positions and a block-diagonal causal mask; the
 transformer takes the ids (`Transformer.forward(..., doc_ids=)`) and builds the rest itself.
+
+The mask takes one of two forms, chosen by the device (engine/model/packed_kernel.py): on CUDA a
+FlexAttention `BlockMask` (`document_block_mask`), elsewhere a dense boolean mask for SDPA
+(`document_mask`; PyTorch's FlexAttention has no backward on CPU). Both allow exactly the same pairs
+(tests/test_packing.py compares the two paths' logits).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from engine.model.packed_kernel import FLEX_BLOCK, packed_attention_backend
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -39,3 +49,44 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(seq, seq, dtype=torch.bool, device=doc_ids.device).tril()
     same = doc_ids[:, :, None] == doc_ids[:, None, :]
     return (same & causal)[:, None]
+
+
+def packed_attention_mask(doc_ids: torch.Tensor, head_dim: int) -> torch.Tensor | BlockMask:
+    """The mask of packed windows for the attention kernel chosen for `doc_ids`' device and this head size."""
+    if packed_attention_backend(doc_ids.device.type, head_dim, doc_ids.shape[1]) == "flex":
+        return document_block_mask(doc_ids)
+    return document_mask(doc_ids)
+
+
+def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
+    """doc_ids [batch, seq] → FlexAttention's BlockMask of `document_mask`'s pairs (query i sees key j when
+    j ≤ i and both are in the same document), one for every head. On CUDA the mask is built by a compiled
+    kernel, as FlexAttention's documentation recommends; its [batch, 1, seq/128, seq/128] block indices are
+    all it keeps (FLEX_BLOCK = 128)."""
+    batch, seq = doc_ids.shape
+
+    def same_document_causal(b, h, q, kv):
+        return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
+
+    return create_block_mask(
+        same_document_causal,
+        batch,
+        None,
+        seq,
+        seq,
+        device=doc_ids.device,
+        BLOCK_SIZE=FLEX_BLOCK,
+        _compile=doc_ids.is_cuda,
+    )
+
+
+def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:
+    """Attention of q [batch, heads, seq, head_dim] over k, v (fewer heads: grouped-query) under a document
+    block mask. Compiled on CUDA, where eager FlexAttention would materialise the whole score matrix."""
+    kernel = compiled_flex_attention() if q.is_cuda else flex_attention
+    return kernel(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+@functools.cache
+def compiled_flex_attention():
+    return torch.compile(flex_attention, dynamic=False)

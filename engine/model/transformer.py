@@ -22,7 +22,7 @@ from torch import nn
 from engine.config.model import ModelConfig
 from engine.config.registry import MODELS
 from engine.model.attention import Attention
-from engine.model.documents import document_mask, document_positions
+from engine.model.documents import document_positions, packed_attention_mask
 from engine.model.kv_cache import KVCache, LayerKV
 from engine.model.mlp import GatedMLP
 from engine.model.moe import MoE, MoEStats
@@ -102,7 +102,11 @@ class Transformer(nn.Module):
         if doc_ids is not None:
             assert cache is None, "doc_ids are for packed training windows, not generation"
             positions = document_positions(doc_ids)
-            cos, sin, mask = self.rope_cos[positions], self.rope_sin[positions], document_mask(doc_ids)
+            cos, sin, mask = (
+                self.rope_cos[positions],
+                self.rope_sin[positions],
+                packed_attention_mask(doc_ids, self.cfg.head_dim),
+            )
         elif positions is not None:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         else:

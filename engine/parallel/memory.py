@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 from engine.config.job import JobConfig
 from engine.config.model import ModelConfig
 from engine.model.estimate import param_counts
+from engine.model.packed_kernel import FLEX_BLOCK, packed_attention_backend
 from engine.parallel.lora_memory import trains, weight_bytes, with_adapters
 from engine.parallel.stages import stage_layers, stages_per_rank
 
@@ -451,20 +452,29 @@ def tied_head_copy(cfg: JobConfig, specs: list[ParamSpec], stages: list[int], n_
     return [ParamSpec("output.weight", embedding.shape, "head", embedding.tp_dim)]
 
 
-def packing_bytes(cfg: JobConfig) -> int:
-    """What data.pack_sequences (engine.model.documents) adds to the saved activations: each block's SDPA
-    keeps the additive [batch, 1, seq, seq] mask it makes from the boolean document mask, in the compute
-    dtype (with activation checkpointing, only the block being recomputed), and the RoPE tables become
-    per-sequence (cos and sin [batch, seq, head_dim] fp32 instead of one [seq, head_dim] pair). The whole
+def packing_bytes(cfg: JobConfig, device_type: str = "cuda") -> int:
+    """What data.pack_sequences (engine.model.documents) adds to the saved activations on a device type (the
+    estimate is for a GPU run). The RoPE tables become per-sequence (cos and sin [batch, seq, head_dim] fp32
+    instead of one [seq, head_dim] pair), and the mask depends on the kernel (engine/model/packed_kernel.py).
+    FlexAttention (CUDA, head_dim >= 16, seq_len >= 128): its
+    block mask, made once per forward and shared by every block, is int32 block counts [batch, 1, n] and
+    indices [batch, 1, n, n] (n = ⌈seq / 128⌉) for the partial and the full blocks, by rows and by columns,
+    while the kernel keeps the same output and logsumexp as flash-style SDPA. SDPA with a dense boolean mask
+    (the other cases): each block's SDPA instead keeps the additive [batch, 1, seq, seq]
+    mask it makes from it, in the compute dtype (with activation checkpointing, only the block being
+    recomputed): measured equal to the saved tensors' bytes on CPU in tests/test_packing.py. The whole
     sequence and the whole batch of a micro-step on every tp rank (attention runs after the sequence gather;
-    the mask has one head); packing is refused with pp and cp. Measured equal to the saved tensors' bytes
-    in tests/test_packing.py."""
+    the mask has one head); packing is refused with pp and cp. The FlexAttention figure is not measured on a
+    GPU yet (none was available)."""
     t, m = cfg.train, cfg.model
     if not cfg.data.pack_sequences:
         return 0
-    blocks = m.n_layers if t.activation_checkpointing == "none" else 1
-    masks = blocks * COMPUTE_BYTES[t.mixed_precision] * t.batch_size * t.seq_len**2
-    return masks + 2 * FP32 * (t.batch_size - 1) * t.seq_len * m.head_dim
+    rope = 2 * FP32 * (t.batch_size - 1) * t.seq_len * m.head_dim
+    if packed_attention_backend(device_type, m.head_dim, t.seq_len) == "sdpa":
+        blocks = m.n_layers if t.activation_checkpointing == "none" else 1
+        return blocks * COMPUTE_BYTES[t.mixed_precision] * t.batch_size * t.seq_len**2 + rope
+    n = -(-t.seq_len // FLEX_BLOCK)
+    return 4 * 4 * t.batch_size * (n + n * n) + rope
 
 
 def stage_specs(specs: list[ParamSpec], layers: range, first: bool, last: bool) -> list[ParamSpec]:

@@ -7,12 +7,17 @@ w · mean(logsumexp(logits)²) (PaLM, Chowdhery et al. 2022), which keeps the so
 and the logits from drifting. A mixture-of-experts model adds the weighted auxiliary losses of its
 routers (balance, sequence balance, router z-loss; `Transformer.moe_loss()`) of the same forward.
 Evaluation calls them with `z_loss=False`, so eval loss is plain CE: neither z-loss nor MoE losses.
+
+Given `on_token_losses`, a loss also hands it each token's cross-entropy ([batch, seq] fp32, detached), a
+by-product of the loss it computes anyway (the log-probabilities' gather, the chunks' per-token values): a
+mixture's step sums them per source (engine/train/source_losses.py). The returned loss is bitwise the same
+with or without it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -21,6 +26,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from engine.config.registry import LOSSES
 from engine.config.train import TrainConfig
+
+TokenLosses = Callable[[torch.Tensor], None]  # receives each token's cross-entropy, [batch, seq] fp32, detached
 
 
 class ModelLoss(Protocol):
@@ -32,13 +39,23 @@ class ModelLoss(Protocol):
         *,
         z_loss: bool = True,
         doc_ids: torch.Tensor | None = None,
+        on_token_losses: TokenLosses | None = None,
     ) -> torch.Tensor: ...
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float = 0.0) -> torch.Tensor:
-    """Mean next-token cross-entropy (+ z-loss); logits [batch, seq, vocab], labels [batch, seq]."""
-    logits = logits.flatten(0, 1).float()
-    loss = F.cross_entropy(logits, labels.flatten())
+def cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float = 0.0, on_token_losses: TokenLosses | None = None
+) -> torch.Tensor:
+    """Mean next-token cross-entropy (+ z-loss); logits [batch, seq, vocab], labels [batch, seq].
+
+    Written as log_softmax then nll_loss, which is exactly how F.cross_entropy computes it (same kernels,
+    same autograd graph), so that the log-probabilities are there to gather each token's loss from."""
+    shape = labels.shape
+    logits, labels = logits.flatten(0, 1).float(), labels.flatten()
+    log_probs = F.log_softmax(logits, dim=-1)
+    loss = F.nll_loss(log_probs, labels)
+    if on_token_losses is not None:
+        on_token_losses(plain_tensor(F.nll_loss(log_probs.detach(), labels, reduction="none")).reshape(shape))
     if z_loss_weight:
         loss = loss + z_loss_weight * logsumexp(logits).square().mean()
     return loss
@@ -50,9 +67,22 @@ class StageCrossEntropy:
 
     def __init__(self, z_loss_weight: float) -> None:
         self.z_loss_weight, self.z_loss = z_loss_weight, True
+        self.token_losses: list[torch.Tensor] | None = None  # while `recording`: each microbatch's, in call order
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, labels, self.z_loss_weight if self.z_loss else 0.0)
+        keep = self.token_losses.append if self.token_losses is not None else None
+        return cross_entropy(logits, labels, self.z_loss_weight if self.z_loss else 0.0, keep)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[torch.Tensor]]:
+        """Collects the per-token losses of every call inside the block (on the last stage), for a mixture's
+        per-source losses: the schedule computes the microbatches' in order, after its one shape-inference
+        call on its first step."""
+        self.token_losses = []
+        try:
+            yield self.token_losses
+        finally:
+            self.token_losses = None
 
     @contextlib.contextmanager
     def plain(self) -> Iterator[None]:
@@ -61,6 +91,11 @@ class StageCrossEntropy:
             yield
         finally:
             self.z_loss = True
+
+
+def plain_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the per-token losses under loss parallel) as a plain tensor."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def logsumexp(logits: torch.Tensor) -> torch.Tensor:
@@ -72,7 +107,12 @@ def logsumexp(logits: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, z_loss_weight: float = 0.0
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int,
+    z_loss_weight: float = 0.0,
+    on_token_losses: TokenLosses | None = None,
 ) -> torch.Tensor:
     """`cross_entropy(hidden @ weightᵀ, labels, z_loss_weight)` without ever holding all the logits.
 
@@ -87,9 +127,13 @@ def chunked_cross_entropy(
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return ChunkedCrossEntropy.apply(
-        hidden.flatten(0, 1), weight, labels.flatten(), chunk_size, z_loss_weight, dtype, with_grads
+    keep = on_token_losses is not None
+    loss, token_losses = ChunkedCrossEntropy.apply(
+        hidden.flatten(0, 1), weight, labels.flatten(), chunk_size, z_loss_weight, dtype, with_grads, keep
     )
+    if keep:
+        on_token_losses(token_losses.reshape(labels.shape))
+    return loss
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -97,7 +141,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     (softmax · (1 + 2w·lse) − onehot(label)) / tokens, and from it the gradients of the hidden states
     and of the head; backward only scales those by the incoming gradient (a scalar: the loss is a mean).
     The gradients are computed before backward asks for them, which is what lets each chunk's logits be
-    dropped as soon as it is done, without computing them again in backward."""
+    dropped as soon as it is done, without computing them again in backward. Its second output is each
+    token's cross-entropy when `keep_tokens` (else empty), not differentiable."""
 
     @staticmethod
     def forward(
@@ -109,12 +154,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         z_loss_weight: float,
         dtype: torch.dtype,
         with_grads: bool,
-    ) -> torch.Tensor:
+        keep_tokens: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = labels.numel()
         with torch.autocast(hidden.device.type, enabled=False):
             head = weight.to(dtype)
             lse = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
             nll = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            token_nll = torch.empty(labels.shape if keep_tokens else 0, dtype=torch.float32, device=hidden.device)
             grad_hidden = torch.empty_like(hidden) if with_grads else None
             grad_head = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grads else None
             for chunk in chunks(tokens, chunk_size):
@@ -128,19 +175,23 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                     accumulate_product(grad_head, grad_logits.T, h)
                 else:
                     lse[chunk] = torch.logsumexp(logits, dim=-1)
-                nll += (lse[chunk] - target).sum()
+                chunk_nll = lse[chunk] - target
+                nll += chunk_nll.sum()
+                if keep_tokens:
+                    token_nll[chunk] = chunk_nll
             loss = (nll + z_loss_weight * lse.square().sum()) / tokens
         if with_grads:  # the mean's 1/tokens last, in the gradients' own dtype: nothing small is rounded to bf16
             ctx.save_for_backward(grad_hidden.div_(tokens), grad_head.div_(tokens).to(weight.dtype))
-        return loss
+        ctx.mark_non_differentiable(token_nll)
+        return loss, token_nll
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
+    def backward(ctx, grad_loss: torch.Tensor, _grad_token_nll: torch.Tensor):
         grad_hidden, grad_head = ctx.saved_tensors
         scale = grad_loss.to(grad_hidden.dtype)
         grad_weight = grad_head * scale if ctx.needs_input_grad[1] else None
         grad_hidden = grad_hidden * scale if ctx.needs_input_grad[0] else None
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def softmax_grad(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,8 +243,10 @@ def full_logits_loss(cfg: TrainConfig) -> ModelLoss:
         *,
         z_loss: bool = True,
         doc_ids: torch.Tensor | None = None,
+        on_token_losses: TokenLosses | None = None,
     ) -> torch.Tensor:
-        value = cross_entropy(model(tokens, doc_ids=doc_ids), labels, cfg.z_loss_weight if z_loss else 0.0)
+        logits = model(tokens, doc_ids=doc_ids)
+        value = cross_entropy(logits, labels, cfg.z_loss_weight if z_loss else 0.0, on_token_losses)
         return with_moe_loss(model, value) if z_loss else value
 
     return loss
@@ -208,12 +261,14 @@ def chunked_loss(cfg: TrainConfig) -> ModelLoss:
         *,
         z_loss: bool = True,
         doc_ids: torch.Tensor | None = None,
+        on_token_losses: TokenLosses | None = None,
     ) -> torch.Tensor:
         hidden, weight = model(tokens, return_hidden=True, doc_ids=doc_ids), model.output.weight
         # Under tensor parallelism both are DTensors (sequence-sharded states, vocabulary-sharded head): the
         # chunks then go through the whole head on every rank, as on one device.
         hidden, weight = (t.full_tensor() if isinstance(t, DTensor) else t for t in (hidden, weight))
-        value = chunked_cross_entropy(hidden, weight, labels, cfg.ce_chunk_size, cfg.z_loss_weight if z_loss else 0.0)
+        z_weight = cfg.z_loss_weight if z_loss else 0.0
+        value = chunked_cross_entropy(hidden, weight, labels, cfg.ce_chunk_size, z_weight, on_token_losses)
         return with_moe_loss(model, value) if z_loss else value
 
     return loss

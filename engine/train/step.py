@@ -25,6 +25,7 @@ from engine.train.hooks import TrainHooks
 from engine.train.job import Job
 from engine.train.losses import ModelLoss, StageCrossEntropy
 from engine.train.optim import current_lr, eval_mode
+from engine.train.source_losses import SourceLosses
 
 
 @dataclass
@@ -33,6 +34,7 @@ class StepResult:
     grad_norm: float
     lr: float
     problem: str | None  # why the update was skipped; None when it was applied
+    source_losses: SourceLosses | None = None  # a mixture's per-source sums on this rank, reduced when logged
 
     def as_metrics(self, step: int) -> dict[str, Any]:
         """What a config hook's on_step_end receives: every step has these, not only the logged ones."""
@@ -43,10 +45,12 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
     """One optimizer step over grad_accum_steps micro-batches, or none when the step is bad (non-finite,
     or a loss spike): its batches are then consumed without an update, on every rank alike."""
     hooks.before_step(step, job)
+    names = job.train_data.names
+    tally = SourceLosses(names, job.device) if names else None
     if job.pipeline is not None:
-        loss_sum = pipeline_forward_backward(job, batches)
+        loss_sum = pipeline_forward_backward(job, batches, tally)
     else:
-        loss_sum = forward_backward(job, batches, loss_fn)
+        loss_sum = forward_backward(job, batches, loss_fn, tally)
     hooks.after_backward(step, job)
     job.scaler.unscale_(job.optimizer)
     max_norm = job.cfg.train.grad_clip_norm or math.inf  # 0 = no clipping; the norm is still reported
@@ -76,30 +80,40 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
         job.guard.accept(loss_value)
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
-    return StepResult(loss_value, norm_value, lr, problem)
+    return StepResult(loss_value, norm_value, lr, problem, tally)
 
 
-def forward_backward(job: Job, batches: Iterator, loss_fn: ModelLoss) -> torch.Tensor:
-    """Gradients of the step's mean loss, accumulated over its micro-batches; → that loss (not synced)."""
+def forward_backward(job: Job, batches: Iterator, loss_fn: ModelLoss, tally: SourceLosses | None) -> torch.Tensor:
+    """Gradients of the step's mean loss, accumulated over its micro-batches; → that loss (not synced). A
+    mixture's batches carry each row's source: its tokens' losses go into `tally`."""
     accum = job.cfg.train.grad_accum_steps
     loss_sum = torch.zeros((), device=job.device)
     for _ in range(accum):
-        inputs, labels = job.local_batch(*(t.to(job.device, non_blocking=True) for t in next(batches)))
+        inputs, labels, *sources = (t.to(job.device, non_blocking=True) for t in next(batches))
+        inputs, labels = job.local_batch(inputs, labels)
+        record = tally.recorder(sources[0]) if tally is not None else None
         with job.loss_context():
             with job.autocast():
-                loss = loss_fn(job.model, inputs, labels, doc_ids=job.documents(inputs)) / accum
+                loss = loss_fn(job.model, inputs, labels, doc_ids=job.documents(inputs), on_token_losses=record)
+                loss = loss / accum
             job.scaler.scale(loss).backward()
         loss_sum += local_value(loss.detach())
     return loss_sum
 
 
-def pipeline_forward_backward(job: Job, batches: Iterator) -> torch.Tensor:
+def pipeline_forward_backward(job: Job, batches: Iterator, tally: SourceLosses | None) -> torch.Tensor:
     """The same through the pipeline schedule, which takes the step's micro-batches at once and splits them
-    again; → the loss, on every pipeline rank."""
+    again (in order, into as many); → the loss, on every pipeline rank. The last stage's per-token losses,
+    one [rows, seq] per microbatch in order, line up with the concatenated batches' sources: a mixture's
+    per-source losses come from the last stage and reach the others through SourceLosses' all-reduce."""
     micro = [next(batches) for _ in range(job.cfg.train.grad_accum_steps)]
-    inputs, labels = (torch.cat(parts).to(job.device, non_blocking=True) for parts in zip(*micro))
-    with job.autocast():
+    inputs, labels, *sources = (torch.cat(parts).to(job.device, non_blocking=True) for parts in zip(*micro))
+    stage_loss = job.pipeline.loss_fn
+    assert isinstance(stage_loss, StageCrossEntropy), "the trainer builds its pipelines with this loss"
+    with job.autocast(), stage_loss.recording() as token_losses:
         loss = job.pipeline.step(inputs, labels)
+    if tally is not None and token_losses:  # only the last stage computes losses, one call per microbatch
+        tally.add(torch.cat(token_losses[-len(micro) :]), sources[0])
     return job.pipeline.step_loss(loss, job.device)
 
 
@@ -189,6 +203,7 @@ def step_metrics(
         "elapsed_sec": time.perf_counter() - started,
         **job.guard.metrics(),
         **job.train_data.metrics(step),
+        **(result.source_losses.metrics() if result.source_losses is not None else {}),
         **memory_per_rank(job.device),
         **{k: v for report in job.model_metrics for k, v in report().items()},
     }
