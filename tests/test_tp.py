@@ -2,7 +2,8 @@
 
 Every process builds the same seeded model, keeps one copy as the single-process reference and applies TP
 (and, on a dp × tp mesh, FSDP2) to the other; both take the same AdamW steps with gradient clipping. The
-per-step losses, the clipped gradient norms and the final full weights must agree to 1e-5 (fp32).
+per-step losses, the clipped gradient norms and the final full weights must agree to 1e-5 (fp32). In the
+`*_compiled` cases both models' blocks are compiled (train.compile_model), and dynamo's counters must show it.
 """
 
 from __future__ import annotations

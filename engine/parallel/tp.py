@@ -3,9 +3,10 @@
 The single-device `Transformer` is rewritten in place by `parallelize_module` with PyTorch's parallel styles;
 the model code itself never sees a DTensor except as the tensors flowing through it. The plan:
 
-- token embedding: vocabulary-sharded rows (`RowwiseParallel`), its output reduce-scattered over the sequence
-  (`Shard(1)`, `SequenceShardedEmbedding`), so the residual stream between blocks is a plain tensor holding
-  this rank's positions (each norm and each attention/MLP input rewraps it as a `Shard(1)` DTensor);
+- token embedding: vocabulary-sharded rows (as `RowwiseParallel` shards them), its output reduce-scattered
+  over the sequence (`Shard(1)`, `SequenceShardedEmbedding`), so the residual stream between blocks is a plain
+  tensor holding this rank's positions (each norm and each attention/MLP input rewraps it as a `Shard(1)`
+  DTensor);
 - the block norms and the final norm: `SequenceParallel` (each rank normalises its own positions; the norm
   weights are replicated and their gradients summed over the TP group by DTensor);
 - attention and feed-forward: inputs all-gathered over the sequence (`PrepareModuleInput` Shard(1) → Replicate),
