@@ -2,7 +2,8 @@
 
 Every process builds the same seeded model, keeps one copy as the single-process reference and applies TP
 (and, on a dp × tp mesh, FSDP2) to the other; both take the same AdamW steps with gradient clipping. The
-per-step losses, the clipped gradient norms and the final full weights must agree to 1e-5 (fp32).
+per-step losses, the clipped gradient norms and the final full weights must agree to 1e-5 (fp32). In the
+`*_compiled` cases both models' blocks are compiled (train.compile_model), and dynamo's counters must show it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torchrun import torchrun
 PARITY_SCRIPT = """
 import copy, json, sys
 import torch, torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -22,6 +24,7 @@ from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
 from engine.config.train import TrainConfig
 from engine.model.transformer import Transformer
+from engine.parallel.apply import apply_compile
 from engine.parallel.tp import apply_tensor_parallel, loss_context, uses_loss_parallel
 from engine.train.losses import build_loss
 from engine.train.optim import build_optimizer
@@ -40,6 +43,9 @@ init = [p.detach().clone() for p in ref.parameters()]
 model = copy.deepcopy(ref)
 apply_tensor_parallel(model, mesh["tp"], loss_parallel=parallel_loss)
 assert not cfg.tie_embeddings or model.output.weight is model.tok_embeddings.weight
+if train_cfg.compile_model:  # both models' blocks, where engine.parallel.apply compiles them: after TP, before FSDP
+    apply_compile(ref)
+    apply_compile(model)
 if dp > 1:
     for block in model.layers.values():
         fully_shard(block, mesh=mesh["dp"])
@@ -73,6 +79,8 @@ for step in range(5):
 res["weight_error"] = {name: (full(p) - q.detach()).abs().max().item()
                        for (name, p), q in zip(model.named_parameters(), ref.parameters())}
 res["moved"] = max((q.detach() - p0).abs().max().item() for q, p0 in zip(ref.parameters(), init))
+# Compiled graphs ran: dynamo compiled frames (fullgraph: no graph breaks) and AOTAutograd built their backwards.
+res["compiled"] = {"frames": counters["stats"]["unique_graphs"], "aot_autograd": counters["aot_autograd"]["total"]}
 res["tp_placement"] = {name: str(p.placements[-1]) for name, p in model.named_parameters()}  # tp: last mesh dim
 if dist.get_rank() == 0:
     (__import__("pathlib").Path(out) / "result.json").write_text(json.dumps(res))
@@ -83,13 +91,14 @@ end_process(0)  # leave without interpreter teardown while gloo's threads live (
 """
 
 CASES = {
-    # Vocabulary-sharded logits through loss_parallel(), z-loss included.
-    "loss_parallel": (2, {}, {"loss_fn": "cross_entropy", "z_loss_weight": 1e-3}),
+    # Vocabulary-sharded logits through loss_parallel(), z-loss included. Both models' blocks compiled
+    # (compile_model), and in chunked_tied too: the embedding, the head and the loss around them run eagerly.
+    "loss_parallel_compiled": (2, {}, {"loss_fn": "cross_entropy", "z_loss_weight": 1e-3, "compile_model": True}),
     # Chunked CE projects through the full head itself; with tied embeddings that head is the embedding.
-    "chunked_tied": (
+    "chunked_tied_compiled": (
         2,
         {"tie_embeddings": True},
-        {"loss_fn": "chunked_cross_entropy", "ce_chunk_size": 24, "z_loss_weight": 1e-3},
+        {"loss_fn": "chunked_cross_entropy", "ce_chunk_size": 24, "z_loss_weight": 1e-3, "compile_model": True},
     ),
     # GQA splits query and key/value heads in the same groups; QK-norm sees head-sharded tensors; 63 rows of
     # vocabulary shard unevenly.
@@ -121,6 +130,10 @@ def test_tensor_parallel_matches_one_process(tmp_path, case):
     worst = max(res["weight_error"], key=res["weight_error"].get)
     assert res["weight_error"][worst] < 1e-5, (worst, res["weight_error"][worst])
     assert res["moved"] > 1e-3, "the weights should have changed far more than the tolerance"
+    # Compiled: at least one graph for the one-process blocks and one for the DTensor blocks, each with its backward.
+    compiled = train_args.get("compile_model", False)
+    assert res["compiled"]["frames"] >= 2 if compiled else res["compiled"]["frames"] == 0, res["compiled"]
+    assert res["compiled"]["aot_autograd"] >= 2 if compiled else res["compiled"]["aot_autograd"] == 0, res["compiled"]
     placement = res["tp_placement"]
     assert placement["layers.0.attention.wq.weight"] == placement["tok_embeddings.weight"] == "S(0)"
     assert placement["layers.0.attention.wo.weight"] == "S(1)"

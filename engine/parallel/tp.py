@@ -3,8 +3,10 @@
 The single-device `Transformer` is rewritten in place by `parallelize_module` with PyTorch's parallel styles;
 the model code itself never sees a DTensor except as the tensors flowing through it. The plan:
 
-- token embedding: vocabulary-sharded rows (`RowwiseParallel`), its output reduce-scattered over the sequence
-  (`Shard(1)`), so the residual stream between blocks is a sequence-sharded DTensor;
+- token embedding: vocabulary-sharded rows (as `RowwiseParallel` shards them), its output reduce-scattered
+  over the sequence (`Shard(1)`, `SequenceShardedEmbedding`), so the residual stream between blocks is a plain
+  tensor holding this rank's positions (each norm and each attention/MLP input rewraps it as a `Shard(1)`
+  DTensor);
 - the block norms and the final norm: `SequenceParallel` (each rank normalises its own positions; the norm
   weights are replicated and their gradients summed over the TP group by DTensor);
 - attention and feed-forward: inputs all-gathered over the sequence (`PrepareModuleInput` Shard(1) → Replicate),
@@ -36,9 +38,10 @@ from __future__ import annotations
 import contextlib
 from functools import partial
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -67,7 +70,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, loss_paral
     With `loss_parallel`, the forward returns vocabulary-sharded DTensor logits and the loss and its backward
     must run inside `loss_context(True)`; the loss is then a replicated DTensor (`.item()` works)."""
     plan = {  # a pipeline stage has only some of these
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "tok_embeddings": SequenceShardedEmbedding(),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(
             input_layouts=Shard(1),
@@ -134,6 +137,37 @@ def moe_plan(moe: MoE) -> dict[str, ParallelStyle]:
             "feed_forward.shared.w2": RowwiseParallel(output_layouts=Replicate()),
         }
     return plan
+
+
+class SequenceShardedEmbedding(ParallelStyle):
+    """The token embedding with vocabulary-sharded rows (`RowwiseParallel`), its partial sums reduce-scattered
+    over the sequence into this rank's positions, as a plain tensor, by a collective that has completed.
+
+    Why not `RowwiseParallel(output_layouts=Shard(1))`: its reduce-scatter is asynchronous, and its output an
+    `AsyncCollectiveTensor`. Handed to a compiled block (the first one), AOTAutograd (torch 2.13) treats it as
+    a tensor subclass that does not require grad: the block's output is cut off from the embedding, which
+    gets no gradient, and the backward fails in DTensor's redistribute (`'Tensor' object has no attribute
+    '_local_tensor'`). The first consumer (the block's norm) waits for the collective at once anyway."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, self.shard_rows, input_fn=self.replicate_tokens, output_fn=self.scatter_sequence
+        )
+
+    @staticmethod
+    def shard_rows(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for key, param in list(module.named_parameters(recurse=False)):  # the [vocab, dim] weight
+            sharded = distribute_tensor(param, mesh, [Shard(0)])
+            module.register_parameter(key, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    @staticmethod
+    def replicate_tokens(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return (DTensor.from_local(inputs[0], mesh, [Replicate()], run_check=False), *inputs[1:])
+
+    @staticmethod
+    def scatter_sequence(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        # The lookup's output holds each rank's rows' partial sums; a synchronous reduce-scatter.
+        return output.redistribute(mesh, [Shard(1)]).to_local()
 
 
 class MoESequenceGather(ParallelStyle):
