@@ -154,10 +154,10 @@ class SequenceShardedEmbedding(ParallelStyle):
             module, device_mesh, self.shard_rows, input_fn=self.replicate_tokens, output_fn=self.scatter_sequence
         )
 
-    @staticmethod
-    def shard_rows(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for key, param in list(module.named_parameters(recurse=False)):  # the [vocab, dim] weight
-            sharded = distribute_tensor(param, mesh, [Shard(0)])
+    def shard_rows(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        """The [vocab, dim] weight's rows, scattered from `src_data_rank` as the built-in styles do."""
+        for key, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param, mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             module.register_parameter(key, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
     @staticmethod
