@@ -522,17 +522,20 @@ def test_a_mixture_with_a_hugging_face_source_trains_and_reuses_its_cache(
 def test_bad_hugging_face_sources_exit_2_naming_the_field(tmp_path: Path, dataset_repo: Path):
     """hf_name beside path (found by validate-config), a text column the dataset lacks (found when the data is
     opened, before tokenizing or any process group), and a source tokenized with another tokenizer than the
-    run's: exit 2, the field named, nothing tokenized, no run directory written."""
+    run's, also when a Hugging Face source comes before it (every source with shards is opened before any
+    Hugging Face source is tokenized): exit 2, the field named, nothing tokenized, no run directory written."""
     from tests.data_fixtures import tokenized
 
     shards = tokenized(tmp_path, TEXTS[:6], name="shards")
+    files, hub = f'{{name="files", path="{shards}"}}', f'{{name="hub", hf_name="{dataset_repo}"}}'
     cases = [
-        ("validate-config", f'{{name="hub", hf_name="{dataset_repo}", path="{shards}"}}', ["data.datasets.1.hf_name", "and data.datasets.1.path are both set"]),
-        ("train", f'{{name="hub", hf_name="{dataset_repo}", text_field="body"}}', ["data.datasets.1.hf_name", "no column 'body'", "data.datasets.1.text_field"]),
-        ("train", '{name="poems", embedded="poems"}', ["data.datasets.1.embedded", "different tokenizer"]),
+        ("validate-config", f'{files}, {{name="hub", hf_name="{dataset_repo}", path="{shards}"}}', ["data.datasets.1.hf_name", "and data.datasets.1.path are both set"]),
+        ("train", f'{files}, {{name="hub", hf_name="{dataset_repo}", text_field="body"}}', ["data.datasets.1.hf_name", "no column 'body'", "data.datasets.1.text_field"]),
+        ("train", f'{files}, {{name="poems", embedded="poems"}}', ["data.datasets.1.embedded", "different tokenizer"]),
+        ("train", f'{hub}, {files}, {{name="poems", embedded="poems"}}', ["data.datasets.2.embedded", "different tokenizer", "data.datasets.1"]),
     ]  # fmt: skip
-    for command, entry, expected in cases:
-        sources = f'--data.datasets=[{{name="files", path="{shards}"}}, {entry}]'
+    for command, entries, expected in cases:
+        sources = f"--data.datasets=[{entries}]"
         run_dir = tmp_path / "run"
         where = ["--run-dir", str(run_dir)] if command == "train" else []
         result = forge(command, "presets/debug.toml", *where, "--eval.enabled=false", sources)

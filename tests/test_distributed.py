@@ -98,16 +98,21 @@ def assert_same_run(run_dir: Path, reference: Path, tol: float = 1e-5) -> None:
     for step, record in ours.items():
         assert record["loss"] == pytest.approx(ref[step]["loss"], abs=tol), step
         assert record["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=100 * tol), step
-        per_source = sorted(k for k in ref[step] if k.startswith("loss/"))
-        assert sorted(k for k in record if k.startswith("loss/")) == per_source, step
-        for key in per_source:
-            assert record[key] == pytest.approx(ref[step][key], abs=tol), (step, key)
+        assert_same_source_losses(record, ref[step], tol)
     evals = records(run_dir, "eval_loss")
     assert sorted(evals) == [3, 6], evals.keys()
     assert evals[6]["eval_loss"] == pytest.approx(records(reference, "eval_loss")[6]["eval_loss"], abs=tol)
     expected = weights(reference)
     for name, value in weights(run_dir).items():
         torch.testing.assert_close(value, expected[name], atol=tol, rtol=0, msg=name)
+
+
+def assert_same_source_losses(record: dict, reference: dict, tol: float = 1e-5) -> None:
+    """A logged step's per-source losses (`loss/NAME`) are the reference step's: the same sources, each within tol."""
+    per_source = sorted(k for k in reference if k.startswith("loss/"))
+    assert sorted(k for k in record if k.startswith("loss/")) == per_source, record["step"]
+    for key in per_source:
+        assert record[key] == pytest.approx(reference[key], abs=tol), (record["step"], key)
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +136,14 @@ PIPELINE = [
 ]
 CONTEXT_PARALLEL = ["--distributed.cp=2", "--distributed.dp_shard=1"]
 # presets/debug.toml trains with the chunked cross-entropy, which reads the head's weight after the forward:
-# "fsdp" checks that FSDP still averages that weight's gradient; "fsdp_cross_entropy" the plain loss.
+# "fsdp" checks that FSDP still averages that weight's gradient; "fsdp_cross_entropy" the plain loss. "tp" takes
+# the plain loss too, which under tp is loss parallel (vocabulary-sharded logits, engine.parallel.tp);
+# "tp_chunked_ce_full_ac" covers the chunked loss under tp.
 LAYOUTS = {
     "fsdp": ([], 2),
     "fsdp_cross_entropy": (["--train.loss_fn=cross_entropy"], 2),
     "hsdp": (["--distributed.dp_replicate=2", "--distributed.dp_shard=1"], 2),
-    "tp": (["--distributed.tp=2", "--distributed.dp_shard=1"], 4),
+    "tp": (["--distributed.tp=2", "--distributed.dp_shard=1", "--train.loss_fn=cross_entropy"], 4),
     "pp_gpipe": ([*PIPELINE, "--distributed.pp_schedule=gpipe"], 2),
     "pp_1f1b": ([*PIPELINE, "--distributed.pp_schedule=1f1b"], 2),
     "pp_interleaved_selective_ac": (
@@ -194,8 +201,8 @@ def test_a_sharded_run_resumes_in_one_process_and_back(tmp_path, eight_steps):
 
 def test_a_context_parallel_run_resumes_in_one_process_and_back(tmp_path, eight_steps):
     """cp = 2 (ulysses) → one process → cp = 2 (allgather), as a user runs it: both ranks read the same 4
-    sequences and keep half of each; the sharded checkpoint loads in either layout, and each step's loss is
-    the uninterrupted one-process run's."""
+    sequences and keep half of each; the sharded checkpoint loads in either layout, and each step's loss and
+    per-source losses are the uninterrupted one-process run's."""
     run_dir = tmp_path / "run"
     result = forge(run_dir, *CONTEXT_PARALLEL, "--distributed.cp_method=ulysses", nproc=2, batch_size=4)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -203,9 +210,12 @@ def test_a_context_parallel_run_resumes_in_one_process_and_back(tmp_path, eight_
     assert result.returncode == 0, result.stderr[-3000:]
     result = forge(run_dir, "--train.max_steps=8", *CONTEXT_PARALLEL, nproc=2, batch_size=4)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(records(run_dir)) == list(range(1, 9))
+    ours, reference = records(run_dir), records(eight_steps)
+    assert sorted(ours) == list(range(1, 9))
     for step in range(1, 9):
-        assert records(run_dir)[step]["loss"] == pytest.approx(records(eight_steps)[step]["loss"], abs=1e-5)
+        assert ours[step]["loss"] == pytest.approx(reference[step]["loss"], abs=1e-5)
+        assert any(k.startswith("loss/") for k in reference[step]), step
+        assert_same_source_losses(ours[step], reference[step])
     evals, expected = records(run_dir, "eval_loss"), records(eight_steps, "eval_loss")
     common = sorted(evals.keys() & expected.keys())
     assert {3, 6, 8} <= set(common), (sorted(evals), sorted(expected))  # 3 and 6 under cp = 2 (ulysses), 8 allgather

@@ -337,3 +337,17 @@ def test_per_source_loss_equals_a_recomputation_by_source(tmp_path, loss_fn):
         assert (sums.sum() / counts.sum()).item() < row["loss"]
     both = [r for r in rows if "loss/plays" in r and "loss/poems" in r]
     assert both and abs(both[0]["loss/plays"] - both[0]["loss/poems"]) > 1e-3, "the sources' losses differ"
+
+
+def test_per_source_totals_stay_exact_past_2_to_the_24_tokens():
+    """A big run's step adds more than 2^24 tokens of a source (global batch × tp copies), where fp32 stops
+    counting by ones: the sums and counts are float64, so 2^24 tokens of loss 1 and one of loss 3 give
+    exactly (2^24 + 3) / (2^24 + 1)."""
+    import torch
+
+    from engine.train.source_losses import SourceLosses
+
+    tally = SourceLosses(("big",), torch.device("cpu"))
+    tally.add(torch.ones(1, 1).expand(1, 2**24), torch.tensor([0]))  # a view: no 64 MB of ones
+    tally.add(torch.full((1, 1), 3.0), torch.tensor([0]))
+    assert tally.metrics() == {"loss/big": (2**24 + 3) / (2**24 + 1)}

@@ -14,7 +14,7 @@ import torch
 from torchrun import torchrun
 
 from engine.config.model import ModelConfig
-from engine.model.documents import document_ids, document_mask, document_positions
+from engine.model.documents import document_block_mask, document_ids, document_mask, document_positions
 from engine.model.transformer import Transformer
 
 EOS = 0
@@ -195,7 +195,8 @@ def saved_bytes(model: Transformer, tokens: torch.Tensor, doc_ids: torch.Tensor 
 def test_memory_estimate_counts_what_packing_saves():
     """The packing term on CPU (engine.parallel.memory.packing_bytes: SDPA's dense mask) equals the extra bytes
     autograd saves in a packed forward (fp32, SDPA's math kernel), as does the estimate for CUDA with heads
-    of 8 (too small for FlexAttention); with heads of 16 CUDA counts FlexAttention's block mask instead."""
+    of 8 (too small for FlexAttention); with heads of 16 CUDA counts FlexAttention's block mask instead: the
+    bytes of the tensors `document_block_mask` builds (here on the CPU), for windows of one to four blocks."""
     from engine.config import load_job_config
     from engine.parallel.memory import estimate_memory, packing_bytes
 
@@ -210,10 +211,18 @@ def test_memory_estimate_counts_what_packing_saves():
     estimated = estimate_memory(packed, 1)[0].activations - estimate_memory(plain, 1)[0].activations
     assert estimated == packing_bytes(packed, "cpu") == measured > 0
     wide = packed.model_copy(update={"model": packed.model.model_copy(update={"n_heads": 2, "n_kv_heads": 1})})
-    wide = wide.model_copy(update={"train": wide.train.model_copy(update={"seq_len": 128})})
-    rope = 2 * 4 * 3 * 128 * 16  # cos and sin [batch - 1 more, seq, head_dim] fp32
-    assert packing_bytes(wide, "cuda") == 4 * 4 * 4 * (1 + 1) + rope  # one block: counts and indices, int32
-    assert packing_bytes(wide, "cpu") == 2 * 4 * 4 * 128**2 + rope  # 2 blocks' additive fp32 masks
+    for batch, seq in [(4, 128), (2, 384), (3, 500)]:  # one block; three; a partial fourth
+        shape = wide.model_copy(update={"train": wide.train.model_copy(update={"batch_size": batch, "seq_len": seq})})
+        rope = 2 * 4 * (batch - 1) * seq * 16  # cos and sin [batch - 1 more, seq, head_dim] fp32
+        ids = document_ids(
+            torch.randint(1, CFG["vocab_size"], (batch, seq)).index_fill_(1, torch.tensor([99]), EOS), EOS
+        )
+        block_mask = document_block_mask(ids).as_tuple()  # what the CUDA path builds, here built on the CPU
+        mask = sum(t.nbytes for t in block_mask if isinstance(t, torch.Tensor))
+        assert sum(isinstance(t, torch.Tensor) for t in block_mask) >= 4 and mask > 0
+        assert packing_bytes(shape, "cuda") == mask + rope, (batch, seq)
+        if (batch, seq) == (4, 128):
+            assert packing_bytes(shape, "cpu") == 2 * 4 * 4 * 128**2 + rope  # 2 blocks' additive fp32 masks
 
 
 def test_flex_attention_path_equals_the_dense_mask_path(monkeypatch):

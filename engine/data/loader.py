@@ -203,22 +203,28 @@ def open_train_data(cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> Train
 
 
 def open_mixture(cfg: JobConfig, layout: BatchLayout) -> MixtureData:
-    """Every `[[data.datasets]]` source verified like a single data set, all with the first one's tokenizer."""
-    opened = []
-    for i, source in enumerate(cfg.data.datasets):
+    """Every `[[data.datasets]]` source verified like a single data set, all with one tokenizer. The sources
+    that already have shards are opened first, so a mistake in any of them (another tokenizer, say) stops the
+    run before a Hugging Face source is tokenized, which can take hours; the mixture keeps the config's order."""
+    sources = cfg.data.datasets
+    order = sorted(range(len(sources)), key=lambda i: sources[i].hf_name is not None)  # stable: config order
+    opened: dict[int, tuple[Path, Manifest, Path | None, TokenWindows]] = {}
+    for i in order:
+        source = sources[i]
         field = f"data.datasets.{i}.{next(f for f in MixtureSource.LOCATIONS if getattr(source, f) is not None)}"
         directory = source_directory(cfg, i)
-        opened.append(verified(directory, field, cfg.data.file_pattern, "data.file_pattern", cfg))
-        first, this = opened[0], opened[-1]
-        if this[1].tokenizer_sha256 != first[1].tokenizer_sha256:
+        opened[i] = verified(directory, field, cfg.data.file_pattern, "data.file_pattern", cfg)
+        first = order[0]
+        if opened[i][1].tokenizer_sha256 != opened[first][1].tokenizer_sha256:
             raise DataError(
-                f"{field} {directory} was tokenized with a different tokenizer than {first[0]} "
-                f"(data.datasets.0, {cfg.data.datasets[0].name!r})",
+                f"{field} {directory} was tokenized with a different tokenizer than {opened[first][0]} "
+                f"(data.datasets.{first}, {sources[first].name!r})",
                 "tokenize every source with the same tokenizer.json (forge tokenize --tokenizer)",
             )
-    dataset = SourceWindows([parts[3] for parts in opened], cfg.train.seq_len, opened[0][1].vocab_size)
+    parts = [opened[i] for i in range(len(sources))]
+    dataset = SourceWindows([p[3] for p in parts], cfg.train.seq_len, parts[0][1].vocab_size)
     return MixtureData(
-        *opened[0][:3],
+        *parts[0][:3],
         dataset,
         layout,
         loader_options(cfg),

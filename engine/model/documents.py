@@ -60,24 +60,24 @@ def packed_attention_mask(doc_ids: torch.Tensor, head_dim: int) -> torch.Tensor 
 
 def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
     """doc_ids [batch, seq] → FlexAttention's BlockMask of `document_mask`'s pairs (query i sees key j when
-    j ≤ i and both are in the same document), one for every head. On CUDA the mask is built by a compiled
-    kernel, as FlexAttention's documentation recommends; its [batch, 1, seq/128, seq/128] block indices are
-    all it keeps (FLEX_BLOCK = 128)."""
+    j ≤ i and both are in the same document), one for every head. On CUDA the builder runs compiled
+    (`torch.compile(create_block_mask)`, as FlexAttention's documentation recommends: eager it evaluates the
+    mask at every one of the seq × seq pairs at once); its [batch, 1, seq/128, seq/128] block indices are all
+    it keeps (FLEX_BLOCK = 128)."""
     batch, seq = doc_ids.shape
 
     def same_document_causal(b, h, q, kv):
         return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
 
-    return create_block_mask(
-        same_document_causal,
-        batch,
-        None,
-        seq,
-        seq,
-        device=doc_ids.device,
-        BLOCK_SIZE=FLEX_BLOCK,
-        _compile=doc_ids.is_cuda,
-    )
+    build = compiled_create_block_mask() if doc_ids.is_cuda else create_block_mask
+    return build(same_document_causal, batch, None, seq, seq, device=doc_ids.device, BLOCK_SIZE=FLEX_BLOCK)
+
+
+@functools.cache
+def compiled_create_block_mask():
+    """Compiled once per process; each call's mask function, a new closure over its doc_ids, is traced as
+    the same code with a new tensor input, so the compiled builder is reused while the shapes stay."""
+    return torch.compile(create_block_mask, dynamic=False)
 
 
 def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:

@@ -464,8 +464,9 @@ def packing_bytes(cfg: JobConfig, device_type: str = "cuda") -> int:
     mask it makes from it, in the compute dtype (with activation checkpointing, only the block being
     recomputed): measured equal to the saved tensors' bytes on CPU in tests/test_packing.py. The whole
     sequence and the whole batch of a micro-step on every tp rank (attention runs after the sequence gather;
-    the mask has one head); packing is refused with pp and cp. The FlexAttention figure is not measured on a
-    GPU yet (none was available)."""
+    the mask has one head); packing is refused with pp and cp. The FlexAttention figure equals the bytes of the
+    block mask's tensors built on the CPU (tests/test_packing.py); what the GPU kernel saves besides is not
+    measured yet (no GPU was available)."""
     t, m = cfg.train, cfg.model
     if not cfg.data.pack_sequences:
         return 0

@@ -25,14 +25,19 @@ class SourceLosses:
 
     def __init__(self, names: tuple[str, ...], device: torch.device) -> None:
         self.names = names
-        self.totals = torch.zeros(2, len(names), dtype=torch.float32, device=device)  # [loss sum, tokens]
+        # [loss sum, tokens], float64: a big run's step passes 2^24 tokens of a source (global batch × tp
+        # copies), past which fp32 no longer counts by ones
+        self.totals = torch.zeros(2, len(names), dtype=torch.float64, device=device)
 
     def add(self, token_losses: torch.Tensor, sources: torch.Tensor) -> None:
         """token_losses [rows, seq] (this rank's positions of each row), sources int64 [rows]."""
         rows, seq = token_losses.shape
         assert sources.shape == (rows,), (sources.shape, token_losses.shape)
         per_row = torch.stack(
-            [token_losses.float().sum(dim=1), torch.full((rows,), float(seq), device=token_losses.device)]
+            [
+                token_losses.float().sum(dim=1).double(),
+                torch.full((rows,), float(seq), dtype=torch.float64, device=token_losses.device),
+            ]
         )
         self.totals.index_add_(1, sources.to(self.totals.device), per_row.to(self.totals.device))
 
