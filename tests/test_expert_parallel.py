@@ -4,7 +4,8 @@ norms and final parameters within 1e-5 — for both routers, shared experts, cap
 a rank that receives no token at all, full and selective activation checkpointing, torch.compile (the MoE
 blocks compiled around their routed experts, fp32, the compiled graphs counted), and with FSDP (2 ranks,
 and 4 ranks where each expert shard is FSDP-sharded over 2). In the same launch, MoE under tp = 2 with full
-and selective checkpointing against one process on the union of the ranks' batches. DCP checkpoints go both
+and selective checkpointing, and compiled twice (the second compile loads the first's on-disk AOTAutograd cache,
+which each rank keeps for itself), against one process on the union of the ranks' batches. DCP checkpoints go both
 ways between the sharded and an unsharded model, and the sharded run's checkpoint, in one process, gives the
 uninterrupted run's next loss. Plus the validation rules, the module's two expert implementations, and in
 one process the layout's seam: hooks on the experts module, no method patched on an instance."""
