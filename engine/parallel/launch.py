@@ -64,9 +64,9 @@ def use_rank_compile_cache(rank: int) -> None:
     it stores is traced on one rank and can bake that rank's mesh coordinate in. Measured: a tensor-parallel
     module's input hook redistributes a sequence-sharded input to Replicate, and its traced backward keeps
     `split(grad, seq/tp, dim=1)[coordinate]`. Both ranks save an entry under the same key, and once warm both
-    load the same one, so one rank takes the other rank's slice of the gradient (an MoE model with its
-    attention compiled in regions under tp = 2: 76-88 % relative error in a norm's first-step gradient; exact
-    with the cache off or per rank). Upstream (pytorch#188390) adds the local tensor's device to the key,
+    load the same one, so one rank takes the other rank's slice of the gradient (attention compiled as a region,
+    as in MoE blocks, under tp = 2: 76-110 % relative error in a norm's first-step gradient; exact with the
+    cache off or per rank). Upstream (pytorch#188390) adds the local tensor's device to the key,
     which does not tell CPU ranks apart. A cache per rank keeps warm starts (each rank reads its own
     entries) at the cost of one copy of the cache per rank."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
