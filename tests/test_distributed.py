@@ -415,6 +415,21 @@ def test_ranks_come_from_torchrun_or_srun_variables():
     assert slurm_rendezvous_env({**srun, "MASTER_ADDR": "node1", "MASTER_PORT": "29400"})["MASTER_ADDR"] == "node1"
 
 
+def test_each_rank_compiles_into_a_cache_of_its_own(tmp_path, monkeypatch):
+    """A rank folder under the user's TORCHINDUCTOR_CACHE_DIR, or under PyTorch's default (tests/
+    test_expert_parallel.py, `tp_compile_warm`, shows why: a shared one hands a rank another rank's backward)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from engine.parallel.launch import use_rank_compile_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    use_rank_compile_cache(3)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine" / "rank3")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    use_rank_compile_cache(0)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(os.path.abspath(default_cache_dir()), "rank0")
+
+
 def test_backend_and_worker_command_line():
     from engine.errors import UserError
     from engine.parallel.launch import backend_for

@@ -476,19 +476,15 @@ def test_validate_config_accepts_expert_parallelism_with_compile_and_names_what_
     assert refused.returncode == 2 and "train.activation_checkpointing" in refused.stderr, refused.stderr
 
 
-def test_compiling_an_moe_model_under_tensor_parallelism_is_refused():
-    """PyTorch 2.13's on-disk AOTAutograd cache served one block's compiled tensor-parallel attention a backward
-    compiled for another once warm (first-step gradients of the second block off by 100 %; exact with
-    TORCHINDUCTOR_AUTOGRAD_CACHE=0): refused, by validation and by parallelize."""
-    from engine.errors import UserError
-    from engine.parallel.apply import parallelize
-
+def test_compiling_an_moe_model_under_tensor_parallelism_is_accepted():
+    """Once refused (a shared on-disk AOTAutograd cache handed one tp rank the other's backward); each rank now
+    compiles into a cache of its own (engine.parallel.launch.use_rank_compile_cache), and tests/
+    test_expert_parallel.py's `tp_compile*` cases train it against one process, cold and warm."""
     overrides = ["train.compile_model=true", "distributed.tp=2", "distributed.dp_shard=1"]
-    cfg = load_job_config(REPO / "presets" / "debug_moe.toml", overrides)
-    with pytest.raises(ConfigError, match=r"train\.compile_model"):
-        cfg.validate(2)
-    with pytest.raises(UserError, match=r"train\.compile_model"):
-        parallelize(Transformer(moe_config()), cfg)
+    for precision in ("fp32", "bf16"):  # in regions, and whole
+        load_job_config(
+            REPO / "presets" / "debug_moe.toml", [*overrides, f"train.mixed_precision={precision}"]
+        ).validate(2)
 
 
 def test_validate_config_reports_total_and_active_parameters():

@@ -29,8 +29,10 @@ from engine.parallel.tp import apply_tensor_parallel, loss_context, uses_loss_pa
 from engine.train.losses import build_loss
 from engine.train.optim import build_optimizer
 
+from engine.parallel.launch import join_process_group
+
 out, model_args, train_args = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-dist.init_process_group("gloo")
+join_process_group("gloo", 300, torch.device("cpu"))  # as forge: a compile cache for this rank alone
 dp = dist.get_world_size() // 2
 mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
 cfg = ModelConfig(**{"dim": 32, "n_layers": 2, "n_heads": 4, "vocab_size": 64, "max_seq_len": 16, **model_args})

@@ -337,16 +337,6 @@ def moe_issues(cfg: JobConfig) -> list[ConfigIssue]:
             )
         )
     t = cfg.train
-    if t.compile_model and cfg.distributed.tp > 1:
-        issues.append(
-            ConfigIssue(
-                "train.compile_model",
-                f"= true with distributed.tp = {cfg.distributed.tp} is not supported for an MoE model: PyTorch's "
-                "on-disk AOTAutograd cache hands one block's compiled tensor-parallel attention a backward "
-                "compiled for another (measured with torch 2.13: wrong gradients once the cache is warm)",
-                "set train.compile_model = false, or distributed.tp = 1",
-            )
-        )
     # "auto" is bf16 on the GPUs a layout is planned for; engine.parallel.apply checks again where it runs.
     bf16 = t.mixed_precision in ("bf16", "fp8", "auto")
     if t.compile_model and t.activation_checkpointing != "none" and moe_compiled_in_regions(cfg, bf16):
@@ -365,8 +355,7 @@ def moe_issues(cfg: JobConfig) -> list[ConfigIssue]:
 def moe_compiled_in_regions(cfg: JobConfig, compute_bf16: bool) -> bool:
     """Whether torch.compile takes an MoE block in regions around its routed experts instead of whole
     (engine/parallel/apply.py): whenever the experts' call holds what does not trace into one graph — expert
-    parallelism's token exchange, grouped_mm outside bf16. (With tp > 1 an MoE model does not compile at all:
-    `moe_issues`.)"""
+    parallelism's token exchange, grouped_mm outside bf16."""
     return cfg.distributed.ep > 1 or not compute_bf16
 
 

@@ -68,19 +68,11 @@ def compiled_regions(block: nn.Module, moe_regions: bool) -> list[nn.Module]:
 def check_compilable(cfg: JobConfig, device: torch.device) -> bool:
     """Whether the MoE blocks compile in regions (`compiled_regions`) rather than whole: they do unless the
     routed experts trace, i.e. bf16 compute (the compute dtype on `device`, where the model trains) without
-    ep. An MoE model under tp is refused (see the message). Regions refuse activation checkpointing: a
-    checkpointed block must recompute in backward exactly the ops its forward ran, and PyTorch reruns
-    compiled regions inside an eager checkpoint without dynamo: a different op sequence (the selective
-    policy's cache fails) and different rounding (routing may differ)."""
+    ep. Regions refuse activation checkpointing: a checkpointed block must recompute in backward exactly the
+    ops its forward ran, and PyTorch reruns compiled regions inside an eager checkpoint without dynamo: a
+    different op sequence (the selective policy's cache fails) and different rounding (routing may differ)."""
     if not cfg.model.is_moe:
         return False
-    if cfg.distributed.tp > 1:
-        raise UserError(
-            f"train.compile_model = true with distributed.tp = {cfg.distributed.tp} is not supported for an MoE "
-            "model: PyTorch's on-disk AOTAutograd cache hands one block's compiled tensor-parallel attention a "
-            "backward compiled for another (measured with torch 2.13: wrong gradients once the cache is warm)",
-            "set train.compile_model = false, or distributed.tp = 1",
-        )
     bf16 = precision.compute_dtype(cfg.train.mixed_precision, device) == torch.bfloat16
     if not moe_compiled_in_regions(cfg, bf16):
         return False
