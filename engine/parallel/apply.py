@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -45,7 +44,7 @@ def apply_compile(model: Transformer, moe_regions: bool = False) -> None:
 
 
 def compiled_regions(block: nn.Module, moe_regions: bool) -> list[nn.Module]:
-    """What of one (possibly checkpoint-wrapped) block compiles: the block itself, or with `moe_regions` in an
+    """What of one block compiles: the block itself, or with `moe_regions` in an
     MoE block its attention and the MoE layer's router and shared experts, while the rest runs eagerly: the
     routed experts with their sort and combine, the norms (torch's own modules, which compile only inside a
     caller) and the residual adds.
@@ -58,11 +57,12 @@ def compiled_regions(block: nn.Module, moe_regions: bool) -> list[nn.Module]:
     region that cannot compile fails loudly instead of running eagerly). The cost: the norms and the routed
     experts' elementwise work (their activation, the gather and weighted scatter of rows) run unfused; each
     grouped matmul is one kernel either way."""
-    inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
-    moe = getattr(inner, "feed_forward", None)
-    if not moe_regions or not isinstance(moe, MoE):
+    if not moe_regions:
         return [block]
-    return [inner.attention, moe.router, *([moe.shared] if moe.shared is not None else [])]
+    moe = block.feed_forward  # regions refuse checkpointing (`check_compilable`): the block is not wrapped
+    if not isinstance(moe, MoE):  # a dense block of an MoE model (moe_frequency)
+        return [block]
+    return [block.attention, moe.router, *([moe.shared] if moe.shared is not None else [])]
 
 
 def check_compilable(cfg: JobConfig, device: torch.device) -> bool:
