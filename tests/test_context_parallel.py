@@ -4,7 +4,9 @@ Every process builds the same seeded model, keeps one copy as the single-process
 out with `engine.parallel.apply.parallelize` on the engine's mesh (cp alone, cp × dp_shard, cp × tp); each
 takes the same AdamW steps with gradient clipping, the cp copy on its head-tail slice of every sequence. The
 per-step losses (averaged over the ranks, as the trainer logs them), the gradient norms and the final full
-weights must agree to 1e-5 (fp32). One launch checks several layouts, to keep the suite's time.
+weights must agree to 1e-5 (fp32). One launch checks several layouts, to keep the suite's time. With
+data.pack_sequences the windows hold several documents: the reference is the one-process packed model, the cp
+ranks get the whole windows' document ids and their head-tail slice of the tokens, as the trainer gives them.
 """
 
 from __future__ import annotations
@@ -17,9 +19,17 @@ from torchrun import torchrun
 
 from engine.config import load_job_config
 from engine.errors import ConfigError, UserError
-from engine.model.attention import AttentionCore
+from engine.model.documents import document_ids, document_mask
 from engine.model.transformer import Transformer
-from engine.parallel.context import AllGatherCore, all_positions, block_attention, head_tail_indices, merge
+from engine.parallel.context import (
+    ContextParallel,
+    UlyssesCore,
+    all_positions,
+    block_attention,
+    document_causal_mask,
+    head_tail_indices,
+    merge,
+)
 from engine.parallel.memory import estimate_memory
 
 PARITY_SCRIPT = """
@@ -27,6 +37,7 @@ import copy, json, sys
 import torch, torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from engine.config import load_job_config
+from engine.model.documents import document_ids
 from engine.model.transformer import Transformer
 from engine.parallel.apply import parallelize
 from engine.parallel.context import ContextParallel
@@ -40,6 +51,7 @@ dist.init_process_group("gloo")
 TINY = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.vocab_size=64",
         "--model.max_seq_len=24", "--train.seq_len=24", "--train.batch_size=2", "--optimizer.lr=1e-3",
         "--train.z_loss_weight=1e-3"]
+EOS = 0
 
 
 def full(t):
@@ -59,19 +71,29 @@ for name, overrides in cases.items():
     cp = ContextParallel(mesh.get("cp"))
     dp, dp_rank = dims.dp, mesh.dp_rank
     per_rank = 4 // dp
-    res = {"ref_loss": [], "loss": [], "ref_norm": [], "norm": [],
+    res = {"ref_loss": [], "loss": [], "ref_norm": [], "norm": [], "documents": [],
            "core": type(model.layers["0"].attention.core).__name__,
            "positions": cp.shard(torch.arange(24)[None]).flatten().tolist()}
     for step in range(4):
-        batch = torch.randint(0, 64, (4, 25), generator=torch.Generator().manual_seed(step))
+        g = torch.Generator().manual_seed(step)
+        batch = torch.randint(0, 64, (4, 25), generator=g)
         tokens, labels = batch[:, :-1], batch[:, 1:]
-        ref_loss = loss_fn(ref, tokens, labels)
+        ids = None
+        if cfg.data.pack_sequences:  # end-of-document tokens (id 0) inside every window: 3 to 5 documents
+            tokens = tokens.clone().scatter_(1, torch.randint(0, 23, (4, 3), generator=g), EOS)
+            ids = document_ids(tokens, EOS)
+            res["documents"].append((ids[:, -1] + 1).tolist())
+            if step == 0:
+                with torch.no_grad():
+                    res["unpacked_loss"] = loss_fn(ref, tokens, labels).item()
+        ref_loss = loss_fn(ref, tokens, labels, doc_ids=ids)
         ref_loss.backward()
         res["ref_norm"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item())
         ref_opt.step(); ref_opt.zero_grad()
         rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         with loss_context(parallel_loss):
-            loss = loss_fn(model, cp.shard(tokens[rows]), cp.shard(labels[rows]))
+            whole = None if ids is None else ids[rows]  # the whole windows' ids, as the trainer passes them
+            loss = loss_fn(model, cp.shard(tokens[rows]), cp.shard(labels[rows]), doc_ids=whole)
             loss.backward()
         res["norm"].append(full(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)).item())
         opt.step(); opt.zero_grad()
@@ -106,6 +128,10 @@ TWO_PROCESSES = {
         "--model.qk_norm=true",
     ],
     "ulysses_selective_ac": [*CP2, "--distributed.cp_method=ulysses", "--train.activation_checkpointing=selective"],
+    # packed windows (data.pack_sequences): each method's document masks against the one-process packed model
+    "allgather_packed": [*CP2, "--distributed.cp_method=allgather", "--data.pack_sequences=true"],
+    "ring_packed": [*CP2, "--distributed.cp_method=ring", "--data.pack_sequences=true"],
+    "ulysses_packed": [*CP2, "--distributed.cp_method=ulysses", "--data.pack_sequences=true"],
 }
 FOUR_PROCESSES = {
     "cp2_dp_shard2": ["--distributed.cp=2", "--distributed.dp_shard=2", "--distributed.cp_method=ring"],
@@ -147,6 +173,10 @@ def assert_parity(results: dict, cases: dict[str, list[str]]) -> None:
         # the cp ranks held the head-tail halves: 0-5 with 18-23, and 6-11 with 12-17
         positions = {tuple(p) for p in res["positions"]}
         assert positions == {(*range(6), *range(18, 24)), (*range(6, 12), *range(12, 18))}, name
+        if "--data.pack_sequences=true" in cases[name]:  # packing ran: several documents, and they mattered
+            documents = [n for step in res["documents"] for n in step]
+            assert len(documents) == 16 and min(documents) >= 3, (name, documents)
+            assert abs(res["unpacked_loss"] - res["ref_loss"][0]) > 1e-4, name  # 10× the tolerance
 
 
 def test_context_parallel_matches_one_process_for_every_method(tmp_path):
@@ -189,20 +219,63 @@ def test_ring_blocks_merge_to_full_attention_with_gradients():
         torch.testing.assert_close(got, want)
 
 
-def test_a_mask_under_context_parallelism_is_refused():
-    """Packed documents or a KV cache pass a mask; a cp core cannot apply one to part of a sequence."""
+def test_ring_merge_of_a_block_some_queries_see_nothing_of():
+    """Packed windows under the ring: a query whose document starts after a whole key block sees none of it
+    (its row of the block's mask is all False). That block's log-sum-exp is MASKED-sized and gets no weight in
+    the merge: the merged result equals one SDPA under the whole window's document mask, values and gradients,
+    with no NaN (fp64)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    tokens = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 4], [5, 0, 6, 7, 0, 8, 9, 3]])
+    ids = document_ids(tokens, 0)  # row 0: documents 0-2, 3-6, 7; row 1: 0-1, 2-4, 5-7
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(ids))
+    pos = torch.arange(8)
+    first, second = pos[:4], pos[4:]
+    first_mask = document_causal_mask(ids, pos, first)
+    assert (~first_mask).all(-1).any(), "some queries see nothing of the first block"
+    out, lse = block_attention(q, k[:, :, second], v[:, :, second], document_causal_mask(ids, pos, second))
+    block_out, block_lse = block_attention(q, k[:, :, first], v[:, :, first], first_mask)
+    merged, total = merge(out, lse, block_out, block_lse)
+    assert torch.isfinite(merged).all() and torch.isfinite(total).all()
+    torch.testing.assert_close(merged.to(q.dtype), expected)
+    grads = torch.autograd.grad(merged.sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want)
 
-    class OneRank:
-        def size(self):
-            return 2
 
-        def get_local_rank(self):
-            return 0
+class TwoRanks:
+    """Stands for the cp mesh of rank 0 of 2 where no collective runs."""
 
-    core = AllGatherCore(AttentionCore(), OneRank())
-    q = torch.zeros(1, 2, 4, 8)
-    with pytest.raises(UserError, match="cannot apply an attention mask"):
-        core(q, q, q, torch.ones(4, 8, dtype=torch.bool), False)
+    def size(self):
+        return 2
+
+    def get_local_rank(self):
+        return 0
+
+
+def test_packed_positions_are_the_whole_windows_document_positions():
+    """The hook gives rank 0 of 2 the in-document positions of its head-tail slice of the whole window, and
+    hands its cores the whole window's document ids (allgather, ring) or the one-process mask (ulysses)."""
+    cfg = load_job_config(None, ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.vocab_size=64"])
+    model = Transformer(cfg.model)
+    tokens = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 4]])
+    ids = document_ids(tokens, 0)
+    held = tokens[:, [0, 1, 6, 7]]
+    _, kwargs = ContextParallel(TwoRanks()).positions_hook(model, (held,), {"doc_ids": ids})
+    assert kwargs["positions"].tolist() == [[0, 1, 3, 0]] and kwargs["doc_ids"] is None
+    assert kwargs["attention_mask"] is ids
+    _, kwargs = ContextParallel(TwoRanks(), UlyssesCore.window_mask).positions_hook(model, (held,), {"doc_ids": ids})
+    torch.testing.assert_close(kwargs["attention_mask"], document_mask(ids))
+
+
+def test_generation_under_context_parallelism_is_refused():
+    """A KV cache holds the whole sequence on one process: the cp hook refuses it (exit 2 through UserError)."""
+    cfg = load_job_config(None, ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.vocab_size=64"])
+    model = Transformer(cfg.model)
+    model.register_forward_pre_hook(ContextParallel(TwoRanks()).positions_hook, with_kwargs=True)
+    with pytest.raises(UserError, match="generation with a KV cache"):
+        model(torch.zeros(1, 4, dtype=torch.long), model.new_kv_cache(1, 8))
 
 
 def test_positions_pick_the_rope_rows():

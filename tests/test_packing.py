@@ -287,7 +287,7 @@ def test_packing_is_refused_where_a_layout_takes_no_mask():
     from engine.config import load_job_config
     from engine.errors import ConfigError
 
-    for layout in (["--distributed.pp=2", "--train.grad_accum_steps=2"], ["--distributed.cp=2"]):
+    for layout in (["--distributed.pp=2", "--train.grad_accum_steps=2"],):
         cfg = load_job_config(None, ["--data.pack_sequences=true", *layout])
         with pytest.raises(ConfigError) as raised:
             cfg.validate(world_size=2)

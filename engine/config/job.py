@@ -234,12 +234,11 @@ def packing_issues(cfg: JobConfig) -> list[ConfigIssue]:
     if not cfg.data.pack_sequences:
         return []
     d = cfg.distributed
-    unsupported = [(f"distributed.{name}", value) for name, value in (("pp", d.pp), ("cp", d.cp)) if value > 1]
+    unsupported = [(f"distributed.{name}", value) for name, value in (("pp", d.pp),) if value > 1]
     return [
         ConfigIssue(
             "data.pack_sequences",
-            f"is not supported yet with {name} = {value} (the pipeline stages and context-parallel attention "
-            "take no document mask)",
+            f"is not supported yet with {name} = {value} (the pipeline stages take no document mask)",
             f"set data.pack_sequences = false, or {name} = 1",
         )
         for name, value in unsupported

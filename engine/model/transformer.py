@@ -85,6 +85,7 @@ class Transformer(nn.Module):
         return_hidden: bool = False,
         doc_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        attention_mask: object = None,
     ) -> torch.Tensor:
         """tokens [batch, seq] → logits [batch, seq, vocab]. Without a cache (training) the tokens are
         positions 0 … seq-1; with one (inference) they continue the cached positions, and are added to it.
@@ -95,19 +96,17 @@ class Transformer(nn.Module):
         doc_ids [batch, seq] (packed documents, engine.model.documents): each token's document in its window;
         positions restart at every document and attention stays inside it. Training only (no cache).
         `positions` [seq], the tokens' places in their sequences, replaces 0 … seq-1 where a rank holds only
-        some positions of each sequence (context parallelism passes them, engine/parallel/context.py)."""
+        some positions of each sequence (context parallelism passes them, engine/parallel/context.py), or
+        [batch, seq] positions in their documents. `attention_mask`, handed to every attention core as it is,
+        replaces the mask built from doc_ids where the cores take another form of it (context parallelism
+        passes what its cores make of the whole window's document ids, with the positions)."""
         seq = tokens.shape[1]
         start = 0 if cache is None else cache.length
-        mask = None
+        mask = attention_mask
         if doc_ids is not None:
             assert cache is None, "doc_ids are for packed training windows, not generation"
-            positions = document_positions(doc_ids)
-            cos, sin, mask = (
-                self.rope_cos[positions],
-                self.rope_sin[positions],
-                packed_attention_mask(doc_ids, self.cfg.head_dim),
-            )
-        elif positions is not None:
+            positions, mask = document_positions(doc_ids), packed_attention_mask(doc_ids, self.cfg.head_dim)
+        if positions is not None:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         else:
             # A later pipeline stage under sequence parallelism gets only its share of the positions, so `seq`

@@ -157,7 +157,7 @@ def parallelize(
         )
     cp_mesh = mesh.get("cp") if mesh is not None else None
     if cp_mesh is not None:
-        apply_context_parallel(model, cp_mesh, cfg.distributed.cp_method, device)
+        apply_context_parallel(model, cp_mesh, cfg.distributed.cp_method, device, cfg.data.pack_sequences)
     ep_mesh = mesh.get("ep") if mesh is not None else None
     if ep_mesh is not None:
         apply_expert_parallel(model, ep_mesh, tp_mesh)

@@ -12,24 +12,37 @@ loss) works on a cp-th of the activations. Three parts, applied from outside the
   gradient reduction and the logged loss compute) is the whole sequence's mean.
 - **The positions**: a forward pre-hook on the `Transformer` passes the positions this rank holds, so RoPE
   rotates each token by its place in the whole sequence.
+- **Packed documents** (`data.pack_sequences`): the trainer computes the document ids from the whole window,
+  before the split, and passes them whole (`doc_ids` [batch, seq]). The hook turns them into this rank's RoPE
+  positions (each token's place in its document, `document_positions` of the whole window, then split) and
+  hands the cores the method's window mask (`window_mask`): the whole window's document ids, from which
+  allgather and ring build the mask of each piece they compute (same document and key position ≤ query
+  position) at the positions they already know, or for ulysses, which attends over the whole window in
+  natural order, the one-process packed mask itself (a dense [batch, 1, seq, seq] mask, or on CUDA a
+  FlexAttention BlockMask), built once per forward.
 - **The attention** (`CP_CORES`): each block's `attention.core` (SDPA on (batch, heads, seq, head_dim), after
   RoPE) is replaced by a module that attends this rank's queries to the keys of the whole sequence, chosen by
   `distributed.cp_method`:
     `allgather`  gather K and V from the cp group (Llama 3's choice): one collective of the K/V size, then an
-                 SDPA call per local chunk over the keys up to its end, causal at the bottom-right.
+                 SDPA call per local chunk over the keys up to its end, causal at the bottom-right
+                 (packed: a [chunk, end] boolean mask of the chunk's documents).
                  Memory: the whole sequence's K/V per layer.
     `ring`       pass K/V blocks around the ring; each step's transfer is started before the current block is
                  computed (functional collectives wait on first use), and the blocks' results merge through
                  their log-sum-exp; a block's attention weights are recomputed in backward, not saved.
                  Memory: the K/V blocks received, no [seq, seq] weights. On CUDA, PyTorch's own
-                 `context_parallel` ring (flash/efficient kernels) runs instead where it applies.
+                 `context_parallel` ring (flash/efficient kernels) runs instead where it applies; it takes
+                 no mask, so packed windows always run this one. A query whose document starts after a
+                 whole block (packed) sees none of it: the block's log-sum-exp is MASKED-sized there and
+                 gets zero weight in the merge (finite, so no NaN in values or gradients).
     `ulysses`    all-to-all from sequence-sharded, all heads to whole-sequence, heads/cp heads, a plain causal
-                 SDPA, and back (DeepSpeed-Ulysses). Needs the (query and key/value) heads divisible by cp.
+                 SDPA (packed: the one-process document mask and kernel), and back (DeepSpeed-Ulysses).
+                 Needs the (query and key/value) heads divisible by cp.
   Backward goes through PyTorch's differentiable functional collectives (all_gather_tensor_autograd,
   all_to_all_single_autograd), which also trace under torch.compile.
 
 What does not compose yet is refused: pipeline parallelism and MoE models by config validation
-(engine/config/job.py), an attention mask passed to the core (packed documents, a KV cache) by the core.
+(engine/config/job.py), a KV cache (generation) by the positions hook.
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ from torch.utils.checkpoint import checkpoint
 
 from engine.errors import UserError
 from engine.model.attention import AttentionCore
+from engine.model.documents import document_positions, packed_attention_mask
 from engine.model.transformer import Transformer
 
 MASKED = -1e30  # finite: a query that sees no key of a ring block must give zero weight, not NaN gradients
@@ -67,43 +81,69 @@ def all_positions(local_len: int, cp: int, device: torch.device) -> torch.Tensor
     return torch.cat([head_tail_indices(local_len * cp, cp, r, device) for r in range(cp)])
 
 
-class ContextParallel:
-    """This rank's place in the cp group: what it keeps of each sequence, and where those positions are."""
+WindowMask = Callable[[torch.Tensor, int], object]
+"""(whole window's doc_ids [batch, seq], head_dim) → what a cp core takes as its `mask` for packed windows."""
 
-    def __init__(self, mesh: DeviceMesh) -> None:
+
+def document_ids_mask(doc_ids: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The window mask of allgather and ring: the whole window's document ids themselves, which each core
+    indexes at the query and key positions of the pieces it computes (`document_causal_mask`)."""
+    return doc_ids
+
+
+class ContextParallel:
+    """This rank's place in the cp group: what it keeps of each sequence, and where those positions are.
+    `window_mask`: what the method's cores take for packed windows (`ContextParallelCore.window_mask`)."""
+
+    def __init__(self, mesh: DeviceMesh, window_mask: WindowMask = document_ids_mask) -> None:
         self.mesh, self.size, self.rank = mesh, mesh.size(), mesh.get_local_rank()
+        self.window_mask = window_mask
 
     def shard(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's positions of a [batch, seq, ...] tensor (inputs or labels), in head-tail order."""
         return tensor.index_select(1, head_tail_indices(tensor.shape[1], self.size, self.rank, tensor.device))
 
     def positions_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Forward pre-hook of the Transformer: the positions of its (sharded) input in the whole sequence."""
+        """Forward pre-hook of the Transformer: the positions of its (sharded) input in the whole sequence; for
+        packed windows (`doc_ids` of the whole window) the positions in their documents, and the cores' mask."""
+        if (args[1] if len(args) > 1 else kwargs.get("cache")) is not None:
+            raise UserError(
+                "context parallelism (distributed.cp > 1) is for training: generation with a KV cache holds "
+                "the whole sequence on one process",
+                "generate from the checkpoint in one process (distributed.cp = 1)",
+            )
         tokens = args[0] if args else kwargs["tokens"]
-        local = tokens.shape[1]
-        return args, {**kwargs, "positions": head_tail_indices(local * self.size, self.size, self.rank, tokens.device)}
+        held = head_tail_indices(tokens.shape[1] * self.size, self.size, self.rank, tokens.device)
+        doc_ids = kwargs.get("doc_ids")
+        if doc_ids is None:
+            return args, {**kwargs, "positions": held}
+        assert doc_ids.shape[1] == tokens.shape[1] * self.size, (
+            "under cp, doc_ids are the whole window's (computed before the split)"
+        )
+        mask = self.window_mask(doc_ids, module.cfg.head_dim)
+        positions = document_positions(doc_ids).index_select(1, held)
+        return args, {**kwargs, "doc_ids": None, "positions": positions, "attention_mask": mask}
 
 
 class ContextParallelCore(AttentionCore):
     """SDPA across the cp group for queries, keys and values of this rank's positions, (batch, heads,
-    local seq, head_dim). Parameterless like the `AttentionCore` it replaces, whose kernel choice it keeps."""
+    local seq, head_dim). Parameterless like the `AttentionCore` it replaces, whose kernel choice it keeps.
+    Causal attention, or for packed windows (`mask`: what `window_mask` made of the whole window's document
+    ids, passed by the positions hook) attention inside each document."""
+
+    window_mask: WindowMask = staticmethod(document_ids_mask)
 
     def __init__(self, core: AttentionCore, mesh: DeviceMesh) -> None:
         super().__init__(core.sdpa_backend)
         self.mesh, self.size, self.rank = mesh, mesh.size(), mesh.get_local_rank()
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = True
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object = None, causal: bool = True
     ) -> torch.Tensor:
-        if mask is not None:
-            raise UserError(
-                "context parallelism (distributed.cp > 1) cannot apply an attention mask (packed documents, "
-                "or a KV cache) yet: each rank holds only part of the sequence",
-                "set distributed.cp = 1 for this run",
-            )
-        return self.attend(q, k, v, causal)
+        # `causal` is the model's flag (False exactly when a mask is given: the mask holds causality)
+        return self.attend(q, k, v, mask)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: object) -> torch.Tensor:
         """The method's attention over the whole sequence: each `cp_method` is a subclass that defines it
         (AllGatherCore, UlyssesCore, RingCore); this base is never instantiated (CP_CORES maps the names)."""
         raise NotImplementedError(f"{type(self).__name__} does not define attend()")
@@ -117,26 +157,42 @@ class ContextParallelCore(AttentionCore):
         return k_positions[None, :] <= q_positions[:, None]
 
 
+def document_causal_mask(doc_ids: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, q, k] True where the query may attend the key in a packed window: key position ≤ query
+    position, both in the same document. `doc_ids` [batch, seq] are the whole window's; the positions index it."""
+    same = doc_ids.index_select(1, q_positions)[:, :, None] == doc_ids.index_select(1, k_positions)[:, None, :]
+    return (same & (k_positions[None, :] <= q_positions[:, None]))[:, None]
+
+
 class AllGatherCore(ContextParallelCore):
     """K and V gathered from the whole cp group and put in sequence order; then each of this rank's two
     chunks of queries attends the keys up to its own end, causal at the bottom-right (its last keys are its
     own positions). No [local, seq] mask is built: on CUDA the memory-efficient kernel applies the lower-right
     causal mask itself (without GQA; with GQA, and on CPU, PyTorch materializes the chunk's mask)."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
         local = q.shape[2]
         kv = funcol.all_gather_tensor_autograd(torch.stack([k, v]).contiguous(), 3, self.mesh)
         natural = torch.argsort(all_positions(local, self.size, q.device))  # position → gathered index
         k, v = kv.index_select(3, natural).unbind(0)  # (batch, kv heads, seq, head_dim) in sequence order
-        if not causal:
-            return self.sdpa(q, k, v)
         chunk = local // 2
         ends = ((self.rank + 1) * chunk, (2 * self.size - self.rank) * chunk)  # each chunk's last position + 1
         outs = [
-            self.sdpa(part, k[:, :, :end], v[:, :, :end], attn_mask=lower_right_causal(chunk, end, q.device))
+            self.sdpa(part, k[:, :, :end], v[:, :, :end], attn_mask=self.chunk_mask(chunk, end, documents, q.device))
             for part, end in zip(q.split(chunk, dim=2), ends)
         ]
         return torch.cat(outs, dim=2)
+
+    def chunk_mask(
+        self, chunk: int, end: int, documents: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor | object:
+        """The mask of the `chunk` queries just before `end` over the keys before `end`: lower-right causal, or
+        for packed windows causal inside each document."""
+        if documents is None:
+            return lower_right_causal(chunk, end, device)
+        return document_causal_mask(
+            documents, torch.arange(end - chunk, end, device=device), torch.arange(end, device=device)
+        )
 
 
 def lower_right_causal(rows: int, cols: int, device: torch.device) -> torch.Tensor:
@@ -149,14 +205,21 @@ def lower_right_causal(rows: int, cols: int, device: torch.device) -> torch.Tens
 
 
 class UlyssesCore(ContextParallelCore):
-    """All-to-all to whole sequences of heads/cp heads, a causal SDPA in natural order, all-to-all back."""
+    """All-to-all to whole sequences of heads/cp heads, a causal SDPA in natural order, all-to-all back. Packed
+    windows: the whole sequence in natural order is what one process attends over, so the mask and kernel are
+    the one-process ones (`packed_attention_mask`, applied by `AttentionCore.forward`)."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    window_mask: WindowMask = staticmethod(packed_attention_mask)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: object) -> torch.Tensor:
         local = q.shape[2]
         order = all_positions(local, self.size, q.device)  # gathered order → position
         natural = torch.argsort(order)  # position → gathered index
         q, k, v = (self.to_heads(t).index_select(2, natural) for t in (q, k, v))
-        out = self.sdpa(q, k, v, is_causal=causal)
+        if documents is None:
+            out = self.sdpa(q, k, v, is_causal=True)
+        else:
+            out = AttentionCore.forward(self, q, k, v, documents, causal=False)
         return self.to_sequence(out.index_select(2, order))
 
     def to_heads(self, t: torch.Tensor) -> torch.Tensor:
@@ -182,25 +245,27 @@ class RingCore(ContextParallelCore):
     Under the head-tail split only the own block needs a mask. Another rank's block is seen whole by part of
     the queries and not at all by the rest: a rank s < r holds chunks s and 2cp−1−s, and all of this rank's
     queries see chunk s and none sees chunk 2cp−1−s; a rank s > r holds positions that only this rank's late
-    chunk (2cp−1−r) sees, all of them. Those blocks cost half the attention and no mask."""
+    chunk (2cp−1−r) sees, all of them. Those blocks cost half the attention and no mask (packed windows: the
+    mask of their documents, `piece_mask`)."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        half = q.shape[2] // 2
-        q_pos = head_tail_indices(q.shape[2] * self.size, self.size, self.rank, q.device)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+        half, seq = q.shape[2] // 2, q.shape[2] * self.size
+        q_pos = head_tail_indices(seq, self.size, self.rank, q.device)
         block = torch.stack([k, v]).contiguous()
         out = lse = None
         for step in range(self.size):
             source = (self.rank - step) % self.size  # whose K/V `block` holds
             following = self.pass_on(block) if step < self.size - 1 else None  # in flight during the compute
             k, v = block.unbind(0)
-            if out is None or not causal:
-                mask = self.causal_mask(q_pos, q_pos) if causal else None  # step 0: this rank's own block
-                partial = attention_piece(q, k, v, mask)
-                out, lse = partial if out is None else merge(out, lse, *partial)
+            k_pos = head_tail_indices(seq, self.size, source, q.device)
+            if out is None:  # step 0: this rank's own block, causal
+                out, lse = attention_piece(q, k, v, piece_mask(documents, q_pos, k_pos, self.causal_mask(q_pos, q_pos)))
             elif source < self.rank:
-                out, lse = merge(out, lse, *attention_piece(q, k[:, :, :half], v[:, :, :half], None))
+                mask = piece_mask(documents, q_pos, k_pos[:half])
+                out, lse = merge(out, lse, *attention_piece(q, k[:, :, :half], v[:, :, :half], mask))
             else:
-                late = merge(out[:, :, half:], lse[:, :, half:], *attention_piece(q[:, :, half:], k, v, None))
+                mask = piece_mask(documents, q_pos[half:], k_pos)
+                late = merge(out[:, :, half:], lse[:, :, half:], *attention_piece(q[:, :, half:], k, v, mask))
                 out, lse = (torch.cat([whole[:, :, :half], part], dim=2) for whole, part in zip((out, lse), late))
             block = following
         return out.to(q.dtype)
@@ -211,6 +276,17 @@ class RingCore(ContextParallelCore):
         send, receive = [0] * self.size, [0] * self.size
         send[(self.rank + 1) % self.size] = receive[(self.rank - 1) % self.size] = block.shape[0]
         return funcol.all_to_all_single_autograd(block, receive, send, self.mesh)
+
+
+def piece_mask(
+    documents: torch.Tensor | None,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    plain: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """A ring piece's mask: `plain` (the causal mask, or None where the piece is wholly visible), or for packed
+    windows causality and documents from the whole window's ids."""
+    return plain if documents is None else document_causal_mask(documents, q_positions, k_positions)
 
 
 def attention_piece(
@@ -244,30 +320,34 @@ def merge(
     return out * torch.exp(lse - total) + block_out * torch.exp(block_lse - total), total
 
 
-CP_CORES: dict[str, Callable[[AttentionCore, DeviceMesh], nn.Module]] = {
+CP_CORES: dict[str, type[ContextParallelCore]] = {
     "allgather": AllGatherCore,
     "ring": RingCore,
     "ulysses": UlyssesCore,
 }
 
 
-def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh, method: str, device: torch.device) -> None:
+def apply_context_parallel(
+    model: Transformer, cp_mesh: DeviceMesh, method: str, device: torch.device, packed: bool = False
+) -> None:
     """Give every block a cp attention core and the model its positions hook. On CUDA, `ring` uses PyTorch's
-    own context-parallel SDPA (flash kernels, load-balanced like our split) where it applies."""
-    cp = ContextParallel(cp_mesh)
+    own context-parallel SDPA (flash kernels, load-balanced like our split) where it applies. `packed`:
+    the run trains on packed windows (data.pack_sequences), which PyTorch's ring cannot mask."""
+    core = CP_CORES[method]
+    cp = ContextParallel(cp_mesh, core.window_mask)
     model.register_forward_pre_hook(cp.positions_hook, with_kwargs=True)
     for block in model.layers.values():
         attention = block.attention
-        if method == "ring" and torch_ring_applies(model, device):
+        if method == "ring" and torch_ring_applies(model, device, packed):
             torch_ring(attention, cp_mesh)
         else:
-            attention.core = CP_CORES[method](attention.core, cp_mesh)
+            attention.core = core(attention.core, cp_mesh)
 
 
-def torch_ring_applies(model: Transformer, device: torch.device) -> bool:
+def torch_ring_applies(model: Transformer, device: torch.device, packed: bool = False) -> bool:
     """PyTorch's ring runs the CUDA flash/efficient/cuDNN kernels, which need one key/value head per query
-    head (no GQA through its sharding rules)."""
-    return device.type == "cuda" and model.cfg.kv_heads == model.cfg.n_heads
+    head (no GQA through its sharding rules) and take no attention mask: packed windows run RingCore."""
+    return device.type == "cuda" and model.cfg.kv_heads == model.cfg.n_heads and not packed
 
 
 def torch_ring(attention: nn.Module, cp_mesh: DeviceMesh) -> None:

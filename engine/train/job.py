@@ -105,7 +105,8 @@ class Job:
 
     def documents(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """With data.pack_sequences, the document ids of a micro-batch's windows (the model keeps attention and
-        RoPE positions inside each document); None otherwise, which leaves the model's forward as it was."""
+        RoPE positions inside each document); None otherwise, which leaves the model's forward as it was. Of the
+        whole windows, before `local_batch`: a cp rank's document boundaries may lie in another rank's part."""
         if not self.cfg.data.pack_sequences:
             return None
         return document_ids(tokens, self.train_data.manifest.eos_id)

@@ -90,11 +90,12 @@ def forward_backward(job: Job, batches: Iterator, loss_fn: ModelLoss, tally: Sou
     loss_sum = torch.zeros((), device=job.device)
     for _ in range(accum):
         inputs, labels, *sources = (t.to(job.device, non_blocking=True) for t in next(batches))
+        doc_ids = job.documents(inputs)  # of the whole windows: under cp, before the split (engine.parallel.context)
         inputs, labels = job.local_batch(inputs, labels)
         record = tally.recorder(sources[0]) if tally is not None else None
         with job.loss_context():
             with job.autocast():
-                loss = loss_fn(job.model, inputs, labels, doc_ids=job.documents(inputs), on_token_losses=record)
+                loss = loss_fn(job.model, inputs, labels, doc_ids=doc_ids, on_token_losses=record)
                 loss = loss / accum
             job.scaler.scale(loss).backward()
         loss_sum += local_value(loss.detach())
@@ -163,9 +164,11 @@ def held_out_loss(job: Job, loss_fn: ModelLoss, data: Any = None) -> float:
 def eval_losses(job: Job, loss_fn: ModelLoss, data: Any) -> list[torch.Tensor]:
     losses = []
     for batch in data.batches():
-        inputs, labels = job.local_batch(*(t.to(job.device) for t in batch))
+        inputs, labels = (t.to(job.device) for t in batch)
+        doc_ids = job.documents(inputs)  # of the whole windows, before a cp split
+        inputs, labels = job.local_batch(inputs, labels)
         with job.loss_context(), job.autocast():
-            loss = loss_fn(job.model, inputs, labels, z_loss=False, doc_ids=job.documents(inputs))
+            loss = loss_fn(job.model, inputs, labels, z_loss=False, doc_ids=doc_ids)
         losses.append(local_value(loss))
     return losses
 
