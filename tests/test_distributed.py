@@ -18,6 +18,7 @@ from engine.checkpoint.dcp import latest_checkpoint, load_checkpoint
 from engine.config import load_job_config
 from engine.model.transformer import Transformer
 from tests.conftest import REPO
+from tests.data_fixtures import corpus_texts, tokenized
 from tests.torchrun import kill_tree, run_bounded
 
 pytestmark = pytest.mark.slow
@@ -221,6 +222,26 @@ def test_a_context_parallel_run_resumes_in_one_process_and_back(tmp_path, eight_
     assert {3, 6, 8} <= set(common), (sorted(evals), sorted(expected))  # 3 and 6 under cp = 2 (ulysses), 8 allgather
     for step in common:
         assert evals[step]["eval_loss"] == pytest.approx(expected[step]["eval_loss"], abs=1e-5)
+
+
+def test_packed_windows_under_context_parallelism_match_one_process(tmp_path):
+    """data.pack_sequences with cp = 2 (ring), as a user runs it, on documents of about 25 tokens (every window
+    of 32 holds several): the trainer takes each window's document ids from the whole window before the cp
+    split, and the run (losses, eval, weights) is the one-process packed run's, whose losses differ from the
+    unpacked run's."""
+    texts = [text[i : i + 60] for text in corpus_texts(4) for i in range(0, len(text), 60)]
+    shards = tokenized(tmp_path, texts)
+    data = ["--data.datasets=[]", f"--data.dataset_path={shards}", f"--eval.dataset_path={shards}"]
+    packed = [*data, "--data.pack_sequences=true"]
+    ring = [*CONTEXT_PARALLEL, "--distributed.cp_method=ring"]
+    runs = {"unpacked": (data, 1), "single": (packed, 1), "cp": ([*packed, *ring], 2)}
+    for name, (args, nproc) in runs.items():
+        result = forge(tmp_path / name, *args, nproc=nproc, batch_size=4)
+        assert result.returncode == 0, result.stderr[-3000:]
+    unpacked, single = records(tmp_path / "unpacked"), records(tmp_path / "single")
+    assert len(unpacked) == len(single) == 6
+    assert max(abs(single[step]["loss"] - unpacked[step]["loss"]) for step in single) > 1e-3
+    assert_same_run(tmp_path / "cp", tmp_path / "single")
 
 
 def test_a_tensor_parallel_checkpoint_resumes_under_fsdp(tmp_path, eight_steps):
