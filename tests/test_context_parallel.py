@@ -30,7 +30,7 @@ from engine.parallel.context import (
     head_tail_indices,
     merge,
 )
-from engine.parallel.memory import estimate_memory
+from engine.parallel.memory import estimate_memory, packing_bytes
 
 PARITY_SCRIPT = """
 import copy, json, sys
@@ -40,7 +40,8 @@ from engine.config import load_job_config
 from engine.model.documents import document_ids
 from engine.model.transformer import Transformer
 from engine.parallel.apply import parallelize
-from engine.parallel.context import ContextParallel
+from engine.parallel.context import ContextParallel, apply_context_parallel
+from engine.parallel.memory import packing_bytes
 from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.parallel.tp import loss_context, uses_loss_parallel
 from engine.train.losses import build_loss
@@ -50,12 +51,45 @@ out, cases = sys.argv[1], json.loads(sys.argv[2])
 dist.init_process_group("gloo")
 TINY = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.vocab_size=64",
         "--model.max_seq_len=24", "--train.seq_len=24", "--train.batch_size=2", "--optimizer.lr=1e-3",
-        "--train.z_loss_weight=1e-3"]
+        "--train.z_loss_weight=1e-3", "--train.mixed_precision=fp32"]  # fp32: as the models compute here
 EOS = 0
 
 
 def full(t):
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+# Bytes of the distinct storages autograd saves in one forward (a collective's pending result, which has no
+# storage to name yet, by its size).
+def saved_bytes(model, tokens, doc_ids):
+    seen = {}
+
+    def pack(t):
+        try:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        except RuntimeError:
+            seen[id(t)] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, doc_ids=doc_ids)
+    return sum(seen.values())
+
+
+# What packing adds to one forward's saved tensors on this rank, measured on a cp model without FSDP (whose
+# gathered weights' storages come and go), and the estimate's term (memory.packing_bytes on CPU). Unpacked
+# allgather on CPU keeps the lower-right causal mask of each query chunk with more keys than queries ([chunk,
+# end] fp32: PyTorch materializes CausalBias there), which CUDA's kernel does not build: added back.
+def packing_memory(cfg, mesh, cp, tokens, ids):
+    model = Transformer(cfg.model)
+    apply_context_parallel(model, mesh.get("cp"), cfg.distributed.cp_method, torch.device("cpu"), packed=True)
+    rows = slice(0, cfg.train.batch_size)
+    measured = saved_bytes(model, cp.shard(tokens[rows]), ids[rows]) - saved_bytes(model, cp.shard(tokens[rows]), None)
+    if cfg.distributed.cp_method == "allgather":
+        chunk = cfg.train.seq_len // (2 * cp.size)
+        ends = [(cp.rank + 1) * chunk, (2 * cp.size - cp.rank) * chunk]
+        measured += cfg.model.n_layers * sum(4 * chunk * end for end in ends if end != chunk)
+    return measured, packing_bytes(cfg, "cpu")
 
 
 results = {}
@@ -103,6 +137,11 @@ for name, overrides in cases.items():
     res["weight_error"] = max((full(p) - q.detach()).abs().max().item()
                               for p, q in zip(model.parameters(), ref.parameters()))
     res["weights"] = len(list(model.parameters()))
+    if cfg.data.pack_sequences:
+        res["memory"] = packing_memory(cfg, mesh, cp, tokens, ids)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, res["memory"])
+        res["memory"] = gathered
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, res["positions"])
     res["positions"] = gathered
@@ -177,6 +216,13 @@ def assert_parity(results: dict, cases: dict[str, list[str]]) -> None:
             documents = [n for step in res["documents"] for n in step]
             assert len(documents) == 16 and min(documents) >= 3, (name, documents)
             assert abs(res["unpacked_loss"] - res["ref_loss"][0]) > 1e-4, name  # 10× the tolerance
+            # the memory estimate's packing term is what packing adds to the saved tensors, on each rank
+            assert len(res["memory"]) == 2 and all(
+                measured == estimated > 0 for measured, estimated in res["memory"]
+            ), (
+                name,
+                res["memory"],
+            )
 
 
 def test_context_parallel_matches_one_process_for_every_method(tmp_path):
@@ -288,6 +334,35 @@ def test_positions_pick_the_rope_rows():
     # RoPE sees only distances: shifted positions change nothing, spread ones do
     torch.testing.assert_close(model(tokens, positions=torch.arange(8) + 3), natural)
     assert not torch.allclose(model(tokens, positions=torch.arange(8) * 2), natural)
+
+
+def test_memory_estimate_of_packing_masks_under_cp():
+    """The packed windows' masks per rank under cp = 2 (memory.packing_bytes, for a GPU run, bf16, 8 layers,
+    windows of 4096): allgather's two [chunk, end] masks are 5/16 of one process's [seq, seq] one; ring's boolean
+    piece masks ([local, local] and [local, chunk], one byte) about 3/32 as many elements; ulysses counts the
+    one-process FlexAttention block mask (it attends over the whole window). Measured against the saved tensors
+    on CPU in test_context_parallel_matches_one_process_for_every_method."""
+    base = ["--model.dim=256", "--model.n_layers=8", "--model.n_heads=4", "--model.max_seq_len=4096"]
+    base += [
+        "--train.seq_len=4096",
+        "--train.batch_size=2",
+        "--train.mixed_precision=bf16",
+        "--data.pack_sequences=true",
+    ]
+    cp2 = ["--distributed.cp=2", "--distributed.dp_shard=1"]
+
+    def term(overrides: list[str], world: int, device: str = "cuda") -> int:
+        return packing_bytes(load_job_config(None, base + overrides).validate(world), device)
+
+    seq, batch, layers, local = 4096, 2, 8, 2048
+    rope = 2 * 4 * (batch - 1) * local * 64
+    one_process_sdpa = term([], 1, "cpu") - 2 * 4 * (batch - 1) * seq * 64
+    assert one_process_sdpa == layers * 2 * batch * seq * seq
+    assert term([*cp2, "--distributed.cp_method=allgather"], 2) == one_process_sdpa * 5 // 16 + rope
+    ring = layers * (batch * local * (local + local // 2) - local * local)
+    assert term([*cp2, "--distributed.cp_method=ring"], 2) == ring + rope
+    n = seq // 128
+    assert term([*cp2, "--distributed.cp_method=ulysses"], 2) == 4 * 4 * batch * (n + n * n) + rope
 
 
 @pytest.mark.parametrize(

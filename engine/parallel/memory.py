@@ -454,9 +454,9 @@ def tied_head_copy(cfg: JobConfig, specs: list[ParamSpec], stages: list[int], n_
 
 def packing_bytes(cfg: JobConfig, device_type: str = "cuda") -> int:
     """What data.pack_sequences (engine.model.documents) adds to the saved activations on a device type (the
-    estimate is for a GPU run). The RoPE tables become per-sequence (cos and sin [batch, seq, head_dim] fp32
-    instead of one [seq, head_dim] pair), and the mask depends on the kernel (engine/model/packed_kernel.py).
-    FlexAttention (CUDA, head_dim >= 16, seq_len >= 128): its
+    estimate is for a GPU run). The RoPE tables become per-sequence (cos and sin [batch, local, head_dim] fp32
+    instead of one [local, head_dim] pair; local = seq / cp), and the mask depends on the kernel
+    (engine/model/packed_kernel.py). FlexAttention (CUDA, head_dim >= 16, seq_len >= 128): its
     block mask, made once per forward and shared by every block, is int32 block counts [batch, 1, n] and
     indices [batch, 1, n, n] (n = ⌈seq / 128⌉) for the partial and the full blocks, by rows and by columns,
     while the kernel keeps the same output and logsumexp as flash-style SDPA. SDPA with a dense boolean mask
@@ -464,18 +464,40 @@ def packing_bytes(cfg: JobConfig, device_type: str = "cuda") -> int:
     mask it makes from it, in the compute dtype (with activation checkpointing, only the block being
     recomputed): measured equal to the saved tensors' bytes on CPU in tests/test_packing.py. The whole
     sequence and the whole batch of a micro-step on every tp rank (attention runs after the sequence gather;
-    the mask has one head); packing is refused with pp and cp. The FlexAttention figure equals the bytes of the
+    the mask has one head); packing is refused with pp. Under cp, ulysses attends over the whole sequence
+    with the one-process mask (the same terms), allgather and ring build smaller masks per piece
+    (`context_parallel_mask_bytes`). The FlexAttention figure equals the bytes of the
     block mask's tensors built on the CPU (tests/test_packing.py); what the GPU kernel saves besides is not
     measured yet (no GPU was available)."""
-    t, m = cfg.train, cfg.model
+    t, m, d = cfg.train, cfg.model, cfg.distributed
     if not cfg.data.pack_sequences:
         return 0
-    rope = 2 * FP32 * (t.batch_size - 1) * t.seq_len * m.head_dim
+    rope = 2 * FP32 * (t.batch_size - 1) * (t.seq_len // d.cp) * m.head_dim
+    blocks = m.n_layers if t.activation_checkpointing == "none" else 1
+    if d.cp > 1 and d.cp_method != "ulysses":
+        return blocks * context_parallel_mask_bytes(cfg) + rope
     if packed_attention_backend(device_type, m.head_dim, t.seq_len) == "sdpa":
-        blocks = m.n_layers if t.activation_checkpointing == "none" else 1
         return blocks * COMPUTE_BYTES[t.mixed_precision] * t.batch_size * t.seq_len**2 + rope
     n = -(-t.seq_len // FLEX_BLOCK)
     return 4 * 4 * t.batch_size * (n + n * n) + rope
+
+
+def context_parallel_mask_bytes(cfg: JobConfig) -> int:
+    """What the packed windows' masks add per block under cp allgather or ring (engine/parallel/context.py), on
+    any device (neither takes FlexAttention). chunk = seq / 2cp, local = 2·chunk. allgather: each of the
+    rank's two query chunks attends the keys up to its end through SDPA with a [batch, 1, chunk, end] mask,
+    kept additive in the compute dtype; the two ends add up to (2cp + 1)·chunk on every rank. ring: each
+    piece's boolean mask is an input its recomputation keeps, [batch, 1, local, local] for the own block and
+    [batch, 1, local, chunk] or [batch, 1, chunk, local] for each of the cp − 1 others; unpacked, the own
+    block's causal [local, local] mask is kept already. Measured equal to the saved tensors' bytes on CPU in
+    tests/test_context_parallel.py (where unpacked allgather keeps its lower-right causal masks besides, which
+    CUDA's memory-efficient kernel does not build)."""
+    t, d = cfg.train, cfg.distributed
+    chunk = t.seq_len // (2 * d.cp)
+    local = 2 * chunk
+    if d.cp_method == "allgather":
+        return COMPUTE_BYTES[t.mixed_precision] * t.batch_size * chunk * (2 * d.cp + 1) * chunk
+    return t.batch_size * local * (local + (d.cp - 1) * chunk) - local * local
 
 
 def stage_specs(specs: list[ParamSpec], layers: range, first: bool, last: bool) -> list[ParamSpec]:
