@@ -225,8 +225,8 @@ def test_a_context_parallel_run_resumes_in_one_process_and_back(tmp_path, eight_
 
 
 def test_packed_windows_under_context_parallelism_match_one_process(tmp_path):
-    """data.pack_sequences with cp = 2 (ring), as a user runs it, on documents of about 25 tokens (every window
-    of 32 holds several): the trainer takes each window's document ids from the whole window before the cp
+    """data.pack_sequences with cp = 2 (ring), as a user runs it, on documents of 60 characters (168 of them,
+    about 38 tokens each: most windows of 32 hold a document boundary): the trainer takes each window's document ids from the whole window before the cp
     split, and the run (losses, eval, weights) is the one-process packed run's, whose losses differ from the
     unpacked run's."""
     texts = [text[i : i + 60] for text in corpus_texts(4) for i in range(0, len(text), 60)]
