@@ -11,6 +11,8 @@ A third entry, `kernels_only`, times just the step's matrix multiplies (in the l
 uses) and its attention forward + backward, on random tensors of the same shapes: the kernels both
 steps run and neither can skip. `ratio_transformers_over_kernels_only` is therefore the most any step
 with these kernels could be ahead of `transformers`, and forge / kernels_only is Forge's own overhead.
+`setup.linear_output_dtypes` records what the linear layers of each model actually produced in one forward
+under the step's autocast (the run stops if that is not `--dtype`): proof that e.g. bf16 really ran.
 
     python benchmarks/bench_train_step.py                      # CPU, fp32, the debug-sized model
     python benchmarks/bench_train_step.py --dim 512 --n-layers 8 --seq-len 512
@@ -57,6 +59,18 @@ def hf_llama(cfg: ModelConfig) -> torch.nn.Module:
         attn_implementation="sdpa",
     )
     return transformers.LlamaForCausalLM(hf_cfg)
+
+
+def linear_output_dtypes(model: torch.nn.Module, call, device, dtype) -> list[str]:
+    """The dtypes `model`'s linear layers produce in one forward (`call(model)`) under the step's autocast."""
+    seen: set[str] = set()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    handles = [m.register_forward_hook(lambda _m, _a, out: seen.add(str(out.dtype))) for m in linears]
+    with torch.no_grad(), autocast(device, dtype):
+        call(model)
+    for handle in handles:
+        handle.remove()
+    return sorted(seen)
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -161,8 +175,15 @@ def main() -> None:
     torch.manual_seed(0)
     batch = tuple(torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), device=device) for _ in range(2))
     ours = build_model(cfg).to(device)
-    ours_train = parallelize(ours, JobConfig(model=cfg, train=train_cfg))  # what forge train applies on one device
     theirs, theirs_fused = hf_llama(cfg).to(device), hf_llama(cfg).to(device)
+    # before compile, which would recompile around the hooks; fp8 swaps Forge's linears, so it is not checked
+    ran = {
+        "forge": linear_output_dtypes(ours, lambda m: m(batch[0]), device, dtype),
+        "transformers": linear_output_dtypes(theirs, lambda m: m(input_ids=batch[0]), device, dtype),
+    }
+    if args.dtype != "fp8":
+        assert all(found == [str(dtype)] for found in ran.values()), (args.dtype, ran)
+    ours_train = parallelize(ours, JobConfig(model=cfg, train=train_cfg))  # what forge train applies on one device
     assert ours.num_parameters() == theirs.num_parameters(), (ours.num_parameters(), theirs.num_parameters())
     hf_loss = lambda m, x, y: cross_entropy(m(input_ids=x).logits, y)  # noqa: E731
     adamw = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -215,6 +236,7 @@ def main() -> None:
         **vars(args),
         "parameters": ours.num_parameters(),
         "threads": torch.get_num_threads(),
+        "linear_output_dtypes": ran,
         "clock": args.clock,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -142,8 +142,8 @@ for name, case in cases.items():
     torch._dynamo.reset()  # each compiled case compiles afresh, and counts only its own graphs
     counters.clear()
     model, losses, norms, grads = train(cfg, case, case["layout"])
-    compiled = dict(graphs=counters["stats"]["unique_graphs"], cache_hits=counters["aot_autograd"]["autograd_cache_hit"],
-                    breaks=sorted({reason.splitlines()[0] for reason in counters["graph_break"]}))
+    compiled = dict(graphs=counters["stats"]["unique_graphs"],
+                    cache_hits=counters["aot_autograd"]["autograd_cache_hit"])
     # Adam hides a uniform gradient scale, so the averaged gradients of the first step are compared directly.
     worst_grad = max((((grads[k] - g).abs().max() / g.abs().max()).item(), k) for k, g in reference_grads.items())
     expected = reference.state_dict()
@@ -263,15 +263,16 @@ def check_parity(records: list[dict], layout: str = "ep") -> None:
 
 def check_compiled(records: list[dict], compiled: bool, layout: str) -> None:
     """Compile really ran: the regions of each MoE block (engine.parallel.apply.compiled_regions) were
-    compiled, each to one graph, and nothing fell back to eager behind a graph break."""
+    compiled, each to one graph. (They compile with fullgraph, so a graph break would have raised: counting
+    the graphs is the check that can fail.)"""
     for record in records:
         if not compiled:
-            assert record["graphs"] == 0 and record["breaks"] == []
+            assert record["graphs"] == 0
             continue
         # Attention, router and shared experts: one whole graph each (fullgraph), reused by the second block.
         # Under tp (no shared experts there) the attention's and the router's tp pre-hooks compile as frames of
         # their own, the router's once per block (it reads the block's gate weight): 2 + 1 + 2.
-        assert record["graphs"] == (5 if layout == "tp" else 3) and record["breaks"] == [], record
+        assert record["graphs"] == (5 if layout == "tp" else 3), record
 
 
 @pytest.mark.parametrize("name", list(CASES))

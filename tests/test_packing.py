@@ -179,8 +179,9 @@ def test_packed_documents_under_tensor_parallel_and_fsdp(tmp_path):
     assert res["grad_scale"] > 1e-3, "the gradients should be far larger than the tolerance"
 
 
-def saved_bytes(model: Transformer, tokens: torch.Tensor, doc_ids: torch.Tensor | None) -> int:
-    """Bytes of the distinct storages autograd saves for backward in one forward."""
+def saved_bytes(model: Transformer, tokens: torch.Tensor, doc_ids: torch.Tensor | None, forwards: int = 1) -> int:
+    """Bytes of the distinct storages autograd saves for backward in `forwards` forwards whose graphs are all
+    alive at once (a pipeline stage's micro-batches in flight)."""
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -188,7 +189,8 @@ def saved_bytes(model: Transformer, tokens: torch.Tensor, doc_ids: torch.Tensor 
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, doc_ids=doc_ids)
+        outputs = [model(tokens, doc_ids=doc_ids) for _ in range(forwards)]
+    assert len(outputs) == forwards
     return sum(seen.values())
 
 
@@ -223,6 +225,39 @@ def test_memory_estimate_counts_what_packing_saves():
         assert packing_bytes(shape, "cuda") == mask + rope, (batch, seq)
         if (batch, seq) == (4, 128):
             assert packing_bytes(shape, "cpu") == 2 * 4 * 4 * 128**2 + rope  # 2 blocks' additive fp32 masks
+
+
+def test_memory_estimate_counts_each_pipeline_stage_s_packed_micro_batches():
+    """Under pp = 2 (1F1B, 2 micro-batches) rank 0 holds both micro-batches' forwards through its stage at its
+    peak and rank 1 one (`forward_chunks`): each micro-batch in flight keeps its own mask in every block and
+    its own RoPE tables. Each rank's packing term (its estimate with packing minus without, fp32 on CPU)
+    equals the extra bytes autograd saves in those forwards of its stage model, packed against plain."""
+    from engine.config import load_job_config
+    from engine.parallel.memory import estimate_memory
+    from engine.parallel.pipeline import split_stages
+
+    args = [f"--model.{k}={v}" for k, v in CFG.items()] + ["--train.seq_len=32", "--train.batch_size=4"]
+    args += ["--train.mixed_precision=fp32", "--distributed.pp=2", "--train.grad_accum_steps=2"]
+    args += ["--distributed.pp_schedule=1f1b"]
+    plain, packed = (
+        load_job_config(None, [*args, f"--data.pack_sequences={p}"]).validate(2) for p in ("false", "true")
+    )
+    rows = estimate_memory(packed, 2)
+    assert [row.microbatches_in_flight for row in rows] == [2, 1]
+    estimated = [ours.activations - theirs.activations for ours, theirs in zip(rows, estimate_memory(plain, 2))]
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**CFG))
+    tokens = torch.randint(1, CFG["vocab_size"], (4, 32))
+    tokens[:, [5, 17]] = EOS
+    ids = document_ids(tokens, EOS)
+    inputs = [tokens, torch.randn(4, 32, CFG["dim"])]  # the first stage's token ids, the last's hidden states
+    measured = []
+    for rank, row in enumerate(rows):
+        [(_, stage)] = split_stages(model, rank, 2, 1)
+        n = row.microbatches_in_flight
+        measured.append(saved_bytes(stage, inputs[rank], ids, n) - saved_bytes(stage, inputs[rank], None, n))
+    assert estimated == measured and min(measured) > 0, (estimated, measured)
+    assert estimated[0] > estimated[1], "two micro-batches' masks against one"
 
 
 def test_flex_attention_path_equals_the_dense_mask_path(monkeypatch):
@@ -283,12 +318,11 @@ def test_packing_under_activation_checkpointing(mode):
         torch.testing.assert_close(ours, reference, atol=1e-6, rtol=0)
 
 
-def test_packing_is_refused_where_a_layout_takes_no_mask():
+def test_packing_is_accepted_under_pipeline_and_context_parallelism():
+    """Pipeline parallelism passes the document ids to every stage, context parallelism's attention cores
+    mask by document (tests/test_context_parallel.py): both layouts validate with packing on and off."""
     from engine.config import load_job_config
-    from engine.errors import ConfigError
 
-    for layout in (["--distributed.pp=2", "--train.grad_accum_steps=2"],):
-        cfg = load_job_config(None, ["--data.pack_sequences=true", *layout])
-        with pytest.raises(ConfigError) as raised:
-            cfg.validate(world_size=2)
-        assert "data.pack_sequences" in [issue.path for issue in raised.value.issues], raised.value.issues
+    for layout in (["--distributed.pp=2", "--train.grad_accum_steps=2"], ["--distributed.cp=2"]):
+        for packed in ("true", "false"):
+            load_job_config(None, [f"--data.pack_sequences={packed}", *layout]).validate(world_size=2)

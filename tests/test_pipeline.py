@@ -1,6 +1,7 @@
 """Pipeline parallelism (engine/parallel/pipeline.py): the stage split, single-process composition of the stage
 models, and, under torchrun (gloo, CPU), parity of every schedule with the single-process run of the same global
-batch: per-step losses and final weights within 1e-5 in fp32, also composed with FSDP (pp=2 × dp=2)."""
+batch: per-step losses and final weights within 1e-5 in fp32, also composed with FSDP (pp=2 × dp=2), and with
+packed documents (every stage attends within the windows' documents)."""
 
 from __future__ import annotations
 
@@ -131,6 +132,7 @@ PARITY_SCRIPT = textwrap.dedent('''
     import torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from engine.config.model import ModelConfig
+    from engine.model.documents import document_ids
     from engine.model.transformer import Transformer
     from engine.parallel.apply import apply_fsdp
     from engine.parallel.grad_norm import clip_grad_norm
@@ -148,31 +150,41 @@ PARITY_SCRIPT = textwrap.dedent('''
     torch.manual_seed(0)
     base = Transformer(ModelConfig(dim=32, n_layers=4, n_heads=4, vocab_size=64, max_seq_len=SEQ))
 
+    EOS = 0  # packed runs ("SCHEDULE+packed"): token 0 ends a document, and the model attends within documents
+
+    def sequences(g):
+        """ACCUM * BATCH * dp sequences; about every fifth token is an EOS, so a window holds several documents."""
+        data = torch.randint(0, 64, (ACCUM * BATCH * dp, SEQ + 1), generator=g)
+        return data.masked_fill(torch.rand(data.shape, generator=g) < 0.2, EOS)
+
     def batches():
-        """The global batch of each step: ACCUM * BATCH * dp sequences."""
+        """The global batch of each step."""
         g = torch.Generator().manual_seed(1)
         for _ in range(STEPS):
-            data = torch.randint(0, 64, (ACCUM * BATCH * dp, SEQ + 1), generator=g)
+            data = sequences(g)
             yield data[:, :-1], data[:, 1:]
 
     def held_out():
         """Evaluated after step EVAL_AFTER (the later steps then show that evaluation left training as it was)."""
-        data = torch.randint(0, 64, (ACCUM * BATCH * dp, SEQ + 1), generator=torch.Generator().manual_seed(2))
+        data = sequences(torch.Generator().manual_seed(2))
         return data[:, :-1], data[:, 1:]
+
+    def documents(x, packed):
+        return document_ids(x, EOS) if packed else None
 
     def optimizer(params):
         # AdamW turns rounding-level gradient differences of near-zero gradients into update differences of up
         # to ~lr (SGD with lr=1 agrees to 6e-8 here), so a small lr keeps the 1e-5 weight bound meaningful.
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
 
-    def reference():
+    def reference(packed=False):
         """One process, the whole global batch as ACCUM * dp microbatches of BATCH sequences."""
         model = copy.deepcopy(base)
         opt, losses, norms = optimizer(model.parameters()), [], []
         for step, (x, y) in enumerate(batches(), 1):
             total = 0.0
             for xi, yi in zip(x.chunk(ACCUM * dp), y.chunk(ACCUM * dp)):
-                loss = loss_fn(model(xi), yi) / (ACCUM * dp)
+                loss = loss_fn(model(xi, doc_ids=documents(xi, packed)), yi) / (ACCUM * dp)
                 loss.backward()
                 total += loss.item()
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
@@ -183,7 +195,9 @@ PARITY_SCRIPT = textwrap.dedent('''
                 with torch.no_grad():
                     ex, ey = held_out()
                     micro = zip(ex.chunk(ACCUM * dp), ey.chunk(ACCUM * dp))
-                    evaluated = sum(loss_fn(model(xi), yi).item() for xi, yi in micro) / (ACCUM * dp)
+                    evaluated = sum(
+                        loss_fn(model(xi, doc_ids=documents(xi, packed)), yi).item() for xi, yi in micro
+                    ) / (ACCUM * dp)
         return losses, norms, model.state_dict(), evaluated
 
     def shard(part):
@@ -191,7 +205,7 @@ PARITY_SCRIPT = textwrap.dedent('''
         apply_fsdp(part, mesh["dp"], torch.float32, pipelined=True)
         return part
 
-    def pipelined(schedule):
+    def pipelined(schedule, packed):
         shapes = StageShapes(BATCH, SEQ, SEQ, 32, 64, torch.float32, torch.float32)
         pipe = build_pipeline(copy.deepcopy(base), mesh["pp"], schedule, ACCUM, loss_fn, cpu, shapes,
                               parallelize_stage=shard if dp > 1 else None)
@@ -200,7 +214,7 @@ PARITY_SCRIPT = textwrap.dedent('''
         dp_rank = mesh["dp"].get_local_rank()
         for step, (x, y) in enumerate(batches(), 1):
             x, y = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]
-            loss = pipe.step_loss(pipe.step(x, y), cpu)
+            loss = pipe.step_loss(pipe.step(x, y, documents(x, packed)), cpu)
             dist.all_reduce(loss, group=mesh["dp"].get_group())
             losses.append(loss.item() / dp)
             norms.append(clip_grad_norm(params, CLIP, pipe.group).item())
@@ -208,7 +222,7 @@ PARITY_SCRIPT = textwrap.dedent('''
             opt.zero_grad()
             if step == EVAL_AFTER:
                 ex, ey = (t.chunk(dp)[dp_rank] for t in held_out())
-                value = pipe.step_loss(pipe.evaluate(ex, ey), cpu)
+                value = pipe.step_loss(pipe.evaluate(ex, ey, documents(ex, packed)), cpu)
                 dist.all_reduce(value, group=mesh["dp"].get_group())
                 evaluated = value.item() / dp
         state = {}
@@ -219,10 +233,15 @@ PARITY_SCRIPT = textwrap.dedent('''
         dist.gather_object(state, gathered, dst=0)
         return losses, norms, gathered, pipe.has_first_stage, pipe.has_last_stage, evaluated
 
-    ref_losses, ref_norms, ref_state, ref_eval = reference()
-    results = {"ref_losses": ref_losses, "ref_norms": ref_norms}
-    for schedule in schedules:
-        losses, norms, gathered, first, last, evaluated = pipelined(schedule)
+    references = {packed: reference(packed) for packed in {False} | {name.endswith("+packed") for name in schedules}}
+    results = {"ref_losses": references[False][0], "ref_norms": references[False][1]}
+    if True in references:
+        results["packed_ref_losses"] = references[True][0]
+        results["fewest_documents"] = min(int(document_ids(x, EOS)[:, -1].min()) + 1 for x, _ in batches())
+    for name in schedules:
+        schedule, packed = name.removesuffix("+packed"), name.endswith("+packed")
+        ref_losses, ref_norms, ref_state, ref_eval = references[packed]
+        losses, norms, gathered, first, last, evaluated = pipelined(schedule, packed)
         loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
         norm_diff = max(abs(a - b) for a, b in zip(norms, ref_norms))
         assert loss_diff < 1e-5, (schedule, rank, losses, ref_losses)
@@ -235,7 +254,7 @@ PARITY_SCRIPT = textwrap.dedent('''
                 full.update(state)
             diffs = {k: (full[k] - v).abs().max().item() for k, v in ref_state.items()}
             worst = max(diffs, key=diffs.get)
-            results[schedule] = {"loss_diff": loss_diff, "norm_diff": norm_diff, "weight_diff": diffs[worst],
+            results[name] = {"loss_diff": loss_diff, "norm_diff": norm_diff, "weight_diff": diffs[worst],
                                  "eval_diff": abs(evaluated - ref_eval),
                                  "worst": worst,
                                  "same_names": sorted(full) == sorted(ref_state), "roles": roles}
@@ -270,13 +289,21 @@ def check_results(results: dict, schedules: list[str], pp: int) -> None:
         assert row["eval_diff"] < 1e-5, (schedule, row)  # forward only through the schedule
         roles = [tuple(r) for r in row["roles"]]
         assert roles[0][0] and roles[-1][1], roles  # first stage on pp rank 0, last on pp rank pp-1 (loop order)
-        if schedule == "interleaved_1f1b" and pp > 1:
+        if schedule.startswith("interleaved_1f1b") and pp > 1:
             assert not roles[0][1] and not roles[-1][0], roles
+    if any(schedule.endswith("+packed") for schedule in schedules):
+        assert results["fewest_documents"] >= 2, "every packed window holds several documents"
+        ours, plain = results["packed_ref_losses"], results["ref_losses"]
+        assert len(ours) == len(plain) > 0 and all(abs(a - b) > 1e-4 for a, b in zip(ours, plain)), (ours, plain)
 
 
 def test_pipeline_schedules_match_single_process(tmp_path):
-    """pp = 2: gpipe (2 stages), 1f1b (2 stages), interleaved_1f1b (4 stages of one layer) in one torchrun."""
-    check_results(run_parity(tmp_path, 2, 1, SCHEDULES), SCHEDULES, pp=2)
+    """pp = 2: gpipe (2 stages), 1f1b (2 stages), interleaved_1f1b (4 stages of one layer) in one torchrun;
+    gpipe and interleaved_1f1b also with packed documents (data.pack_sequences: every rank's stages get the
+    windows' document ids) against one process packing the same windows, whose losses are not the unpacked
+    run's. (1F1B with packing, through the trainer: tests/test_distributed.py.)"""
+    schedules = [*SCHEDULES, "gpipe+packed", "interleaved_1f1b+packed"]
+    check_results(run_parity(tmp_path, 2, 1, schedules), schedules, pp=2)
 
 
 def test_pipeline_with_fsdp_matches_single_process(tmp_path):

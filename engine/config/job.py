@@ -92,7 +92,6 @@ def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     issues += moe_issues(cfg)
     issues += layout_issues(cfg, world_size)
     issues += lora_issues(cfg, world_size)
-    issues += packing_issues(cfg)
     issues += mixture_issues(cfg)
     return issues
 
@@ -227,22 +226,6 @@ def source_location_issues(sources: list[MixtureSource], tokenizer_path: str | N
             )
         )
     return issues
-
-
-def packing_issues(cfg: JobConfig) -> list[ConfigIssue]:
-    """Packed documents need a per-window attention mask; the layouts that cannot carry one are refused."""
-    if not cfg.data.pack_sequences:
-        return []
-    d = cfg.distributed
-    unsupported = [(f"distributed.{name}", value) for name, value in (("pp", d.pp),) if value > 1]
-    return [
-        ConfigIssue(
-            "data.pack_sequences",
-            f"is not supported yet with {name} = {value} (the pipeline stages take no document mask)",
-            f"set data.pack_sequences = false, or {name} = 1",
-        )
-        for name, value in unsupported
-    ]
 
 
 def hub_data_issues(cfg: JobConfig) -> list[ConfigIssue]:

@@ -435,7 +435,7 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
                 + (params if t.ema_decay else 0),
                 activations=sum(chunk[local] for local in chunks)
                 + recompute_bytes(cfg, blocks, tokens)
-                + packing_bytes(cfg),
+                + packing_bytes(cfg, in_flight=[len(layers[stages[local]]) for local in chunks]),
                 buffers=buffer_bytes(cfg, owned, tokens, has_head=n_stages - 1 in stages),
                 grads_persist=t.grad_accum_steps > 1 or d.pp > 1,
             )
@@ -452,34 +452,38 @@ def tied_head_copy(cfg: JobConfig, specs: list[ParamSpec], stages: list[int], n_
     return [ParamSpec("output.weight", embedding.shape, "head", embedding.tp_dim)]
 
 
-def packing_bytes(cfg: JobConfig, device_type: str = "cuda") -> int:
-    """What data.pack_sequences (engine.model.documents) adds to the saved activations on a device type (the
-    estimate is for a GPU run). The RoPE tables become per-sequence (cos and sin [batch, local, head_dim] fp32
-    instead of one [local, head_dim] pair; local = seq / cp), and the mask depends on the kernel
-    (engine/model/packed_kernel.py). FlexAttention (CUDA, head_dim >= 16, seq_len >= 128): its
-    block mask, made once per forward and shared by every block, is int32 block counts [batch, 1, n] and
-    indices [batch, 1, n, n] (n = ⌈seq / 128⌉) for the partial and the full blocks, by rows and by columns,
-    while the kernel keeps the same output and logsumexp as flash-style SDPA. SDPA with a dense boolean mask
-    (the other cases): each block's SDPA instead keeps the additive [batch, 1, seq, seq]
-    mask it makes from it, in the compute dtype (with activation checkpointing, only the block being
-    recomputed): measured equal to the saved tensors' bytes on CPU in tests/test_packing.py. The whole
-    sequence and the whole batch of a micro-step on every tp rank (attention runs after the sequence gather;
-    the mask has one head); packing is refused with pp. Under cp, ulysses attends over the whole sequence
-    with the one-process mask (the same terms), allgather and ring build smaller masks per piece
-    (`context_parallel_mask_bytes`). The FlexAttention figure equals the bytes of the
-    block mask's tensors built on the CPU (tests/test_packing.py); what the GPU kernel saves besides is not
-    measured yet (no GPU was available)."""
+def packing_bytes(cfg: JobConfig, device_type: str = "cuda", in_flight: list[int] | None = None) -> int:
+    """What data.pack_sequences (engine.model.documents) adds to the saved activations of one rank on a device
+    type (the estimate is for a GPU run). `in_flight`: for each micro-batch whose activations the rank holds
+    at its peak (`forward_chunks`), the number of blocks of the stage it went through; default one micro-batch
+    through every block (no pipeline). Each such micro-batch keeps its own RoPE tables (cos and sin
+    [batch, local, head_dim] fp32 instead of the one shared [local, head_dim] pair; local = seq / cp) and its
+    own mask, which depends on the kernel (engine/model/packed_kernel.py). FlexAttention (CUDA, head_dim >= 16,
+    seq_len >= 128): its block mask, made once per forward and shared by every block of the stage, is int32
+    block counts [batch, 1, n] and indices [batch, 1, n, n] (n = ⌈seq / 128⌉) for the partial and the full
+    blocks, by rows and by columns, while the kernel keeps the same output and logsumexp as flash-style SDPA.
+    SDPA with a dense boolean mask (the other cases): each block's SDPA instead keeps the additive
+    [batch, 1, seq, seq] mask it makes from it, in the compute dtype (with activation checkpointing, only the
+    block being recomputed): measured equal to the saved tensors' bytes on CPU in tests/test_packing.py. The
+    whole sequence and the whole batch of a micro-step on every tp rank (attention runs after the sequence
+    gather; the mask has one head); every pipeline stage builds its own from the document ids
+    (engine/parallel/pipeline.py). Under cp (never with pp), ulysses attends over the whole sequence with the
+    one-process mask (the same terms), allgather and ring build smaller masks per piece
+    (`context_parallel_mask_bytes`). The FlexAttention figure equals the bytes of the block mask's tensors
+    built on the CPU (tests/test_packing.py); what the GPU kernel saves besides is not measured yet (no GPU
+    was available)."""
     t, m, d = cfg.train, cfg.model, cfg.distributed
     if not cfg.data.pack_sequences:
         return 0
-    rope = 2 * FP32 * (t.batch_size - 1) * (t.seq_len // d.cp) * m.head_dim
-    blocks = m.n_layers if t.activation_checkpointing == "none" else 1
+    in_flight = [m.n_layers] if in_flight is None else in_flight
+    rope = 2 * FP32 * (len(in_flight) * t.batch_size - 1) * (t.seq_len // d.cp) * m.head_dim
+    blocks = sum(in_flight) if t.activation_checkpointing == "none" else 1
     if d.cp > 1 and d.cp_method != "ulysses":
         return blocks * context_parallel_mask_bytes(cfg) + rope
     if packed_attention_backend(device_type, m.head_dim, t.seq_len) == "sdpa":
         return blocks * COMPUTE_BYTES[t.mixed_precision] * t.batch_size * t.seq_len**2 + rope
     n = -(-t.seq_len // FLEX_BLOCK)
-    return 4 * 4 * t.batch_size * (n + n * n) + rope
+    return len(in_flight) * 4 * 4 * t.batch_size * (n + n * n) + rope
 
 
 def context_parallel_mask_bytes(cfg: JobConfig) -> int:

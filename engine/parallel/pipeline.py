@@ -30,6 +30,15 @@ stage's output against what was declared.
 
 Mixture of experts: each stage's routers' auxiliary losses ride on its output to the schedule's backward,
 and the logged loss and routing metrics cover every stage (engine/parallel/pipeline_moe.py).
+
+Packed documents (data.pack_sequences): every stage's attention needs the windows' document ids (the mask and
+the RoPE positions restarting per document, engine/model/documents.py). They are not sent between stages:
+every pipeline rank holds the step's whole batch of token ids anyway and derives the same ids from it, and
+hands them to the schedule as a keyword argument (`Pipeline.step(..., doc_ids=)`), which torch's schedules
+split into micro-batches like the inputs and pass to each of this rank's stages (`forward(..., doc_ids=)`).
+Stage inputs and outputs, and so `StageShapes`, stay as without packing; the ids take no gradient (torch
+keeps keyword tensors out of the gradients a stage sends back). Under tensor parallelism they stay
+full-length [batch, seq] as without a pipeline: attention runs on the whole sequence after the gather.
 """
 
 from __future__ import annotations
@@ -211,9 +220,12 @@ class Pipeline:
         """Parameters whose gradient another pipeline rank holds too, which the global norm counts once."""
         return {self.tied.param} if self.tied is not None and self.tied.is_head else set()
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    def step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Forward and backward over all microbatches of one optimizer step; inputs and labels are
-        [n_microbatches · batch, seq]. → this rank's share of the step's loss (detached; `step_loss` sums
+        [n_microbatches · batch, seq], and so are packed windows' `doc_ids`, which every rank passes (each
+        of its stages attends within documents). → this rank's share of the step's loss (detached; `step_loss` sums
         the shares): the mean microbatch loss on the last stage's rank, plus with MoE the mean of this
         rank's stages' auxiliary losses; None for a dense model's other ranks. Gradients are left in the
         parts' .grad for the caller's clip and optimizer step. The schedule divides every .grad by
@@ -221,7 +233,7 @@ class Pipeline:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         target = labels if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **documents(doc_ids))
         if self.tied is not None:
             self.tied.sync()
         share = None if losses is None else torch.stack([loss.detach() for loss in losses]).mean()
@@ -231,12 +243,16 @@ class Pipeline:
         return share
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        """Forward only over all microbatches ([n_microbatches · batch, seq], the schedule's own split); →
-        the mean microbatch loss on the last stage's rank, else None."""
+    def evaluate(
+        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Forward only over all microbatches ([n_microbatches · batch, seq], the schedule's own split; packed
+        windows' `doc_ids` likewise, on every rank); → the mean microbatch loss on the last stage's rank,
+        else None."""
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
-        self.schedule.eval(*args, target=labels if self.has_last_stage else None, losses=losses, return_outputs=False)
+        target = labels if self.has_last_stage else None
+        self.schedule.eval(*args, target=target, losses=losses, return_outputs=False, **documents(doc_ids))
         return None if losses is None else torch.stack(losses).mean()
 
     def step_loss(self, share: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -246,6 +262,12 @@ class Pipeline:
         value = value.to(device).clone()
         dist.all_reduce(value, group=self.group)
         return value
+
+
+def documents(doc_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The schedule's keyword arguments for every stage's forward: packed windows' document ids, or none
+    (the stages' forward then runs exactly as without packing)."""
+    return {} if doc_ids is None else {"doc_ids": doc_ids}
 
 
 def build_pipeline(

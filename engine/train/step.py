@@ -106,13 +106,14 @@ def pipeline_forward_backward(job: Job, batches: Iterator, tally: SourceLosses |
     """The same through the pipeline schedule, which takes the step's micro-batches at once and splits them
     again (in order, into as many); → the loss, on every pipeline rank. The last stage's per-token losses,
     one [rows, seq] per microbatch in order, line up with the concatenated batches' sources: a mixture's
-    per-source losses come from the last stage and reach the others through SourceLosses' all-reduce."""
+    per-source losses come from the last stage and reach the others through SourceLosses' all-reduce.
+    Packed windows' document ids go to every rank's stages (each rank holds the whole batch)."""
     micro = [next(batches) for _ in range(job.cfg.train.grad_accum_steps)]
     inputs, labels, *sources = (torch.cat(parts).to(job.device, non_blocking=True) for parts in zip(*micro))
     stage_loss = job.pipeline.loss_fn
     assert isinstance(stage_loss, StageCrossEntropy), "the trainer builds its pipelines with this loss"
     with job.autocast(), stage_loss.recording() as token_losses:
-        loss = job.pipeline.step(inputs, labels)
+        loss = job.pipeline.step(inputs, labels, job.documents(inputs))
     if tally is not None and token_losses:  # only the last stage computes losses, one call per microbatch
         tally.add(torch.cat(token_losses[-len(micro) :]), sources[0])
     return job.pipeline.step_loss(loss, job.device)
@@ -184,7 +185,7 @@ def pipeline_eval_losses(job: Job, data: Any) -> list[torch.Tensor]:
         for first in range(0, len(batches), n):
             inputs, labels = (torch.cat(parts).to(job.device) for parts in zip(*batches[first : first + n]))
             with job.autocast():
-                loss = job.pipeline.evaluate(inputs, labels)
+                loss = job.pipeline.evaluate(inputs, labels, job.documents(inputs))
             losses.append(job.pipeline.step_loss(loss, job.device))
     return losses
 
