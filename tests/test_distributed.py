@@ -364,12 +364,14 @@ def test_expert_parallel_matches_plain_data_parallel(tmp_path):
     assert any(key.startswith("moe/") for key in records(runs[2])[6])
 
 
-def test_expert_parallel_matches_one_process(tmp_path):
-    """ep = 2 on two ranks against one process on the same global batch. Without the batch-level balance loss:
-    each rank computes it over its own micro-batch, and the mean of two such losses is not the loss of their
-    union (measured with moe_aux_loss_weight = 0.001: the step-6 loss 5.6e-5 away from one process's, with 0:
-    every step within 2e-6). The balancing bias still moves, on the router load summed over the ranks."""
-    moe = [*MOE, "--model.moe_aux_loss_weight=0"]
+def test_expert_parallel_matches_one_process(tmp_path, short_documents):
+    """ep = 2 on two ranks against one process on the same global batch, both on packed windows of short
+    documents (so expert parallelism is checked with the document masks on). Without the batch-level balance
+    loss: each rank computes it over its own micro-batch, and the mean of two such losses is not the loss of
+    their union (measured with moe_aux_loss_weight = 0.001: the step-6 loss 5.6e-5 away from one process's,
+    with 0: every step within 2e-6). The balancing bias still moves, on the router load summed over the ranks."""
+    source, _ = short_documents
+    moe = [*MOE, "--model.moe_aux_loss_weight=0", *source, "--data.pack_sequences=true"]
     result = forge(tmp_path / "ep2", *moe, "--distributed.ep=2", nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     result = forge(tmp_path / "single", *moe)
