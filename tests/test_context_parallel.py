@@ -29,6 +29,7 @@ from engine.parallel.context import (
     document_causal_mask,
     head_tail_indices,
     merge,
+    torch_ring_applies,
 )
 from engine.parallel.memory import estimate_memory, packing_bytes
 
@@ -352,7 +353,8 @@ def test_positions_pick_the_rope_rows():
 def test_memory_estimate_of_packing_masks_under_cp():
     """The packed windows' masks per rank under cp = 2 (memory.packing_bytes, for a GPU run, bf16, 8 layers,
     windows of 4096): allgather's two [chunk, end] masks are 5/16 of one process's [seq, seq] one; ring's boolean
-    piece masks ([local, local] and [local, chunk], one byte) about 3/32 as many elements; ulysses counts the
+    piece masks ([local, local] and [local, chunk], one byte) 3/8 of one process's seq² elements, less the causal
+    [local, local] mask the unpacked ring keeps already; ulysses counts the
     one-process FlexAttention block mask (it attends over the whole window). Measured against the saved tensors
     on CPU in test_context_parallel_matches_one_process_for_every_method."""
     base = ["--model.dim=256", "--model.n_layers=8", "--model.n_heads=4", "--model.max_seq_len=4096"]
@@ -417,3 +419,15 @@ def test_memory_estimate_divides_activations_by_cp():
     kv_width = 2 * 16
     gathered = 2 * (2 * 32) * 4 * 2 * kv_width  # layers × (batch × local positions) × fp32 × (k, v) × width
     assert activations(cp2, 2) == one // 2 + gathered
+
+
+def test_packed_windows_never_take_torch_s_ring():
+    """PyTorch's CUDA ring takes no attention mask (it raises on one): with packed windows `ring` runs Forge's
+    own ring core on every device, and without them PyTorch's where its kernels apply (one K/V head a head)."""
+    from engine.config.model import ModelConfig
+
+    cuda = torch.device("cuda")  # only its type is read: no GPU needed
+    mha = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=64, max_seq_len=16))
+    gqa = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16))
+    assert torch_ring_applies(mha, cuda) and not torch_ring_applies(mha, cuda, packed=True)
+    assert not torch_ring_applies(gqa, cuda) and not torch_ring_applies(mha, torch.device("cpu"))

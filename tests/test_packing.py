@@ -326,3 +326,36 @@ def test_packing_is_accepted_under_pipeline_and_context_parallelism():
     for layout in (["--distributed.pp=2", "--train.grad_accum_steps=2"], ["--distributed.cp=2"]):
         for packed in ("true", "false"):
             load_job_config(None, [f"--data.pack_sequences={packed}", *layout]).validate(world_size=2)
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_the_boolean_mask_outlives_the_forward_only_under_checkpointing(mode):
+    """What memory.packing_bytes adds under activation checkpointing: the [batch, 1, seq, seq] boolean mask
+    stays alive after the forward (the checkpoints hold it to recompute their blocks), once per forward, and
+    is freed by backward; without checkpointing only SDPA's own additive copies are kept (measured as saved
+    tensors in test_memory_estimate_counts_what_packing_saves), and the boolean mask dies with the forward."""
+    import weakref
+
+    from engine.config import load_job_config
+    from engine.parallel.activation_checkpoint import apply_activation_checkpointing
+    from engine.parallel.memory import packing_bytes
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**CFG))
+    if mode != "none":
+        apply_activation_checkpointing(model, mode)
+    masks: list[weakref.ref] = []
+    model.layers["0"].attention.core.register_forward_pre_hook(lambda _m, args: masks.append(weakref.ref(args[3])))
+    tokens = torch.cat([torch.cat(documents_of([5, 7, 4, 16], seed=s))[None] for s in range(2)])
+    logits = model(tokens, doc_ids=document_ids(tokens, EOS))
+    assert len(masks) == 1
+    held = masks[0]() is not None
+    assert held == (mode != "none")
+    logits.square().mean().backward()
+    assert masks[-1]() is None  # backward let go of it
+    args = [f"--model.{k}={v}" for k, v in CFG.items()] + ["--train.seq_len=32", "--train.batch_size=2"]
+    args += ["--train.mixed_precision=fp32", f"--train.activation_checkpointing={mode}"]
+    cfg = load_job_config(None, [*args, "--data.pack_sequences=true"]).validate()
+    rope = 2 * 4 * (2 - 1) * 32 * 8
+    blocks = 2 if mode == "none" else 1  # additive fp32 masks kept: every block's, or the one being recomputed
+    assert packing_bytes(cfg, "cpu") == blocks * 4 * 2 * 32**2 + (2 * 32**2 if held else 0) + rope

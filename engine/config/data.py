@@ -145,7 +145,7 @@ class DataConfig(Mixture, HubDatasetFields, DataFiles):
         "num_workers": "data/loader.py",
         "pin_memory": "data/loader.py",
         "prefetch_factor": "data/loader.py",
-        "pack_sequences": "train/job.py",
+        "pack_sequences": "train/job.py, parallel/apply.py, parallel/memory.py",
         "datasets": "data/loader.py, data/hub_cache.py",
         "mix_temperature": "data/mixture.py",
         "phases": "data/mixture.py",

@@ -301,15 +301,17 @@ def block_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(qkᵀ/√d)v over one key block, in fp32 at least, and each query's log-sum-exp over the block (MASKED-sized
-    where the block holds no key the query sees, so that block gets zero weight in `merge`)."""
+    where the block holds no key the query sees, so that block gets zero weight in `merge`). Autocast is off
+    here: under a bf16 run it would run both matmuls, and so the scores the blocks' merge weighs, in bf16."""
     if k.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves heads/kv_heads queries
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     dtype = torch.promote_types(q.dtype, torch.float32)
-    scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if mask is not None:
-        scores = scores.masked_fill(~mask, MASKED)
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.exp(scores - lse) @ v.to(dtype), lse
+    with torch.autocast(q.device.type, enabled=False):
+        scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, MASKED)
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        return torch.exp(scores - lse) @ v.to(dtype), lse
 
 
 def merge(
@@ -346,7 +348,9 @@ def apply_context_parallel(
 
 def torch_ring_applies(model: Transformer, device: torch.device, packed: bool = False) -> bool:
     """PyTorch's ring runs the CUDA flash/efficient/cuDNN kernels, which need one key/value head per query
-    head (no GQA through its sharding rules) and take no attention mask: packed windows run RingCore."""
+    head (no GQA through its sharding rules) and take no attention mask (it raises "attn_bias is not
+    supported"): packed windows run RingCore, whose blocks compute their [local, block] scores in fp32
+    (recomputed in backward, not saved), slower than a fused kernel at long context."""
     return device.type == "cuda" and model.cfg.kv_heads == model.cfg.n_heads and not packed
 
 

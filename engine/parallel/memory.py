@@ -463,8 +463,10 @@ def packing_bytes(cfg: JobConfig, device_type: str = "cuda", in_flight: list[int
     block counts [batch, 1, n] and indices [batch, 1, n, n] (n = ⌈seq / 128⌉) for the partial and the full
     blocks, by rows and by columns, while the kernel keeps the same output and logsumexp as flash-style SDPA.
     SDPA with a dense boolean mask (the other cases): each block's SDPA instead keeps the additive
-    [batch, 1, seq, seq] mask it makes from it, in the compute dtype (with activation checkpointing, only the
-    block being recomputed): measured equal to the saved tensors' bytes on CPU in tests/test_packing.py. The
+    [batch, 1, seq, seq] mask it makes from it, in the compute dtype: measured equal to the saved tensors'
+    bytes on CPU in tests/test_packing.py. With activation checkpointing only the block being recomputed
+    keeps an additive mask, but the boolean mask itself (one byte an element) stays alive once per micro-batch
+    in flight, held by the checkpoints' recomputation arguments rather than saved by autograd. The
     whole sequence and the whole batch of a micro-step on every tp rank (attention runs after the sequence
     gather; the mask has one head); every pipeline stage builds its own from the document ids
     (engine/parallel/pipeline.py). Under cp (never with pp), ulysses attends over the whole sequence with the
@@ -481,7 +483,8 @@ def packing_bytes(cfg: JobConfig, device_type: str = "cuda", in_flight: list[int
     if d.cp > 1 and d.cp_method != "ulysses":
         return blocks * context_parallel_mask_bytes(cfg) + rope
     if packed_attention_backend(device_type, m.head_dim, t.seq_len) == "sdpa":
-        return blocks * COMPUTE_BYTES[t.mixed_precision] * t.batch_size * t.seq_len**2 + rope
+        held = 0 if t.activation_checkpointing == "none" else len(in_flight) * t.batch_size * t.seq_len**2
+        return blocks * COMPUTE_BYTES[t.mixed_precision] * t.batch_size * t.seq_len**2 + held + rope
     n = -(-t.seq_len // FLEX_BLOCK)
     return len(in_flight) * 4 * 4 * t.batch_size * (n + n * n) + rope
 
