@@ -269,27 +269,6 @@ def test_bad_layouts_exit_2_before_any_process_starts(tmp_path, layout, message)
     assert not (tmp_path / "run").exists()
 
 
-def test_pipeline_with_tensor_parallel_stages_matches_one_process(tmp_path, short_documents):
-    """pp = 2 × tp = 2 on four processes: each stage is tensor parallel, its activations sequence-sharded; on
-    packed windows of short documents, so the stages' document masks and positions (whole-sequence ids on
-    every rank, attention after the sequence gather) are checked too: the one-process packed run's losses,
-    evaluation and weights within 1e-5. (Unpacked, on the two-source mixture, this test passed the same way up
-    to commit efdcb93; the pp-only layouts above still run unpacked.)"""
-    source, packed = short_documents
-    result = forge(
-        tmp_path / "run",
-        *source,
-        "--data.pack_sequences=true",
-        *PIPELINE,
-        "--distributed.tp=2",
-        "--distributed.pp_schedule=interleaved_1f1b",
-        nproc=4,
-        batch_size=2,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_run(tmp_path / "run", packed)
-
-
 @pytest.fixture(scope="module")
 def short_documents(tmp_path_factory) -> tuple[list[str], Path]:
     """Short documents (an end-of-document token in every 32 tokens: every window the loader can cut holds at
@@ -315,28 +294,32 @@ def short_documents(tmp_path_factory) -> tuple[list[str], Path]:
     return source, packed
 
 
-def test_packed_documents_through_the_pipeline_match_one_process(tmp_path, short_documents):
-    """data.pack_sequences under pp = 2 (1F1B): every stage attends within documents and restarts RoPE
-    positions at each, as one process does; losses, gradient norms, evaluation and the step-6 weights within
-    1e-5 of the one-process packed run's. (gpipe and interleaved 1F1B with packing: tests/test_pipeline.py.)"""
-    source, packed = short_documents
-    piped = tmp_path / "piped"
-    args = [*source, "--data.pack_sequences=true", *PIPELINE, "--distributed.pp_schedule=1f1b"]
-    result = forge(piped, *args, nproc=2, batch_size=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_run(piped, packed)
+# Packed windows of short documents under each layout whose stages or ranks see only part of the model or of
+# the window, against the one-process packed run: (arguments, processes, per-device batch).
+PACKED_LAYOUTS = {
+    # every pipeline stage attends within documents and restarts RoPE positions at each
+    # (gpipe and interleaved 1F1B with packing: tests/test_pipeline.py)
+    "pp_1f1b": ([*PIPELINE, "--distributed.pp_schedule=1f1b"], 2, 2),
+    # each stage also tensor parallel, its activations sequence-sharded: the stages' masks and positions use
+    # whole-sequence ids on every rank, attention running after the sequence gather
+    "pp_tp_interleaved": ([*PIPELINE, "--distributed.tp=2", "--distributed.pp_schedule=interleaved_1f1b"], 4, 2),
+    # the trainer takes each window's document ids from the whole window before the cp split
+    # (every method, and cp × tp: tests/test_context_parallel.py)
+    "cp_ring": ([*CONTEXT_PARALLEL, "--distributed.cp_method=ring"], 2, 4),
+}
 
 
-def test_packed_windows_under_context_parallelism_match_one_process(tmp_path, short_documents):
-    """data.pack_sequences under cp = 2 (ring), as a user runs it: the trainer takes each window's document ids
-    from the whole window before the cp split, and the run (losses, per-source losses, evaluation, weights)
-    is the one-process packed run's within 1e-5. (Every method, and cp × tp: tests/test_context_parallel.py.)"""
+@pytest.mark.parametrize("layout", list(PACKED_LAYOUTS))
+def test_packed_windows_match_one_process(tmp_path, short_documents, layout):
+    """data.pack_sequences as a user runs it under pp, pp × tp and cp: losses, gradient norms, per-source losses,
+    evaluation and the step-6 weights within 1e-5 of the one-process packed run's (which are not the unpacked
+    run's: see short_documents). The unpacked pp × tp layout ran on the two-source mixture in this file up to
+    commit efdcb93; the pp-only layouts above still do."""
     source, packed = short_documents
-    run_dir = tmp_path / "cp"
-    args = [*source, "--data.pack_sequences=true", *CONTEXT_PARALLEL, "--distributed.cp_method=ring"]
-    result = forge(run_dir, *args, nproc=2, batch_size=4)
+    args, nproc, batch_size = PACKED_LAYOUTS[layout]
+    result = forge(tmp_path / "run", *source, "--data.pack_sequences=true", *args, nproc=nproc, batch_size=batch_size)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_run(run_dir, packed)
+    assert_same_run(tmp_path / "run", packed)
 
 
 def test_hybrid_sharded_data_parallel_2x2_matches_one_process(tmp_path, one_process):
