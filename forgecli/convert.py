@@ -35,7 +35,13 @@ def to_hf(
         help=("A run directory (its newest complete checkpoint), a checkpoint folder, or one step_N folder."),
     ),
     out: Path = typer.Option(..., "--out", "-o", help="The Hugging Face model folder to write; must not exist yet."),
-    dtype: str = typer.Option("float32", "--dtype", help="Weight dtype of the export: float32, bfloat16 or float16."),
+    dtype: str | None = typer.Option(
+        None,
+        "--dtype",
+        help="Weight dtype of the export: float32, bfloat16 or float16. Default: the run's checkpoint.export_dtype "
+        "(float32 unless its preset says otherwise).",
+        show_default=False,
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON; progress goes to stderr."),
     ema: bool = typer.Option(
         False, "--ema", help="Export the EMA of the weights the run kept (train.ema_decay) instead of the weights."
