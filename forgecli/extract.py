@@ -74,7 +74,11 @@ def run(
     ),
     list_layers: bool = typer.Option(False, "--list-layers", help="Print the extractable modules with their shapes."),
     data: str | None = typer.Option(
-        None, "--data", "-d", help="A forge tokenize output folder, text/JSONL/Parquet files or a folder, or hf:NAME."
+        None,
+        "--data",
+        "-d",
+        help="A forge tokenize output folder, text/JSONL/Parquet files or a folder, hf:NAME, or embedded:val "
+        "(the embedded corpus's held-out works; also embedded:train, plays, poems).",
     ),
     text: str | None = typer.Option(None, "--text", help="One document to look at, instead of --data."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (rerun the same command to resume)."),
