@@ -70,6 +70,7 @@ def test_validate_config_never_imports_torch():
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["parameters"]["total"] > 0 and report["tokens_per_step"] == 8 * 256
+    assert report["valid"] is True and report["errors"] == []
 
 
 def test_validate_config_reports_errors_as_a_table():
@@ -77,6 +78,17 @@ def test_validate_config_reports_errors_as_a_table():
     assert result.returncode == 2
     assert "model.n_layrs" in result.stderr and "model.n_layers" in result.stderr and "optimizer.lr" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_validate_config_json_reports_errors_on_stdout():
+    """--json on an invalid config: the errors as JSON on stdout (shaped like the warnings), exit 2."""
+    result = forge("validate-config", "presets/debug.toml", "--model.n_layrs=3", "--optimizer.lr=-1", "--json")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    report = json.loads(result.stdout)
+    assert report["valid"] is False and report["warnings"] == [] and len(report["errors"]) == 2
+    typo, lr = report["errors"]
+    assert typo == {"field": "model.n_layrs", "problem": "unknown key", "hint": "did you mean 'model.n_layers'?"}
+    assert lr["field"] == "optimizer.lr" and "greater than 0" in lr["problem"]
 
 
 def test_validate_config_world_size():
