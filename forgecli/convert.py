@@ -47,12 +47,12 @@ def to_hf(
         False, "--ema", help="Export the EMA of the weights the run kept (train.ema_decay) instead of the weights."
     ),
     merge: bool = typer.Option(
-        False, "--merge", help="A [lora] run: write one plain model, each adapter added into its base weight."
+        False, "--merge", help="A \\[lora] run: write one plain model, each adapter added into its base weight."
     ),
     adapters_only: bool = typer.Option(
         False,
         "--adapters-only",
-        help="A [lora] run: write only its adapters, as a peft adapter folder (adapter_config.json + "
+        help="A \\[lora] run: write only its adapters, as a peft adapter folder (adapter_config.json + "
         "adapter_model.safetensors) for the base model exported from the run's checkpoint.load_path.",
     ),
 ) -> None:
@@ -112,7 +112,7 @@ def from_hf(
 ) -> None:
     """Import a Hugging Face Llama/Qwen3 (or Qwen2-MoE/Qwen3-MoE/GLM-4-MoE) model folder as a Forge checkpoint.
 
-    OUT gets step_0/ (the weights in DCP format), latest, model.toml (the [model] section that matches
+    OUT gets step_0/ (the weights in DCP format), latest, model.toml (the \\[model] section that matches
     the weights: copy it into your preset) and the folder's tokenizer.json. Models Forge cannot
     reproduce exactly (other architectures, biases, RoPE scaling, sliding windows, other MoE routing)
     are refused.

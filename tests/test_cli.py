@@ -59,6 +59,19 @@ def _cpu_seconds(command: list[str]) -> float:
     return float(result.stderr.rsplit("cpu=", 1)[1])
 
 
+def test_help_shows_bracketed_words():
+    """Rich markup would swallow `[lora]`, `[model]` and `[default: …]` in help texts unless escaped."""
+    cases = [
+        (["convert", "to-hf"], ["A [lora] run: write one plain model"]),
+        (["convert", "from-hf"], ["the [model] section"]),
+        (["extract", "run"], ["[default: the model's max_seq_len]", "[default: the newest]", "[default: all]"]),
+        (["extract", "compare"], ["[default: DIR_A against itself]", "pip install 'forge-lm[plot]'"]),
+    ]
+    for command, needles in cases:
+        out = " ".join(forge(*command, "--help").stdout.replace("│", " ").split())
+        assert all(needle in out for needle in needles), (command, out)
+
+
 def test_validate_config_never_imports_torch():
     code = (
         "import sys; sys.argv = ['forge', 'validate-config', 'presets/debug.toml', '--json'];\n"
