@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from engine.checkpoint.dcp import load_checkpoint, save_checkpoint
 from engine.checkpoint.hf import export_to_hf, import_from_hf, is_hf_folder, load_hf_weights
 from engine.config import JobConfig, dump_toml
+from engine.config.changes import resume_issues
 from engine.config.model import ModelConfig
 from engine.errors import UserError
 from engine.generate import Sampling, generate
@@ -686,3 +687,4 @@ def test_to_hf_without_dtype_writes_the_runs_checkpoint_export_dtype(tmp_path):
         assert result.exit_code == 0, result.output
         with safe_open(out / "model.safetensors", framework="pt") as f:
             assert {f.get_tensor(k).dtype for k in f.keys()} == {dtype}
+    assert resume_issues(JobConfig(model=model.cfg), cfg) == []  # a resumed run may change how it ships

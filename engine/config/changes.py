@@ -35,6 +35,7 @@ SAFE_ON_RESUME = (
     "checkpoint.keep_last_n",
     "checkpoint.keep",
     "checkpoint.async_mode",
+    "checkpoint.export_dtype",  # read by forge convert, never by training
     "eval.",
     "metrics.",
     "profiling.",
