@@ -39,6 +39,10 @@ GLOO_TIMEOUT = timedelta(seconds=30)
 EXTRAS: dict[str, tuple[str, str]] = {
     "wandb": ("Weights & Biases logging (metrics.enable_wandb)", "pip install 'forge-lm[tracking]'"),
     "tensorboard": ("TensorBoard logging (metrics.enable_tensorboard)", "pip install 'forge-lm[tracking]'"),
+    "torchao": (
+        'FP8 training (train.mixed_precision = "fp8") and QLoRA\'s 4-bit NF4 base (lora.quantize_base)',
+        "pip install 'torchao>=0.18'",
+    ),
     "transformers": ("the test suite's parity checks against Hugging Face models", "pip install -e '.[dev]'"),
 }
 

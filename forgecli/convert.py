@@ -35,18 +35,24 @@ def to_hf(
         help=("A run directory (its newest complete checkpoint), a checkpoint folder, or one step_N folder."),
     ),
     out: Path = typer.Option(..., "--out", "-o", help="The Hugging Face model folder to write; must not exist yet."),
-    dtype: str = typer.Option("float32", "--dtype", help="Weight dtype of the export: float32, bfloat16 or float16."),
+    dtype: str | None = typer.Option(
+        None,
+        "--dtype",
+        help="Weight dtype of the export: float32, bfloat16 or float16. Default: the run's checkpoint.export_dtype "
+        "(float32 unless its preset says otherwise).",
+        show_default=False,
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON; progress goes to stderr."),
     ema: bool = typer.Option(
         False, "--ema", help="Export the EMA of the weights the run kept (train.ema_decay) instead of the weights."
     ),
     merge: bool = typer.Option(
-        False, "--merge", help="A [lora] run: write one plain model, each adapter added into its base weight."
+        False, "--merge", help="A \\[lora] run: write one plain model, each adapter added into its base weight."
     ),
     adapters_only: bool = typer.Option(
         False,
         "--adapters-only",
-        help="A [lora] run: write only its adapters, as a peft adapter folder (adapter_config.json + "
+        help="A \\[lora] run: write only its adapters, as a peft adapter folder (adapter_config.json + "
         "adapter_model.safetensors) for the base model exported from the run's checkpoint.load_path.",
     ),
 ) -> None:
@@ -106,7 +112,7 @@ def from_hf(
 ) -> None:
     """Import a Hugging Face Llama/Qwen3 (or Qwen2-MoE/Qwen3-MoE/GLM-4-MoE) model folder as a Forge checkpoint.
 
-    OUT gets step_0/ (the weights in DCP format), latest, model.toml (the [model] section that matches
+    OUT gets step_0/ (the weights in DCP format), latest, model.toml (the \\[model] section that matches
     the weights: copy it into your preset) and the folder's tokenizer.json. Models Forge cannot
     reproduce exactly (other architectures, biases, RoPE scaling, sliding windows, other MoE routing)
     are refused.

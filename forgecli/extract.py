@@ -74,17 +74,21 @@ def run(
     ),
     list_layers: bool = typer.Option(False, "--list-layers", help="Print the extractable modules with their shapes."),
     data: str | None = typer.Option(
-        None, "--data", "-d", help="A forge tokenize output folder, text/JSONL/Parquet files or a folder, or hf:NAME."
+        None,
+        "--data",
+        "-d",
+        help="A forge tokenize output folder, text/JSONL/Parquet files or a folder, hf:NAME, or embedded:val "
+        "(the embedded corpus's held-out works; also embedded:train, plays, poems).",
     ),
     text: str | None = typer.Option(None, "--text", help="One document to look at, instead of --data."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (rerun the same command to resume)."),
-    seq_len: int | None = typer.Option(None, "--seq-len", help="Window length [default: the model's max_seq_len]."),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="Window length \\[default: the model's max_seq_len]."),
     batch_size: int = typer.Option(8, "--batch-size", "-b", help="Windows per forward."),
     max_tokens: int | None = typer.Option(None, "--max-tokens", help="Stop after this many tokens of the data."),
     positions: str = typer.Option("all", "--positions", help="all: a row per token; last: one row per window."),
-    step: int | None = typer.Option(None, "--step", help="Checkpoint step to load [default: the newest]."),
+    step: int | None = typer.Option(None, "--step", help="Checkpoint step to load \\[default: the newest]."),
     dtype: str | None = typer.Option(
-        None, "--dtype", help="Stored dtype: fp32, bf16 or fp16 [default: the compute dtype]."
+        None, "--dtype", help="Stored dtype: fp32, bf16 or fp16 \\[default: the compute dtype]."
     ),
     storage: str = typer.Option(
         "shards", "--format", help="shards: memory-mappable safetensors shards; npz: one activations.npz."
@@ -93,11 +97,11 @@ def run(
     attention: list[str] = typer.Option(
         None, "--attention", help="Blocks whose attention weights softmax(QKᵀ/√d) to store, e.g. 'layers.*'."
     ),
-    heads: list[str] = typer.Option(None, "--heads", help="Heads of --attention to keep [default: all]."),
+    heads: list[str] = typer.Option(None, "--heads", help="Heads of --attention to keep \\[default: all]."),
     query_positions: list[str] = typer.Option(
         None,
         "--query-positions",
-        help="Query positions of --attention (negative: from the window's end) [default: all].",
+        help="Query positions of --attention (negative: from the window's end) \\[default: all].",
     ),
     routing: list[str] = typer.Option(
         None, "--routing", help="MoE blocks whose routing (chosen experts and their weights) to store per token."
@@ -271,9 +275,9 @@ def detail(p: ExtractProgress, start: float) -> str:
 def compare(
     first: Path = typer.Argument(..., metavar="DIR_A", help="A forge extract output folder."),
     second: Path | None = typer.Argument(
-        None, metavar="[DIR_B]", help="Another one over the same tokens [default: DIR_A against itself]."
+        None, metavar="[DIR_B]", help="Another one over the same tokens \\[default: DIR_A against itself]."
     ),
-    layers: list[str] = typer.Option(None, "--layers", "-l", help="Layer names or globs to compare [default: all]."),
+    layers: list[str] = typer.Option(None, "--layers", "-l", help="Layer names or globs to compare \\[default: all]."),
     metric: str = typer.Option("cka", "--metric", "-m", help="cka, svcca or rsa."),
     unbiased: bool = typer.Option(False, "--unbiased", help="CKA with the unbiased HSIC estimator."),
     keep: float = typer.Option(0.99, "--keep", help="SVCCA: fraction of the variance the kept directions explain."),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -194,7 +195,8 @@ def run_training(cfg: JobConfig, run_dir: Path, as_json: bool) -> None:
         print_json(summary)
     elif summary.get("already_complete"):
         console.print(
-            f"run {run_dir} is already complete at step {summary['steps']}; raise --train.max_steps to train further",
+            f"run {run_dir} is already complete at step {summary['steps']}; to train further (same schedule, "
+            f"data and optimizer): forge resume {shlex.quote(str(run_dir))} --train.max_steps=N (N > {summary['steps']})",
             markup=False,
             highlight=False,
             soft_wrap=True,

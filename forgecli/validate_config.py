@@ -47,20 +47,26 @@ def validate_config(
     """
     from engine.config import load_job_config
     from engine.config.loader import field_sources
+    from engine.errors import UserError
     from engine.parallel.memory import checkpoint_bytes, estimate_memory
     from engine.train.summary import job_summary
 
     overrides = collect_overrides(ctx.args)
-    cfg = load_job_config(preset, overrides).validate(world_size)
-    warnings = cfg.warnings(world_size)
-    if cfg.train.hooks:  # imports the research code they name (only then), as `forge train` will
-        from engine.train.hooks import hook_class
+    try:
+        cfg = load_job_config(preset, overrides).validate(world_size)
+        warnings = cfg.warnings(world_size)
+        if cfg.train.hooks:  # imports the research code they name (only then), as `forge train` will
+            from engine.train.hooks import hook_class
 
-        for index, spec in enumerate(cfg.train.hooks):
-            hook_class(spec, index)
-    summary = job_summary(cfg, world_size)
-    stages = estimate_memory(cfg, world_size)
-    sources = field_sources(cfg, preset, overrides)
+            for index, spec in enumerate(cfg.train.hooks):
+                hook_class(spec, index)
+        summary = job_summary(cfg, world_size)
+        stages = estimate_memory(cfg, world_size)
+        sources = field_sources(cfg, preset, overrides)
+    except UserError as err:
+        if as_json:  # the errors on stdout for scripts; the panel still goes to stderr, and the exit code is 2
+            print_json({"valid": False, "errors": error_rows(err), "warnings": []})
+        raise
     if as_json:
         memory = {
             "stages": [stage.as_dict() for stage in stages],
@@ -71,6 +77,8 @@ def validate_config(
             memory["fits"] = all(stage.total <= gpu_memory_gib * GIB for stage in stages)
         print_json(
             {
+                "valid": True,
+                "errors": [],
                 "config": cfg.model_dump(mode="json"),
                 "sources": sources,
                 **summary,
@@ -89,6 +97,16 @@ def validate_config(
     console.print(lr_curve(cfg))
     show_config_warnings(warnings, console)
     console.print("[green]✓ config is valid[/green]" + (f" for world size {world_size}" if world_size > 1 else ""))
+
+
+def error_rows(err: Any) -> list[dict[str, str | None]]:
+    """A UserError as --json's error rows, shaped like its warnings: one per config issue, or the one error
+    (no field) when the preset could not be read at all."""
+    from engine.errors import ConfigError
+
+    if isinstance(err, ConfigError):
+        return [{"field": i.path, "problem": i.problem, "hint": i.hint} for i in err.issues]
+    return [{"field": None, "problem": err.message, "hint": err.hint}]
 
 
 def config_tree(data: dict[str, Any], title: str, sources: dict[str, str] | None = None) -> Tree:

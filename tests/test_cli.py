@@ -59,6 +59,19 @@ def _cpu_seconds(command: list[str]) -> float:
     return float(result.stderr.rsplit("cpu=", 1)[1])
 
 
+def test_help_shows_bracketed_words():
+    """Rich markup would swallow `[lora]`, `[model]` and `[default: …]` in help texts unless escaped."""
+    cases = [
+        (["convert", "to-hf"], ["A [lora] run: write one plain model"]),
+        (["convert", "from-hf"], ["the [model] section"]),
+        (["extract", "run"], ["[default: the model's max_seq_len]", "[default: the newest]", "[default: all]"]),
+        (["extract", "compare"], ["[default: DIR_A against itself]", "pip install 'forge-lm[plot]'"]),
+    ]
+    for command, needles in cases:
+        out = " ".join(forge(*command, "--help").stdout.replace("│", " ").split())
+        assert all(needle in out for needle in needles), (command, out)
+
+
 def test_validate_config_never_imports_torch():
     code = (
         "import sys; sys.argv = ['forge', 'validate-config', 'presets/debug.toml', '--json'];\n"
@@ -70,6 +83,7 @@ def test_validate_config_never_imports_torch():
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["parameters"]["total"] > 0 and report["tokens_per_step"] == 8 * 256
+    assert report["valid"] is True and report["errors"] == []
 
 
 def test_validate_config_reports_errors_as_a_table():
@@ -77,6 +91,17 @@ def test_validate_config_reports_errors_as_a_table():
     assert result.returncode == 2
     assert "model.n_layrs" in result.stderr and "model.n_layers" in result.stderr and "optimizer.lr" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_validate_config_json_reports_errors_on_stdout():
+    """--json on an invalid config: the errors as JSON on stdout (shaped like the warnings), exit 2."""
+    result = forge("validate-config", "presets/debug.toml", "--model.n_layrs=3", "--optimizer.lr=-1", "--json")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    report = json.loads(result.stdout)
+    assert report["valid"] is False and report["warnings"] == [] and len(report["errors"]) == 2
+    typo, lr = report["errors"]
+    assert typo == {"field": "model.n_layrs", "problem": "unknown key", "hint": "did you mean 'model.n_layers'?"}
+    assert lr["field"] == "optimizer.lr" and "greater than 0" in lr["problem"]
 
 
 def test_validate_config_world_size():

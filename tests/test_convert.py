@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from engine.checkpoint.dcp import load_checkpoint, save_checkpoint
 from engine.checkpoint.hf import export_to_hf, import_from_hf, is_hf_folder, load_hf_weights
 from engine.config import JobConfig, dump_toml
+from engine.config.changes import resume_issues
 from engine.config.model import ModelConfig
 from engine.errors import UserError
 from engine.generate import Sampling, generate
@@ -671,3 +672,19 @@ def test_a_bfloat16_moe_export_keeps_the_balancing_bias_in_fp32(tmp_path):
     assert report.bytes == sum(t.nbytes for t in state.values())
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
     assert torch.equal(hf.model.layers[0].mlp.gate.e_score_correction_bias, state[bias])
+
+
+def test_to_hf_without_dtype_writes_the_runs_checkpoint_export_dtype(tmp_path):
+    """A preset's checkpoint.export_dtype is what `forge convert to-hf` writes unless --dtype says otherwise."""
+    model = random_model(model_config(**CONFIGS["mha"]))
+    run = make_run(tmp_path / "run", model)
+    cfg = JobConfig(model=model.cfg)
+    cfg.checkpoint = cfg.checkpoint.model_copy(update={"export_dtype": "float16"})
+    (run / "config.toml").write_text(dump_toml(cfg))
+    for flags, dtype in [([], torch.float16), (["--dtype", "float32"], torch.float32)]:
+        out = tmp_path / f"hf{len(flags)}"
+        result = forge("convert", "to-hf", str(run), "--out", str(out), *flags)
+        assert result.exit_code == 0, result.output
+        with safe_open(out / "model.safetensors", framework="pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {dtype}
+    assert resume_issues(JobConfig(model=model.cfg), cfg) == []  # a resumed run may change how it ships

@@ -26,7 +26,7 @@ def test_checklist_passes_here_in_plain_text(tmp_path: Path):
     result = doctor("--dir", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert "\x1b[" not in result.output  # not a terminal: no colour codes
-    for name in REQUIRED | {"extra: wandb", "slurm"}:
+    for name in REQUIRED | {"extra: wandb", "extra: torchao", "slurm"}:
         assert name in result.output
     assert "✓ gloo process group" in result.output
     assert str(tmp_path) in result.output
@@ -67,10 +67,14 @@ def test_crashing_check_is_a_failure_not_a_traceback(monkeypatch: pytest.MonkeyP
 
 def test_missing_extra_is_only_a_warning(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail as if not installed
+    monkeypatch.setitem(sys.modules, "torchao", None)
     result = doctor("--dir", str(tmp_path), "--json")
     assert result.exit_code == 0
-    wandb = next(c for c in json.loads(result.stdout) if c["name"] == "extra: wandb")
+    checks = {c["name"]: c for c in json.loads(result.stdout)}
+    wandb, torchao = checks["extra: wandb"], checks["extra: torchao"]
     assert wandb["status"] == "warn" and "not installed" in wandb["detail"] and "pip install" in wandb["fix"]
+    assert torchao["status"] == "warn" and "FP8" in torchao["detail"] and "NF4" in torchao["detail"]
+    assert "pip install 'torchao" in torchao["fix"]
 
 
 def test_unwritable_directory_fails(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):

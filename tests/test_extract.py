@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from typer.testing import CliRunner
 from engine.checkpoint.hf import export_to_hf
 from engine.config import JobConfig, dump_toml
 from engine.config.model import ModelConfig
+from engine.data.embedded import embedded_corpus
+from engine.data.shards import open_shard, read_manifest
 from engine.data.tokenize import tokenize_files
 from engine.interp import load_activations
 from engine.interp.extract import Extraction, ExtractRequest
@@ -189,6 +192,7 @@ def other_tokenizer_shards(folder: Path, data: Path) -> Path:
         (["--layers", "layers.0.attention.core", "--text", "hi"], ["not laid out"]),
         (["--layers", "norm", "--data", "EMPTY"], ["no documents"]),
         (["--layers", "norm", "--data", "OTHER"], ["another tokenizer"]),
+        (["--layers", "norm", "--data", "embedded:test"], ["no split 'test'", "embedded:val"]),
         (["--layers", "norm", "--text", "hi", "--step", "9"], ["--step 9", "step_5"]),
         (["--layers", "norm", "--text", "hi", "--attention", "layers.7"], ["--attention", "matches no block"]),
         (["--layers", "norm", "--text", "hi", "--seq-len", "999"], ["--seq-len", "32"]),
@@ -250,6 +254,8 @@ TWO_PROCESS_SCRIPT = textwrap.dedent("""
     from torch.distributed.fsdp import fully_shard
 
     from engine.config.model import ModelConfig
+from engine.data.embedded import embedded_corpus
+from engine.data.shards import open_shard, read_manifest
     from engine.model.transformer import Transformer
     from forgecli.app import app
     from tests.torchrun import save_sharded_checkpoint
@@ -324,6 +330,18 @@ def test_moe_routing_and_token_shards(setup, tmp_path):
     assert np.array_equal(acts.tokens, direct.tokens.read(0, 70))  # shards hold what the files tokenize to
     result = forge("extract", setup[1], "--routing", "layers.*", "--text", "hi", "--out", tmp_path / "dense")
     assert result.exit_code == 2 and "the model is dense" in result.said and not (tmp_path / "dense").exists()
+
+
+def test_data_embedded_val_is_the_cached_held_out_split(tmp_path):
+    """`--data embedded:val` reads the held-out split of the embedded corpus wherever FORGE_CACHE_DIR keeps it."""
+    val = embedded_corpus().val
+    run = make_run(tmp_path / "run", random_model(ModelConfig(vocab_size=4096, max_seq_len=SEQ, dim=32, n_layers=1,
+                                                              n_heads=2)).eval())  # fmt: skip
+    shutil.copy(val / "tokenizer.json", run / "tokenizer.json")  # a run trained on the embedded corpus
+    extract_cli(run, tmp_path / "acts", "--layers", "norm", "--data", "embedded:val", "--max-tokens", "40")
+    manifest = read_manifest(val)
+    held_out = np.concatenate([open_shard(val, info, manifest.dtype) for info in manifest.shards])
+    assert np.array_equal(load_activations(tmp_path / "acts").tokens, held_out[:40])
 
 
 def test_indexing_a_layer_across_shards_is_numpy_indexing():

@@ -321,3 +321,31 @@ def test_wandb_resume_continues_the_same_run(tmp_path: Path, monkeypatch: pytest
         assert logger.wandb_run_id == run_id
     runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(f"-{run_id}" in r.name for r in runs)  # a second dir in the same second gets "-1"
+
+
+def test_metrics_wandb_run_id_names_the_run_over_the_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`metrics.wandb_run_id` resumes that W&B run, even where the checkpoint recorded another; unset, the
+    checkpoint's id (or none: a new run). A stand-in `wandb` module records what `wandb.init` was asked."""
+    asked: list[dict] = []
+
+    class Run:
+        def __init__(self, **kwargs: object) -> None:
+            asked.append(kwargs)
+            self.id = kwargs["id"] or "fresh"
+
+        def define_metric(self, *args: object, **kwargs: object) -> None: ...
+
+        def finish(self) -> None: ...
+
+    fake = type(sys)("wandb")
+    fake.init = Run
+    fake.errors = type(sys)("wandb.errors")
+    fake.errors.Error = RuntimeError
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    with build_trackers(job(enable_wandb=True, wandb_run_id="elsewhere-1"), tmp_path, wandb_run_id="ckpt") as logger:
+        assert logger.wandb_run_id == "elsewhere-1"
+    with build_trackers(job(enable_wandb=True), tmp_path, wandb_run_id="ckpt") as logger:
+        assert logger.wandb_run_id == "ckpt"
+    with build_trackers(job(enable_wandb=True), tmp_path) as logger:
+        assert logger.wandb_run_id == "fresh"
+    assert [(a["id"], a["resume"]) for a in asked] == [("elsewhere-1", "allow"), ("ckpt", "allow"), (None, None)]

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from engine.checkpoint.dcp import latest_checkpoint
+from engine.config import load_job_config
+from engine.config.changes import resume_issues
 from tests.conftest import REPO
 
 TINY = [
@@ -144,9 +146,15 @@ def test_resume_continues_and_refuses_unsafe_changes(tmp_path):
 
     again = forge(*train_args(run_dir, "--train.max_steps=4"))
     assert again.returncode == 0 and "already complete at step 4" in again.stdout
+    assert f"forge resume {run_dir} --train.max_steps=N (N > 4)" in again.stdout  # the command run below
 
     changed = forge(*train_args(run_dir, "--train.max_steps=6", "--model.dim=128", "--optimizer.lr=1.0"))
     assert changed.returncode == 2 and "model.dim" in changed.stderr and "optimizer.lr" in changed.stderr
+    saved = load_job_config(run_dir / "config.toml")  # the refusal's fix points to forge resume
+    assert (
+        "forge resume RUN_DIR"
+        in resume_issues(saved, load_job_config(run_dir / "config.toml", ["--model.dim=128"]))[0].hint
+    )
     assert "Traceback" not in changed.stderr
     assert (run_dir / "metrics.jsonl").read_bytes() == before
 

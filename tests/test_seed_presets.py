@@ -58,6 +58,8 @@ def test_the_gallery_covers_the_seed_layouts():
     assert sum(c.distributed.tp > 1 and c.distributed.ep > 1 for c in moe.values()) >= 2
     assert any(c.train.mixed_precision == "fp8" for c in configs.values())
     assert any(c.optimizer.name == "muon" for c in configs.values())
+    assert configs["llama2_7b_fsdp"].checkpoint.export_dtype == "bfloat16"  # the seed's own export and W&B keys
+    assert configs["llama2_7b_fsdp"].metrics.wandb_run_id == "llama2-7b-fsdp"
 
 
 def test_seed_conventions_validate_with_a_warning_that_says_what_they_mean():

@@ -115,18 +115,19 @@ def is_hf_folder(path: Path) -> bool:
 def export_to_hf(
     source: Path,
     out: Path,
-    dtype: str = "float32",
+    dtype: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: ProgressFn | None = None,
     ema: bool = False,
     merge: bool = False,
 ) -> ConvertReport:
     """Write the newest complete checkpoint of `source` (run directory, checkpoint folder or step_N) as a
-    Hugging Face model folder `out`, weights cast to `dtype`; `ema`: the EMA of the weights the run kept;
+    Hugging Face model folder `out`, weights cast to `dtype` (unset: the run's checkpoint.export_dtype, so a
+    preset can say how its run ships); `ema`: the EMA of the weights the run kept;
     `merge`: a LoRA run's adapters added into their base weights (a plain model; `hf_lora.export_adapters`
     writes them as a peft adapter instead). Everything is checked before anything is written."""
-    torch_dtype = export_dtype(dtype)
     ckpt = find_checkpoint(source, ema=ema)
+    torch_dtype = export_dtype(dtype or ckpt.export_dtype)
     check_merge(ckpt, merge)
     cfg = ckpt.model
     architecture = hf_architecture(cfg)

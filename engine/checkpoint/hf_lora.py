@@ -80,12 +80,13 @@ def adapter_config(rank: int, alpha: float, dropout: float, targets: list[str], 
 
 
 def export_adapters(
-    source: Path, out: Path, dtype: str = "float32", progress: ProgressFn | None = None
+    source: Path, out: Path, dtype: str | None = None, progress: ProgressFn | None = None
 ) -> ConvertReport:
     """Write the LoRA adapters of the newest complete checkpoint of `source` as a peft adapter folder `out`
-    for the model `forge convert to-hf` exports from the same run's base. Checked before anything is written."""
-    torch_dtype = export_dtype(dtype)
+    for the model `forge convert to-hf` exports from the same run's base, in `dtype` (unset: the run's
+    checkpoint.export_dtype). Checked before anything is written."""
     ckpt = find_checkpoint(source)
+    torch_dtype = export_dtype(dtype or ckpt.export_dtype)
     if ckpt.lora is None:
         raise UserError(f"{ckpt.path} was not trained with [lora]: it has no adapters", "leave out --adapters-only")
     architecture = hf_architecture(ckpt.model)

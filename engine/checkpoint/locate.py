@@ -37,6 +37,7 @@ class ForgeCheckpoint:
     ema: bool = False  # use the EMA of the weights the run kept (train.ema_decay) instead of its weights
     lora: LoraConfig | None = None  # the run trained LoRA adapters (engine/model/lora.py) on a frozen base
     base_path: str | None = None  # its checkpoint.load_path: where an adapters-only checkpoint's base is
+    export_dtype: str = "float32"  # its checkpoint.export_dtype: what `forge convert to-hf` writes without --dtype
 
 
 def run_checkpoint(step: Path, cfg: JobConfig, run_dir: Path) -> ForgeCheckpoint:
@@ -48,6 +49,7 @@ def run_checkpoint(step: Path, cfg: JobConfig, run_dir: Path) -> ForgeCheckpoint
         cfg.optimizer.betas[0] if schedule_free else None,
         lora=cfg.lora if cfg.lora.enabled else None,
         base_path=cfg.checkpoint.load_path,
+        export_dtype=cfg.checkpoint.export_dtype,
     )
 
 

@@ -35,6 +35,7 @@ SAFE_ON_RESUME = (
     "checkpoint.keep_last_n",
     "checkpoint.keep",
     "checkpoint.async_mode",
+    "checkpoint.export_dtype",  # read by forge convert, never by training
     "eval.",
     "metrics.",
     "profiling.",
@@ -52,7 +53,8 @@ def resume_issues(saved: JobConfig, new: JobConfig) -> list[ConfigIssue]:
         ConfigIssue(
             path,
             f"the run was trained with {before[path]!r}, not {after[path]!r}",
-            "keep the run's value, or train into a new --run-dir",
+            "keep the run's value (forge resume RUN_DIR continues with the run's config; add "
+            "--train.max_steps=N to train longer), or train into a new --run-dir",
         )
         for path in before
         if before[path] != after[path] and not path.startswith(SAFE_ON_RESUME)

@@ -46,6 +46,10 @@ class CheckpointConfig(Section):
         "step_N folder, a checkpoint folder or a run directory (its newest complete "
         "checkpoint). A run resuming from its own checkpoint ignores it",
     )
+    export_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="the weight dtype `forge convert to-hf` writes for this run when its --dtype is not given",
+    )
     exclude_from_loading: list[str] = Field(
         default_factory=list,
         description="parameter-name prefixes (e.g. 'output.') that keep their fresh "
@@ -60,6 +64,7 @@ class CheckpointConfig(Section):
         "keep_last_n": "checkpoint/manager.py",
         "keep": "checkpoint/manager.py",
         "load_path": "train/job.py, checkpoint/manager.py",
+        "export_dtype": "checkpoint/locate.py, checkpoint/hf.py",
         "exclude_from_loading": "train/job.py, checkpoint/manager.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""

@@ -15,6 +15,11 @@ class MetricsConfig(Section):
     enable_tensorboard: bool = Field(False, description="write TensorBoard event files (needs the tensorboard extra)")
     wandb_project: str = Field("forge", description="the W&B project the run is logged to")
     wandb_run_name: str | None = Field(None, description="unset = the run directory's name")
+    wandb_run_id: str | None = Field(
+        None,
+        description="log into (resume) the W&B run with this id; unset = a new run, or on resume the run "
+        "the checkpoint recorded",
+    )
     tensorboard_dir: str | None = Field(
         None, description="unset = RUN_DIR/tensorboard; relative = inside the run directory"
     )
@@ -25,6 +30,7 @@ class MetricsConfig(Section):
         "enable_tensorboard": "metrics/trackers.py",
         "wandb_project": "metrics/trackers.py",
         "wandb_run_name": "metrics/trackers.py",
+        "wandb_run_id": "metrics/trackers.py",
         "tensorboard_dir": "metrics/trackers.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""

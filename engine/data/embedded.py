@@ -36,6 +36,7 @@ POEMS = (
     "The Passionate Pilgrim",
     "The Phoenix and the Turtle",
 )
+SPLITS = ("train", "val", "plays", "poems")  # the tokenized folders of a build (val: the held-out works)
 VOCAB_SIZE = 4096
 RECIPE = {
     "version": 1,
@@ -104,7 +105,7 @@ def write_splits(tmp: Path) -> None:
     encoder = Encoder.trained((w["text"] for w in train), VOCAB_SIZE)
     # Each work is encoded once (a work's tokens do not depend on the others), then written into its splits.
     ids = dict(zip((w["title"] for w in works), encoder.encode([w["text"] for w in works])))
-    for split, chosen in (("train", train), ("val", val), ("plays", plays), ("poems", poems)):
+    for split, chosen in zip(SPLITS, (train, val, plays, poems), strict=True):
         source = {"corpus": CORPUS.name, "split": split, "works": [w["title"] for w in chosen]}
         write_encoded([ids[w["title"]] for w in chosen], tmp / split, encoder, source)
 

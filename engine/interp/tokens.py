@@ -1,7 +1,7 @@
 """The tokens an extraction runs over, from the same sources as training, cut into windows.
 
-Token shards from `forge tokenize` are memory-mapped (the way to extract over a corpus larger than memory);
-text, JSONL or Parquet files and `hf:NAME` datasets are tokenized here with the run's tokenizer, up to
+Token shards from `forge tokenize` are memory-mapped (the way to extract over a corpus larger than memory),
+as are the embedded corpus's splits (`embedded:val`: its held-out works, wherever the cache keeps them); text, JSONL or Parquet files and `hf:NAME` datasets are tokenized here with the run's tokenizer, up to
 `--max-tokens`; `--text` is one document. Documents are joined the way training joins them (each ends in the
 end-of-text token), so a window sees the same kind of context the model was trained on.
 """
@@ -15,12 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.data.embedded import SPLITS, embedded_corpus
 from engine.data.shards import MANIFEST, open_shard, read_manifest
 from engine.data.tokenize import open_source
 from engine.data.tokenizer import Encoder
 from engine.errors import DataError, UserError
 
 TEXT_FIELD = "text"
+EMBEDDED = "embedded:"  # --data embedded:SPLIT names a split of the embedded corpus (engine/data/embedded.py)
 ENCODE_BATCH = 256  # documents encoded per call (the tokenizer spreads a batch over the cores)
 
 
@@ -59,7 +61,8 @@ class TokenStream:
 def open_tokens(
     encoder: Encoder, data: str | None, text: str | None, max_tokens: int | None, text_field: str = TEXT_FIELD
 ) -> TokenStream:
-    """The tokens of `--data` (a token-shard folder, files, `hf:NAME`) or `--text`; an empty result is an error."""
+    """The tokens of `--data` (a token-shard folder, `embedded:SPLIT`, files, `hf:NAME`) or `--text`; an empty
+    result is an error."""
     if (data is None) == (text is None):
         raise UserError("pass exactly one of --data and --text", "e.g. --data data/tiny or --text 'ROMEO:'")
     if max_tokens is not None and max_tokens < 1:
@@ -68,6 +71,9 @@ def open_tokens(
         ids = np.array([encoder.eos_id, *encoder.tokenizer.encode(text, add_special_tokens=False).ids], np.int64)
         stream = TokenStream.of([ids], {"text": text}, max_tokens)
         what = "--text"
+    elif data.startswith(EMBEDDED):
+        stream = shard_tokens(embedded_split(data.removeprefix(EMBEDDED)), encoder, max_tokens)
+        what = f"--data {data}"
     elif (Path(data) / MANIFEST).is_file():
         stream = shard_tokens(Path(data), encoder, max_tokens)
         what = f"--data {data}"
@@ -77,6 +83,16 @@ def open_tokens(
     if len(stream) == 0:
         raise DataError(f"{what} holds no tokens", "pass a non-empty data set or text")
     return stream
+
+
+def embedded_split(name: str) -> Path:
+    """The token folder of a split of the embedded corpus in this cache, built if it is not there yet."""
+    if name not in SPLITS:
+        raise UserError(
+            f"--data {EMBEDDED}{name}: the embedded corpus has no split {name!r}",
+            f"use one of {', '.join(EMBEDDED + s for s in SPLITS)} ({EMBEDDED}val: the held-out works)",
+        )
+    return embedded_corpus().split(name)
 
 
 def shard_tokens(folder: Path, encoder: Encoder, max_tokens: int | None) -> TokenStream:

@@ -69,7 +69,8 @@ def build_trackers(
 
     `run_name` names the W&B run when `metrics.wandb_run_name` is unset (default: the run directory's name).
     `resumed_from` is the step of the checkpoint a resumed run starts from; `wandb_run_id` the W&B run
-    it logged into.
+    it logged into (its checkpoint records it). `metrics.wandb_run_id`, when set, names the W&B run to log
+    into instead, e.g. to continue a run started elsewhere.
     """
     run_dir = Path(run_dir)
     m = cfg.metrics
@@ -79,7 +80,9 @@ def build_trackers(
         if m.enable_tensorboard:
             sinks.append(TensorBoardSink(run_dir / (m.tensorboard_dir or "tensorboard"), resumed_from))
         if m.enable_wandb:
-            sinks.append(WandbSink(cfg, run_dir, m.wandb_run_name or run_name or run_dir.name, wandb_run_id))
+            sinks.append(
+                WandbSink(cfg, run_dir, m.wandb_run_name or run_name or run_dir.name, m.wandb_run_id or wandb_run_id)
+            )
     except BaseException:
         MetricsLogger(sinks).close()
         raise

@@ -38,7 +38,7 @@ loss) works on a cp-th of the activations. Three parts, applied from outside the
     `ulysses`    all-to-all from sequence-sharded, all heads to whole-sequence, heads/cp heads, a plain causal
                  SDPA (packed: the one-process document mask and kernel), and back (DeepSpeed-Ulysses).
                  Needs the (query and key/value) heads divisible by cp.
-  Backward goes through PyTorch's differentiable functional collectives (all_gather_tensor_autograd,
+  Backward goes through PyTorch's differentiable functional collectives (all_gather_single_autograd,
   all_to_all_single_autograd), which also trace under torch.compile.
 
 What does not compose yet is refused: pipeline parallelism and MoE models by config validation
@@ -172,7 +172,7 @@ class AllGatherCore(ContextParallelCore):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
         local = q.shape[2]
-        kv = funcol.all_gather_tensor_autograd(torch.stack([k, v]).contiguous(), 3, self.mesh)
+        kv = funcol.all_gather_single_autograd(torch.stack([k, v]).contiguous(), 3, self.mesh)
         natural = torch.argsort(all_positions(local, self.size, q.device))  # position → gathered index
         k, v = kv.index_select(3, natural).unbind(0)  # (batch, kv heads, seq, head_dim) in sequence order
         chunk = local // 2
