@@ -1,7 +1,8 @@
 """The tokens an extraction runs over, from the same sources as training, cut into windows.
 
 Token shards from `forge tokenize` are memory-mapped (the way to extract over a corpus larger than memory),
-as are the embedded corpus's splits (`embedded:val`: its held-out works, wherever the cache keeps them); text, JSONL or Parquet files and `hf:NAME` datasets are tokenized here with the run's tokenizer, up to
+as are the embedded corpus's splits (`embedded:val`: its held-out works, wherever the cache keeps them);
+text, JSONL or Parquet files and `hf:NAME` datasets are tokenized here with the run's tokenizer, up to
 `--max-tokens`; `--text` is one document. Documents are joined the way training joins them (each ends in the
 end-of-text token), so a window sees the same kind of context the model was trained on.
 """
