@@ -17,8 +17,9 @@ from engine.checkpoint.hf_lora import export_adapters, import_with_adapter, modu
 from engine.config import JobConfig, dump_toml, load_job_config
 from engine.config.lora import LoraConfig
 from engine.generate import load_model
-from engine.model.lora import LoRALinear, apply_lora, merge_adapters
+from engine.model.lora import LoRALinear, apply_lora
 from engine.model.transformer import Transformer
+from engine.train.lora_merge import merge_adapters
 from forgecli.app import app
 from tests.data_fixtures import tokenizer_file
 from tests.test_convert import VOCAB, hf_model, make_run, model_config, random_model
@@ -261,7 +262,8 @@ def test_qlora_nf4_base_is_close_small_and_trains():
 @pytest.mark.slow
 def test_fsdp_on_two_processes_equals_one_process(tmp_path):
     """LoRA under FSDP2 on 2 processes (adapters sharded with their block, like every parameter; with
-    activation checkpointing) computes the one-process run: same losses and the same trained adapters."""
+    activation checkpointing) computes the one-process run: same losses and the same trained adapters, and a
+    merge at step 2 (engine/train/lora_merge.py: gathered whole, re-sharded) gives the same base weights."""
     from tests.test_distributed import forge, records
 
     common = (
@@ -270,6 +272,8 @@ def test_fsdp_on_two_processes_equals_one_process(tmp_path):
         "--optimizer.lr=1e-2",
         "--train.max_steps=3",
         "--eval.enabled=false",
+        "--lora.merge_interval=2",
+        "--lora.reset_optimizer_on_merge=true",
     )
     for name, extra in (("one", {}), ("two", {"nproc": 2})):
         args = (*common, "--train.activation_checkpointing=full") if extra else common
@@ -283,10 +287,12 @@ def test_fsdp_on_two_processes_equals_one_process(tmp_path):
         f"layers.{i}.{m}.{p}"
         for i in range(4)
         for m in ("attention.wq", "feed_forward.w2")
-        for p in ("lora_A", "lora_B")
+        for p in ("lora_A", "lora_B", "weight")
     ]
     ours, theirs = saved(tmp_path / "two", names), saved(tmp_path / "one", names)
-    assert any(t.any() for n, t in theirs.items() if n.endswith("lora_B"))  # the adapters trained
+    assert any(t.any() for n, t in theirs.items() if n.endswith("lora_B"))  # the adapters trained after the merge
+    for run in ("one", "two"):  # the merge ran, on every adapter, in both runs
+        assert "step 2: merged 28 LoRA adapters into the base weights" in (tmp_path / run / "train.log").read_text()
     for name in names:
         torch.testing.assert_close(ours[name], theirs[name], atol=1e-5, rtol=0, msg=name)
 

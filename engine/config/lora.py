@@ -68,7 +68,7 @@ class LoraConfig(Section):
         "init": "model/lora.py",
         "save_adapters_only": "train/job.py, checkpoint/hf.py",
         "merge_interval": "train/trainer.py",
-        "reset_optimizer_on_merge": "model/lora.py",
+        "reset_optimizer_on_merge": "train/lora_merge.py",
         "quantize_base": "model/lora.py, parallel/lora_memory.py",
         "group_size": "model/lora.py, parallel/lora_memory.py",
     }

@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor
 
 from engine.config.job import JobConfig
 from engine.metrics.trackers import MetricsLogger
-from engine.model.lora import merge_adapters
 from engine.parallel.launch import leave_process_group
 from engine.parallel.place import process_place
 from engine.resilience.anomaly import TrainingDiverged
@@ -37,6 +36,7 @@ from engine.resilience.health import check_collectives
 from engine.resilience.signals import Preempted, StopRequest
 from engine.train.hooks import ConfigHooks, HookFailed, TrainHooks
 from engine.train.job import Job, build_job, train_state
+from engine.train.lora_merge import merge_adapters
 from engine.train.losses import ModelLoss, build_loss
 from engine.train.profiling import ProfilerWindow
 from engine.train.reporting import Reporter, SilentReporter
@@ -241,7 +241,7 @@ def run_loop(
 
 def merge_due_adapters(job: Job, step: int) -> None:
     """Every lora.merge_interval steps, after the update: fold the adapters into the base and restart them
-    (engine.model.lora.merge_adapters; the model computes the same function before and after). The
+    (engine.train.lora_merge.merge_adapters; the model computes the same function before and after). The
     generator of the new A is seeded by the step, so a resumed run merges exactly as the first attempt."""
     interval = job.cfg.lora.merge_interval
     if not job.cfg.lora.enabled or interval is None or step % interval:
