@@ -254,8 +254,6 @@ TWO_PROCESS_SCRIPT = textwrap.dedent("""
     from torch.distributed.fsdp import fully_shard
 
     from engine.config.model import ModelConfig
-from engine.data.embedded import embedded_corpus
-from engine.data.shards import open_shard, read_manifest
     from engine.model.transformer import Transformer
     from forgecli.app import app
     from tests.torchrun import save_sharded_checkpoint
