@@ -258,8 +258,9 @@ class RingCore(ContextParallelCore):
             following = self.pass_on(block) if step < self.size - 1 else None  # in flight during the compute
             k, v = block.unbind(0)
             k_pos = head_tail_indices(seq, self.size, source, q.device)
-            if out is None:  # step 0: this rank's own block, causal
-                out, lse = attention_piece(q, k, v, piece_mask(documents, q_pos, k_pos, self.causal_mask(q_pos, q_pos)))
+            if out is None:  # step 0: this rank's own block, causal (packed: inside each document)
+                own = self.causal_mask(q_pos, q_pos) if documents is None else piece_mask(documents, q_pos, k_pos)
+                out, lse = attention_piece(q, k, v, own)
             elif source < self.rank:
                 mask = piece_mask(documents, q_pos, k_pos[:half])
                 out, lse = merge(out, lse, *attention_piece(q, k[:, :, :half], v[:, :, :half], mask))
@@ -279,14 +280,11 @@ class RingCore(ContextParallelCore):
 
 
 def piece_mask(
-    documents: torch.Tensor | None,
-    q_positions: torch.Tensor,
-    k_positions: torch.Tensor,
-    plain: torch.Tensor | None = None,
+    documents: torch.Tensor | None, q_positions: torch.Tensor, k_positions: torch.Tensor
 ) -> torch.Tensor | None:
-    """A ring piece's mask: `plain` (the causal mask, or None where the piece is wholly visible), or for packed
-    windows causality and documents from the whole window's ids."""
-    return plain if documents is None else document_causal_mask(documents, q_positions, k_positions)
+    """A ring piece's mask: none for plain windows (the piece is wholly visible), or for packed windows
+    causality and documents from the whole window's ids."""
+    return None if documents is None else document_causal_mask(documents, q_positions, k_positions)
 
 
 def attention_piece(
