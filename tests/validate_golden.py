@@ -28,6 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "validate"
 WIDTH = 200
 ENV = {"NO_COLOR": "1", "COLUMNS": str(WIDTH), "PYTHONUTF8": "1", "TERM": "dumb"}
+RICH_OVERRIDES = ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "LINES")
+"""Variables Rich reads that would turn colour or a terminal on in the `forge` process (a CI may set them)."""
 
 DEBUG, MOE, MIX = "presets/debug.toml", "presets/debug_moe.toml", "presets/mixture_debug.toml"
 TWO_SOURCES = '--data.datasets=[{name="a",embedded="plays"},{name="b",embedded="poems"}]'
@@ -481,7 +483,8 @@ def run_in_process(argv: list[str]) -> tuple[int, str, str]:
 
 def run_subprocess(argv: list[str]) -> tuple[int, str, str]:
     """`forge validate-config ARGV` as a user runs it, in its own process."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), **ENV}
+    inherited = {key: value for key, value in os.environ.items() if key not in RICH_OVERRIDES}
+    env = {**inherited, "PYTHONPATH": str(REPO), **ENV}
     done = subprocess.run(
         [sys.executable, "-m", "forgecli.app", "validate-config", *argv],
         cwd=REPO,
