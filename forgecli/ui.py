@@ -48,7 +48,7 @@ def show_user_error(err: Exception) -> None:
 
 
 def show_config_warnings(warnings: list[Any], to: Console | None = None) -> None:
-    """Config warnings (engine.config.job.config_warnings): the run goes ahead, the user is told what it does."""
+    """Config warnings (`JobConfig.warnings`): the run goes ahead, the user is told what it does."""
     for issue in warnings:
         hint = f" [dim]({escape(issue.hint)})[/dim]" if issue.hint else ""
         (to or err_console).print(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import typing
@@ -171,6 +172,29 @@ def test_cross_section_rules_all_reported():
     with pytest.raises(ConfigError) as info:
         cfg.validate(1)
     assert set(paths(info.value)) == {"train.seq_len", "eval.dataset_path"}
+
+
+def test_each_rooms_rules_import_first_and_without_torch():
+    """The cross-section rules live beside their rooms (engine/*/rules.py), and engine/config/job.py imports
+    them only when it validates: each module imports first, with no engine module loaded before it (no import
+    cycle through `engine.config`), and pulls in no torch, so validate-config stays torch-free."""
+    from engine.config.job import error_rules, warning_rules
+
+    modules = sorted({rule.__module__ for rule in (*error_rules(), *warning_rules())})
+    rooms = ["engine.data.rules", "engine.model.rules", "engine.parallel.rules", "engine.train.rules"]
+    assert set(rooms) <= set(modules) and all(re.fullmatch(r"engine\.\w+\.rules", name) for name in modules), modules
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'engine' or m.startswith('engine.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    importlib.import_module(name)\n"
+        "    assert 'torch' not in sys.modules, name\n"
+        "    print(name)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == modules
 
 
 def test_seed_schema_values_are_warnings_not_errors():

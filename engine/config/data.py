@@ -49,7 +49,7 @@ PositiveWeight = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 class MixtureSource(Section):
     """One `[[data.datasets]]` entry: a source of training tokens and its share of the mixture. Exactly one of
-    path, embedded and hf_name says where its tokens are (engine/config/job.py: mixture_issues)."""
+    path, embedded and hf_name says where its tokens are (engine/data/rules.py: mixture_issues)."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="what phases and metrics call this source")
     path: str | None = Field(None, description="directory written by `forge tokenize`")

@@ -176,3 +176,21 @@ class ModelConfig(Section):
         if self.ffn_hidden_dim is not None:
             return self.ffn_hidden_dim
         return 256 * math.ceil((8 / 3) * self.dim * self.ffn_dim_multiplier / 256)
+
+
+MOE_FIELDS = (
+    "moe_top_k",
+    "moe_frequency",
+    "moe_router",
+    "moe_shared_experts",
+    "moe_aux_loss_weight",
+    "moe_capacity_factor",
+    "moe_sequence_aux_loss_weight",
+    "moe_gradient_scale",
+    "moe_bias_schedule",
+    "moe_packed_experts",
+    "moe_expert_ffn_multiplier",
+    "moe_router_z_loss_weight",
+)
+"""The fields only a mixture of experts reads (num_experts > 0): a dense model refuses them
+(engine/model/rules.py), and `forge init` drops them when it makes a model dense."""

@@ -16,8 +16,9 @@ import tomlkit
 
 from engine.config import optimizer as optimizer_fields
 from engine.config import scheduler as scheduler_fields
-from engine.config.job import MOE_FIELDS, JobConfig
+from engine.config.job import JobConfig
 from engine.config.loader import build_job_config, read_preset
+from engine.config.model import MOE_FIELDS
 
 DataKind = Literal["embedded", "shards", "hf"]
 MOE_DEFAULTS = {"num_experts": 8, "moe_top_k": 2}

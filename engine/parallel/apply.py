@@ -19,11 +19,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from engine import precision
-from engine.config.job import JobConfig, moe_compiled_in_regions
+from engine.config.job import JobConfig
 from engine.errors import UserError
 from engine.model.moe import MoE
 from engine.model.transformer import Transformer
 from engine.parallel.activation_checkpoint import apply_activation_checkpointing
+from engine.parallel.compile_plan import moe_compiled_in_regions
 from engine.parallel.context import apply_context_parallel
 from engine.parallel.expert import apply_expert_parallel, fully_shard_experts, shard_experts
 from engine.parallel.float8 import convert_to_float8

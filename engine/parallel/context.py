@@ -42,7 +42,7 @@ loss) works on a cp-th of the activations. Three parts, applied from outside the
   all_to_all_single_autograd), which also trace under torch.compile.
 
 What does not compose yet is refused: pipeline parallelism and MoE models by config validation
-(engine/config/job.py), a KV cache (generation) by the positions hook.
+(engine/parallel/rules.py), a KV cache (generation) by the positions hook.
 """
 
 from __future__ import annotations

@@ -1,0 +1,176 @@
+"""The cross-section rules of the data a run reads (engine/data/): each source named in exactly one place,
+evaluation with data of its own, Hugging Face fields only beside a Hugging Face dataset, and mixtures whose
+phases name their sources, in order, inside the run.
+
+Torch-free, like every room's rules module: it imports engine.config's sections and helpers only (`JobConfig`
+for its types alone), and engine/config/job.py calls these functions in the order it lists.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.config.data import HubDatasetFields, MixtureSource
+from engine.config.fields import changed_fields
+from engine.errors import ConfigIssue
+
+if TYPE_CHECKING:
+    from engine.config.job import JobConfig
+
+
+def source_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """Evaluation needs held-out data of its own when training reads its own; then the Hugging Face fields."""
+    issues: list[ConfigIssue] = []
+    own_data = cfg.data.dataset_path is not None or cfg.data.hf_dataset_name is not None
+    own_data = own_data or any(source.embedded is None for source in cfg.data.datasets)
+    if cfg.eval.enabled and cfg.eval.dataset_path is None and cfg.eval.hf_dataset_name is None and own_data:
+        issues.append(
+            ConfigIssue(
+                "eval.dataset_path",
+                "eval is enabled but has no data source",
+                "set eval.dataset_path to held-out shards (or eval.hf_dataset_name), or eval.enabled = false",
+            )
+        )
+    return issues + hub_data_issues(cfg)
+
+
+def hub_data_issues(cfg: JobConfig) -> list[ConfigIssue]:
+    """A Hugging Face dataset replaces shards, needs a tokenizer to be encoded with, and its fields mean
+    nothing without it. (Like eval.dataset_path, the eval ones may stay set while evaluation is off.)"""
+    issues: list[ConfigIssue] = []
+    fields = [field for field in HubDatasetFields.model_fields if field != "hf_dataset_name"]
+    for section, values in (("data", cfg.data), ("eval", cfg.eval)):
+        if values.hf_dataset_name is None:
+            issues += [
+                ConfigIssue(
+                    f"{section}.{field}",
+                    f"is set, but {section}.hf_dataset_name is unset",
+                    f"set {section}.hf_dataset_name, or remove it",
+                )
+                for field in changed_fields(values, fields)
+            ]
+        elif values.dataset_path is not None:
+            issues.append(
+                ConfigIssue(
+                    f"{section}.hf_dataset_name",
+                    f"and {section}.dataset_path are both set",
+                    "train (or evaluate) on one of them",
+                )
+            )
+    named = cfg.data.hf_dataset_name is not None or cfg.eval.hf_dataset_name is not None
+    streamed = named or any(source.hf_name is not None for source in cfg.data.datasets)
+    readers = {
+        "hf_dataset_text_field": (named, "neither data.hf_dataset_name nor eval.hf_dataset_name is"),
+        "hf_streaming": (streamed, "no dataset is named (data.hf_dataset_name, eval.hf_dataset_name, hf_name)"),
+    }
+    issues += [
+        ConfigIssue(f"data.{field}", f"is set, but {readers[field][1]}", "name a dataset, or remove it")
+        for field in changed_fields(cfg.data, readers)
+        if not readers[field][0]
+    ]
+    if cfg.data.hf_dataset_name is not None and cfg.data.tokenizer_path is None:
+        issues.append(
+            ConfigIssue(
+                "data.tokenizer_path",
+                "is needed to tokenize data.hf_dataset_name",
+                "point it at a tokenizer.json (e.g. one written by forge tokenize)",
+            )
+        )
+    return issues
+
+
+def mixture_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """Sources named once and used alone; phases in order, inside the run, naming only sources."""
+    d, max_steps = cfg.data, cfg.train.max_steps
+    if not d.datasets:
+        fields = ("mix_temperature", "phases", "anneal_start_step", "anneal_weights")
+        return [
+            ConfigIssue(f"data.{field}", "is set, but data.datasets lists no sources", "add [[data.datasets]] entries")
+            for field in changed_fields(d, fields)
+        ]
+    issues = [
+        ConfigIssue(f"data.{field}", "and data.datasets are both set", "list the data set as a [[data.datasets]] entry")
+        for field in ("dataset_path", "hf_dataset_name")
+        if getattr(d, field) is not None
+    ]
+    issues += source_location_issues(d.datasets, d.tokenizer_path)
+    names = [source.name for source in d.datasets]
+    issues += [
+        ConfigIssue(f"data.datasets.{i}.name", f"{name!r} names an earlier source too", "give each source its own name")
+        for i, name in enumerate(names)
+        if name in names[:i]
+    ]
+    if (d.anneal_start_step is None) != (d.anneal_weights is None):
+        missing = "anneal_weights" if d.anneal_weights is None else "anneal_start_step"
+        issues.append(ConfigIssue(f"data.{missing}", "is needed by the anneal shorthand", f"set data.{missing}"))
+    if d.phases and d.anneal_start_step is not None:
+        issues.append(
+            ConfigIssue("data.anneal_start_step", "and data.phases are both set", "write the anneal as a last phase")
+        )
+    declared = [(f"data.phases.{i}", p.start_step, p.dataset_weights) for i, p in enumerate(d.phases)]
+    if d.anneal_start_step is not None and d.anneal_weights is not None:
+        declared.append(("data.anneal", d.anneal_start_step, d.anneal_weights))
+    for k, (where, start, weights) in enumerate(declared):
+        start_field = "data.anneal_start_step" if where == "data.anneal" else f"{where}.start_step"
+        weights_field = "data.anneal_weights" if where == "data.anneal" else f"{where}.dataset_weights"
+        if k and start <= declared[k - 1][1]:
+            issues.append(
+                ConfigIssue(
+                    start_field,
+                    f"{start} is not after the previous phase's {declared[k - 1][1]}",
+                    "sort the phases by start_step",
+                )
+            )
+        if start >= max_steps:
+            issues.append(
+                ConfigIssue(
+                    start_field,
+                    f"{start} is not before train.max_steps ({max_steps})",
+                    "start the phase inside the run",
+                )
+            )
+        unknown = sorted(set(weights) - set(names))
+        if unknown:
+            issues.append(
+                ConfigIssue(
+                    weights_field,
+                    f"names unknown source(s) {', '.join(unknown)}",
+                    f"use names of data.datasets: {', '.join(names)}",
+                )
+            )
+        if not weights:
+            issues.append(ConfigIssue(weights_field, "is empty", "give at least one source a weight"))
+    return issues
+
+
+def source_location_issues(sources: list[MixtureSource], tokenizer_path: str | None) -> list[ConfigIssue]:
+    """Each source in exactly one place (shards, the embedded corpus, a Hugging Face dataset), the Hugging
+    Face fields only beside hf_name, and a tokenizer to encode the Hugging Face sources with."""
+    issues = []
+    for i, source in enumerate(sources):
+        where = f"data.datasets.{i}"
+        given = [field for field in MixtureSource.LOCATIONS if getattr(source, field) is not None]
+        if len(given) != 1:
+            issues.append(
+                ConfigIssue(
+                    f"{where}.{given[-1] if given else 'path'}",
+                    f"and {where}.{given[0]} are both set" if given else "is unset, and so are embedded and hf_name",
+                    "give exactly one of path (forge tokenize output), embedded (a corpus split) or hf_name "
+                    "(a Hugging Face dataset)",
+                )
+            )
+        if source.hf_name is None:
+            issues += [
+                ConfigIssue(f"{where}.{field}", f"is set, but {where}.hf_name is unset", "remove it, or set hf_name")
+                for field in changed_fields(source, MixtureSource.HUB_FIELDS)
+            ]
+    hub = [i for i, source in enumerate(sources) if source.hf_name is not None]
+    if hub and tokenizer_path is None and all(source.hf_name is not None for source in sources):
+        issues.append(
+            ConfigIssue(
+                "data.tokenizer_path",
+                f"is needed to tokenize data.datasets.{hub[0]}.hf_name (no source has shards with a tokenizer)",
+                "point it at a tokenizer.json (e.g. one written by forge tokenize)",
+            )
+        )
+    return issues

@@ -1,0 +1,151 @@
+"""The cross-section rules of the model (engine/model/): sequences within its RoPE table, MoE fields only
+for a model with experts and routing that can work, and what LoRA adapters (model/lora.py) cannot be combined
+with yet; and the warning for a capacity factor of 0.
+
+Torch-free, like every room's rules module: it imports engine.config's sections and helpers only (`JobConfig`
+for its types alone), and engine/config/job.py calls these functions in the order it lists.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.config.fields import changed_fields, unread_field_issues
+from engine.config.lora import LoraConfig
+from engine.config.model import MOE_FIELDS
+from engine.errors import ConfigIssue
+
+if TYPE_CHECKING:
+    from engine.config.job import JobConfig
+
+
+def length_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """Training sequences fit the model's position table."""
+    m, t = cfg.model, cfg.train
+    if t.seq_len > m.max_seq_len:
+        return [
+            ConfigIssue(
+                "train.seq_len",
+                f"{t.seq_len} exceeds model.max_seq_len ({m.max_seq_len})",
+                "lower train.seq_len or raise model.max_seq_len",
+            )
+        ]
+    return []
+
+
+def moe_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """MoE fields only when the model has experts, and routing that can work. (What compiling an MoE model
+    allows is a layout rule: engine/parallel/rules.py.)"""
+    m = cfg.model
+    if not m.is_moe:
+        return [
+            ConfigIssue(
+                f"model.{field}",
+                "is set, but the model is dense (model.num_experts = 0)",
+                "set model.num_experts > 0 for a mixture of experts, or remove it",
+            )
+            for field in changed_fields(m, MOE_FIELDS)
+        ]
+    issues = unread_field_issues("model", m, m.moe_router, {"moe_bias_schedule": ("sigmoid_topk",)})
+    if m.moe_top_k > m.num_experts:
+        issues.append(
+            ConfigIssue(
+                "model.moe_top_k",
+                f"{m.moe_top_k} exceeds model.num_experts ({m.num_experts})",
+                "route each token to at most num_experts experts",
+            )
+        )
+    if m.moe_frequency > m.n_layers:
+        issues.append(
+            ConfigIssue(
+                "model.moe_frequency",
+                f"{m.moe_frequency} > model.n_layers ({m.n_layers}) leaves no MoE block",
+                "use a frequency <= n_layers (1 = every block)",
+            )
+        )
+    return issues
+
+
+def moe_warnings(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """A capacity factor of 0 is the seed schema's way of saying dropless."""
+    m = cfg.model
+    if m.is_moe and m.moe_capacity_factor == 0:
+        return [
+            ConfigIssue(
+                "model.moe_capacity_factor",
+                "0 means no capacity limit: dropless routing, every assignment is computed (as when unset)",
+            )
+        ]
+    return []
+
+
+def lora_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """What `[lora]` cannot be combined with yet, each refused with the fix (never silently ignored)."""
+    lora = cfg.lora
+    if not lora.enabled:
+        defaults = LoraConfig()
+        return [
+            ConfigIssue(f"lora.{name}", "is set, but lora.enabled = false", "set lora.enabled = true, or remove it")
+            for name in LoraConfig.model_fields
+            if name != "enabled" and getattr(lora, name) != getattr(defaults, name)
+        ]
+    issues = []
+
+    def refuse(field: str, problem: str, fix: str) -> None:
+        issues.append(ConfigIssue(field, problem, fix))
+
+    d = cfg.distributed
+    for degree in ("tp", "pp", "cp"):
+        if getattr(d, degree) > 1:
+            refuse(
+                f"distributed.{degree}",
+                f"= {getattr(d, degree)}: LoRA adapters are supported under FSDP/HSDP only, not with {degree} > 1 yet",
+                f"set distributed.{degree} = 1 (shard with distributed.dp_shard), or lora.enabled = false",
+            )
+    if cfg.train.ema_decay:
+        refuse(
+            "train.ema_decay",
+            "an EMA of the weights is not supported with LoRA yet (it would average the frozen base too)",
+            "set train.ema_decay = 0 with lora.enabled = true",
+        )
+    if cfg.train.mixed_precision == "fp8":
+        refuse(
+            "train.mixed_precision",
+            '= "fp8": float8 training converts nn.Linear layers, which the adapted ones no longer are',
+            'use "bf16" with LoRA',
+        )
+    if lora.quantize_base is not None:
+        if world_size > 1:
+            refuse(
+                "lora.quantize_base",
+                f"a 4-bit base trains in one process only (world size here: {world_size})",
+                "train QLoRA in one process, or unset lora.quantize_base and shard the fp32 base with FSDP",
+            )
+        if not lora.save_adapters_only:
+            refuse(
+                "lora.quantize_base",
+                "the NF4 base cannot go into a checkpoint, so checkpoints must hold the adapters only",
+                "set lora.save_adapters_only = true (a resume re-quantizes the base from checkpoint.load_path)",
+            )
+        if lora.merge_interval is not None:
+            refuse(
+                "lora.merge_interval",
+                "cannot merge into a 4-bit base without re-quantizing it (losing what the adapter learned)",
+                "unset lora.merge_interval, or lora.quantize_base",
+            )
+    if lora.merge_interval is not None:
+        if lora.save_adapters_only:
+            refuse(
+                "lora.merge_interval",
+                "merging changes the base weights, which lora.save_adapters_only leaves out of checkpoints",
+                "set lora.save_adapters_only = false, or unset lora.merge_interval",
+            )
+        if cfg.optimizer.name == "schedule_free_adamw":
+            refuse(
+                "lora.merge_interval",
+                "schedule_free_adamw's averaged weights would not follow a merge",
+                "use adamw, or unset lora.merge_interval",
+            )
+    if lora.reset_optimizer_on_merge and lora.merge_interval is None:
+        refuse("lora.reset_optimizer_on_merge", "is set, but lora.merge_interval is not", "set lora.merge_interval")
+    return issues

@@ -1,0 +1,123 @@
+"""The cross-section rules of training (engine/train/): the optimizer, schedule and loss fields the chosen
+components read, combinations of them that work together, the EMA of the weights and the profiling window;
+and the warning for a warmup as long as the run.
+
+Torch-free, like every room's rules module (engine/train/optim/ imports torch, so the optimizer's rules live
+here): it imports engine.config's sections and helpers only (`JobConfig` for its types alone), and
+engine/config/job.py calls these functions in the order it lists.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.config import optimizer as optimizer_fields
+from engine.config import scheduler as scheduler_fields
+from engine.config.fields import unread_field_issues
+from engine.errors import ConfigIssue
+
+if TYPE_CHECKING:
+    from engine.config.job import JobConfig
+
+
+def profiling_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """The profiled window starts inside the run."""
+    if cfg.profiling.enable and cfg.profiling.start_step > cfg.train.max_steps:
+        return [
+            ConfigIssue(
+                "profiling.start_step",
+                f"{cfg.profiling.start_step} is after train.max_steps ({cfg.train.max_steps})",
+                "profile a window inside the run",
+            )
+        ]
+    return []
+
+
+def optimization_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """Optimizer, schedule and loss fields that the chosen components would not read, and combinations
+    that do not work together."""
+    o, s, t = cfg.optimizer, cfg.scheduler, cfg.train
+    issues = unread_field_issues("optimizer", o, o.name, optimizer_fields.READ_BY)
+    issues += unread_field_issues("scheduler", s, s.name, scheduler_fields.READ_BY)
+    issues += unread_field_issues("train", t, t.loss_fn, {"ce_chunk_size": ("chunked_cross_entropy",)})
+    issues += unread_field_issues("train", t, t.mixed_precision, {"fp8_recipe": ("fp8",)})
+    if o.name == "schedule_free_adamw" and s.name not in ("constant", "none"):
+        issues.append(
+            ConfigIssue(
+                "scheduler.name",
+                f"schedule_free_adamw replaces the LR schedule; {s.name!r} would fight it",
+                "set scheduler.name = 'constant' or 'none' (warm up with optimizer.schedule_free_warmup_steps)",
+            )
+        )
+    if o.name == "schedule_free_adamw" and o.betas[0] == 0:
+        issues.append(
+            ConfigIssue(
+                "optimizer.betas",
+                "schedule_free_adamw needs betas[0] > 0 (it interpolates between "
+                "its averaged and its gradient sequence with it)",
+                "use e.g. betas = [0.9, 0.999]",
+            )
+        )
+    if s.cycles is not None and max(s.cycles if isinstance(s.cycles, list) else [s.cycles]) >= t.max_steps:
+        issues.append(
+            ConfigIssue(
+                "scheduler.cycles",
+                f"{s.cycles} does not fit in train.max_steps = {t.max_steps}",
+                "give fewer cycles, or boundaries below train.max_steps",
+            )
+        )
+    if s.name == "wsd" and s.stable_steps and s.decay_steps is None:
+        to_end = t.max_steps - s.warmup_steps - s.stable_steps - 1
+        issues.append(
+            ConfigIssue(
+                "scheduler.decay_steps",
+                "wsd with stable_steps needs the length of its decay",
+                f"set scheduler.decay_steps (= {to_end} ends the decay on the last step)"
+                if to_end > 0
+                else "set scheduler.decay_steps, and train longer than warmup + stable steps",
+            )
+        )
+    return issues
+
+
+def ema_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """The EMA of the weights: its warm-up only with a decay, and not where it is not supported yet."""
+    t = cfg.train
+    if not t.ema_decay:
+        if t.ema_warmup:
+            return [ConfigIssue("train.ema_warmup", "is set, but the EMA is off", "set train.ema_decay (e.g. 0.999)")]
+        return []
+    issues = []
+    if cfg.distributed.pp > 1:
+        issues.append(
+            ConfigIssue(
+                "train.ema_decay",
+                "an EMA of the weights is not supported with pipeline parallelism (distributed.pp > 1) yet",
+                "set train.ema_decay = 0, or train without pipeline parallelism",
+            )
+        )
+    if cfg.optimizer.name == "schedule_free_adamw":
+        issues.append(
+            ConfigIssue(
+                "train.ema_decay",
+                "schedule_free_adamw already averages its weights (it evaluates and ships the average)",
+                "set train.ema_decay = 0, or use another optimizer",
+            )
+        )
+    return issues
+
+
+def schedule_warnings(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """Short benchmark presets keep their production warmup (the seed framework runs them), so a warmup as
+    long as the run is said out loud, not refused."""
+    t, s = cfg.train, cfg.scheduler
+    if s.warmup_steps >= t.max_steps and s.name != "none":
+        return [
+            ConfigIssue(
+                "scheduler.warmup_steps",
+                f"{s.warmup_steps} >= train.max_steps ({t.max_steps}): the whole run warms up and the "
+                f"learning rate never reaches optimizer.lr (it ends at {t.max_steps / (s.warmup_steps + 1):.3g} × lr)",
+                "fine for a short benchmark; shorten the warmup or train longer for a real run",
+            )
+        ]
+    return []
