@@ -195,7 +195,9 @@ def test_forge_generate_interactive_loop(tiny_run):
     )
     assert result.exit_code == 0, result.output
     # Two prompts answered, each with the greedy continuation of its own text; the empty line quits.
-    alone = [forge("generate", str(tiny_run), "-p", p, "-n", "5", "--temperature", "0").stdout for p in ("First", "Second")]
+    alone = [
+        forge("generate", str(tiny_run), "-p", p, "-n", "5", "--temperature", "0").stdout for p in ("First", "Second")
+    ]
     assert alone[0].startswith("First") and alone[1].startswith("Second") and alone[0][5:] != alone[1][6:]
     assert result.stdout == f"prompt> {alone[0][5:]}prompt> {alone[1][6:]}prompt> "
 
