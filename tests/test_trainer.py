@@ -60,8 +60,8 @@ class ComputeDtypes(TrainHooks):
 
 
 def rounding_tolerance(dtype: torch.dtype, logits_rms: float, tokens: int, steps: int, roundings: int = 3) -> float:
-    """How far a mean cross-entropy computed with `dtype` (bf16/fp16) matmuls may lie from fp32's (or from
-    another `dtype` run's with its roundings elsewhere), at most, over `steps` training steps.
+    """How far rounding alone may move a mean cross-entropy computed with `dtype` (bf16/fp16) matmuls from
+    fp32's (or from another `dtype` run's that rounds elsewhere) over `steps` training steps.
 
     Derivation. A `dtype` value has p significant bits (bf16 8, fp16 11): rounding to nearest moves it by a
     relative error uniform in ±u, u = 2^-p (bf16 3.9e-3, fp16 4.9e-4), standard deviation u/√3. Each logit
@@ -70,9 +70,9 @@ def rounding_tolerance(dtype: torch.dtype, logits_rms: float, tokens: int, steps
     has standard deviation ≤ u·rms(z)·√(roundings/3). A token's loss, logsumexp(z) - z_label, moves by its
     label's error (the softmax-weighted mean of the others' errors is ~1/√vocab of it), and the mean over
     `tokens` independent tokens by σ = u·rms(z)·√(roundings/(3·tokens)). The blocks below the head (their
-    own roundings reach the logits damped by the residual stream) and the updates that carry one step's
-    differences into the next grow this with the steps, at most linearly: steps·σ. Allowed: 6 standard
-    deviations of that (a normal deviate exceeds 6 with probability 2e-9)."""
+    own roundings reach the logits damped by the residual stream) and the updates, which carry one step's
+    differences into the next, make this grow with the steps; allowed: linearly, steps·σ. The margin: 6 of
+    those standard deviations (a normal deviate exceeds 6 with probability 2e-9)."""
     u = torch.finfo(dtype).eps / 2  # eps is the gap above 1, 2^(1-p)
     return 6 * steps * u * logits_rms * math.sqrt(roundings / (3 * tokens))
 
@@ -132,7 +132,7 @@ def test_reduced_precision_trains_close_to_fp32(tmp_path, precision):
     """The forward really autocasts (the logits come out in the reduced dtype, fp32 without), and the losses
     differ from fp32's, but only by rounding (`rounding_tolerance`: 4 steps of 4 × 64 tokens, logits of rms
     0.16-0.18, allows 1.0e-3 in bf16 and 1.3e-4 in fp16). Measured (torch 2.13, CPU), the largest per-step
-    |reduced − fp32| is 1.1e-4 (bf16) and 3.1e-5 (fp16)."""
+    |reduced − fp32| is 1.1e-4 (bf16) and 3.1e-5 (fp16): 9 and 4 times under."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     full, reduced_dtypes = ComputeDtypes(), ComputeDtypes()
     logits = "train.loss_fn=cross_entropy"  # the hook reads the logits, which the chunked loss never makes
