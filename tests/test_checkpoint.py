@@ -248,6 +248,7 @@ ASYNC_SCRIPT = """
 import sys, threading, time, torch, torch.distributed as dist
 from concurrent.futures import Future
 from pathlib import Path
+import torch.distributed.checkpoint as dcp
 import engine.checkpoint.manager as manager
 from engine.checkpoint.manager import Checkpointer
 from engine.config.checkpoint import CheckpointConfig
@@ -270,6 +271,23 @@ def finishing_late(start):
     return start_late
 
 
+dcp_async_save = dcp.async_save
+
+
+def recording_group(*args, **kwargs):
+    # What DCP's collectives will run on, written before they run (on a wrong group they may hang): a gloo
+    # group of both ranks that is neither the training group nor the one poll() asks on.
+    group = kwargs.get("process_group")
+    with open(root.parent / f"group_rank{dist.get_rank()}", "a") as record:
+        print([
+            group is not None and group not in (dist.group.WORLD, ckpt.control),
+            group is not None and dist.get_backend(group),
+            group is not None and dist.get_process_group_ranks(group),
+        ], file=record)
+    return dcp_async_save(*args, **kwargs)
+
+
+dcp.async_save = recording_group
 if dist.get_rank() == 1:
     manager.start_async_save = finishing_late(manager.start_async_save)
 torch.manual_seed(0)
@@ -308,6 +326,10 @@ def test_async_save_with_two_ranks_uses_its_own_gloo_group_and_holds_its_step(tm
     script = tmp_path / "save.py"
     script.write_text(ASYNC_SCRIPT)
     result = torchrun(script, 2, str(tmp_path / "ckpt"), mode, timeout=120)
+    for rank in range(2):  # per dcp.async_save call: [a group of its own, its backend, its ranks]
+        given = tmp_path / f"group_rank{rank}"
+        assert given.exists(), result.stdout[-3000:]
+        assert given.read_text().splitlines() == ["[True, 'gloo', [0, 1]]"], (rank, given.read_text())
     assert result.returncode == 0, result.stdout[-3000:]
     # Each rank writes its own file: two ranks printing to one pipe can interleave their lines.
     finished = [(tmp_path / f"finished_rank{rank}").read_text() for rank in range(2)]

@@ -159,6 +159,7 @@ def tiny_run(tmp_path_factory) -> Path:
         "model.max_seq_len=64",
         "train.seq_len=32",
         "train.max_steps=8",
+        "checkpoint.interval=4",  # two checkpoints, steps 4 and 8: the run directory must mean the newest
         "eval.enabled=false",
         "scheduler.warmup_steps=1",
         "optimizer.lr=3e-3",
@@ -182,10 +183,10 @@ def test_forge_generate_streams_text_deterministically_with_a_seed(tiny_run):
     assert first.exit_code == 0, first.output
     assert first.stdout.startswith("The") and len(first.stdout.strip()) > len("The")
     assert first.stdout == second.stdout
-    step = forge(
-        "generate", str(tiny_run / "checkpoints" / "step_8"), "--prompt", "The", "--max-new-tokens", "20", "--seed", "3"
-    )
-    assert step.stdout == first.stdout  # the run directory means its newest checkpoint
+    assert sorted(p.name for p in (tiny_run / "checkpoints").glob("step_*")) == ["step_4", "step_8"]
+    older, newest = (forge("generate", str(tiny_run / "checkpoints" / f"step_{n}"), *args[2:]) for n in (4, 8))
+    assert older.stdout != newest.stdout  # the two checkpoints tell apart which one was loaded
+    assert first.stdout == newest.stdout  # the run directory means its newest checkpoint
 
 
 def test_forge_generate_interactive_loop(tiny_run):
@@ -193,7 +194,12 @@ def test_forge_generate_interactive_loop(tiny_run):
         "generate", str(tiny_run), "--interactive", "-n", "5", "--temperature", "0", stdin="First\nSecond\n\n"
     )
     assert result.exit_code == 0, result.output
-    assert result.stdout.count("prompt>") == 3  # two prompts answered, the empty line quits
+    # Two prompts answered, each with the greedy continuation of its own text; the empty line quits.
+    alone = [
+        forge("generate", str(tiny_run), "-p", p, "-n", "5", "--temperature", "0").stdout for p in ("First", "Second")
+    ]
+    assert alone[0].startswith("First") and alone[1].startswith("Second") and alone[0][5:] != alone[1][6:]
+    assert result.stdout == f"prompt> {alone[0][5:]}prompt> {alone[1][6:]}prompt> "
 
 
 @pytest.mark.parametrize(

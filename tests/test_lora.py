@@ -300,9 +300,22 @@ def test_fsdp_on_two_processes_equals_one_process(tmp_path):
 def test_adapted_blocks_checkpoint_and_compile_to_the_same_gradients():
     """Activation checkpointing and a full-graph compile of adapted blocks (dynamo must trace LoRALinear
     without a graph break; its eager backend keeps this quick, tests/test_trainer.py runs inductor): same
-    logits and adapter gradients as eager."""
+    logits and adapter gradients as eager, and the blocks ran as the graph dynamo traced."""
     from engine.parallel.activation_checkpoint import apply_activation_checkpointing
 
+    graphs, calls = [], []
+
+    def counting(graph: torch.fx.GraphModule, example_inputs) -> object:
+        """Dynamo's eager backend (run the traced graph as it is), counting graphs and their calls."""
+        graphs.append(graph)
+
+        def call(*args):
+            calls.append(graph)
+            return graph.forward(*args)
+
+        return call
+
+    torch._dynamo.reset()
     model, _ = lora_model(TARGETS["all-linear"])
     tokens = torch.randint(0, VOCAB, (2, 24))
 
@@ -315,8 +328,10 @@ def test_adapted_blocks_checkpoint_and_compile_to_the_same_gradients():
     eager_logits, eager_grads = logits_and_grads()
     apply_activation_checkpointing(model, "full")
     for block in model.layers.values():
-        block.compile(fullgraph=True, backend="eager")
+        block.compile(fullgraph=True, backend=counting)
     logits, grads = logits_and_grads()
+    # Each block's forward ran as a graph dynamo traced: one call per block, at most one graph per block.
+    assert len(model.layers) == len(calls) == 2 and 1 <= len(graphs) <= 2, (len(calls), len(graphs))
     torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
     assert len(grads) == len(eager_grads) == 2 * (2 * 7 + 1)
     for ours, theirs in zip(grads, eager_grads):

@@ -68,15 +68,57 @@ def test_tensorboard_dir_absolute(tmp_path: Path):
     assert list(target.glob("events.out.tfevents.*"))
 
 
-def test_wandb_offline_creates_its_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def wandb_history(offline_run: Path) -> list[dict]:
+    """The history rows (one per `run.log`) of a W&B offline run, read back from its `run-<id>.wandb` file,
+    what `wandb sync` uploads. wandb has no Python reader for it (its service reads it), so this follows the
+    file's format: a 7-byte header (b":W&B", magic 0xBEE1 as uint16 LE, version 0), then `Record` protobufs
+    (wandb.proto.wandb_internal_pb2) in LevelDB-log style chunks: 32 KiB blocks, each chunk a 7-byte header
+    (CRC-32, uint16 LE length, type: 1 whole record, 2 first, 3 middle, 4 last piece), a block's last
+    < 7 bytes zero padding."""
+    import struct
+
+    import wandb
+    from wandb.proto import wandb_internal_pb2
+
+    wandb.teardown()  # `run.finish()` returns before W&B's service has written the file; this waits for it
+    (path,) = offline_run.glob("run-*.wandb")
+    data, block, header = path.read_bytes(), 32768, 7
+    assert data[:4] == b":W&B" and struct.unpack("<HB", data[4:header]) == (0xBEE1, 0), "not a W&B run file"
+    rows, pos, pieces, kinds = [], header, b"", []
+    while pos + header <= len(data):
+        if block - pos % block < header:  # padding at the end of a block
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + header])
+        assert kind in (1, 2, 3, 4), f"chunk type {kind} at byte {pos} of {path}"
+        pieces += data[pos + header : pos + header + length]
+        pos += header + length
+        if kind in (1, 4):  # a record is complete
+            record = wandb_internal_pb2.Record.FromString(pieces)
+            pieces = b""
+            kinds.append(record.WhichOneof("record_type"))
+            if kinds[-1] == "history":
+                items = record.history.item  # a key is `key`, or `nested_key` when W&B sends it in parts
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items})
+    assert kinds[-1:] == ["exit"] and not pieces, f"{path} is cut short: {kinds[-3:]}"  # the run's last record
+    return rows
+
+
+def test_wandb_offline_logs_the_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run-7"
     with build_trackers(job(enable_wandb=True), run_dir) as logger:
-        logger.log(1, {"loss": 3.0, "mfu": None})
-    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
-    assert [r["step"] for r in records(run_dir)] == [1]
+        logger.log(1, {"step": 1, "loss": 3.0, "mfu": None})
+        logger.log(2, {"step": 2, "loss": 2.0, "mfu": 0.25})
+    (offline_run,) = (run_dir / "wandb").glob("offline-run-*")
+    rows = wandb_history(offline_run)  # W&B adds its own keys (_step, _runtime, _timestamp)
+    assert [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows] == [
+        {"step": 1, "loss": 3.0},
+        {"step": 2, "loss": 2.0, "mfu": 0.25},
+    ]
+    assert [r["step"] for r in records(run_dir)] == [1, 2]
 
 
 @pytest.mark.parametrize(
@@ -321,6 +363,7 @@ def test_wandb_resume_continues_the_same_run(tmp_path: Path, monkeypatch: pytest
         assert logger.wandb_run_id == run_id
     runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(f"-{run_id}" in r.name for r in runs)  # a second dir in the same second gets "-1"
+    assert [[(row["step"], row["loss"]) for row in wandb_history(run)] for run in runs] == [[(1, 3.0)], [(2, 2.0)]]
 
 
 def test_metrics_wandb_run_id_names_the_run_over_the_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

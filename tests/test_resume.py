@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine.checkpoint.dcp import latest_checkpoint
+from engine.checkpoint.layout import COMPLETE, step_dirs
 from engine.config import load_job_config
 from engine.config.changes import resume_issues
 from tests.conftest import REPO
@@ -202,6 +203,11 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
     raise AssertionError("training ended before the step to interrupt")
 
 
+def saving(marker: Path) -> Path:
+    """The checkpoint folder of the newest save tests.slow_saves announced."""
+    return Path(marker.read_text().splitlines()[-1])
+
+
 def assert_same_as(run_dir: Path, reference: Path) -> None:
     assert losses(run_dir) == losses(reference)
     ours, theirs = final_weights(run_dir), final_weights(reference)
@@ -226,6 +232,9 @@ def test_sigterm_saves_exits_for_requeue_and_resumes_exactly(tmp_path, uninterru
             time.sleep(0.005)
         assert len(marker.read_text().splitlines()) > saves, "the stop's save did not start"
         proc.send_signal(signal.SIGTERM)  # a second signal while it saves (the write waits 0.2 s) changes nothing
+        # COMPLETE is written last and never removed from the newest checkpoint: missing now, the save was
+        # unfinished when the signal was sent.
+        assert not (saving(marker) / COMPLETE).exists(), "the second signal came after the save had finished"
         assert proc.wait(timeout=60) == 75, log.read_text()
     finally:
         proc.kill()
@@ -261,6 +270,7 @@ def test_killed_at_any_moment_even_mid_save_resumes_exactly(tmp_path, uninterrup
     env = {**child_env(), "FORGE_TEST_SAVE_MARKER": str(marker)}
     args = train_args(run_dir, "--train.max_steps=40", f"--checkpoint.async_mode={mode}")
     rng = random.Random(mode)
+    landed = []  # per attempt: whether the kill cut a save short, i.e. left the step_N it wrote incomplete
     for attempt in range(3):
         saves_before = len(marker.read_text().splitlines())
         target = saves_before + rng.choice([1, 2])
@@ -270,11 +280,15 @@ def test_killed_at_any_moment_even_mid_save_resumes_exactly(tmp_path, uninterrup
             while len(marker.read_text().splitlines()) < target and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.005)
             assert proc.poll() is None, "training ended before the save to interrupt"
-            time.sleep(rng.uniform(0.0, 0.35))  # inside the 0.2 s write, in the markers' fsync, or just after
+            # Inside the 0.2 s write, in the markers' fsync, or just after; the first attempt early in the write.
+            time.sleep(rng.uniform(0.0, 0.1 if attempt == 0 else 0.35))
             proc.send_signal(signal.SIGKILL)
         finally:
             proc.kill()
             proc.wait()
+        incomplete = {path for _, path in step_dirs(run_dir / "checkpoints") if not (path / COMPLETE).exists()}
+        landed.append(saving(marker) in incomplete)
+    assert any(landed), f"no kill landed inside a save: {landed}"
     result = forge(*args)
     assert result.returncode == 0, result.stderr
     assert_same_as(run_dir, uninterrupted)
