@@ -313,7 +313,11 @@ def show_fit(points: list[RunPoint], unfinished: list[Unfinished], out: dict[str
     runs = table(f"{len(points)} finished runs: final held-out loss")
     for column in ("run", "N", "D", "C (Forge)", "6·N·D", "loss"):
         runs.add_column(column, justify="left" if column == "run" else "right")
-    for p in sorted(points, key=lambda p: (p.flops, p.params)):
+    for p in (
+        points[i]
+        for budget in out["approach2"]["budgets"]
+        for i in sorted(budget["runs"], key=lambda i: points[i].params)
+    ):
         runs.add_row(escape(p.name), human(p.params), human(p.tokens), sci(p.flops), sci(p.flops_6nd), f"{p.loss:.4f}")
     print_wide(runs)
     for u in unfinished:
@@ -342,8 +346,9 @@ def show_fit(points: list[RunPoint], unfinished: list[Unfinished], out: dict[str
 
     three = out["approach3"]
     law, ci = three["law"], three["intervals"]
-    params = table(f"approach 3: L(N, D) = E + A/N^α + B/D^β ({three['confidence']:.0%} bootstrap intervals)")
-    for column in ("parameter", "value", "low", "high"):
+    level = f"{three['confidence']:.0%}"
+    params = table("approach 3: L(N, D) = E + A/N^α + B/D^β")
+    for column in ("parameter", "value", f"{level} low", f"{level} high"):
         params.add_column(column, justify="left" if column == "parameter" else "right")
     for name, label in (("E", "E"), ("A", "A"), ("B", "B"), ("alpha", "α"), ("beta", "β")):
         params.add_row(label, f"{law[name]:.4g}", f"{ci[name][0]:.4g}", f"{ci[name][1]:.4g}")
@@ -354,7 +359,7 @@ def show_fit(points: list[RunPoint], unfinished: list[Unfinished], out: dict[str
         low, high = p["interval"]
         say(
             f"prediction for {p['preset']} (N = {human(p['params'])}, D = {human(p['tokens'])}): "
-            f"loss {p['loss']:.4f} [{low:.4f}, {high:.4f}]"
+            f"loss {p['loss']:.4f} ({level} interval {low:.4f} to {high:.4f})"
         )
     if "plot" in out:
         say(f"plot: {out['plot']}")

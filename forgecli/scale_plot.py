@@ -81,6 +81,8 @@ def save_scaling_plot(points: list[RunPoint], fits: dict[str, Any], prediction: 
             capsize=4,
             label="prediction",
         )
+    shown = [*loss, *([prediction["loss"]] if prediction else [])]
+    compute.set_ylim(min(shown) - 0.5 * np.ptp(shown) - 0.05, max(shown) + 0.5 * np.ptp(shown) + 0.05)
     compute.set(xscale="log", xlabel="FLOPs C (Forge)", ylabel="final held-out loss", title="loss vs compute")
     compute.legend(fontsize="small")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,9 @@ def point_states(plan_dir: Path, plan: Plan) -> list[PointState]:
         if not (run_dir / RUN_CONFIG).is_file():
             state = "new"
         else:
-            state = "complete" if summarize_run(run_dir).status == "complete" else "resume"
+            summary = summarize_run(run_dir)
+            done = summary.status == "complete" and summary.step == point.max_steps
+            state = "complete" if done else "resume"
         states.append(PointState(point, config, run_dir, state))
     return states
 

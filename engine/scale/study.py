@@ -26,8 +26,8 @@ from engine.runs import metric_records, run_config, summarize_run
 from engine.scale.family import check_scalable, family_fields
 from engine.scale.fit import approach2, approach3, check_enough
 
-# [data] fields that say how batches are loaded, not what they hold.
-LOADER_FIELDS = ("num_workers", "pin_memory", "prefetch_factor")
+# [data] fields that say how batches are loaded, not what they hold (and the tokenizer, compared on its own).
+LOADER_FIELDS = ("num_workers", "pin_memory", "prefetch_factor", "tokenizer_path")  # the last: see `tokenizer`
 EVAL_SOURCE_FIELDS = (
     "dataset_path",
     "file_pattern",
@@ -63,7 +63,7 @@ def read_run(run_dir: Path) -> RunPoint | Unfinished:
     summary = summarize_run(run_dir, str(run_dir))
     if summary.status != "complete" or summary.step != summary.max_steps:
         progress = f"step {summary.step or 0} of {summary.max_steps}"
-        return Unfinished(str(run_dir), str(run_dir), summary.status, f"{progress}; {summary.detail}".strip("; "))
+        return Unfinished(run_dir.name, str(run_dir), summary.status, f"{progress}; {summary.detail}".strip("; "))
     cfg = load_job_config(run_dir / RUN_CONFIG)
     records = metric_records(run_dir)
     final = [r for r in records if "eval_loss" in r and r["step"] == summary.max_steps]
@@ -76,7 +76,7 @@ def read_run(run_dir: Path) -> RunPoint | Unfinished:
     tokens = next(r["tokens_seen"] for r in reversed(records) if "tokens_seen" in r)
     params = param_counts(cfg.model)["total"]
     flops = float(training_flops_per_token(cfg.model, cfg.train.seq_len) * tokens)
-    return RunPoint(str(run_dir), str(run_dir), params, tokens, flops, 6.0 * params * tokens, final[-1]["eval_loss"])
+    return RunPoint(run_dir.name, str(run_dir), params, tokens, flops, 6.0 * params * tokens, final[-1]["eval_loss"])
 
 
 def signatures(run_dir: Path) -> dict[str, dict[str, Any]]:
@@ -137,7 +137,7 @@ def expand(args: list[Path]) -> tuple[list[Path], list[Unfinished]]:
         if (run / RUN_CONFIG).is_file():
             started.append(run)
         elif run in planned or (run / SLURM_DIR).is_dir():
-            waiting.append(Unfinished(str(run), str(run), "not started", "no run yet"))
+            waiting.append(Unfinished(run.name, str(run), "not started", "no run yet"))
         else:
             raise UserError(f"{run} is not a run directory (no {RUN_CONFIG})", "pass the runs of the study")
     return started, waiting
