@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -364,3 +365,31 @@ def test_too_few_runs_and_unfinished_runs(study, tmp_path):
     strict = forge("scale", "fit", *map(str, runs), "--strict", "--bootstrap", "10")
     assert strict.exit_code == 2, strict.output
     assert f"--strict: 1 run(s) have not finished: {runs[0]} (failed" in flat(strict.output)
+
+
+def test_slurm_submission_is_one_array_of_the_points_own_configs(tmp_path):
+    """--slurm --dry-run: one array task per point, each training its own config into its own run directory
+    (bash itself reads the script's assignments); a job of another world size than the plan's is refused."""
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(TINY)
+    assert forge("scale", "plan", str(preset), *TINY_PLAN, "--out", str(tmp_path / "plan")).exit_code == 0
+    points = json.loads((tmp_path / "plan" / "plan.json").read_text())["points"]
+    result = forge("scale", "run", str(tmp_path / "plan"), "--slurm", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "#SBATCH --array=0-5" in result.stdout and "#SBATCH --job-name=scale-plan" in result.stdout
+    body = result.stdout.split("\nmkdir -p")[0]
+    for index, point in enumerate(points):
+        shown = subprocess.run(
+            ["bash", "-c", body + '\nprintf "%s\\n" "$PRESET" "$RUN_DIR"'],
+            env={"SLURM_ARRAY_TASK_ID": str(index), "PATH": os.environ["PATH"]},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+        assert shown == [str(tmp_path / "plan" / point["config"]), str(tmp_path / "plan" / point["run_dir"])]
+    assert not (tmp_path / "plan" / "runs").exists()  # a dry run writes nothing
+
+    other = forge("scale", "run", str(tmp_path / "plan"), "--slurm", "--dry-run", "--ntasks-per-node", "2")
+    assert other.exit_code == 2 and "the plan was made for 1" in flat(other.output)
+    local = forge("scale", "run", str(tmp_path / "plan"), "--nodes", "2")
+    assert local.exit_code == 2 and "--nodes: only with --slurm" in flat(local.output)

@@ -116,6 +116,8 @@ def make_plan(
                     "raise the budget, or lower train.batch_size / train.seq_len in the preset",
                 )
             name = f"C{short(budget)}_N{human(m.params)}"
+            if name in configs:  # two sizes that round to the same three figures
+                name += f"_d{m.model.dim}"
             point_cfg = point_config(cfg, m, steps, world_size, name)
             tokens = steps * tokens_per_step
             plan.points.append(
