@@ -94,9 +94,7 @@ class Submission:
         return [p.run_dir for p in self.points] or [self.request.run_dir]
 
 
-def prepare(
-    req: SlurmRequest, template: Path, argv: list[str], points: list[SweepPoint] | None = None
-) -> Submission:
+def prepare(req: SlurmRequest, template: Path, argv: list[str], points: list[SweepPoint] | None = None) -> Submission:
     """Check every point's config for the job's world size exactly as `forge validate-config --world-size`
     does (cross-section rules and the memory estimate), check the signal lead, and render the script.
     `points`: the array's tasks when the caller has them already (`forge scale run --slurm`); by default
