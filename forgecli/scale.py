@@ -285,6 +285,12 @@ def fit(
 
     if tokens is not None and predict is None:
         raise UserError("--tokens is the prediction's token count", "add --predict PRESET")
+    try:
+        import scipy  # noqa: F401 (the fits' optimizer; an optional dependency)
+    except ImportError:
+        raise UserError(
+            "forge scale fit needs SciPy, which is not installed", "pip install 'forge-lm[scale]'"
+        ) from None
     points, unfinished = collect(run_dirs, strict)
     target = (
         prediction_target(predict, int(tokens) if tokens is not None else None, [Path(points[0].path)])

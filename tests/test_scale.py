@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -393,3 +394,9 @@ def test_slurm_submission_is_one_array_of_the_points_own_configs(tmp_path):
     assert other.exit_code == 2 and "the plan was made for 1" in flat(other.output)
     local = forge("scale", "run", str(tmp_path / "plan"), "--nodes", "2")
     assert local.exit_code == 2 and "--nodes: only with --slurm" in flat(local.output)
+
+
+def test_fit_without_scipy_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "scipy", None)  # `import scipy` now raises ImportError
+    result = forge("scale", "fit", str(tmp_path))
+    assert result.exit_code == 2 and "pip install 'forge-lm[scale]'" in flat(result.output)
