@@ -183,7 +183,7 @@ def run(
     from engine.slurm.render import DEFAULT_TEMPLATE, SlurmRequest
 
     req = SlurmRequest(
-        preset=plan_dir,  # replaced by each point's config
+        preset=plan_dir,  # each array task sets its own point's config (engine.scale.run.slurm_submission)
         overrides=[],
         run_dir=plan_dir,
         nodes=nodes,
@@ -256,7 +256,7 @@ def fit(
         None,
         "--plot",
         help="Write isoFLOP curves, the compute-optimal frontier and loss vs compute to this PNG "
-        "(needs matplotlib: pip install 'forge-lm\\[plot]').",
+        "(needs matplotlib: pip install 'forge-lm\\[scale]').",
     ),
     predict: Path | None = typer.Option(
         None, "--predict", help="Predict the final loss of this preset (same family), with its interval."
