@@ -44,6 +44,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
         "pip install 'torchao>=0.18'",
     ),
     "transformers": ("the test suite's parity checks against Hugging Face models", "pip install -e '.[dev]'"),
+    "scipy": ("scaling-law fits (forge scale fit)", "pip install 'forge-lm[scale]'"),
 }
 
 

@@ -15,6 +15,7 @@ from forgecli import (
     init,
     resume,
     runs,
+    scale,
     slurm,
     tokenize,
     train,
@@ -44,6 +45,7 @@ app.command("init")(init.init)
 app.add_typer(runs.app, name="runs")
 app.add_typer(slurm.app, name="slurm")
 app.add_typer(extract.app, name="extract")
+app.add_typer(scale.app, name="scale")
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -21,6 +22,37 @@ app = typer.Typer(
 )
 
 
+# The options of a submission, shared with `forge scale run --slurm`.
+Nodes = Annotated[int, typer.Option("--nodes", min=1, help="Nodes to allocate.")]
+GpusPerNode = Annotated[int, typer.Option("--gpus-per-node", min=0, help="GPUs per node (0 = a CPU job).")]
+NtasksPerNode = Annotated[
+    int | None,
+    typer.Option("--ntasks-per-node", min=1, help="Ranks per node. Default: one per GPU (1 for a CPU job)."),
+]
+CpusPerTask = Annotated[int, typer.Option("--cpus-per-task", min=1, help="CPU cores per rank (OMP_NUM_THREADS).")]
+TimeLimit = Annotated[str | None, typer.Option("--time", help="Time limit, e.g. 24:00:00. Default: the partition's.")]
+Partition = Annotated[str | None, typer.Option("--partition")]
+Account = Annotated[str | None, typer.Option("--account")]
+Qos = Annotated[str | None, typer.Option("--qos")]
+JobName = Annotated[str | None, typer.Option("--job-name", help="Default: the run directory's name.")]
+SignalLead = Annotated[
+    int,
+    typer.Option("--signal-lead", min=1, help="Seconds before the time limit the ranks get SIGUSR1 to save and stop."),
+]
+MaxRequeues = Annotated[
+    int, typer.Option("--max-requeues", min=0, help="Times the job requeues itself after a preemption.")
+]
+SbatchArgs = Annotated[
+    list[str], typer.Option("--sbatch-arg", help="Extra sbatch option, passed through (repeatable).")
+]
+After = Annotated[str | None, typer.Option("--after", help="Start after this job ends (any outcome).")]
+AfterOk = Annotated[str | None, typer.Option("--after-ok", help="Start after this job succeeds.")]
+Template = Annotated[
+    Path | None, typer.Option("--template", help="sbatch template (Jinja2). Default: templates/slurm.sbatch.")
+]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Check and print the script; submit nothing.")]
+
+
 def say(text: str) -> None:
     console.print(text, markup=False, highlight=False, soft_wrap=True)
 
@@ -32,34 +64,26 @@ def submit(
     preset: Path = typer.Argument(
         ..., help="TOML preset; overrides follow as --section.key=value.", autocompletion=complete_preset
     ),
-    nodes: int = typer.Option(1, "--nodes", min=1, help="Nodes to allocate."),
-    gpus_per_node: int = typer.Option(0, "--gpus-per-node", min=0, help="GPUs per node (0 = a CPU job)."),
-    ntasks_per_node: int | None = typer.Option(
-        None, "--ntasks-per-node", min=1, help="Ranks per node. Default: one per GPU (1 for a CPU job)."
-    ),
-    cpus_per_task: int = typer.Option(1, "--cpus-per-task", min=1, help="CPU cores per rank (OMP_NUM_THREADS)."),
-    time_limit: str | None = typer.Option(None, "--time", help="Time limit, e.g. 24:00:00. Default: the partition's."),
-    partition: str | None = typer.Option(None, "--partition"),
-    account: str | None = typer.Option(None, "--account"),
-    qos: str | None = typer.Option(None, "--qos"),
-    job_name: str | None = typer.Option(None, "--job-name", help="Default: the run directory's name."),
+    nodes: Nodes = 1,
+    gpus_per_node: GpusPerNode = 0,
+    ntasks_per_node: NtasksPerNode = None,
+    cpus_per_task: CpusPerTask = 1,
+    time_limit: TimeLimit = None,
+    partition: Partition = None,
+    account: Account = None,
+    qos: Qos = None,
+    job_name: JobName = None,
     run_dir: Path | None = typer.Option(
         None, "--run-dir", help="Run directory (a sweep: the folder of its points). Default: runs/<preset name>."
     ),
-    signal_lead: int = typer.Option(
-        600, "--signal-lead", min=1, help="Seconds before the time limit the ranks get SIGUSR1 to save and stop."
-    ),
-    max_requeues: int = typer.Option(
-        3, "--max-requeues", min=0, help="Times the job requeues itself after a preemption."
-    ),
-    sbatch_arg: list[str] = typer.Option([], "--sbatch-arg", help="Extra sbatch option, passed through (repeatable)."),
+    signal_lead: SignalLead = 600,
+    max_requeues: MaxRequeues = 3,
+    sbatch_arg: SbatchArgs = [],  # noqa: B006 (typer reads the default; nothing mutates it)
     sweep: list[str] = typer.Option([], "--sweep", help="section.key=v1,v2,… (repeatable): one array task per point."),
-    after: str | None = typer.Option(None, "--after", help="Start after this job ends (any outcome)."),
-    after_ok: str | None = typer.Option(None, "--after-ok", help="Start after this job succeeds."),
-    template: Path | None = typer.Option(
-        None, "--template", help="sbatch template (Jinja2). Default: templates/slurm.sbatch."
-    ),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Check and print the script; submit nothing."),
+    after: After = None,
+    after_ok: AfterOk = None,
+    template: Template = None,
+    dry_run: DryRun = False,
     as_json: bool = typer.Option(False, "--json", help="Print the job id and run directories as JSON."),
 ) -> None:
     """Submit a training job: checked for its world size, wired for preemption, requeued on its own.

@@ -435,3 +435,36 @@ def test_doctor_reports_the_slurm_tools_and_controller(cluster, tmp_path):
     assert check["status"] == "ok", check
     assert "slurm-wlm" in check["detail"] or "slurm " in check["detail"]
     assert "controller" in check["detail"] and "UP" in check["detail"]
+
+
+@pytest.mark.slurm
+def test_a_scaling_plan_runs_as_one_array_job(cluster, tmp_path):
+    """`forge scale run --slurm`: the plan's points as the tasks of one array job, each training its own config
+    into its own run directory to its last step and evaluation; a rerun here then finds nothing left to train."""
+    from tests.test_scale import TINY
+
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(TINY)
+    plan_dir = tmp_path / "plan"
+    planned = forge(
+        "scale", "plan", str(preset), "--budgets", "1.6e10", "--sizes-per-budget", "3", "--span", "2",
+        "--tokens-per-param", "0.004", "--out", str(plan_dir), cwd=tmp_path,
+    )  # fmt: skip
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    result = forge("scale", "run", str(plan_dir), "--slurm", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    submitted = json.loads(result.stdout)
+    array = submitted["job_id"]
+    points = json.loads((plan_dir / "plan.json").read_text())["points"]
+    assert submitted["run_dirs"] == [str((plan_dir / p["run_dir"]).resolve()) for p in points]  # one job, 3 tasks
+    for index, point in enumerate(points):
+        wait_for(lambda i=index: finished(f"{array}_{i}"), 240, f"array task {index}")
+        run_dir = plan_dir / point["run_dir"]
+        assert job(f"{array}_{index}")["JobState"] == "COMPLETED", (run_dir / "slurm" / "output.log").read_text()[
+            -3000:
+        ]
+        assert max(steps(run_dir)) == point["max_steps"]
+        assert tomllib_load(run_dir / "config.toml")["model"]["dim"] == point["dim"]
+        assert '"eval_loss"' in (run_dir / "metrics.jsonl").read_text()
+    local = forge("scale", "run", str(plan_dir), cwd=tmp_path)
+    assert local.returncode == 0 and local.stdout.count("complete, skipped") == 3, local.stdout + local.stderr

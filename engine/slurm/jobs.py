@@ -94,18 +94,23 @@ class Submission:
         return [p.run_dir for p in self.points] or [self.request.run_dir]
 
 
-def prepare(req: SlurmRequest, template: Path, argv: list[str]) -> Submission:
+def prepare(req: SlurmRequest, template: Path, argv: list[str], points: list[SweepPoint] | None = None) -> Submission:
     """Check every point's config for the job's world size exactly as `forge validate-config --world-size`
-    does (cross-section rules and the memory estimate), check the signal lead, and render the script."""
+    does (cross-section rules and the memory estimate), check the signal lead, and render the script.
+    `points`: the array's tasks when the caller has them already (`forge scale run --slurm`); by default
+    those of `req.sweep`, or none (one job)."""
     from engine.config import load_job_config
     from engine.parallel.memory import estimate_memory
 
-    points = sweep_points(req.sweep, req.run_dir) if req.sweep else []
+    if points is None:
+        points = sweep_points(req.sweep, req.run_dir) if req.sweep else []
     shutdown = 0.0
-    for overrides, run_dir in (
-        ((req.overrides + p.overrides, p.run_dir) for p in points) if points else [(req.overrides, req.run_dir)]
+    for preset, overrides, run_dir in (
+        ((p.preset or req.preset, req.overrides + p.overrides, p.run_dir) for p in points)
+        if points
+        else [(req.preset, req.overrides, req.run_dir)]
     ):
-        cfg = load_job_config(req.preset, overrides).validate(req.world_size)
+        cfg = load_job_config(preset, overrides).validate(req.world_size)
         stages = estimate_memory(cfg, req.world_size)
         check_signal_lead(req.signal_lead, cfg.train.shutdown_timeout_sec, max(s.params + s.optimizer for s in stages))
         check_existing_run(cfg, run_dir)

@@ -57,8 +57,12 @@ class SlurmRequest:
 
 @dataclass(frozen=True)
 class SweepPoint:
+    """One array task: its run directory and overrides, and its own preset where the points differ in more
+    than overrides (`forge scale run --slurm`: one resolved config per point; None = the request's preset)."""
+
     overrides: list[str]
     run_dir: Path
+    preset: Path | None = None
 
 
 def sweep_points(sweep: list[str], base: Path) -> list[SweepPoint]:
