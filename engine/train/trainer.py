@@ -175,7 +175,7 @@ def run_loop(
     cfg, t = job.cfg, job.cfg.train
     loss_fn = build_loss(t)
     tokens_per_step = job.summary["tokens_per_step"]
-    profiler = ProfilerWindow(cfg.profiling, job.run_dir, job.device)
+    profiler = ProfilerWindow(cfg.profiling, job.run_dir, job.device, job.place.rank)
     info = {
         "run_dir": str(job.run_dir),
         "device": str(job.device),
