@@ -16,9 +16,9 @@ cross-entropy on the same random tokens, on one device without sharding:
   Its training loop is this script's, not torchtitan's `Trainer` (which needs its config system, a
   tokenizer and a dataset); the model, its kernels and its float8/compile recipe are torchtitan's.
 
-Modes: bf16, bf16+compile, fp8+compile (any of them with --modes). Per mode and side: median tokens/s over
-the timed steps after warm-up, MFU (Forge's FLOPs/token over the device's peak, engine.metrics.mfu: the
-same count for both sides), peak memory (torch.cuda.max_memory_allocated; on CPU the process's peak RSS,
+Modes: bf16, bf16+compile, fp8+compile (any of them with --modes). Per mode and side: the median time of the
+timed steps after warm-up and the tokens/s it gives, MFU (Forge's FLOPs/token over the device's peak,
+engine.metrics.mfu: the same count for both sides), peak memory (torch.cuda.max_memory_allocated; on CPU the process's peak RSS,
 which only grows, so it is not comparable across sides there). Sides run one after another per mode, each
 freed before the next is built, in alternating order across modes.
 
@@ -192,10 +192,12 @@ def run_side(build: Callable[[], Side], cfg: JobConfig, device: torch.device, ar
             losses.append(side.step())
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
-    tokens_per_sec = args.batch_size * args.seq_len / statistics.median(times)
+    median_step_sec = statistics.median(times)
+    tokens_per_sec = args.batch_size * args.seq_len / median_step_sec
     flops_per_token = training_flops_per_token(cfg.model, args.seq_len)
     result = {
         "parameters": sum(p.numel() for p in {id(p): p for p in side.model.parameters()}.values()),
+        "median_step_sec": median_step_sec,
         "tokens_per_sec": tokens_per_sec,
         "mfu": mfu(flops_per_token, tokens_per_sec, peak_flops(device, dtype)),
         "peak_memory_gib": memory_stats(device)["mem_peak_gib"],

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from forgecli.ui import console
+from forgecli.ui import console, show_config_warnings
 
 
 def fmt_metrics(metrics: dict[str, Any]) -> dict[str, str]:
@@ -62,6 +62,7 @@ class PlainReporter:
     def on_start(self, info: dict[str, Any]) -> None:
         self.max_steps, self.start_step = info["max_steps"], info["start_step"]
         self.started = time.perf_counter()
+        show_config_warnings(info.get("warnings", []))
         self._line(start_line(info))
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
@@ -112,6 +113,7 @@ class LiveDashboard:
         return table
 
     def on_start(self, info: dict[str, Any]) -> None:
+        show_config_warnings(info.get("warnings", []))
         console.print(start_line(info), markup=False, highlight=False)
         self.progress.update(self.task, total=info["max_steps"], completed=info["start_step"])
         self.live.start()

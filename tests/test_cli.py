@@ -36,21 +36,25 @@ def forge(*args: str, cwd: Path = REPO, timeout: int = 240, **env_vars: str) -> 
     return subprocess.run([*FORGE, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+CPU_USED = "used = resource.getrusage(resource.RUSAGE_SELF)\nsys.stderr.write(f'cpu={used.ru_utime + used.ru_stime}')\n"
+
+
 def test_help_is_fast_and_lists_commands():
-    """`forge --help` must not import torch. Measured in the process's own CPU seconds, not wall time: the
-    other test worker's ranks can hold both cores of a CI machine for the moment it runs."""
+    """`forge --help` must not import torch. Its cost is the child's own CPU seconds (not wall time: the other
+    test worker's ranks can hold both cores of a CI machine for the moment it runs), against a reference taken
+    the same way in the same test on the same machine: importing torch alone. No fixed number of seconds,
+    which a slower CPU would miss; measured 0.25 s for --help and 1.9 s for `import torch` (2 cores, loaded)."""
     code = (
         "import resource, sys\nfrom forgecli.app import main\n"
         "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
-        "used = resource.getrusage(resource.RUSAGE_SELF)\n"
-        "sys.stderr.write(f'cpu={used.ru_utime + used.ru_stime}')\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n" + CPU_USED
     )
     best = min(_cpu_seconds([sys.executable, "-c", code, "--help"]) for _ in range(3))
+    torch_import = _cpu_seconds([sys.executable, "-c", "import resource, sys, torch\n" + CPU_USED])
     out = forge("--help").stdout
     for command in ("train", "validate-config", "tokenize", "doctor"):
         assert command in out
-    assert best < 0.5, f"forge --help took {best:.2f} s of CPU"
+    assert best < torch_import / 3, f"forge --help took {best:.2f} s of CPU, importing torch {torch_import:.2f} s"
 
 
 def _cpu_seconds(command: list[str]) -> float:

@@ -42,6 +42,7 @@ TINY = [
     "scheduler.decay_steps=5",  # pinned: a run first trained to step 3 continues the same schedule
 ]
 EMA = ["train.ema_decay=0.9", "train.ema_warmup=true"]
+N_PARAMS = 21  # TINY's parameter tensors: the embedding, 9 in each of the 2 blocks, the final norm, the head
 
 
 def run(run_dir: Path, *overrides: str) -> list[dict]:
@@ -62,6 +63,13 @@ def metrics(records: list[dict], *keys: str) -> dict[int, tuple]:
     return {r["step"]: tuple(r[k] for k in keys) for r in records if keys[0] in r}
 
 
+def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], n: int = N_PARAMS) -> None:
+    """Every one of the `n` tensors equal bitwise (counted first, so an empty or partial dict cannot pass)."""
+    assert len(expected) == n and actual.keys() == expected.keys(), (len(expected), actual.keys() ^ expected.keys())
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), name
+
+
 def test_the_decay_and_its_warmup_follow_the_documented_formula():
     model = torch.nn.Linear(3, 2)
     plain, warm = WeightAverage(model, 0.999, False), WeightAverage(model, 0.999, True)
@@ -79,6 +87,7 @@ def test_with_decay_0_the_ema_is_the_weights_and_a_swap_restores_them_bitwise():
         for p in model.parameters():
             p.add_(torch.randn_like(p))
     ema.update(1)
+    assert len(ema.averages) == len(list(model.parameters())) == 2
     assert all(torch.equal(a, p) for a, p in zip(ema.averages, model.parameters()))
 
     half = WeightAverage(model, 0.5, False)
@@ -88,6 +97,7 @@ def test_with_decay_0_the_ema_is_the_weights_and_a_swap_restores_them_bitwise():
             p.mul_(1 / 3)  # weights that the average does not hold
     half.update(2)
     trained = [p.detach().clone() for p in model.parameters()]
+    assert len(half.averages) == len(before) == len(trained) == 2
     with half.swapped_in():
         for p, b, t in zip(model.parameters(), before, trained):
             torch.testing.assert_close(p, b.lerp(t, 0.5), rtol=0, atol=0)
@@ -98,14 +108,16 @@ def test_a_decay_at_the_boundary_keeps_the_weights_through_training(tmp_path):
     """ema_decay = 1e-30 (1 − decay rounds to 1): the EMA holds exactly the weights after every step, so it
     evaluates and saves as they do."""
     records = run(tmp_path / "run", "train.ema_decay=1e-30")
-    for loss, loss_ema in metrics(records, "eval_loss", "eval_loss_ema").values():
+    evals = metrics(records, "eval_loss", "eval_loss_ema")
+    assert sorted(evals) == [3, 6]
+    for loss, loss_ema in evals.values():
         assert loss == loss_ema
-    weights, ema = saved(tmp_path / "run", "model"), saved(tmp_path / "run", "ema")
-    assert all(torch.equal(ema[name], weights[name]) for name in weights)
+    assert_same(saved(tmp_path / "run", "ema"), saved(tmp_path / "run", "model"))
 
 
 def test_keeping_an_ema_changes_no_loss_of_the_run(tmp_path):
     plain, with_ema = run(tmp_path / "plain"), run(tmp_path / "ema", *EMA)
+    assert sorted(metrics(plain, "loss")) == [1, 2, 3, 4, 5, 6] and sorted(metrics(plain, "eval_loss")) == [3, 6]
     assert metrics(with_ema, "loss", "grad_norm") == metrics(plain, "loss", "grad_norm")
     assert metrics(with_ema, "eval_loss") == metrics(plain, "eval_loss")
     assert "eval_loss_ema" not in str(plain)
@@ -117,11 +129,12 @@ def test_a_resumed_run_with_ema_equals_the_uninterrupted_one_bitwise(tmp_path, a
     whole = run(tmp_path / "whole", *EMA, mode)
     run(tmp_path / "split", *EMA, mode, "train.max_steps=3")
     resumed = run(tmp_path / "split", *EMA, mode)  # continues from step_3
+    assert sorted(metrics(whole, "loss")) == [1, 2, 3, 4, 5, 6]
     assert metrics(resumed, "loss", "grad_norm") == metrics(whole, "loss", "grad_norm")
     assert metrics(resumed, "eval_loss", "eval_loss_ema") == metrics(whole, "eval_loss", "eval_loss_ema")
     assert set(metrics(whole, "eval_loss_ema")) == {3, 6}
-    expected, ema = saved(tmp_path / "whole", "ema"), saved(tmp_path / "split", "ema")
-    assert all(torch.equal(ema[name], expected[name]) for name in expected)
+    expected = saved(tmp_path / "whole", "ema")
+    assert_same(saved(tmp_path / "split", "ema"), expected)
     weights = saved(tmp_path / "whole", "model")
     assert not all(torch.equal(expected[name], weights[name]) for name in weights)  # an average, not the weights
 
@@ -130,8 +143,9 @@ def test_ema_turned_on_for_a_resumed_run_starts_from_the_restored_weights(tmp_pa
     run_dir = tmp_path / "run"
     run(run_dir, "train.max_steps=3")
     records = run(run_dir, "train.ema_decay=0.9", "train.max_steps=4")
-    assert metrics(records, "loss")  # the run went on
+    assert sorted(metrics(records, "loss")) == [1, 2, 3, 4]  # the run went on to step 4
     w3, w4, ema = saved(run_dir, "model", 3), saved(run_dir, "model", 4), saved(run_dir, "ema", 4)
+    assert len(w4) == N_PARAMS
     for name in w4:  # one update from step 3's weights: 0.9 · w3 + 0.1 · w4
         torch.testing.assert_close(ema[name], w3[name].lerp(w4[name], 1 - 0.9), rtol=0, atol=1e-6)
 
@@ -149,8 +163,7 @@ def test_a_rollback_restores_the_ema_with_the_weights(tmp_path):
     cfg = load_job_config(PRESET, [*TINY, *EMA])
     summary = train(cfg, run_dir, hooks=Faults(nan_weight_steps=[5]))
     assert summary["rollbacks"] == 1
-    at_3, at_6 = saved(run_dir, "ema", 3), saved(run_dir, "ema", 6)
-    assert all(torch.equal(at_6[name], at_3[name]) for name in at_3)
+    assert_same(saved(run_dir, "ema", 6), saved(run_dir, "ema", 3))
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -167,7 +180,7 @@ def test_the_ema_export_loads_in_transformers_with_the_ema_weights(tmp_path, tie
         assert not torch.equal(f.get_tensor("model.embed_tokens.weight"), ema["tok_embeddings.weight"])
 
     model, _ = load_model(run_dir, torch.device("cpu"), ema=True)  # what forge generate --ema samples from
-    assert all(torch.equal(p, ema[name]) for name, p in model.named_parameters())
+    assert_same(dict(model.named_parameters()), ema, N_PARAMS - tied)  # tied: no separate head
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 32))
     with torch.no_grad():
@@ -229,12 +242,14 @@ def test_ema_under_fsdp_on_two_processes_equals_one_process(tmp_path):
         result = forge(tmp_path / name, *ema, nproc=nproc)
         assert result.returncode == 0, result.stderr[-3000:]
     assert list((tmp_path / "fsdp" / "checkpoints" / "step_6").glob("__1_*.distcp"))  # rank 1 wrote its shards
+    assert sorted(records(tmp_path / "fsdp")) == sorted(records(tmp_path / "single")) == [1, 2, 3, 4, 5, 6]
     for step, record in records(tmp_path / "fsdp").items():  # evaluating at the EMA leaves training as it was
         assert record["loss"] == pytest.approx(records(tmp_path / "single")[step]["loss"], abs=1e-5)
     single, fsdp = records(tmp_path / "single", "eval_loss_ema"), records(tmp_path / "fsdp", "eval_loss_ema")
     assert sorted(fsdp) == [3, 6]
     for step in fsdp:
         assert fsdp[step]["eval_loss_ema"] == pytest.approx(single[step]["eval_loss_ema"], abs=1e-5)
-    expected = saved(tmp_path / "single", "ema")
-    for name, value in saved(tmp_path / "fsdp", "ema").items():
+    expected, sharded = saved(tmp_path / "single", "ema"), saved(tmp_path / "fsdp", "ema")
+    assert len(sharded) == 4 * 9 + 3 and sharded.keys() == expected.keys()  # test_distributed's 4-block model
+    for name, value in sharded.items():
         torch.testing.assert_close(value, expected[name], atol=1e-5, rtol=0, msg=name)

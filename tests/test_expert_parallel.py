@@ -227,11 +227,18 @@ CASES = {
 }
 
 
+LAUNCH_TIMEOUT = 420
+"""Seconds torchrun gets for one launch of the cases: all of CASES on 2 ranks took 273 s alone on 2 shared cores
+(2026-11-26), the 4-rank one 45 s. The tests that launch get pytest's limit `LAUNCH_TIMEOUT + 60` (above the
+suite's 300 s, which the launch alone nearly fills): torchrun's limit fires first, so a hang ends as a failure
+with the ranks' output and every process killed, before pytest's timeout would kill the test without them."""
+
+
 def run_cases(tmp_path: Path, nproc: int, cases: dict) -> dict[str, list[dict]]:
     """Every case in one torchrun launch (start-up dominates on CPU) → case → the records of the ranks."""
     script = tmp_path / "ep.py"
     script.write_text(SCRIPT)
-    result = torchrun(script, nproc, str(tmp_path), json.dumps(cases), timeout=420)
+    result = torchrun(script, nproc, str(tmp_path), json.dumps(cases), timeout=LAUNCH_TIMEOUT)
     assert result.returncode == 0, result.stdout[-4000:]
     return {name: [json.loads((tmp_path / f"{name}_rank{r}.json").read_text()) for r in range(nproc)] for name in cases}
 
@@ -275,6 +282,7 @@ def check_compiled(records: list[dict], compiled: bool, layout: str) -> None:
         assert record["graphs"] == (5 if layout == "tp" else 3), record
 
 
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # the first case pays the module fixture's launch
 @pytest.mark.parametrize("name", list(CASES))
 def test_ep2_matches_data_parallel_ep1(two_ranks, name):
     """dp = 2 with ep = 2 against dp = 2 with ep = 1, same data per rank (tp cases: tp = 2 against one process
@@ -290,6 +298,7 @@ def test_ep2_matches_data_parallel_ep1(two_ranks, name):
         assert records[0]["bias"] > 0  # the balancing bias moved, identically in both layouts
 
 
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 def test_ep2_with_experts_fsdp_sharded_over_the_other_two_ranks(tmp_path):
     """4 ranks, dp_shard = 4, ep = 2: each expert shard is FSDP-sharded over the 2 ranks that hold it, the
     rest over all 4; against plain data parallelism over the same 4 ranks."""

@@ -78,15 +78,24 @@ def test_residual_stream_and_attention_equal_transformers_and_sdpa(setup, tmp_pa
     acts = load_activations(out)
     assert acts.layers == ["layers.0", "layers.1", "layers.2", "norm"] and len(acts.tokens) == 150
     windows = [acts.tokens[i : i + SEQ] for i in range(0, 150, SEQ)]  # 4 full windows and one of 22
+    assert [len(w) for w in windows] == [SEQ] * 4 + [22]
     hf = hf_model(root / "hf")
+    # transformers' hidden_states end with the final norm's output in place of the last block's: that one is
+    # read off the last decoder layer itself
+    last_block = []
+    hook = hf.model.layers[-1].register_forward_hook(
+        lambda m, a, out: last_block.append(out[0] if isinstance(out, tuple) else out)
+    )
     with torch.no_grad():
         hidden = [hf(torch.tensor(w, dtype=torch.long)[None], output_hidden_states=True).hidden_states for w in windows]
+    hook.remove()
+    assert len(hidden) == len(last_block) == 5 and all(len(h) == 3 + 1 for h in hidden)  # embeddings + 3 entries
+    after_block = [torch.cat([h[n + 1][0] for h in hidden]) for n in range(2)]  # hidden_states[n + 1]: block n
+    after_block.append(torch.cat([out[0] for out in last_block]))
     for n in range(3):
         ours = acts[f"layers.{n}"].numpy()
-        assert ours.shape == (150, 64)
-        theirs = torch.cat([h[n + 1][0] for h in hidden]).numpy()  # hidden_states[n + 1]: after block n
-        if n < 2:  # transformers' last entry is after the final norm
-            np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
+        assert ours.shape == (150, 64) and after_block[n].shape == (150, 64)
+        np.testing.assert_allclose(ours, after_block[n].numpy(), rtol=0, atol=1e-5, err_msg=f"layers.{n}")
     np.testing.assert_allclose(acts["norm"].numpy(), torch.cat([h[-1][0] for h in hidden]).numpy(), atol=1e-5)
 
     # attention: weights × V is the output of SDPA (the model's own path) for the chosen heads
@@ -133,6 +142,7 @@ def test_bf16_is_exact_and_npz_equals_shards(setup, tmp_path):
     extract_cli(run, tmp_path / "bf16", *common, "--dtype", "bf16", "--shard-mb", "0.01")
     extract_cli(run, tmp_path / "npz", *common, "--dtype", "bf16", "--format", "npz")
     fp32, bf16, npz = (load_activations(tmp_path / n) for n in ("fp32", "bf16", "npz"))
+    assert fp32.layers == bf16.layers == npz.layers == ["tok_embeddings", "layers.1.feed_forward", "layers.2"]
     assert len(bf16.manifest["shards"]) > 1 and sorted(os.listdir(tmp_path / "npz")) == [
         "activations.npz", "manifest.json", "request.json", "tokens.npy"]  # fmt: skip
     for name in fp32.layers:

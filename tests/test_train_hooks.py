@@ -153,10 +153,19 @@ def test_a_bad_hook_is_exit_2_before_training(tmp_path, hook_path, hooks, field,
 
 
 @pytest.mark.slow
-def test_hooks_run_on_the_ranks_they_declare(tmp_path, hook_path):
+def test_hooks_run_on_the_ranks_they_declare_and_each_rank_keeps_its_profile(tmp_path, hook_path):
+    """The 2-process run also profiles steps 2-4 (`[profiling]`): each rank exports its own trace, both kept
+    (one shared name had one rank's export replace or break the other's)."""
     hooks = f"[{recorder(tmp_path, 'Recorder', 'all', 3)}, {recorder(tmp_path, 'MainRecorder', 'main', 2)}]"
-    result = train(tmp_path / "run", hook_path, hooks, nproc=2)
+    profiling = ["--profiling.enable=true", "--profiling.start_step=2", "--profiling.end_step=4"]
+    result = train(tmp_path / "run", hook_path, hooks, *profiling, nproc=2)
     assert result.returncode == 0, result.stderr
+    traces = sorted((tmp_path / "run" / "profile").iterdir())
+    assert [p.name for p in traces] == ["trace_steps_2-4_rank0.json", "trace_steps_2-4_rank1.json"]
+    for trace in traces:  # whole JSON, each with the profiled steps' events
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert any(e.get("name") == "aten::mm" for e in events), trace.name
+        assert json.loads(trace.read_text())["distributedInfo"]["rank"] == int(trace.stem[-1]), trace.name
     assert sorted(p.name for p in tmp_path.glob("*.jsonl")) == [
         "all_rank0.jsonl",
         "all_rank1.jsonl",

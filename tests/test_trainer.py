@@ -148,7 +148,7 @@ def test_reduced_precision_trains_close_to_fp32(tmp_path, precision):
 
 def test_profiler_writes_a_trace_of_the_window(tmp_path):
     run(tmp_path, "prof", "profiling.enable=true", "profiling.start_step=2", "profiling.end_step=3")
-    trace = tmp_path / "prof" / "profile" / "trace_steps_2-3.json"
+    trace = tmp_path / "prof" / "profile" / "trace_steps_2-3_rank0.json"
     assert trace.is_file() and "traceEvents" in trace.read_text()[:2000]
 
 
@@ -208,4 +208,4 @@ def test_stop_and_resume_in_process_equals_one_run(tmp_path, precision):
     train(run_config(tmp_path / "parts", ["train.max_steps=6"]), tmp_path / "parts")
     lines = (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()
     assert [r["loss"] for r in map(json.loads, lines) if "loss" in r] == whole
-    assert (tmp_path / "parts" / "profile" / "trace_steps_4-5.json").is_file()
+    assert (tmp_path / "parts" / "profile" / "trace_steps_4-5_rank0.json").is_file()

@@ -14,7 +14,9 @@ class ProfilingConfig(Section):
     start_step: int = Field(5, gt=0, description="first profiled step")
     end_step: int = Field(7, gt=0, description="last profiled step")
     trace_dir: str = Field(
-        "profile", description="where the trace is written; relative paths are inside the run directory"
+        "profile",
+        description="where the traces are written, one per process (trace_steps_A-B_rankR.json); relative paths "
+        "are inside the run directory",
     )
 
     readers: ClassVar[dict[str, str]] = {

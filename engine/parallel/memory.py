@@ -11,7 +11,8 @@ What is counted, per rank (bytes):
   shards (attention wq/wk/wv and MLP w1/w3 by rows, wo/w2 by columns, the embedding and the output head
   by vocabulary rows, MoE experts by hidden units; norms and routers stay whole), then FSDP2 shards dim 0 over dp_shard × cp
   ranks, padding it to a multiple (ceil(rows / shards) rows per rank). Tied embeddings count once.
-- grads: the same shapes in fp32 (FSDP2 reduce-scatters in fp32, the sharded gradients match the params).
+- grads: the same shapes in fp32 (FSDP2 reduce-scatters in fp32, the sharded gradients match the params),
+  except the untied embedding's under tensor parallelism without FSDP, which DTensor returns whole (`grad_numel`).
 - optimizer: the state tensors of the chosen optimizer, each the shape of its parameter, fp32:
   adamw exp_avg + exp_avg_sq (+ a 4-byte `step` tensor per parameter); lion exp_avg; muon a momentum buffer
   for the 2-D matrices inside the blocks and exp_avg + exp_avg_sq for the rest (its `step` is a Python
@@ -184,6 +185,15 @@ def local_numel(spec: ParamSpec, tp: int, fsdp: int) -> int:
         shape[spec.tp_dim] = math.ceil(shape[spec.tp_dim] / tp)  # the vocabulary may shard unevenly
     shape[0] = math.ceil(shape[0] / fsdp)
     return math.prod(shape)
+
+
+def grad_numel(cfg: JobConfig, spec: ParamSpec, local: int) -> int:
+    """Elements of a parameter's gradient on this rank: those of the parameter, except for the untied embedding
+    under tensor parallelism with no FSDP to reduce-scatter it: DTensor's embedding backward hands back a
+    replicated gradient of the whole table (measured in tests/test_memory_estimate.py)."""
+    d = cfg.distributed
+    whole = spec.owner == "embedding" and not cfg.model.tie_embeddings and d.tp > 1
+    return math.prod(spec.shape) if whole and d.dp_replicate * d.dp_shard * d.cp == 1 else local
 
 
 def optimizer_state_bytes(cfg: JobConfig, spec: ParamSpec, local: int) -> int:
@@ -430,7 +440,7 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
                 blocks=tuple((layers[s].start, layers[s].stop - 1) for s in stages),
                 microbatches_in_flight=len(chunks),
                 params=params,
-                grads=FP32 * sum(local[s.name] for s in trained),
+                grads=FP32 * sum(grad_numel(cfg, s, local[s.name]) for s in trained),
                 optimizer=sum(optimizer_state_bytes(cfg, s, local[s.name]) for s in trained)
                 + (params if t.ema_decay else 0),
                 activations=sum(chunk[local] for local in chunks)

@@ -27,7 +27,7 @@ from engine.checkpoint.manager import Checkpointer, initialize_from
 from engine.checkpoint.rng import every_rank_rng_state, restore_rank_rng
 from engine.config.job import JobConfig
 from engine.data.mixture import lr_scale
-from engine.errors import UserError
+from engine.errors import ConfigIssue, UserError
 from engine.metrics.mfu import peak_flops
 from engine.model import build_model
 from engine.model.attention import CPU_SDPA_BACKENDS
@@ -37,6 +37,7 @@ from engine.model.moe import moe_metrics
 from engine.model.transformer import Transformer
 from engine.parallel.apply import float8_all_gather, parallelize
 from engine.parallel.context import ContextParallel
+from engine.parallel.float8 import float8_device_warnings
 from engine.parallel.launch import device_for, join_process_group
 from engine.parallel.mesh import ParallelDims, ParallelMesh, build_mesh
 from engine.parallel.pipeline import Pipeline, StageShapes, build_pipeline, stage_union
@@ -88,6 +89,7 @@ class Job:
     tokens_seen: int = 0
     elapsed_sec: float = 0.0  # training time of earlier attempts of this run
     wandb_run_id: str | None = None
+    warnings: tuple[ConfigIssue, ...] = ()  # what this device makes of the config, shown at the start (rank 0)
 
     @property
     def is_main(self) -> bool:
@@ -211,6 +213,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn, dims.pp),
         context=ContextParallel(mesh.get("cp")) if mesh is not None and dims.cp > 1 else None,
         model_metrics=moe_training(model, cfg, mesh, pipeline),
+        warnings=tuple(float8_device_warnings(cfg.train.mixed_precision, device)),
     )
     restored = job.checkpointer.restore(model, optimizer) if resuming else None
     if restored is not None:

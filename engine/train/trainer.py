@@ -175,7 +175,7 @@ def run_loop(
     cfg, t = job.cfg, job.cfg.train
     loss_fn = build_loss(t)
     tokens_per_step = job.summary["tokens_per_step"]
-    profiler = ProfilerWindow(cfg.profiling, job.run_dir, job.device)
+    profiler = ProfilerWindow(cfg.profiling, job.run_dir, job.device, job.place.rank)
     info = {
         "run_dir": str(job.run_dir),
         "device": str(job.device),
@@ -183,10 +183,13 @@ def run_loop(
         "max_steps": t.max_steps,
         "start_step": job.start_step,
         "peak_flops": job.peak_flops,
+        "warnings": list(job.warnings),
         **job.summary,
     }
     reporter.on_start(info)
     log.info("start %s", info)
+    for issue in job.warnings:
+        log.warning("%s: %s (%s)", issue.path, issue.problem, issue.hint)
     monitor = torch.distributed.new_group(backend="gloo") if t.nccl_health_check_interval and distributed() else None
 
     batches = job.train_data.batches(start_step=job.start_step)
