@@ -20,8 +20,11 @@ from engine.config.optimizer import OptimizerConfig
 from engine.config.profiling import ProfilingConfig
 from engine.config.scheduler import SchedulerConfig
 from engine.config.train import TrainConfig
+from engine.data.batch_plan import global_sequences
 from engine.errors import ConfigError, ConfigIssue
 from engine.parallel.stages import stages_per_rank
+from engine.train import length_rules
+from engine.train.length import with_derived_length as derived
 
 
 class JobConfig(Section):
@@ -39,7 +42,7 @@ class JobConfig(Section):
 
     def validate(self, world_size: int = 1) -> JobConfig:  # type: ignore[override]
         """Check the rules that span sections once the world size is known; raise every problem at once."""
-        issues = cross_section_issues(self, world_size)
+        issues = length_rules.issues(self, world_size) or cross_section_issues(derived(self, world_size), world_size)
         if issues:
             raise ConfigError(issues)
         return self
@@ -47,13 +50,14 @@ class JobConfig(Section):
     def warnings(self, world_size: int = 1) -> list[ConfigIssue]:
         """What the run does that the user may not expect, but which is not an error (validate-config and
         `forge train` print them, `--json` lists them): a config that runs elsewhere runs here too."""
-        return config_warnings(self, world_size)
+        return config_warnings(derived(self, world_size), world_size) + length_rules.warnings(
+            derived(self, world_size), world_size
+        )
 
     def tokens_per_step(self, world_size: int = 1) -> int:
-        """Tokens one optimizer step trains on, summed over the data-parallel ranks."""
-        d, t = self.distributed, self.train
-        dp = d.dp_replicate * d.resolved_dp_shard(world_size)
-        return t.batch_size * t.seq_len * t.grad_accum_steps * max(dp, 1)
+        """Tokens one optimizer step trains on, summed over the data-parallel ranks (the full global batch's, after
+        any ramp)."""
+        return global_sequences(self, world_size) * self.train.seq_len
 
 
 def cross_section_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
@@ -101,7 +105,7 @@ def config_warnings(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     production warmup (the seed framework runs them), so a warmup as long as the run is not an error."""
     warnings = []
     t, s, m = cfg.train, cfg.scheduler, cfg.model
-    if s.warmup_steps >= t.max_steps and s.name != "none":
+    if s.warmup_steps >= t.max_steps and s.name != "none" and s.unit == "steps":
         warnings.append(
             ConfigIssue(
                 "scheduler.warmup_steps",
@@ -604,7 +608,7 @@ def pipeline_issues(cfg: JobConfig) -> list[ConfigIssue]:
                 f"use a multiple of {d.pp}, or fewer than {2 * d.pp}",
             )
         )
-    if cfg.eval.enabled and cfg.eval.steps % t.grad_accum_steps:
+    if cfg.eval.enabled and isinstance(cfg.eval.steps, int) and cfg.eval.steps % t.grad_accum_steps:
         issues.append(
             ConfigIssue(
                 "eval.steps",
