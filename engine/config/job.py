@@ -50,6 +50,8 @@ class JobConfig(Section):
     def warnings(self, world_size: int = 1) -> list[ConfigIssue]:
         """What the run does that the user may not expect, but which is not an error (validate-config and
         `forge train` print them, `--json` lists them): a config that runs elsewhere runs here too."""
+        if length_rules.issues(self, world_size):  # the lengths cannot be derived: validate() says why
+            return []
         return config_warnings(derived(self, world_size), world_size) + length_rules.warnings(
             derived(self, world_size), world_size
         )

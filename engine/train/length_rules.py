@@ -35,7 +35,7 @@ def length_issues(cfg: JobConfig) -> list[ConfigIssue]:
         )
         for name in given[1:]
     ]
-    if t.max_epochs is None:
+    if t.max_epochs is None or found:
         return found
     if d.datasets:
         found.append(
@@ -133,8 +133,8 @@ def ramp_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     full, dp = global_sequences(cfg, world_size), data_parallel(cfg, world_size)
     unit = t.batch_size * dp
     increment = t.batch_ramp_increment or t.batch_ramp_start
-    for name, value in (("batch_ramp_start", t.batch_ramp_start), ("batch_ramp_increment", increment)):
-        if value % unit:
+    for name, value in (("batch_ramp_start", t.batch_ramp_start), ("batch_ramp_increment", t.batch_ramp_increment)):
+        if value is not None and value % unit:  # (an unset increment is the start: one problem, said once)
             found.append(
                 ConfigIssue(
                     f"train.{name}",
@@ -151,7 +151,7 @@ def ramp_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                 "start the ramp at a smaller batch, or remove it",
             )
         )
-    elif (full - t.batch_ramp_start) % increment:
+    elif (full - t.batch_ramp_start) % increment and not any(i.path != "train.batch_ramp_steps" for i in found):
         found.append(
             ConfigIssue(
                 "train.batch_ramp_increment",
