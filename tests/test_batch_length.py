@@ -11,7 +11,6 @@ import subprocess
 import sys
 from collections import Counter
 from itertools import islice
-from pathlib import Path
 
 import pytest
 import torch
@@ -219,7 +218,7 @@ def test_a_later_layer_says_the_length_or_batch_its_own_way(tmp_path):
     (tmp_path / "child.toml").write_text('include = ["base.toml"]\n[train]\nmax_tokens = 5000\n')
     assert load_job_config(tmp_path / "child.toml").train.max_steps is None
     (tmp_path / "both.toml").write_text("[train]\nmax_tokens = 5000\nmax_steps = 3\n")
-    with pytest.raises(ConfigError, match="train.max_tokens: and train.max_steps are both set"):
+    with pytest.raises(ConfigError, match=r"train\.max_tokens: and train\.max_steps are both set"):
         load_job_config(tmp_path / "both.toml").validate(1)
 
 
