@@ -194,17 +194,24 @@ def test_max_epochs_sees_every_training_window_exactly_twice(tmp_path, monkeypat
 
 
 def test_global_batch_size_is_bitwise_the_explicit_accumulation(tmp_path):
-    """global_batch_size = 32 with batch_size 8 on one process is grad_accum_steps = 4: the same computation."""
+    """global_batch_size = 32 with batch_size 8 on one process is grad_accum_steps = 4: the same computation.
+    A ramp's first step (8 sequences: one micro-batch) is a plain one-micro-batch step: its loss is normalised
+    by the step's own micro-batches, not the full batch's 4."""
     runs = {}
-    for name, batch in [("explicit", "train.grad_accum_steps=4"), ("global", "train.global_batch_size=32")]:
-        cfg = load_job_config(
-            REPO / "presets" / "debug.toml", [*TINY, "train.batch_size=8", "train.max_steps=3", batch]
-        )
-        train(cfg, tmp_path / name)
+    for name, batch in [
+        ("explicit", ["train.grad_accum_steps=4"]),
+        ("global", ["train.global_batch_size=32"]),
+        ("single", ["train.grad_accum_steps=1"]),
+        ("ramp", ["train.global_batch_size=32", "train.batch_ramp_start=8", "train.batch_ramp_steps=3"]),
+    ]:
+        overrides = [*TINY, "train.batch_size=8", "train.max_steps=3", *batch]
+        train(load_job_config(REPO / "presets" / "debug.toml", overrides), tmp_path / name)
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         runs[name] = [(r["loss"], r["grad_norm"], r["tokens_seen"]) for r in map(json.loads, lines) if "loss" in r]
     assert len(runs["global"]) == 3 and runs["global"] == runs["explicit"]
     assert runs["global"][-1][2] == 3 * 32 * 32
+    assert runs["ramp"][0] == runs["single"][0]
+    assert [tokens for _, _, tokens in runs["ramp"]] == [8 * 32, 24 * 32, 48 * 32]  # 8, 16, 24 sequences
 
 
 def test_a_later_layer_says_the_length_or_batch_its_own_way(tmp_path):
