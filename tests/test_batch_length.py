@@ -20,6 +20,7 @@ from engine.data.batch_plan import BatchPlan, Ramp, batch_plan
 from engine.data.loader import TokenWindows, open_train_data
 from engine.data.sampler import BatchLayout, EvalBatchSampler
 from engine.errors import ConfigError
+from engine.runs import summarize_run
 from engine.train.length import with_derived_length
 from engine.train.schedules import learning_rate
 from engine.train.trainer import train
@@ -191,6 +192,9 @@ def test_max_epochs_sees_every_training_window_exactly_twice(tmp_path, monkeypat
     assert summary["tokens_seen"] == 2 * windows * seq_len
     assert len(read) == windows and set(read.values()) == {2}
     assert "max_steps" not in (tmp_path / "run" / "config.toml").read_text()  # derived again on resume
+    assert summarize_run(tmp_path / "run").max_steps == steps  # forge runs: from the attempt's start record
+    again = train(load_job_config(tmp_path / "run" / "config.toml"), tmp_path / "run")  # the steps derived again
+    assert again["already_complete"] and again["steps"] == steps
 
 
 def test_global_batch_size_is_bitwise_the_explicit_accumulation(tmp_path):

@@ -113,9 +113,9 @@ def process_group_released() -> Iterator[None]:
 def open_run_dir_on_main(job: Job) -> RunOutputs:
     """Rank 0 writes the run directory; the others log nothing. If rank 0 cannot (W&B not logged in), every
     rank stops, instead of the others waiting in the first collective until the timeout."""
-    attempt = partial(
-        open_run_dir, job.record or job.cfg, job.run_dir, job.train_data, job.start_step, job.wandb_run_id
-    )
+    record = job.record or job.cfg
+    derived = job.cfg.train.max_steps if record.train.max_steps is None else None  # from max_epochs or max_tokens
+    attempt = partial(open_run_dir, record, job.run_dir, job.train_data, job.start_step, job.wandb_run_id, derived)
     return on_rank0(attempt, RunOutputs(MetricsLogger([])), job.device, "open the run directory")
 
 
