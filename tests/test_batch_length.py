@@ -23,6 +23,7 @@ from engine.errors import ConfigError
 from engine.runs import summarize_run
 from engine.train.length import with_derived_length
 from engine.train.schedules import learning_rate
+from engine.train.step import weighted_mean
 from engine.train.trainer import train
 from tests.conftest import REPO
 from tests.data_fixtures import job_config, tokenized
@@ -150,6 +151,23 @@ def test_the_whole_held_out_set_is_shared_out_once_over_the_ranks():
                 seen.update(indices if weight else [])
         assert len(counts) == 1 and counts.pop() == math.ceil(math.ceil(samples / batch) / dp)
         assert sorted(seen) == list(range(samples)) and set(seen.values()) == {1}
+
+
+@pytest.mark.parametrize(("samples", "batch", "dp"), [(23, 4, 2), (5, 4, 3), (2877, 8, 2)])
+def test_the_whole_held_out_loss_is_the_mean_over_every_window(samples, batch, dp):
+    """Each rank's batch means, weighted by their real rows (the padding ones by 0) and summed over the ranks
+    (here in one call: the all-reduce is a sum), are the plain mean of every window's loss; a plain mean of
+    the batch means is not, when the last batch is short or a rank pads. Per-window losses spread widely."""
+    window_loss = torch.rand(samples, generator=torch.Generator().manual_seed(samples), dtype=torch.float64) * 10
+    means, weights = [], []
+    for rank in range(dp):
+        sampler = EvalBatchSampler(samples, BatchLayout(batch, 1, dp, rank), "all")
+        means += [window_loss[indices].mean() for indices in sampler.batches]
+        weights += sampler.weights
+    assert len(means) == len(weights) == dp * len(sampler)
+    expected = window_loss.mean().item()
+    assert weighted_mean(torch.stack(means), weights) == pytest.approx(expected, rel=1e-12)
+    assert abs(torch.stack(means).mean().item() - expected) > 1e-4  # what an unweighted mean would report
 
 
 def test_max_epochs_sees_every_training_window_exactly_twice(tmp_path, monkeypatch):
