@@ -90,7 +90,7 @@ def validate_config(
         )
         return
     console.print(config_tree(cfg.model_dump(mode="json"), str(preset), sources if explain else None))
-    console.print(summary_table(summary, cfg.train.max_steps))
+    console.print(summary_table(summary))
     console.print(memory_table(stages, cfg, world_size, gpu_memory_gib))
     console.print(checkpoint_line(checkpoint_bytes(cfg), cfg.checkpoint.keep_last_n))
     if cfg.data.datasets:
@@ -121,7 +121,7 @@ def config_tree(data: dict[str, Any], title: str, sources: dict[str, str] | None
     return tree
 
 
-def summary_table(summary: dict[str, Any], max_steps: int) -> Table:
+def summary_table(summary: dict[str, Any]) -> Table:
     table = Table(title="Size and cost", show_header=False, expand=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
@@ -142,7 +142,7 @@ def summary_table(summary: dict[str, Any], max_steps: int) -> Table:
             first = length["batch_ramp"][0]
             table.add_row("  batch ramp", f"from {first['sequences']:,} sequences: see the lr table")
         source = length.get("max_steps_from")
-        table.add_row("steps", f"{max_steps:,}" + (f" (from {source})" if source else ""))
+        table.add_row("steps", f"{length['max_steps']:,}" + (f" (from {source})" if source else ""))
     table.add_row("tokens per step (global)", f"{summary['tokens_per_step']:,}")
     table.add_row("training FLOPs per step", human(summary["flops_per_step"], "FLOP"))
     table.add_row("total tokens", f"{summary['total_tokens']:,}")
