@@ -215,6 +215,9 @@ def test_max_epochs_sees_every_training_window_exactly_twice(tmp_path, monkeypat
     assert again["already_complete"] and again["steps"] == steps
 
 
+RAMP = ["train.global_batch_size=32", "train.batch_ramp_start=8", "train.batch_ramp_steps=3"]
+
+
 def test_global_batch_size_is_bitwise_the_explicit_accumulation(tmp_path):
     """global_batch_size = 32 with batch_size 8 on one process is grad_accum_steps = 4: the same computation.
     A ramp's first step (8 sequences: one micro-batch) is a plain one-micro-batch step: its loss is normalised
@@ -224,16 +227,28 @@ def test_global_batch_size_is_bitwise_the_explicit_accumulation(tmp_path):
         ("explicit", ["train.grad_accum_steps=4"]),
         ("global", ["train.global_batch_size=32"]),
         ("single", ["train.grad_accum_steps=1"]),
-        ("ramp", ["train.global_batch_size=32", "train.batch_ramp_start=8", "train.batch_ramp_steps=3"]),
+        ("ramp", [*RAMP, "scheduler.unit=tokens", "scheduler.warmup_steps=500"]),
     ]:
         overrides = [*TINY, "train.batch_size=8", "train.max_steps=3", *batch]
         train(load_job_config(REPO / "presets" / "debug.toml", overrides), tmp_path / name)
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         runs[name] = [(r["loss"], r["grad_norm"], r["tokens_seen"]) for r in map(json.loads, lines) if "loss" in r]
+        lrs = [r["lr"] for r in map(json.loads, lines) if "loss" in r]
     assert len(runs["global"]) == 3 and runs["global"] == runs["explicit"]
     assert runs["global"][-1][2] == 3 * 32 * 32
     assert runs["ramp"][0] == runs["single"][0]
     assert [tokens for _, _, tokens in runs["ramp"]] == [8 * 32, 24 * 32, 48 * 32]  # 8, 16, 24 sequences
+    # the trainer's schedule (LambdaLR read at the plan's tokens) is `learning_rate`, whose closed form is
+    # checked above: warmup in tokens at 0, 256 and 768 tokens before the step
+    cfg = load_job_config(REPO / "presets" / "debug.toml", [*TINY, "train.batch_size=8", "train.max_steps=3", *RAMP])
+    cfg = with_derived_length(
+        cfg.model_copy(
+            update={"scheduler": cfg.scheduler.model_copy(update={"unit": "tokens", "warmup_steps": 500})}
+        ).validate(1),
+        1,
+    )
+    assert lrs == [learning_rate(cfg, s) for s in range(3)]
+    assert lrs[:2] == pytest.approx([cfg.optimizer.lr * 1 / 501, cfg.optimizer.lr * 257 / 501], rel=1e-6)
 
 
 def test_a_later_layer_says_the_length_or_batch_its_own_way(tmp_path):
@@ -319,7 +334,22 @@ def test_validate_config_shows_the_derived_batch_ramp_and_length():
         "--train.batch_ramp_steps=30",
         "--train.max_epochs=1",
     ]
-    result = forge("validate-config", "presets/debug.toml", *ramp, "--world-size", "2", "--json")
+    argv = [
+        "forge",
+        "validate-config",
+        "presets/debug.toml",
+        *ramp,
+        "--scheduler.unit=tokens",
+        "--world-size=2",
+        "--json",
+    ]
+    code = (  # the plan, the epochs' window count and the schedule in tokens, all without torch
+        f"import sys; sys.argv = {argv!r}\n"
+        "from forgecli.app import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     length = out["length"]
