@@ -1,8 +1,8 @@
 """One optimizer step, one evaluation, and what a logged step reports.
 
 A step accumulates the gradients of its micro-batches (`train.grad_accum_steps`, or under a batch ramp the
-step's own number: engine.data.batch_plan), or runs them through the pipeline schedule, then unscales, clips and applies them, unless the step is bad (non-finite, or a loss
-spike), which every rank decides together. Everything model-specific (the MoE routers' balancing, their
+step's own number: engine.data.batch_plan), or runs them through the pipeline schedule, then unscales, clips
+and applies them, unless the step is bad (non-finite, or a loss spike), which every rank decides together. Everything model-specific (the MoE routers' balancing, their
 metrics) is attached to the job when it is built (engine/train/job.py), not done here.
 """
 
