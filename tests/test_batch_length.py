@@ -361,4 +361,4 @@ def test_validate_config_shows_the_derived_batch_ramp_and_length():
     assert {1, 11, 21, 31} <= rows.keys() and rows[11]["batch"] == 32 and rows[11]["tokens_before"] == 160 * 256
     text = forge("validate-config", "presets/debug.toml", *ramp, "--world-size", "2")
     assert text.returncode == 0 and "micro-batches per step per rank" in text.stdout
-    assert "batch (sequences)" in text.stdout and "epochs × " in text.stdout
+    assert "batch (sequences)" in text.stdout and "epoch(s) of " in text.stdout

@@ -95,7 +95,7 @@ def length_summary(cfg: JobConfig, world_size: int, windows: int | None = None) 
     }
     if t.max_epochs is not None:
         windows = train_windows(cfg) if windows is None else windows
-        summary["max_steps_from"] = f"{t.max_epochs} epochs × {windows:,} windows of the training data"
+        summary["max_steps_from"] = f"{t.max_epochs} epoch(s) of {windows:,} training windows"
     elif t.max_tokens is not None:
         summary["max_steps_from"] = f"{t.max_tokens:,} tokens"
     return summary
