@@ -356,7 +356,7 @@ def test_validate_config_shows_the_derived_batch_ramp_and_length():
     assert (length["global_batch_size"], length["grad_accum_steps"]) == (64, 4)  # 64 / (8 × 2 ranks)
     assert [row["sequences"] for row in length["batch_ramp"]] == [16, 32, 48, 64]
     assert [row["step"] for row in length["batch_ramp"]] == [1, 11, 21, 31]
-    assert "epochs" in length["max_steps_from"] and out["config"]["train"]["max_steps"] == length["max_steps"]
+    assert "epoch(s) of" in length["max_steps_from"] and out["config"]["train"]["max_steps"] == length["max_steps"]
     rows = {row["step"]: row for row in out["lr_schedule"]}
     assert {1, 11, 21, 31} <= rows.keys() and rows[11]["batch"] == 32 and rows[11]["tokens_before"] == 160 * 256
     text = forge("validate-config", "presets/debug.toml", *ramp, "--world-size", "2")
