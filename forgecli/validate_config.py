@@ -206,13 +206,14 @@ SPARK = "▁▂▃▄▅▆▇█"
 def phases_table(cfg: Any, world_size: int) -> Table:
     """The data mixture's phases: their steps, lr scale, and each source's share (after temperature) and
     expected tokens."""
+    from engine.data.batch_plan import batch_plan
     from engine.data.mixture import phase_table
 
     names = [s.name for s in cfg.data.datasets]
     table = Table(title=f"Data mixture (mix_temperature = {cfg.data.mix_temperature:g})", header_style="bold")
     for column in ("steps", "lr scale", *names):
         table.add_column(column, justify="right")
-    for row in phase_table(cfg.data, cfg.train.max_steps, cfg.tokens_per_step(world_size)):
+    for row in phase_table(cfg.data, cfg.train.max_steps, batch_plan(cfg, world_size).tokens_before):
         shares = [row["sources"][n] for n in names]
         table.add_row(
             f"{row['first_step']:,}–{row['last_step']:,}",

@@ -18,7 +18,8 @@ import torch
 from engine.config import load_job_config
 from engine.data.batch_plan import BatchPlan, Ramp, batch_plan
 from engine.data.loader import TokenWindows, open_train_data
-from engine.data.sampler import BatchLayout, EvalBatchSampler
+from engine.data.mixture import Phase, SourceDraws
+from engine.data.sampler import BatchLayout, EpochOrder, EvalBatchSampler, MixtureBatchSampler
 from engine.errors import ConfigError
 from engine.runs import summarize_run
 from engine.train.length import with_derived_length
@@ -89,6 +90,31 @@ def test_a_ramp_reads_the_stream_in_order_and_the_same_for_every_layout(tmp_path
     plain = job_config(data, "train.batch_size=4")  # the same stream, read 4 sequences at a time
     stream = torch.cat([x for x, _ in islice(open_train_data(plain).batches(), 14)])
     assert torch.equal(torch.cat(one), stream)
+
+
+def test_a_mixture_under_a_ramp_draws_the_same_global_batches_for_every_layout():
+    """Each step draws its own G_s sources (8, 16, 24, then 32): the same samples whether one rank reads them in
+    micro-batches of 8 or two ranks in micro-batches of 4, and each step holds G_s of them."""
+    phases = [Phase(0, (0.5, 0.3, 0.2), 1.0)]
+    sizes, offsets = [50, 30, 7], [0, 50, 80]  # the third source runs out and starts a new epoch
+
+    def global_batches(batch: int, dp: int) -> list[list[int]]:
+        plan = BatchPlan(batch * dp, 32, 16, Ramp(8, 8, 3, False))
+        out: dict[int, dict[int, int]] = {}
+        for rank in range(dp):
+            layout = BatchLayout(batch, 32 // (batch * dp), dp, rank, plan)
+            draws = SourceDraws(phases, layout.step_sequences, seed=3)
+            orders = [EpochOrder(n, (3, i)) for i, n in enumerate(sizes)]
+            sampler = iter(MixtureBatchSampler(draws, orders, offsets, layout))
+            for step in range(6):
+                for micro in range(layout.micro_steps(step)):
+                    first = layout.micro_batch_start(step, micro) - layout.step_start(step)
+                    out.setdefault(step, {}).update(dict(enumerate(next(sampler), start=first)))
+        return [[out[s][p] for p in sorted(out[s])] for s in range(6)]
+
+    one = global_batches(8, 1)
+    assert [len(b) for b in one] == [8, 16, 24, 32, 32, 32]
+    assert global_batches(4, 2) == one
 
 
 def test_the_lr_schedule_in_tokens_is_its_closed_form_at_every_step_of_a_ramp():

@@ -156,12 +156,12 @@ class MixtureData(TrainData):
 
     @cached_property
     def _counter(self) -> SourceDraws:
-        return SourceDraws(self.phases, self.layout.global_batch, self.seed)
+        return SourceDraws(self.phases, self.layout.step_sequences, self.seed)
 
     def batches(self, start_step: int = 0) -> Iterator[Batch]:
         # Each source's own endless shuffled stream, seeded apart from the others and from the source draws.
         orders = [EpochOrder(n, (self.seed, i)) for i, n in enumerate(self.source_windows)]
-        draws = SourceDraws(self.phases, self.layout.global_batch, self.seed)
+        draws = SourceDraws(self.phases, self.layout.step_sequences, self.seed)
         return iter(self.loader(MixtureBatchSampler(draws, orders, self.offsets, self.layout, start_step)))
 
     def metrics(self, steps_done: int) -> dict[str, float]:

@@ -39,6 +39,10 @@ class BatchLayout:
     def global_batch(self) -> int:
         return self.batch_size * self.grad_accum_steps * self.dp_size
 
+    def step_sequences(self, step: int) -> int:
+        """Samples in optimizer step `step` over all ranks."""
+        return self.global_batch if self.plan is None else self.plan.sequences(step)
+
     def micro_steps(self, step: int) -> int:
         """Micro-steps of optimizer step `step` (0-based)."""
         return self.grad_accum_steps if self.plan is None else self.plan.micro_batches(step)
@@ -106,7 +110,7 @@ class MixtureBatchSampler(Sampler[list[int]]):
         layout: BatchLayout,
         start_step: int = 0,
     ) -> None:
-        assert start_step >= 0 and draws.global_batch == layout.global_batch and layout.plan is None
+        assert start_step >= 0 and draws.global_batch(start_step) == layout.step_sequences(start_step)
         self.draws, self.orders, self.offsets = draws, list(orders), list(offsets)
         self.layout, self.start_step = layout, start_step
 
@@ -114,8 +118,8 @@ class MixtureBatchSampler(Sampler[list[int]]):
         size = self.layout.batch_size
         for step in count(self.start_step):
             sources, positions = self.draws.stream_positions(step)
-            for micro in range(self.layout.grad_accum_steps):
-                first = self.layout.micro_batch_start(step, micro) - step * self.layout.global_batch
+            for micro in range(self.layout.micro_steps(step)):
+                first = self.layout.micro_batch_start(step, micro) - self.layout.step_start(step)
                 yield [
                     self.offsets[source] + int(self.orders[source].take(int(position), 1)[0])
                     for source, position in zip(sources[first : first + size], positions[first : first + size])

@@ -177,13 +177,6 @@ def unsupported_issues(cfg: JobConfig) -> list[ConfigIssue]:
             "remove the ramp, or train with distributed.pp = 1",
         ),
         (
-            ramp and bool(cfg.data.datasets),
-            "train.batch_ramp_start",
-            "a batch ramp is not supported with a data mixture (data.datasets) yet: its source draws are made "
-            "for a fixed global batch",
-            "remove the ramp, or train on one data set",
-        ),
-        (
             s.unit == "tokens" and s.cycles is not None,
             "scheduler.cycles",
             'warm restarts are counted in steps; scheduler.unit = "tokens" does not support them yet',
