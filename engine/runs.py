@@ -76,7 +76,7 @@ def summarize_run(run_dir: Path, name: str | None = None) -> RunSummary:
     train = next((r for r in reversed(records) if "loss" in r), {})
     evals = next((r for r in reversed(records) if "eval_loss" in r), {})
     config = run_config(run_dir)
-    max_steps = config.get("train", {}).get("max_steps")
+    max_steps = config.get("train", {}).get("max_steps") or derived_max_steps(run_dir)
     status, detail = run_status(run_dir, train.get("step"), max_steps)
     checkpoints = complete_checkpoints(run_dir / config.get("checkpoint", {}).get("dir", "checkpoints"))
     written = [(run_dir / f).stat().st_mtime for f in ACTIVITY_FILES if (run_dir / f).is_file()]
@@ -112,6 +112,13 @@ def run_status(run_dir: Path, last_step: int | None, max_steps: int | None) -> t
     if last_step is not None and max_steps is not None and last_step >= max_steps:
         return "complete", ""
     return "failed", "stopped before max_steps (no attempt record)"
+
+
+def derived_max_steps(run_dir: Path) -> int | None:
+    """The steps the latest attempt trained to, where config.toml says the length as max_epochs or max_tokens
+    (the attempt's start record holds what they came to)."""
+    starts = [r for r in attempt_records(run_dir) if r.get("event") == "start" and "max_steps" in r]
+    return starts[-1]["max_steps"] if starts else None
 
 
 def attempt_records(run_dir: Path) -> list[dict[str, Any]]:

@@ -49,11 +49,12 @@ def validate_config(
     from engine.config.loader import field_sources
     from engine.errors import UserError
     from engine.parallel.memory import checkpoint_bytes, estimate_memory
+    from engine.train.length import with_derived_length
     from engine.train.summary import job_summary
 
     overrides = collect_overrides(ctx.args)
     try:
-        cfg = load_job_config(preset, overrides).validate(world_size)
+        cfg = with_derived_length(load_job_config(preset, overrides).validate(world_size), world_size)
         warnings = cfg.warnings(world_size)
         if cfg.train.hooks:  # imports the research code they name (only then), as `forge train` will
             from engine.train.hooks import hook_class
@@ -83,7 +84,7 @@ def validate_config(
                 "sources": sources,
                 **summary,
                 "memory": memory,
-                "lr_schedule": lr_schedule(cfg),
+                "lr_schedule": lr_schedule(cfg, world_size),
                 "warnings": [{"field": w.path, "problem": w.problem, "hint": w.hint} for w in warnings],
             }
         )
@@ -94,7 +95,7 @@ def validate_config(
     console.print(checkpoint_line(checkpoint_bytes(cfg), cfg.checkpoint.keep_last_n))
     if cfg.data.datasets:
         console.print(phases_table(cfg, world_size))
-    console.print(lr_curve(cfg))
+    console.print(lr_curve(cfg, world_size))
     show_config_warnings(warnings, console)
     console.print("[green]✓ config is valid[/green]" + (f" for world size {world_size}" if world_size > 1 else ""))
 
@@ -133,6 +134,15 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table.add_row("  output head", human(params["output_head"]) if params["output_head"] else "tied to the embedding")
     moe = " (active)" if params["active"] != params["total"] else ""
     table.add_row(f"training FLOPs per token{moe}", human(summary["flops_per_token"], "FLOP"))
+    length = summary.get("length")
+    if length is not None:  # the config says its batch or length the recipe way: how it comes out
+        table.add_row("global batch (sequences)", f"{length['global_batch_size']:,}")
+        table.add_row("  micro-batches per step per rank", f"{length['grad_accum_steps']:,} (derived)")
+        if length["batch_ramp"]:
+            first = length["batch_ramp"][0]
+            table.add_row("  batch ramp", f"from {first['sequences']:,} sequences: see the lr table")
+        source = length.get("max_steps_from")
+        table.add_row("steps", f"{length['max_steps']:,}" + (f" (from {source})" if source else ""))
     table.add_row("tokens per step (global)", f"{summary['tokens_per_step']:,}")
     table.add_row("training FLOPs per step", human(summary["flops_per_step"], "FLOP"))
     table.add_row("total tokens", f"{summary['total_tokens']:,}")
@@ -196,13 +206,14 @@ SPARK = "▁▂▃▄▅▆▇█"
 def phases_table(cfg: Any, world_size: int) -> Table:
     """The data mixture's phases: their steps, lr scale, and each source's share (after temperature) and
     expected tokens."""
+    from engine.data.batch_plan import batch_plan
     from engine.data.mixture import phase_table
 
     names = [s.name for s in cfg.data.datasets]
     table = Table(title=f"Data mixture (mix_temperature = {cfg.data.mix_temperature:g})", header_style="bold")
     for column in ("steps", "lr scale", *names):
         table.add_column(column, justify="right")
-    for row in phase_table(cfg.data, cfg.train.max_steps, cfg.tokens_per_step(world_size)):
+    for row in phase_table(cfg.data, cfg.train.max_steps, batch_plan(cfg, world_size).tokens_before):
         shares = [row["sources"][n] for n in names]
         table.add_row(
             f"{row['first_step']:,}–{row['last_step']:,}",
@@ -212,37 +223,60 @@ def phases_table(cfg: Any, world_size: int) -> Table:
     return table
 
 
-def lr_schedule(cfg: Any) -> list[dict[str, float]]:
+def lr_schedule(cfg: Any, world_size: int = 1) -> list[dict[str, float]]:
     """The learning rate at the steps where the schedule changes phase (steps counted from 1, as in the
-    metrics)."""
+    metrics); under a batch ramp also where the batch rises, with each row's global batch (sequences) and
+    the tokens trained on before the step."""
+    from engine.data.batch_plan import batch_plan
     from engine.train.schedules import key_steps, learning_rate
 
-    return [{"step": s + 1, "lr": learning_rate(cfg, s)} for s in key_steps(cfg)]
+    steps = set(key_steps(cfg, world_size))
+    plan = batch_plan(cfg, world_size)
+    if plan.ramp is None:
+        return [{"step": s + 1, "lr": learning_rate(cfg, s, world_size)} for s in sorted(steps)]
+    steps |= {first for first, _, _ in plan.segments if first < cfg.train.max_steps}
+    return [
+        {
+            "step": s + 1,
+            "lr": learning_rate(cfg, s, world_size),
+            "batch": plan.sequences(s),
+            "tokens_before": plan.tokens_before(s),
+        }
+        for s in sorted(steps)
+    ]
 
 
-def sparkline(cfg: Any, width: int = 64) -> str:
+def sparkline(cfg: Any, width: int = 64, world_size: int = 1) -> str:
     """The whole run's learning rate as one line of block characters, scaled to optimizer.lr."""
     from engine.train.schedules import learning_rate
 
     last = cfg.train.max_steps - 1
     width = min(width, last + 1)
     steps = [round(i * last / max(width - 1, 1)) for i in range(width)]
-    levels = [learning_rate(cfg, s) / cfg.optimizer.lr for s in steps]
+    levels = [learning_rate(cfg, s, world_size) / cfg.optimizer.lr for s in steps]
     return "".join(SPARK[min(round(level * (len(SPARK) - 1)), len(SPARK) - 1)] for level in levels)
 
 
-def lr_curve(cfg: Any) -> Group:
-    """A sparkline of the whole run over a table of the learning rate where its phases change."""
-    line = sparkline(cfg)
+def lr_curve(cfg: Any, world_size: int = 1) -> Group:
+    """A sparkline of the whole run over a table of the learning rate where its phases change; under a batch
+    ramp the table has the global batch and the tokens seen beside the lr."""
+    line = sparkline(cfg, world_size=world_size)
     last = f"{cfg.train.max_steps:,}"
+    points = lr_schedule(cfg, world_size)
+    ramp = bool(points) and "batch" in points[0]
     table = Table(show_header=True, header_style="bold", expand=False)
     table.add_column("step", justify="right")
     table.add_column("lr", justify="right")
-    for point in lr_schedule(cfg):
-        table.add_row(f"{point['step']:,}", f"{point['lr']:.3e}")
+    if ramp:
+        table.add_column("batch (sequences)", justify="right")
+        table.add_column("tokens before", justify="right")
+    for point in points:
+        extra = [f"{point['batch']:,}", f"{point['tokens_before']:,}"] if ramp else []
+        table.add_row(f"{point['step']:,}", f"{point['lr']:.3e}", *extra)
+    unit = " in tokens" if cfg.scheduler.unit == "tokens" else ""
     return Group(
         Text(
-            f"Learning rate ({cfg.scheduler.name} schedule, {cfg.optimizer.name}): 0 … {cfg.optimizer.lr:g}",
+            f"Learning rate ({cfg.scheduler.name} schedule{unit}, {cfg.optimizer.name}): 0 … {cfg.optimizer.lr:g}",
             style="bold",
         ),
         Text(line, style="cyan"),

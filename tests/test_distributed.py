@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from engine.checkpoint.dcp import latest_checkpoint, load_checkpoint
 from engine.config import load_job_config
+from engine.data.loader import open_eval_data
 from engine.data.shards import read_manifest
 from engine.model.transformer import Transformer
 from tests.conftest import REPO
@@ -179,6 +180,45 @@ def test_layouts_match_one_process(tmp_path, one_process, layout):
     assert "step 6/6" in result.stdout and result.stdout.count("run directory:") == 1  # rank 0 alone reports
     state = json.loads((latest_checkpoint(tmp_path / "run" / "checkpoints")[1] / "train_state.json").read_text())
     assert len(state["rng"]) == 2, "each rank's generators are saved"
+
+
+def test_a_global_batch_and_the_whole_held_out_set_on_two_processes_match_one(tmp_path):
+    """--train.global_batch_size=32 on 2 processes (8 sequences × 2 micro-batches per rank, derived) trains like
+    one process accumulating 4 micro-batches of 8 (today's explicit form), and eval.steps = "all" (every held-out
+    window once, chunk c of 8 on rank c mod 2) gives one process's token-weighted mean, which is the mean
+    cross-entropy over every held-out window computed here from the final weights. Tolerance: as for every layout
+    here (assert_same_run, 1e-5): the same windows in the same micro-batches, but FSDP sums the two ranks'
+    gradients in another order than one process's accumulation, fp32 rounding that Adam carries over the 6
+    steps; each eval chunk is the same rows on either side and the chunks' sums are taken in float64. (Padding a
+    rank that runs out of chunks is checked in tests/test_batch_length.py: here the 360 chunks split evenly.)"""
+    one, two = tmp_path / "one", tmp_path / "two"
+    result = forge(one, "--train.grad_accum_steps=4", "--eval.steps=all", batch_size=8)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = forge(two, "--train.global_batch_size=32", "--eval.steps=all", nproc=2, batch_size=8)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(two, one)
+    assert [r["tokens_seen"] for r in records(two).values()] == [32 * 32 * s for s in range(1, 7)]
+    saved = (two / "config.toml").read_text()  # the layout's accumulation is derived again on a resume
+    assert "global_batch_size = 32" in saved and "grad_accum_steps" not in saved
+
+    held_out = open_eval_data(load_job_config(two / "config.toml")).dataset
+    model = Transformer(load_job_config(one / "config.toml").model)
+    load_checkpoint(latest_checkpoint(one / "checkpoints")[1], model)  # step 6, the last eval's weights
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for first in range(0, len(held_out), 64):
+            inputs, labels = (
+                torch.stack(t) for t in zip(*(held_out[i] for i in range(first, min(first + 64, len(held_out)))))
+            )
+            logits = model(inputs)
+            total += (
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+                .double()
+                .item()
+            )
+            count += labels.numel()
+    assert len(held_out) % 8 and count == len(held_out) * 32  # every window, the last chunk a short one
+    assert records(two, "eval_loss")[6]["eval_loss"] == pytest.approx(total / count, abs=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -96,14 +96,14 @@ def kill_after(run_dir: Path, step: int, *extra: str) -> int:
     return [r["step"] for r in records(run_dir) if "loss" in r][-1]
 
 
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+def final_weights(run_dir: Path, steps: int = 40) -> dict[str, torch.Tensor]:
     from engine.checkpoint.dcp import load_checkpoint
     from engine.config import load_job_config
     from engine.model.transformer import Transformer
 
     model = Transformer(load_job_config(run_dir / "config.toml").model)
     step, path = latest_checkpoint(run_dir / "checkpoints")
-    assert step == 40
+    assert step == steps
     load_checkpoint(path, model)
     return model.state_dict()
 
@@ -116,28 +116,52 @@ def uninterrupted(tmp_path_factory) -> Path:
     return run_dir
 
 
+# A batch ramp from 4 to 16 sequences (one process, batch_size 4: 1 to 4 micro-batches a step) over 6000 tokens, a
+# rise each 2000 tokens: 4 sequences a step in steps 1-8, 8 in steps 9-12, 12 in steps 13-15, 16 from step 16 on;
+# the schedule in tokens. Killed between steps 5 and 15 and resumed from the checkpoint of step 4, 8 or 12: inside
+# the ramp, where the checkpoint's step must give back both the data position and the tokens seen. 20 steps (the
+# last override wins), to keep its bigger steps cheap.
+BATCHING = {
+    "accum1": [],
+    "accum2": ["--train.grad_accum_steps=2"],
+    "ramp": [
+        "--train.global_batch_size=16",
+        "--train.batch_ramp_start=4",
+        "--train.batch_ramp_tokens=6000",
+        "--scheduler.unit=tokens",
+        "--scheduler.warmup_steps=3000",
+        "--train.max_steps=20",
+    ],
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("accum,kills", [(1, 1), (2, 2)])
-def test_killed_runs_resume_bitwise(tmp_path, uninterrupted, accum, kills):
-    accumulate = f"--train.grad_accum_steps={accum}"
+@pytest.mark.parametrize("batching,kills", [("accum1", 1), ("accum2", 2), ("ramp", 1)])
+def test_killed_runs_resume_bitwise(tmp_path, uninterrupted, batching, kills):
+    extra, steps = BATCHING[batching], 20 if batching == "ramp" else 40
     reference = uninterrupted
-    if accum != 1:  # accumulation changes the computation, so it needs its own uninterrupted reference
+    if extra:  # accumulation or a ramp changes the computation, so it needs its own uninterrupted reference
         reference = tmp_path / "whole"
-        assert forge(*train_args(reference, "--train.max_steps=40", accumulate)).returncode == 0
+        assert forge(*train_args(reference, "--train.max_steps=40", *extra)).returncode == 0
     run_dir = tmp_path / "killed"
-    rng = random.Random(accum * 100 + kills)
+    rng = random.Random(f"{batching}{kills}")
     kill_steps = [rng.choice([s for s in range(5 + 12 * i, 16 + 12 * i) if s % 4]) for i in range(kills)]
     resumed_from = []
     for step in kill_steps:  # between checkpoints, and each attempt past a new checkpoint
-        assert kill_after(run_dir, step, accumulate) < 40
+        assert kill_after(run_dir, step, *extra) < steps
         resumed_from.append(latest_checkpoint(run_dir / "checkpoints")[0])
     assert resumed_from == sorted(set(resumed_from)) and len(resumed_from) == kills
-    result = forge(*train_args(run_dir, "--train.max_steps=40", accumulate))
+    result = forge(*train_args(run_dir, "--train.max_steps=40", *extra))
     assert result.returncode == 0, result.stderr
     assert "resuming after step" in result.stdout
+    assert sorted(losses(run_dir)) == list(range(1, steps + 1))
     assert losses(run_dir) == losses(reference)  # every step, bitwise: before the kill and after the resume
-    ours, theirs = final_weights(run_dir), final_weights(reference)
-    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    ours, theirs = final_weights(run_dir, steps), final_weights(reference, steps)
+    assert len(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    if batching == "ramp":  # the path it claims: steps of 4, 8, 12 and 16 sequences, the lr read in tokens
+        seen = {r["step"]: (r["tokens_seen"], r["lr"]) for r in records(run_dir) if "loss" in r}
+        assert [seen[s][0] - seen[s - 1][0] for s in (2, 9, 13, 16)] == [4 * 64, 8 * 64, 12 * 64, 16 * 64]
+        assert seen == {r["step"]: (r["tokens_seen"], r["lr"]) for r in records(reference) if "loss" in r}
 
 
 def test_resume_continues_and_refuses_unsafe_changes(tmp_path):

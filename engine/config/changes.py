@@ -2,7 +2,7 @@
 
 A resumed run must continue the same computation: the model's shape, the data and its order, and the
 optimization all come from the saved config. Only fields that do not change what is computed, or that
-extend it (train.max_steps), may differ; so may `train.hooks` (a hook that stopped a run can be fixed or
+extend it (train.max_steps, max_epochs, max_tokens), may differ; so may `train.hooks` (a hook that stopped a run can be fixed or
 dropped on resume). The layout may change too (`distributed.*`, and the per-device
 `train.batch_size` and `grad_accum_steps`) as long as the global batch stays the same: the trainer checks
 that against the checkpoint's tokens per step, since it depends on the world size. The `[data]` fields may
@@ -19,6 +19,9 @@ from engine.errors import ConfigIssue
 
 SAFE_ON_RESUME = (
     "train.max_steps",
+    "train.max_epochs",  # like max_steps, it says how long (and a resume derives the steps from the same data)
+    "train.max_tokens",
+    "train.global_batch_size",  # the trainer checks the global batch itself, as for batch_size
     "train.compile_model",
     "train.activation_checkpointing",
     "train.shutdown_timeout_sec",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -15,7 +15,11 @@ class EvalSchedule(Section):
 
     enabled: bool = Field(False, description="evaluate on held-out data during training")
     interval: int = Field(100, gt=0, description="evaluate every N training steps (and after the last)")
-    steps: int = Field(10, gt=0, description="batches per evaluation")
+    steps: Annotated[int, Field(gt=0)] | Literal["all"] = Field(
+        10,
+        description='batches per evaluation; "all" = every window of the held-out set once, shared out over '
+        "the data-parallel ranks (a token-weighted mean, the same as one process)",
+    )
     dataset_path: str | None = Field(
         None,
         description="held-out shards; unset only with the embedded corpus (whose held-out split is used) "
@@ -30,7 +34,7 @@ class EvalConfig(HubDatasetFields, EvalSchedule):
     readers: ClassVar[dict[str, str]] = {
         "enabled": "data/loader.py",
         "interval": "train/trainer.py",
-        "steps": "train/step.py",
+        "steps": "train/step.py, data/sampler.py",
         "dataset_path": "data/loader.py",
         "file_pattern": "data/loader.py",
         "hf_dataset_name": "data/hub_cache.py",

@@ -47,7 +47,13 @@ class JobConfig(Section):
 
     def validate(self, world_size: int = 1) -> JobConfig:  # type: ignore[override]
         """Check the rules that span sections once the world size is known; raise every problem at once."""
-        issues = cross_section_issues(self, world_size)
+        from engine.train import length_rules
+        from engine.train.length import with_derived_length
+
+        # The batch and length rules come first: every other rule reads the steps and accumulation they derive.
+        issues = length_rules.issues(self, world_size) or cross_section_issues(
+            with_derived_length(self, world_size), world_size
+        )
         if issues:
             raise ConfigError(issues)
         return self
@@ -55,13 +61,20 @@ class JobConfig(Section):
     def warnings(self, world_size: int = 1) -> list[ConfigIssue]:
         """What the run does that the user may not expect, but which is not an error (validate-config and
         `forge train` print them, `--json` lists them): a config that runs elsewhere runs here too."""
-        return config_warnings(self, world_size)
+        from engine.train import length_rules
+        from engine.train.length import with_derived_length
+
+        if length_rules.issues(self, world_size):  # the lengths cannot be derived: validate() says why
+            return []
+        derived = with_derived_length(self, world_size)
+        return config_warnings(derived, world_size) + length_rules.warnings(derived, world_size)
 
     def tokens_per_step(self, world_size: int = 1) -> int:
-        """Tokens one optimizer step trains on, summed over the data-parallel ranks."""
-        d, t = self.distributed, self.train
-        dp = d.dp_replicate * d.resolved_dp_shard(world_size)
-        return t.batch_size * t.seq_len * t.grad_accum_steps * max(dp, 1)
+        """Tokens one optimizer step trains on, summed over the data-parallel ranks (the full global batch's, after
+        any ramp)."""
+        from engine.data.batch_plan import global_sequences
+
+        return global_sequences(self, world_size) * self.train.seq_len
 
 
 Rule = Callable[[JobConfig, int], list[ConfigIssue]]

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from tomlkit.exceptions import TOMLKitError
 
 from engine.config.job import JobConfig
+from engine.config.train import ALTERNATIVES
 from engine.errors import ConfigError, ConfigIssue
 
 
@@ -31,12 +32,14 @@ def load_job_config(preset: str | Path | None, overrides: list[str] = ()) -> Job
     raw = read_preset(preset).raw if preset is not None else {}
     source = str(preset) if preset is not None else "defaults"
     issues: list[ConfigIssue] = []
+    parsed: list[tuple[list[str], Any]] = []
     for item in overrides:
         try:
-            path, value = parse_override(item)
+            parsed.append(parse_override(item))
         except ValueError as e:
             issues.append(ConfigIssue(item, str(e), "write overrides as --section.key=value"))
-            continue
+    drop_replaced(raw, [path for path, _ in parsed])
+    for path, value in parsed:
         set_dotted(raw, path, value, issues)
     if issues:
         raise ConfigError(issues, source)
@@ -87,8 +90,26 @@ def read_preset(path: str | Path, chain: tuple[Path, ...] = ()) -> Preset:
         included = read_preset(path.parent / entry, chain)
         preset.merge(included.raw, "")
         preset.sources.update(included.sources)
+    own_fields = [[section, key] for section, table in own.items() if isinstance(table, dict) for key in table]
+    drop_replaced(preset.raw, own_fields, preset.sources)
     preset.merge(own, str(path))
     return preset
+
+
+def drop_replaced(raw: dict[str, Any], given: list[list[str]], sources: dict[str, str] | None = None) -> None:
+    """A later layer (an override, or a file over its includes) that says how long the run is, or how big its
+    batch, in one way replaces what earlier layers said in another (`ALTERNATIVES`): `--train.max_epochs=2` on a
+    preset with max_steps trains for two epochs. Within one layer, both are a config error."""
+    for fields in ALTERNATIVES.values():
+        named = {key for section, key in (p for p in given if len(p) == 2) if f"{section}.{key}" in fields}
+        if not named:
+            continue
+        for field_path in fields:
+            section, key = field_path.split(".")
+            if key not in named and isinstance(raw.get(section), dict):
+                raw[section].pop(key, None)
+                if sources is not None:
+                    sources.pop(field_path, None)
 
 
 def include_error(path: Path, problem: str, chain: tuple[Path, ...], hint: str) -> ConfigError:

@@ -94,7 +94,14 @@ def type_name(annotation: typing.Any) -> str:
     """The TOML-side type: int, float, bool, str, [float, float], [[int, float], …]; "or unset" for optional."""
     inner, optional = optional_inner(annotation)
     origin, args = typing.get_origin(inner), typing.get_args(inner)
-    if origin is typing.Annotated:
+    if origin in (typing.Union, types.UnionType):  # e.g. int | Literal["all"]: int or "all"
+        name = " or ".join(
+            " or ".join(f'"{value}"' for value in typing.get_args(arg))
+            if typing.get_origin(arg) is typing.Literal
+            else type_name(arg)
+            for arg in args
+        )
+    elif origin is typing.Annotated:
         name = type_name(args[0])
     elif origin is typing.Literal:
         name = "str"
@@ -131,6 +138,10 @@ def allowed_text(info: FieldInfo) -> str:
         return " | ".join(options)
     limits = bounds(info.metadata)
     inner, _ = optional_inner(info.annotation)
+    if typing.get_origin(inner) in (typing.Union, types.UnionType):  # the bounds of its constrained member
+        members = [typing.get_args(arg) for arg in typing.get_args(inner) if typing.get_origin(arg) is typing.Annotated]
+        metadata = [m for args in members for item in args[1:] for m in getattr(item, "metadata", [item])]
+        limits = bounds(metadata)
     if not limits and typing.get_origin(inner) is tuple:
         first = typing.get_args(inner)[0]
         if typing.get_origin(first) is typing.Annotated:

@@ -19,6 +19,11 @@ SchedulerName = Literal["cosine", "linear", "wsd", "constant", "rex", "inv_sqrt"
 
 class SchedulerConfig(Section):
     name: SchedulerName = Field("cosine", description="the schedule: a multiplier on optimizer.lr over the steps")
+    unit: Literal["steps", "tokens"] = Field(
+        "steps",
+        description="what warmup_steps, stable_steps, decay_steps and rewarmup_steps count, and where the "
+        "schedule is read: optimizer steps done, or tokens trained on before the step (for batch ramps)",
+    )
     warmup_steps: int = Field(0, ge=0, description="linear warmup from lr/(warmup_steps+1) to lr")
     decay_steps: int | None = Field(
         None,
@@ -46,6 +51,7 @@ class SchedulerConfig(Section):
 
     readers: ClassVar[dict[str, str]] = {
         "name": "train/schedules.py",
+        "unit": "train/schedules.py",
         "warmup_steps": "train/schedules.py",
         "decay_steps": "train/schedules.py",
         "min_lr_ratio": "train/schedules.py",

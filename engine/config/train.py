@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from engine.config.base import Section
+
+ALTERNATIVES = {
+    "length": ("train.max_steps", "train.max_epochs", "train.max_tokens"),
+    "batch": ("train.grad_accum_steps", "train.global_batch_size"),
+}
+"""Fields that say the same thing in different ways: a preset layer or override that sets one of a group drops
+what earlier layers set of the others (engine/config/loader.py)."""
 
 
 class HookSpec(Section):
@@ -24,8 +31,51 @@ class HookSpec(Section):
 class TrainConfig(Section):
     batch_size: int = Field(8, gt=0, description="sequences per device per micro-step")
     seq_len: int = Field(512, gt=0, description="tokens per sequence")
-    max_steps: int = Field(1000, gt=0, description="optimizer steps to train for")
-    grad_accum_steps: int = Field(1, gt=0, description="micro-steps accumulated per optimizer step")
+    max_steps: int | None = Field(
+        None,
+        gt=0,
+        description="optimizer steps to train for; unset = derived from max_epochs or max_tokens, or 1000 "
+        "when neither is set",
+    )
+    max_epochs: int | None = Field(
+        None,
+        gt=0,
+        description="instead of max_steps: passes over the training windows (one data set; the steps are "
+        "derived from its window count and the batch, shown by validate-config)",
+    )
+    max_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="instead of max_steps: train until this many tokens are seen (the steps are derived "
+        "from the batch and its ramp, rounded up)",
+    )
+    global_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="sequences per optimizer step over all data-parallel ranks; grad_accum_steps is derived "
+        "from it (= global_batch_size / (batch_size × data-parallel ranks), which must divide)",
+    )
+    grad_accum_steps: int | None = Field(
+        None,
+        gt=0,
+        description="micro-steps accumulated per optimizer step; unset = derived from global_batch_size, or 1",
+    )
+    batch_ramp_start: int | None = Field(
+        None,
+        gt=0,
+        description="batch ramp: the global batch (sequences) of the first step; it grows linearly to "
+        "global_batch_size over batch_ramp_steps or batch_ramp_tokens, rounded down to batch_ramp_increment",
+    )
+    batch_ramp_increment: int | None = Field(
+        None,
+        gt=0,
+        description="batch ramp: sequences added at each rise (a multiple of batch_size × data-parallel ranks); "
+        "unset = batch_ramp_start",
+    )
+    batch_ramp_steps: int | None = Field(None, gt=0, description="batch ramp: its length in optimizer steps")
+    batch_ramp_tokens: int | None = Field(
+        None, gt=0, description="batch ramp: its length in tokens trained on (instead of batch_ramp_steps)"
+    )
     grad_clip_norm: float = Field(
         1.0, ge=0, description="clip the global grad norm to this; 0 = no clipping (the norm is still reported)"
     )
@@ -120,7 +170,14 @@ class TrainConfig(Section):
         "batch_size": "data/loader.py",
         "seq_len": "data/loader.py",
         "max_steps": "train/trainer.py, train/schedules.py",
-        "grad_accum_steps": "train/step.py, data/loader.py",
+        "max_epochs": "train/length.py",
+        "max_tokens": "train/length.py",
+        "global_batch_size": "data/batch_plan.py, train/length.py",
+        "grad_accum_steps": "data/batch_plan.py, train/step.py",
+        "batch_ramp_start": "data/batch_plan.py",
+        "batch_ramp_increment": "data/batch_plan.py",
+        "batch_ramp_steps": "data/batch_plan.py",
+        "batch_ramp_tokens": "data/batch_plan.py",
         "grad_clip_norm": "train/step.py",
         "seed": "train/job.py",
         "data_seed": "data/loader.py",
@@ -142,6 +199,21 @@ class TrainConfig(Section):
         "ema_warmup": "train/ema.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _length_defaults(cls, data: Any) -> Any:
+        """Today's defaults where nothing derives them: 1000 steps unless max_epochs or max_tokens says how
+        long, one micro-step unless global_batch_size sets the accumulation (engine/train/length.py derives
+        both once the world size and the data are known)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if all(data.get(key) is None for key in ("max_steps", "max_epochs", "max_tokens")):
+            data["max_steps"] = 1000
+        if data.get("global_batch_size") is None and data.get("grad_accum_steps") is None:
+            data["grad_accum_steps"] = 1
+        return data
 
     @property
     def effective_data_seed(self) -> int:

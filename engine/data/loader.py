@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from engine.config import JobConfig
 from engine.config.data import MixtureSource
+from engine.data.batch_plan import batch_plan
 from engine.data.embedded import cache_dir, embedded_corpus
 from engine.data.hub_cache import hub_shards, source_shards
 from engine.data.mixture import Phase, SourceDraws, mixture_phases
@@ -155,12 +156,12 @@ class MixtureData(TrainData):
 
     @cached_property
     def _counter(self) -> SourceDraws:
-        return SourceDraws(self.phases, self.layout.global_batch, self.seed)
+        return SourceDraws(self.phases, self.layout.step_sequences, self.seed)
 
     def batches(self, start_step: int = 0) -> Iterator[Batch]:
         # Each source's own endless shuffled stream, seeded apart from the others and from the source draws.
         orders = [EpochOrder(n, (self.seed, i)) for i, n in enumerate(self.source_windows)]
-        draws = SourceDraws(self.phases, self.layout.global_batch, self.seed)
+        draws = SourceDraws(self.phases, self.layout.step_sequences, self.seed)
         return iter(self.loader(MixtureBatchSampler(draws, orders, self.offsets, self.layout, start_step)))
 
     def metrics(self, steps_done: int) -> dict[str, float]:
@@ -178,23 +179,34 @@ class MixtureData(TrainData):
 
 @dataclass
 class EvalData(TokenData):
-    steps: int = 1
+    steps: int | str = 1
     per_source: dict[str, EvalData] = field(default_factory=dict)  # mixture sources' own held-out sets by name
+
+    @cached_property
+    def sampler(self) -> EvalBatchSampler:
+        return EvalBatchSampler(self.num_samples, self.layout, self.steps)
 
     @cached_property
     def _loader(self) -> DataLoader:
         persistent = {"persistent_workers": True} if self.loader_options.get("num_workers") else {}
-        return self.loader(EvalBatchSampler(self.num_samples, self.layout, self.steps), **persistent)
+        return self.loader(self.sampler, **persistent)
+
+    @property
+    def whole(self) -> bool:
+        """eval.steps = "all": every held-out window once, weighted by its tokens (`sampler.weights`)."""
+        return self.steps == "all"
 
     def batches(self) -> Iterator[Batch]:
-        """Exactly `eval.steps` micro-batches, the same ones on every call."""
+        """Exactly `eval.steps` micro-batches (or this rank's share of the whole set), the same on every call."""
         return iter(self._loader)
 
 
 def open_train_data(cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
     """The training shards of `cfg.data` (the embedded corpus when no data set is named), verified; a mixture
     when `data.datasets` lists sources."""
-    layout = BatchLayout(cfg.train.batch_size, cfg.train.grad_accum_steps, dp_size, dp_rank)
+    ramp = cfg.train.batch_ramp_start is not None  # the layout takes the plan only where steps differ in size
+    plan = batch_plan(cfg, dp=dp_size)
+    layout = BatchLayout(cfg.train.batch_size, plan.full // plan.unit, dp_size, dp_rank, plan if ramp else None)
     if cfg.data.datasets:
         return open_mixture(cfg, layout)
     directory = train_directory(cfg)

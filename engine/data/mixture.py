@@ -7,7 +7,7 @@ uniform; T < 1 sharpens towards the heaviest source). `[[data.phases]]` (or the 
 `lr_scale`.
 
 Sampling is a pure function of (data_seed, step, position in the global batch), like the single-source
-stream (engine.data.sampler): step s draws the source of each of its G positions from numpy's Generator
+stream (engine.data.sampler): step s draws the source of each of its G positions (G_s under a batch ramp) from numpy's Generator
 seeded with (data_seed, MIX_STREAM, s) under the phase's probabilities. Source i keeps its own endless
 shuffled stream (an `EpochOrder` seeded with (data_seed, i)); the k-th draw from source i in the whole run
 takes position k of that stream, so a source that runs out starts a new shuffled epoch. Position k of the
@@ -85,16 +85,18 @@ class SourceDraws:
     """Which source each position of each step's global batch draws from, and how many draws every source
     had before: the counts that turn a draw into a position of that source's own stream."""
 
-    def __init__(self, phases: Sequence[Phase], global_batch: int, seed: int) -> None:
-        self.phases, self.global_batch, self.seed = list(phases), global_batch, seed
+    def __init__(self, phases: Sequence[Phase], global_batch: int | Callable[[int], int], seed: int) -> None:
+        """`global_batch`: the positions of every step, or step → its positions (a batch ramp's sizes)."""
+        self.phases, self.seed = list(phases), seed
+        self.global_batch = global_batch if callable(global_batch) else lambda step: global_batch
         self.sources = len(self.phases[0].probabilities)
         self._step, self._before = 0, np.zeros(self.sources, dtype=np.int64)  # draws in steps < self._step
 
     def sources_of(self, step: int) -> np.ndarray:
-        """int64 [global_batch]: the source of every position of `step`."""
+        """int64 [global_batch(step)]: the source of every position of `step`."""
         probs = self.phases[phase_index(self.phases, step)].probabilities
         rng = np.random.default_rng([self.seed, MIX_STREAM, step])
-        return rng.choice(self.sources, size=self.global_batch, p=probs)
+        return rng.choice(self.sources, size=self.global_batch(step), p=probs)
 
     def before(self, step: int) -> np.ndarray:
         """int64 [sources]: draws from each source in steps 0 … step-1."""
@@ -115,21 +117,22 @@ class SourceDraws:
         return sources, positions
 
 
-def phase_table(data: DataConfig, max_steps: int, tokens_per_step: int) -> list[dict]:
+def phase_table(data: DataConfig, max_steps: int, tokens_before: Callable[[int], int]) -> list[dict]:
     """What validate-config shows: per phase its steps (counted from 1, as in the metrics), lr_scale, and per
-    source the draw probability after temperature and the tokens it is expected to contribute."""
+    source the draw probability after temperature and the tokens it is expected to contribute (`tokens_before`:
+    step → tokens trained on before it, engine.data.batch_plan)."""
     phases = mixture_phases(data)
     ends = [p.start_step for p in phases[1:]] + [max_steps]
     rows = []
     for phase, end in zip(phases, ends):
-        steps = end - phase.start_step
+        tokens = tokens_before(end) - tokens_before(phase.start_step)
         rows.append(
             {
                 "first_step": phase.start_step + 1,
                 "last_step": end,
                 "lr_scale": phase.lr_scale,
                 "sources": {
-                    s.name: {"probability": p, "tokens": round(p * steps * tokens_per_step)}
+                    s.name: {"probability": p, "tokens": round(p * tokens)}
                     for s, p in zip(data.datasets, phase.probabilities)
                 },
             }

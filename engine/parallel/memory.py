@@ -51,6 +51,7 @@ from engine.model.estimate import param_counts
 from engine.model.packed_kernel import FLEX_BLOCK, packed_attention_backend
 from engine.parallel.lora_memory import trains, weight_bytes, with_adapters
 from engine.parallel.stages import stage_layers, stages_per_rank
+from engine.train.length import with_derived_length
 
 FP32 = 4
 INT64 = 8
@@ -408,8 +409,9 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
     """Per-rank memory of each pipeline rank for `cfg`'s layout on `world_size` processes.
 
     Pure arithmetic on the config; call it on a validated config (`cfg.validate(world_size)`), whose
-    degrees multiply to the world size.
+    degrees multiply to the world size. The accumulation a global batch implies is derived here.
     """
+    cfg = with_derived_length(cfg, world_size)
     dp_shard = cfg.distributed.resolved_dp_shard(world_size)
     if dp_shard < 1:
         raise ValueError(f"the parallel degrees do not divide the world size {world_size}; validate the config first")

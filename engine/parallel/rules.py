@@ -206,7 +206,7 @@ def pipeline_issues(cfg: JobConfig) -> list[ConfigIssue]:
                 f"use a multiple of {d.pp}, or fewer than {2 * d.pp}",
             )
         )
-    if cfg.eval.enabled and cfg.eval.steps % t.grad_accum_steps:
+    if cfg.eval.enabled and isinstance(cfg.eval.steps, int) and cfg.eval.steps % t.grad_accum_steps:
         issues.append(
             ConfigIssue(
                 "eval.steps",

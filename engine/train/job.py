@@ -26,7 +26,7 @@ from engine.checkpoint.dcp import complete_checkpoints
 from engine.checkpoint.manager import Checkpointer, initialize_from
 from engine.checkpoint.rng import every_rank_rng_state, restore_rank_rng
 from engine.config.job import JobConfig
-from engine.data.mixture import lr_scale
+from engine.data.batch_plan import BatchPlan, batch_plan
 from engine.errors import ConfigIssue, UserError
 from engine.metrics.mfu import peak_flops
 from engine.model import build_model
@@ -49,10 +49,11 @@ from engine.resilience.collectives import any_rank, on_rank0
 from engine.train.balancing import attach_router_balancing
 from engine.train.ema import STATE_KEY as EMA_KEY
 from engine.train.ema import WeightAverage
+from engine.train.length import as_given, with_derived_length
 from engine.train.losses import StageCrossEntropy
 from engine.train.optim import build_optimizer
 from engine.train.run_dir import check_run_dir
-from engine.train.schedules import build_scheduler, with_pinned_schedule
+from engine.train.schedules import job_scheduler, with_pinned_schedule
 from engine.train.summary import job_summary
 
 log = logging.getLogger("forge.train")
@@ -62,7 +63,7 @@ log = logging.getLogger("forge.train")
 class Job:
     """Everything the loop needs, built once before the first step."""
 
-    cfg: JobConfig
+    cfg: JobConfig  # with the derived lengths filled in (engine/train/length.py)
     run_dir: Path
     device: torch.device
     dtype: torch.dtype
@@ -85,6 +86,8 @@ class Job:
     loss_parallel: bool = False  # the logits stay vocabulary-sharded over the tensor-parallel ranks
     context: ContextParallel | None = None  # context parallelism: each rank keeps part of every sequence
     model_metrics: tuple[Callable[[], dict[str, float]], ...] = ()  # logged with each step's (MoE routing)
+    record: JobConfig | None = None  # what the run directory records: `cfg` as the user gave it (as_given)
+    batch_plan: BatchPlan | None = None  # each step's size (a batch ramp), from train.global_batch_size
     start_step: int = 0
     tokens_seen: int = 0
     elapsed_sec: float = 0.0  # training time of earlier attempts of this run
@@ -159,12 +162,14 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     from engine.data.loader import open_eval_data, open_train_data
 
     place = process_place()
-    cfg = with_pinned_schedule(cfg.validate(world_size=place.world_size))
+    given = cfg.validate(world_size=place.world_size)
+    cfg = with_pinned_schedule(with_derived_length(given, place.world_size), place.world_size)
     dims = ParallelDims.from_config(cfg.distributed, place.world_size)
     dp_rank = data_parallel_rank(dims, place.rank)
     train_data = open_train_data(cfg, dp_rank=dp_rank, dp_size=dims.dp)
     eval_data = open_eval_data(cfg, dp_rank=dp_rank, dp_size=dims.dp, train=train_data)
-    resuming = check_run_dir(cfg, run_dir)
+    record = as_given(cfg, given)
+    resuming = check_run_dir(record, run_dir)
     device = device_for(place)
     check_device_support(cfg, device)
     dtype = precision.compute_dtype(cfg.train.mixed_precision, device)
@@ -190,7 +195,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         dtype=dtype,
         model=model,
         optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps, lr_scale(cfg.data)),
+        scheduler=job_scheduler(optimizer, cfg, place.world_size),
         scaler=precision.grad_scaler(device, dtype),
         train_data=train_data,
         eval_data=eval_data,
@@ -214,6 +219,8 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         context=ContextParallel(mesh.get("cp")) if mesh is not None and dims.cp > 1 else None,
         model_metrics=moe_training(model, cfg, mesh, pipeline),
         warnings=tuple(float8_device_warnings(cfg.train.mixed_precision, device)),
+        record=record,
+        batch_plan=batch_plan(cfg, dp=dims.dp),
     )
     restored = job.checkpointer.restore(model, optimizer) if resuming else None
     if restored is not None:

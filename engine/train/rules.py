@@ -111,7 +111,7 @@ def schedule_warnings(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     """Short benchmark presets keep their production warmup (the seed framework runs them), so a warmup as
     long as the run is said out loud, not refused."""
     t, s = cfg.train, cfg.scheduler
-    if s.warmup_steps >= t.max_steps and s.name != "none":
+    if s.warmup_steps >= t.max_steps and s.name != "none" and s.unit == "steps":
         return [
             ConfigIssue(
                 "scheduler.warmup_steps",

@@ -79,7 +79,12 @@ class RunOutputs:
 
 
 def open_run_dir(
-    cfg: JobConfig, run_dir: Path, train_data: Any, start_step: int, wandb_run_id: str | None
+    cfg: JobConfig,
+    run_dir: Path,
+    train_data: Any,
+    start_step: int,
+    wandb_run_id: str | None,
+    max_steps: int | None = None,
 ) -> RunOutputs:
     """Write the run directory and start the metric sinks. A sink that cannot start (W&B not logged in,
     TensorBoard missing) is a user error: then whatever this call created is removed again."""
@@ -97,7 +102,8 @@ def open_run_dir(
             write_if_changed(run_dir / "tokenizer_config.json", eos.encode())
         resumed_from = start_step if (run_dir / METRICS_FILE).exists() and not created else None
         outputs = RunOutputs(build_trackers(cfg, run_dir, run_dir.name, resumed_from, wandb_run_id), lock, run_dir)
-        record_attempt(run_dir, "start", step=start_step)
+        # max_steps: what this attempt trains to, also where config.toml leaves it to max_epochs or max_tokens
+        record_attempt(run_dir, "start", step=start_step, **({"max_steps": max_steps} if max_steps else {}))
         return outputs
     except UserError:
         for path in [run_dir] if created else set(run_dir.iterdir()) - before:

@@ -16,6 +16,11 @@ max_steps - 1) as a whole schedule of its own: its local step is s - b_k, it war
 (`warmup_steps` for the first cycle), and its default decay ends on its own last step. Without `cycles` the
 whole run is one cycle and the numbers are exactly those above.
 
+With `scheduler.unit = "tokens"` every length above (warmup_steps, stable_steps, decay_steps, rewarmup_steps)
+counts tokens, and the schedule is read at s = the tokens trained on before the step (engine.data.batch_plan:
+under a batch ramp steps differ in size). The run's length is then the last step's s + 1, so the default decay
+still ends exactly on the last step. `unit = "steps"` (the default) is the schedule above, number for number.
+
 The multipliers are plain Python (no torch), so `forge validate-config` can draw the curve without
 importing torch; only `build_scheduler` touches torch.
 """
@@ -29,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from engine.config.registry import SCHEDULERS
 from engine.config.scheduler import SchedulerConfig
+from engine.data.batch_plan import batch_plan
 from engine.data.mixture import lr_scale, mixture_phases
 
 if TYPE_CHECKING:
@@ -183,11 +189,38 @@ def build_scheduler(
     cfg: SchedulerConfig,
     max_steps: int,
     phase_scale: Callable[[int], float] | None = None,
+    position: Callable[[int], int] | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """`phase_scale`: the data phases' lr multiplier by step (engine.data.mixture.lr_scale), when they have one."""
+    """`phase_scale`: the data phases' lr multiplier by step (engine.data.mixture.lr_scale), when they have one.
+    `position`: step → where the schedule is read (tokens before it, for scheduler.unit = "tokens"), with
+    `max_steps` the run's length in that unit; None = the step itself."""
     import torch  # here, not at the top: validate-config imports this module and must not load torch
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, with_phase_scale(lr_multiplier(cfg, max_steps), phase_scale))
+    multiplier = lr_multiplier(cfg, max_steps)
+    if position is not None:
+        multiplier = read_at(multiplier, position)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, with_phase_scale(multiplier, phase_scale))
+
+
+def read_at(multiplier: Callable[[int], float], position: Callable[[int], int]) -> Callable[[int], float]:
+    return lambda step: multiplier(position(step))
+
+
+def schedule_axis(cfg: JobConfig, world_size: int = 1) -> tuple[Callable[[int], int] | None, int]:
+    """(step → position in scheduler.unit, or None for steps; the run's length in that unit) of a config whose
+    max_steps is derived (engine/train/length.py)."""
+    if cfg.scheduler.unit == "steps":
+        return None, cfg.train.max_steps
+    plan = batch_plan(cfg, world_size)
+    return plan.tokens_before, plan.tokens_before(cfg.train.max_steps - 1) + 1
+
+
+def job_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: JobConfig, world_size: int = 1
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The run's schedule: `cfg.scheduler` in its unit, times the data phases' lr scale."""
+    position, length = schedule_axis(cfg, world_size)
+    return build_scheduler(optimizer, cfg.scheduler, length, lr_scale(cfg.data), position)
 
 
 def with_phase_scale(
@@ -203,27 +236,30 @@ def schedule_free_warmup(steps: int, step: int) -> float:
     return min((step + 1) / steps, 1.0) if steps else 1.0
 
 
-def learning_rate(cfg: JobConfig, step: int) -> float:
+def learning_rate(cfg: JobConfig, step: int, world_size: int = 1) -> float:
     """The peak learning rate (`optimizer.lr` times every multiplier) that 0-based `step` trains with."""
-    multiplier = with_phase_scale(lr_multiplier(cfg.scheduler, cfg.train.max_steps), lr_scale(cfg.data))(step)
+    position, length = schedule_axis(cfg, world_size)
+    schedule = lr_multiplier(cfg.scheduler, length)
+    multiplier = with_phase_scale(schedule if position is None else read_at(schedule, position), lr_scale(cfg.data))
+    multiplier = multiplier(step)
     if cfg.optimizer.name == "schedule_free_adamw":
         multiplier *= schedule_free_warmup(cfg.optimizer.schedule_free_warmup_steps, step)
     return cfg.optimizer.lr * multiplier
 
 
-def key_steps(cfg: JobConfig) -> list[int]:
+def key_steps(cfg: JobConfig, world_size: int = 1) -> list[int]:
     """The 0-based steps where the schedule changes phase: first, end of warmup, end of stable, floor, last;
-    for every cycle of a warm-restart schedule (its first step, the end of its rewarmup, …)."""
-    s, last = cfg.scheduler, cfg.train.max_steps - 1
-    starts = cycle_starts(s, cfg.train.max_steps)
-    marks = {last}
-    for k, (start, end) in enumerate(zip(starts, [*starts[1:], cfg.train.max_steps])):
-        warmup = cycle_warmup(s, k)
-        peak = start + warmup + stable_steps(s)
-        marks |= {start, start + warmup - 1, start + warmup, peak, end - 1}
-        floor = peak + (s.decay_steps or default_decay_steps(s, end - start, warmup))
-        if s.name not in ("constant", "none", "inv_sqrt") and floor < end:
-            marks.add(floor)
+    for every cycle of a warm-restart schedule (its first step, the end of its rewarmup, …). In tokens: the
+    steps around each such point, and where the batch ramp rises."""
+    position, length = schedule_axis(cfg, world_size)
+    marks = schedule_marks(cfg.scheduler, length)
+    last = cfg.train.max_steps - 1
+    if position is not None:
+        plan = batch_plan(cfg, world_size)
+        firsts = {plan.steps_for_tokens(mark) for mark in marks}
+        marks = {last} | firsts | {step - 1 for step in firsts} | {first for first, _, _ in plan.segments}
+    else:
+        marks.add(last)
     if cfg.optimizer.name == "schedule_free_adamw":
         marks.add(cfg.optimizer.schedule_free_warmup_steps - 1)
     if cfg.data.datasets:  # where a data phase starts (and may change the lr's scale)
@@ -231,15 +267,29 @@ def key_steps(cfg: JobConfig) -> list[int]:
     return sorted(m for m in marks if 0 <= m <= last)
 
 
-def with_pinned_schedule(cfg: JobConfig) -> JobConfig:
+def schedule_marks(s: SchedulerConfig, length: int) -> set[int]:
+    """Where the schedule of a run of `length` (in its unit) changes phase, in that unit."""
+    starts = cycle_starts(s, length)
+    marks = {length - 1}
+    for k, (start, end) in enumerate(zip(starts, [*starts[1:], length])):
+        warmup = cycle_warmup(s, k)
+        peak = start + warmup + stable_steps(s)
+        marks |= {start, start + warmup - 1, start + warmup, peak, end - 1}
+        floor = peak + (s.decay_steps or default_decay_steps(s, end - start, warmup))
+        if s.name not in ("constant", "none", "inv_sqrt") and floor < end:
+            marks.add(floor)
+    return marks
+
+
+def with_pinned_schedule(cfg: JobConfig, world_size: int = 1) -> JobConfig:
     """The config with `scheduler.decay_steps` resolved, as the run directory records it: a run resumed
     with a larger train.max_steps then continues the schedule it trained with (at the floor once decayed)
     instead of stretching the decay and jumping the LR. With warm restarts a number of cycles is pinned to
     its step boundaries instead, and each cycle keeps its own default decay."""
-    if cfg.scheduler.cycles is not None:
+    if cfg.scheduler.cycles is not None:  # (in steps: validation refuses cycles in tokens)
         starts = cycle_starts(cfg.scheduler, cfg.train.max_steps)[1:]
         return cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"cycles": starts or 1})})
     if cfg.scheduler.decay_steps is not None or cfg.scheduler.name == "inv_sqrt":  # inv_sqrt has no decay length
         return cfg
-    decay = default_decay_steps(cfg.scheduler, cfg.train.max_steps)
+    decay = default_decay_steps(cfg.scheduler, schedule_axis(cfg, world_size)[1])
     return cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"decay_steps": decay})})

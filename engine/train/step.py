@@ -1,8 +1,8 @@
 """One optimizer step, one evaluation, and what a logged step reports.
 
-A step accumulates the gradients of `train.grad_accum_steps` micro-batches (or runs them through the
-pipeline schedule), then unscales, clips and applies them, unless the step is bad (non-finite, or a loss
-spike), which every rank decides together. Everything model-specific (the MoE routers' balancing, their
+A step accumulates the gradients of its micro-batches (`train.grad_accum_steps`, or under a batch ramp the
+step's own number: engine.data.batch_plan), or runs them through the pipeline schedule, then unscales, clips
+and applies them, unless the step is bad (non-finite, or a loss spike), which every rank decides together. Everything model-specific (the MoE routers' balancing, their
 metrics) is attached to the job when it is built (engine/train/job.py), not done here.
 """
 
@@ -50,7 +50,7 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
     if job.pipeline is not None:
         loss_sum = pipeline_forward_backward(job, batches, tally)
     else:
-        loss_sum = forward_backward(job, batches, loss_fn, tally)
+        loss_sum = forward_backward(job, batches, loss_fn, tally, job.train_data.layout.micro_steps(step - 1))
     hooks.after_backward(step, job)
     job.scaler.unscale_(job.optimizer)
     max_norm = job.cfg.train.grad_clip_norm or math.inf  # 0 = no clipping; the norm is still reported
@@ -83,10 +83,13 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
     return StepResult(loss_value, norm_value, lr, problem, tally)
 
 
-def forward_backward(job: Job, batches: Iterator, loss_fn: ModelLoss, tally: SourceLosses | None) -> torch.Tensor:
-    """Gradients of the step's mean loss, accumulated over its micro-batches; → that loss (not synced). A
-    mixture's batches carry each row's source: its tokens' losses go into `tally`."""
-    accum = job.cfg.train.grad_accum_steps
+def forward_backward(
+    job: Job, batches: Iterator, loss_fn: ModelLoss, tally: SourceLosses | None, accum: int
+) -> torch.Tensor:
+    """Gradients of the step's mean loss per token, accumulated over its `accum` micro-batches; → that loss (not
+    synced). Every micro-batch holds batch_size × seq_len tokens and its loss is their mean, so dividing by the
+    step's own number of micro-batches (it varies under a batch ramp) makes the sum the mean over the step's
+    tokens. A mixture's batches carry each row's source: its tokens' losses go into `tally`."""
     loss_sum = torch.zeros((), device=job.device)
     for _ in range(accum):
         inputs, labels, *sources = (t.to(job.device, non_blocking=True) for t in next(batches))
@@ -154,12 +157,25 @@ def evaluate(job: Job, loss_fn: ModelLoss) -> dict[str, float]:
 
 def held_out_loss(job: Job, loss_fn: ModelLoss, data: Any = None) -> float:
     """The mean loss over the held-out batches (of `data`, default `job.eval_data`) at the model's current
-    weights, over all ranks."""
+    weights, over all ranks; with eval.steps = "all", over every held-out token (`weighted_mean`)."""
     data = job.eval_data if data is None else data
     job.model.eval()
     losses = pipeline_eval_losses(job, data) if job.pipeline is not None else eval_losses(job, loss_fn, data)
     job.model.train()
+    if data.whole:
+        return weighted_mean(torch.stack(losses), data.sampler.weights)
     return mean_over_ranks(torch.stack(losses).mean()).item()
+
+
+def weighted_mean(losses: torch.Tensor, weights: list[int]) -> float:
+    """Σ loss_b · rows_b / Σ rows_b over every rank's batches (each row is seq_len tokens, each loss their
+    mean): the per-token mean over the whole held-out set. Summed in float64, so the order in which ranks add
+    their parts does not show; tensor- and context-parallel copies scale both sums alike."""
+    rows = torch.tensor(weights, dtype=torch.float64, device=losses.device)
+    sums = torch.stack([(losses.detach().double() * rows).sum(), rows.sum()])
+    if distributed():
+        torch.distributed.all_reduce(sums)
+    return (sums[0] / sums[1]).item()
 
 
 def eval_losses(job: Job, loss_fn: ModelLoss, data: Any) -> list[torch.Tensor]:

@@ -58,7 +58,7 @@ def train(
     config_hooks = ConfigHooks(cfg.train.hooks, process_place().rank == 0)  # a bad hook fails before anything
     with StopRequest(cfg.train.shutdown_timeout_sec).installed() as stop, process_group_released():
         job = build_job(cfg, run_dir)  # a signal during setup counts too
-        if job.start_step >= cfg.train.max_steps:
+        if job.start_step >= job.cfg.train.max_steps:
             return {
                 "steps": job.start_step,
                 "tokens_seen": job.tokens_seen,
@@ -113,7 +113,9 @@ def process_group_released() -> Iterator[None]:
 def open_run_dir_on_main(job: Job) -> RunOutputs:
     """Rank 0 writes the run directory; the others log nothing. If rank 0 cannot (W&B not logged in), every
     rank stops, instead of the others waiting in the first collective until the timeout."""
-    attempt = partial(open_run_dir, job.cfg, job.run_dir, job.train_data, job.start_step, job.wandb_run_id)
+    record = job.record or job.cfg
+    derived = job.cfg.train.max_steps if record.train.max_steps is None else None  # from max_epochs or max_tokens
+    attempt = partial(open_run_dir, record, job.run_dir, job.train_data, job.start_step, job.wandb_run_id, derived)
     return on_rank0(attempt, RunOutputs(MetricsLogger([])), job.device, "open the run directory")
 
 
@@ -174,7 +176,6 @@ def run_loop(
 ) -> dict[str, Any]:
     cfg, t = job.cfg, job.cfg.train
     loss_fn = build_loss(t)
-    tokens_per_step = job.summary["tokens_per_step"]
     profiler = ProfilerWindow(cfg.profiling, job.run_dir, job.device, job.place.rank)
     info = {
         "run_dir": str(job.run_dir),
@@ -199,8 +200,9 @@ def run_loop(
         with profiler.step(step):
             result = train_step(job, step, batches, loss_fn, hooks)
         merge_due_adapters(job, step)
-        progress.tokens_seen += tokens_per_step
-        progress.window.tokens += tokens_per_step
+        tokens = job.batch_plan.tokens(step - 1) if job.batch_plan is not None else job.summary["tokens_per_step"]
+        progress.tokens_seen += tokens
+        progress.window.tokens += tokens
         checkpoint_done(reporter, job.checkpointer.poll())
         if result.problem is not None:
             skipped(job, step, result.problem, progress)
