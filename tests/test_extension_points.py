@@ -4,6 +4,8 @@ by the name a config gives. These add toy ones exactly that way and check that t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -39,14 +41,15 @@ def test_a_registered_optimizer_is_what_optimizer_name_builds(registries):
 
 
 def test_a_registered_model_type_is_what_every_builder_makes(registries):
-    @MODELS.register("toy")
     class ToyTransformer(Transformer):
-        """The transformer with its output head scaled down: a variant by subclassing, registered by name."""
+        """The transformer with its output head scaled down: a variant by subclassing, registered by name with
+        the transformer family's spec (same shapes, plans and mapping) building it."""
 
         def forward(self, tokens, cache=None, *, return_hidden=False):
             out = super().forward(tokens, cache, return_hidden=return_hidden)
             return out if return_hidden or self.output is None else out * 0.5
 
+    MODELS.register("toy")(dataclasses.replace(MODELS.get("transformer"), build=ToyTransformer))
     cfg = load_job_config(None, TINY)
     toy = cfg.model_copy(update={"model": cfg.model.model_copy(update={"model_type": "toy"})})
     assert type(build_model(toy.model)) is ToyTransformer
