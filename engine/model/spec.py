@@ -157,7 +157,12 @@ class HFMapping:
     - `config(cfg, dtype_name, eos_id, bos_id)`: that class's config.json (dtype_name e.g. "bfloat16");
     - `model_config(config_json, source)`: the `[model]` section of a config.json of one of `model_types`;
     - `layout(cfg)`: HF tensor name → `Piece`, every tensor an HF folder of `cfg` stores, in model order;
-    - `architecture_fields`: the ModelConfig fields a checkpoint and an HF folder must agree on.
+    - `architecture_fields`: the ModelConfig fields a checkpoint and an HF folder must agree on;
+    - `unstored_state`: name suffixes of Forge state entries HF folders do not hold (training state, such as
+      a router's balancing counters), set to zeros on import;
+    - `ignored_suffixes`: HF tensors some folders store that are derived, not learned (skipped on import);
+    - `tied_head`: the HF name of the head, which a folder of a tied model may store besides the embedding
+      (skipped on import: the embedding is the head).
     """
 
     model_types: dict[str, str]
@@ -166,6 +171,9 @@ class HFMapping:
     model_config: Callable[[dict[str, Any], str], ModelConfig]
     layout: Callable[[ModelConfig], dict[str, Piece]]
     architecture_fields: tuple[str, ...]
+    unstored_state: tuple[str, ...] = ()
+    ignored_suffixes: tuple[str, ...] = ()
+    tied_head: str | None = None
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from engine import precision
 from engine.config.job import JobConfig, moe_compiled_in_regions
 from engine.errors import UserError
 from engine.model.moe import MoE
+from engine.model.spec import spec_for
 from engine.model.transformer import Transformer
 from engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from engine.parallel.context import apply_context_parallel
@@ -115,7 +116,7 @@ def apply_fsdp(
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if expert_mesh is not None:  # expert-parallel experts: sharded over the ranks that hold the same experts
         fully_shard_experts(model, expert_mesh, mp_policy=policy, reshard_after_forward=not pipelined)
-    blocks = list(model.layers.values())
+    blocks = list(getattr(model, spec_for(model.cfg).parts.blocks).values())  # the family's blocks
     for index, block in enumerate(blocks):
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not pipelined and index < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=not (pipelined or head_read_after_forward))

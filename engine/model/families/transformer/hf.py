@@ -435,4 +435,8 @@ MAPPING = HFMapping(
     model_config=model_config_from_hf,
     layout=hf_layout,
     architecture_fields=ARCHITECTURE_FIELDS,
+    # A sigmoid router's balancing state: imported as no update pending, none made.
+    unstored_state=("router.pending_load", "router.updates"),
+    ignored_suffixes=("rotary_emb.inv_freq",),  # buffers some older Llama checkpoints store, derived from the config
+    tied_head=OUTER_NAMES["output.weight"],
 )
