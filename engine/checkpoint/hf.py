@@ -1,8 +1,9 @@
 """Hugging Face interoperability: export a Forge checkpoint as a `transformers` model folder, import one
 as a Forge checkpoint, and load one's weights straight into a model.
 
-An exported folder holds config.json (LlamaForCausalLM, or Qwen3ForCausalLM for qk_norm models; MoE
-models as Qwen2-MoE, Qwen3-MoE or GLM-4-MoE; see `hf_mapping`), the weights as model.safetensors (or
+An exported folder holds config.json (the class the model family's `HFMapping` picks: for the transformer
+LlamaForCausalLM, or Qwen3ForCausalLM for qk_norm models; MoE models as Qwen2-MoE, Qwen3-MoE or GLM-4-MoE;
+see engine/model/families/transformer/hf.py), the weights as model.safetensors (or
 model-0000i-of-0000n.safetensors + an index above `max_shard_bytes`), generation_config.json, and the
 run's tokenizer as tokenizer.json + tokenizer_config.json (starting every text with the end-of-text token, as
 `forge generate` starts a prompt), so `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained(folder)` work offline.

@@ -39,7 +39,7 @@ def apply_compile(model: Transformer, moe_regions: bool = False) -> None:
     the recomputation and compile applies the selective policy when it partitions forward and backward. With
     `moe_regions` (`check_compilable`), an MoE block compiles in regions instead (`compiled_regions`), each
     one full graph as well."""
-    for block in model.layers.values():
+    for block in getattr(model, spec_for(model.cfg).parts.blocks).values():
         for region in compiled_regions(block, moe_regions):
             region.compile(fullgraph=True)
 
