@@ -74,3 +74,14 @@ def test_an_unknown_model_type_or_optimizer_exits_2_listing_the_registered_ones(
     assert len(MODELS.names()) >= 1 and len(OPTIMIZERS.names()) >= 4
     assert all(f"'{name}'" in errors["model.model_type"] for name in MODELS.names())
     assert all(f"'{name}'" in errors["optimizer.name"] for name in OPTIMIZERS.names())
+
+
+def test_every_tensor_parallel_kind_a_plan_may_name_becomes_a_dtensor_style():
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from engine.model.spec import TP_KINDS, TPStyle
+    from engine.parallel.tp import parallel_style
+
+    styles = [parallel_style(TPStyle(kind), loss_parallel) for kind in TP_KINDS for loss_parallel in (False, True)]
+    assert len(styles) == 2 * len(TP_KINDS) == 20
+    assert all(isinstance(style, ParallelStyle) for style in styles)

@@ -94,7 +94,7 @@ def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
 
 
 def families_with_hf() -> list[ModelSpec]:
-    spec_for(ModelConfig())  # registers the families
+    """The registered families that have a Hugging Face mapping (importing engine.model registered them)."""
     return [MODELS.get(name) for name in MODELS.names() if MODELS.get(name).hf is not None]
 
 

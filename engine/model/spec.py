@@ -94,6 +94,10 @@ class TPStyle:
     kind: str
     inputs: int = 1
 
+    def __post_init__(self) -> None:
+        if self.kind not in TP_KINDS:
+            raise ValueError(f"unknown tensor-parallel style {self.kind!r} (known: {', '.join(TP_KINDS)})")
+
 
 TP_KINDS = (
     "colwise",
