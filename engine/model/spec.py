@@ -9,7 +9,8 @@ of `TPStyle`s into DTensor styles, so the model code never meets sharding code; 
 (`engine/checkpoint/hf_mapping.py`) reads `HFMapping`. This module and the spec's functions stay torch-free
 (`forge validate-config` reads them); only `build` imports the family's torch module, when a model is built.
 
-What a family must keep so that the layouts apply to it: parameter names that say their owner (the blocks
+What a family must keep so that the layouts apply to it: the model holds its `[model]` section as `cfg`
+(the layouts find the spec through it); parameter names that say their owner (the blocks
 under `ModelParts.blocks`, a ModuleDict keyed "0", "1", …, each block's parameters named
 `{blocks}.{i}.…`); the modules of `ModelParts.first` (embeddings) and `ModelParts.last` (final norm, head)
 may be set to None on a pipeline stage that does not own them, and the forward then takes or returns
