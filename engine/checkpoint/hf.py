@@ -1,8 +1,9 @@
 """Hugging Face interoperability: export a Forge checkpoint as a `transformers` model folder, import one
 as a Forge checkpoint, and load one's weights straight into a model.
 
-An exported folder holds config.json (LlamaForCausalLM, or Qwen3ForCausalLM for qk_norm models; MoE
-models as Qwen2-MoE, Qwen3-MoE or GLM-4-MoE; see `hf_mapping`), the weights as model.safetensors (or
+An exported folder holds config.json (the class the model family's `HFMapping` picks: for the transformer
+LlamaForCausalLM, or Qwen3ForCausalLM for qk_norm models; MoE models as Qwen2-MoE, Qwen3-MoE or GLM-4-MoE;
+see engine/model/families/transformer/hf.py), the weights as model.safetensors (or
 model-0000i-of-0000n.safetensors + an index above `max_shard_bytes`), generation_config.json, and the
 run's tokenizer as tokenizer.json + tokenizer_config.json (starting every text with the end-of-text token, as
 `forge generate` starts a prompt), so `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained(folder)` work offline.
@@ -63,22 +64,21 @@ from engine.checkpoint.hf_mapping import (
     hf_layout,
     hf_shapes,
     model_config_from_hf,
+    skipped_on_import,
     to_hf,
+    unstored_state,
 )
 from engine.checkpoint.locate import MODEL_CONFIG, TOKENIZER, ForgeCheckpoint, averaged, find_checkpoint, merged
 from engine.config.model import ModelConfig
 from engine.data.tokenizer import Encoder, adds_special_tokens, parse_tokenizer
 from engine.durable import fsync_dir, fsync_file
 from engine.errors import UserError
+from engine.model.spec import spec_for
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' own default shard size ("5GB")
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
-# Buffers some older Llama checkpoints store; they are derived from the config, not learned.
-IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
-# Router buffers that HF folders do not hold (training state of the balancing bias); imported as zeros.
-ROUTER_STATE = ("router.pending_load", "router.updates")
 
 
 @dataclass(frozen=True)
@@ -357,10 +357,11 @@ def import_from_hf(
                 done, weight_bytes = done + tensor.numel(), weight_bytes + tensor.nbytes
                 if progress:
                     progress(ConvertProgress(done, total, name))
-        if cfg.tie_embeddings:
-            state["output.weight"] = state["tok_embeddings.weight"]  # what a tied model's state dict holds
-        for name, tensor in meta.items():  # a sigmoid router's balancing state: no update pending, none made
-            if name not in state and name.endswith(ROUTER_STATE):
+        if cfg.tie_embeddings:  # what a tied model's state dict holds: the head's weight is the embedding's
+            embedding, head = spec_for(cfg).parts.tied
+            state[f"{head}.weight"] = state[f"{embedding}.weight"]
+        for name, tensor in meta.items():  # training state HF folders do not hold (the family's mapping says)
+            if name not in state and name.endswith(unstored_state(cfg)):
                 state[name] = torch.zeros(tensor.shape, dtype=tensor.dtype)
         write_forge_checkpoint(tmp, state, cfg, hf_dir)
         for name in tokenizer_files:  # the config beside tokenizer.json names its end-of-text token
@@ -435,7 +436,7 @@ def check_hf_tensors(hf_dir: Path, files: list[Path], cfg: ModelConfig) -> dict[
                                 "the weights do not match config.json",
                             )
                         found.add(name)
-                    elif not (name.endswith(IGNORED_HF_SUFFIXES) or (cfg.tie_embeddings and name == "lm_head.weight")):
+                    elif not skipped_on_import(cfg, name):
                         raise UserError(
                             f"{file.name} holds {name}, which a {hf_architecture(cfg)} of this config has no place for",
                             "is config.json the one these weights were saved with?",

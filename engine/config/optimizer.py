@@ -1,4 +1,4 @@
-"""`[optimizer]`: which optimizer and its hyperparameters.
+"""`[optimizer]`: which optimizer and its hyperparameters, and what state each optimizer keeps (`OptimizerState`).
 
 `lr`, `weight_decay` and `betas` are shared; the other fields belong to some optimizers only
 (`READ_BY`), and setting one away from its default while another optimizer is chosen is a config error
@@ -7,11 +7,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
 from engine.config.base import Section
+from engine.config.registry import OPTIMIZER_STATES
 
 Beta = Annotated[float, Field(ge=0, lt=1)]
 OptimizerName = Literal["adamw", "lion", "muon", "schedule_free_adamw"]
@@ -76,3 +78,40 @@ READ_BY: dict[str, tuple[str, ...]] = {
     "schedule_free_warmup_steps": ("schedule_free_adamw",),
 }
 """Fields that only some optimizers read, and which ones."""
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """The memory an optimizer keeps, as the memory estimate and the checkpoint size count it
+    (engine/parallel/memory.py), registered by name in OPTIMIZER_STATES (torch-free, unlike the builder).
+
+    - `bytes_per_element`: state bytes per element of a trained parameter (fp32 tensors the shape of it);
+    - `by_kind`: the same for parameter kinds that differ (`ParamSpec.kind`, e.g. "hidden_matrix");
+    - `bytes_per_tensor`: state per parameter tensor whatever its size (AdamW's scalar `step` tensor);
+    - `step_copies`: kind → fp32 copies of the largest whole parameter of that kind held while stepping
+      (Muon gathers a matrix and keeps its Newton–Schulz iterate and result).
+    """
+
+    bytes_per_element: int
+    by_kind: dict[str, int] = field(default_factory=dict)
+    bytes_per_tensor: int = 0
+    step_copies: dict[str, int] = field(default_factory=dict)
+
+    def bytes(self, kind: str, elements: int) -> int:
+        """State bytes of one parameter of `kind` holding `elements` elements on a rank."""
+        return self.by_kind.get(kind, self.bytes_per_element) * elements + self.bytes_per_tensor
+
+
+FP32 = 4
+# exp_avg and exp_avg_sq, and the scalar `step` tensor.
+OPTIMIZER_STATES.register("adamw")(OptimizerState(2 * FP32, bytes_per_tensor=FP32))
+# exp_avg.
+OPTIMIZER_STATES.register("lion")(OptimizerState(FP32))
+# A momentum buffer per hidden matrix (engine.train.optim.groups.hidden_matrices), AdamW's exp_avg and
+# exp_avg_sq for the rest (its `step` is a Python int); the orthogonalization holds the whole matrix, its
+# iterate and the result.
+OPTIMIZER_STATES.register("muon")(
+    OptimizerState(2 * FP32, by_kind={"hidden_matrix": FP32}, step_copies={"hidden_matrix": 3})
+)
+# z and exp_avg_sq.
+OPTIMIZER_STATES.register("schedule_free_adamw")(OptimizerState(2 * FP32))

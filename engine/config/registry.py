@@ -1,7 +1,9 @@
-"""Small name → builder registries for the components a config picks by string.
+"""Small name → entry registries for the components a config picks by string.
 
-Config fields are `Literal`s (so validation needs no torch); the builders register here when their module
-is imported, and a test checks that every `Literal` option has a builder.
+Config fields are `Literal`s (so validation needs no torch); the entries register here when their module
+is imported, and a test checks that every `Literal` option has one. Most entries are builders; a model
+family registers its `ModelSpec` (engine/model/spec.py), an optimizer its builder in OPTIMIZERS (torch) and
+its state size in OPTIMIZER_STATES (torch-free, read by the memory estimate).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import difflib
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-T = TypeVar("T", bound=Callable)
+T = TypeVar("T")
 
 
 class Registry(Generic[T]):
@@ -43,4 +45,5 @@ OPTIMIZERS: Registry = Registry("optimizer")
 SCHEDULERS: Registry = Registry("scheduler")
 LOSSES: Registry = Registry("loss")
 MODELS: Registry = Registry("model type")
+OPTIMIZER_STATES: Registry = Registry("optimizer")
 ROUTERS: Registry = Registry("MoE router")

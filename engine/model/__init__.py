@@ -1,9 +1,9 @@
 """The model: `build_model` is the one way Forge makes one from a `[model]` section.
 
-It looks `model.model_type` up in the MODELS registry, as every other configured component is chosen, so a
-new model variant registers itself and every builder (training, generation, conversion, benchmarks) gets it.
-This package's import stays torch-free (validate-config reads `engine.model.estimate`): the model classes
-are imported, and so registered, only when a model is built.
+It looks `model.model_type` up in the MODELS registry, where every model family registers its `ModelSpec`
+(engine/model/spec.py, one folder per family under engine/model/families/), so every builder (training,
+generation, conversion, benchmarks) gets a new family. This package's import stays torch-free (validate-config
+reads the specs and `engine.model.estimate`): a family's torch module is imported only when a model is built.
 """
 
 from __future__ import annotations
@@ -11,14 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.config.model import ModelConfig
-from engine.config.registry import MODELS
+from engine.model import families  # noqa: F401  (registers the model families)
+from engine.model.spec import spec_for
 
 if TYPE_CHECKING:
-    from engine.model.transformer import Transformer
+    from torch import nn
 
 
-def build_model(cfg: ModelConfig) -> Transformer:
+def build_model(cfg: ModelConfig) -> nn.Module:
     """A freshly initialised model of `cfg` on the current default device (`with torch.device(...)`)."""
-    import engine.model.transformer  # noqa: F401  (registers the model types)
-
-    return MODELS.get(cfg.model_type)(cfg)
+    return spec_for(cfg).model_class()(cfg)

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from engine.config.model import ModelConfig
-from engine.config.registry import MODELS
 from engine.model.attention import Attention
 from engine.model.documents import document_positions, packed_attention_mask
 from engine.model.kv_cache import KVCache, LayerKV
@@ -57,7 +56,6 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x)), None
 
 
-@MODELS.register("transformer")
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

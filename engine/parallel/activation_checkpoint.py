@@ -55,6 +55,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from engine.model.spec import spec_for
 from engine.model.transformer import Transformer
 
 AC_MODES = ("none", "full", "selective")
@@ -110,5 +111,6 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
     if mode == "none":
         return
     extra = {"context_fn": selective_context} if mode == "selective" else {}
-    for name, block in model.layers.named_children():
-        model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **extra)
+    blocks = getattr(model, spec_for(model.cfg).parts.blocks)  # the family's blocks
+    for name, block in blocks.named_children():
+        blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False, **extra)

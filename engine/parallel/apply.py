@@ -22,6 +22,7 @@ from engine import precision
 from engine.config.job import JobConfig
 from engine.errors import UserError
 from engine.model.moe import MoE
+from engine.model.spec import spec_for
 from engine.model.transformer import Transformer
 from engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from engine.parallel.compile_plan import moe_compiled_in_regions
@@ -39,7 +40,7 @@ def apply_compile(model: Transformer, moe_regions: bool = False) -> None:
     the recomputation and compile applies the selective policy when it partitions forward and backward. With
     `moe_regions` (`check_compilable`), an MoE block compiles in regions instead (`compiled_regions`), each
     one full graph as well."""
-    for block in model.layers.values():
+    for block in getattr(model, spec_for(model.cfg).parts.blocks).values():
         for region in compiled_regions(block, moe_regions):
             region.compile(fullgraph=True)
 
@@ -116,7 +117,7 @@ def apply_fsdp(
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if expert_mesh is not None:  # expert-parallel experts: sharded over the ranks that hold the same experts
         fully_shard_experts(model, expert_mesh, mp_policy=policy, reshard_after_forward=not pipelined)
-    blocks = list(model.layers.values())
+    blocks = list(getattr(model, spec_for(model.cfg).parts.blocks).values())  # the family's blocks
     for index, block in enumerate(blocks):
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not pipelined and index < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=not (pipelined or head_read_after_forward))

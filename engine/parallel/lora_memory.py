@@ -14,12 +14,9 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from engine.config.lora import LoraConfig
-
-if TYPE_CHECKING:
-    from engine.parallel.memory import ParamSpec
+from engine.model.spec import ParamSpec
 
 FP32 = 4
 NF4_SCALER_BLOCK = 256  # torchao's default scaler_block_size: blocks per fp32 factor

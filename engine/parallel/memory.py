@@ -7,30 +7,33 @@ the ranks of one pipeline rank (across dp, tp, cp) hold the same amount.
 
 What is counted, per rank (bytes):
 
+The model enters only through its family's `ModelSpec` (engine/model/spec.py): its parameter tensors
+(`ParamSpec`: shape, owner, the dimension tensor parallelism shards), what its blocks save for backward and
+its position tables; the optimizer through its registered `OptimizerState`.
+
 - params: fp32 master weights. Each tensor is first divided by tp along the dimension tensor parallelism
-  shards (attention wq/wk/wv and MLP w1/w3 by rows, wo/w2 by columns, the embedding and the output head
-  by vocabulary rows, MoE experts by hidden units; norms and routers stay whole), then FSDP2 shards dim 0 over dp_shard × cp
-  ranks, padding it to a multiple (ceil(rows / shards) rows per rank). Tied embeddings count once.
+  shards (as the family's spec says: e.g. attention wq/wk/wv and MLP w1/w3 by rows, wo/w2 by columns, the
+  embedding and the output head by vocabulary rows, MoE experts by hidden units; norms and routers stay
+  whole), then FSDP2 shards dim 0 over dp_shard × cp ranks, padding it to a multiple (ceil(rows / shards)
+  rows per rank). Tied embeddings count once.
 - grads: the same shapes in fp32 (FSDP2 reduce-scatters in fp32, the sharded gradients match the params),
   except the untied embedding's under tensor parallelism without FSDP, which DTensor returns whole (`grad_numel`).
-- optimizer: the state tensors of the chosen optimizer, each the shape of its parameter, fp32:
-  adamw exp_avg + exp_avg_sq (+ a 4-byte `step` tensor per parameter); lion exp_avg; muon a momentum buffer
-  for the 2-D matrices inside the blocks and exp_avg + exp_avg_sq for the rest (its `step` is a Python
-  int); schedule_free_adamw z + exp_avg_sq. With `train.ema_decay`, the EMA of the weights adds a copy of
-  the params here (fp32, sharded like them).
+- optimizer: the state the chosen optimizer registered (`OptimizerState` in engine/config/optimizer.py:
+  bytes per element of each trained parameter, by parameter kind where they differ, and per tensor). With
+  `train.ema_decay`, the EMA of the weights adds a copy of the params here (fp32, sharded like them).
 - activations: what autograd keeps from forward to backward (see `layer_activation_bytes`; packed documents'
   masks, `packing_bytes`), for the
   micro-batches a rank has in flight (`forward_chunks`): one without pipelining (accumulation steps run one
   after another); with pp, as many as the pipeline schedule holds before its first backward.
 - buffers: transient memory at the peak: FSDP2's unsharded copies (see `buffer_bytes`), autocast's
-  low-precision weight copies when nothing is sharded, the loss's [tokens, vocab] gradients, Muon's
-  full-matrix orthogonalization.
+  low-precision weight copies when nothing is sharded, the loss's [tokens, vocab] gradients, the whole
+  matrices an optimizer's step holds (`OptimizerState.step_copies`).
 
 The total (`StageMemory.total`) is params + optimizer + buffers + activations + grads, except that with one
 micro-batch per step only the larger of activations and grads counts (backward frees the one as it makes
 the other). On an H100 (torch 2.11; a 0.49B model, 8 blocks of dim 2048, batch 4 × 2048 tokens, one GPU)
 it came within −3 … +8 % of torch.cuda.max_memory_allocated() over bf16/fp32, no/full activation
-checkpointing, accumulation, AdamW/Muon, QK-norm, MoE, and FSDP2 on one rank. It ignores the CUDA context
+checkpointing, accumulation, the Adam and orthogonalizing optimizers, QK-norm, MoE, and FSDP2 on one rank. It ignores the CUDA context
 (~0.5–1 GiB), the caching allocator's fragmentation and NCCL buffers: leave ~10–15 % headroom.
 Assumptions, as engine.parallel builds a run: with data parallelism (dp_replicate × dp_shard > 1), FSDP2 with
 MixedPrecisionPolicy(param_dtype=compute dtype, reduce_dtype=fp32) and no autocast; without it, autocast
@@ -47,8 +50,9 @@ from dataclasses import asdict, dataclass
 
 from engine.config.job import JobConfig
 from engine.config.model import ModelConfig
-from engine.model.estimate import param_counts
+from engine.config.registry import OPTIMIZER_STATES
 from engine.model.packed_kernel import FLEX_BLOCK, packed_attention_backend
+from engine.model.spec import ActivationLayout, ParamSpec, spec_for
 from engine.parallel.lora_memory import trains, weight_bytes, with_adapters
 from engine.parallel.stages import stage_layers, stages_per_rank
 from engine.train.length import with_derived_length
@@ -58,22 +62,6 @@ INT64 = 8
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2, "auto": 2}
 """Bytes per element of matmul inputs/outputs under each `train.mixed_precision` (fp8 keeps bf16 activations;
 auto = bf16, as on the GPUs a layout is planned for)."""
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One parameter tensor of the model: its name in `named_parameters()`, full shape, owner
-    ("embedding", "head", "norm" or the block index) and the dimension tensor parallelism shards (None
-    = replicated over tp)."""
-
-    name: str
-    shape: tuple[int, ...]
-    owner: str | int
-    tp_dim: int | None = None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -105,76 +93,9 @@ class StageMemory:
         return {**asdict(self), "total": self.total}
 
 
-def norm_specs(cfg: ModelConfig, prefix: str, width: int, owner: str | int) -> list[ParamSpec]:
-    specs = [ParamSpec(f"{prefix}.weight", (width,), owner)]
-    if cfg.norm_type == "layernorm":
-        specs.append(ParamSpec(f"{prefix}.bias", (width,), owner))
-    return specs
-
-
-def mlp_specs(prefix: str, dim: int, hidden: int, owner: int, tp: bool) -> list[ParamSpec]:
-    """A gated MLP: w1/w3 [hidden, dim] (column parallel: rows), w2 [dim, hidden] (row parallel: columns)."""
-    return [
-        ParamSpec(f"{prefix}.w1.weight", (hidden, dim), owner, 0 if tp else None),
-        ParamSpec(f"{prefix}.w3.weight", (hidden, dim), owner, 0 if tp else None),
-        ParamSpec(f"{prefix}.w2.weight", (dim, hidden), owner, 1 if tp else None),
-    ]
-
-
-def moe_specs(cfg: ModelConfig, prefix: str, layer: int) -> list[ParamSpec]:
-    """Router gate (replicated over tp), routed experts (packed [E, …] tensors, whose hidden units tensor
-    parallelism splits, or one module per expert, which it does not take), shared experts (a tensor-parallel
-    MLP)."""
-    d, h, e = cfg.dim, cfg.expert_ffn_dim, cfg.num_experts
-    specs = [ParamSpec(f"{prefix}.router.gate.weight", (e, d), layer)]
-    if cfg.moe_packed_experts:
-        specs += [
-            ParamSpec(f"{prefix}.experts.w1", (e, d, h), layer, 2),
-            ParamSpec(f"{prefix}.experts.w3", (e, d, h), layer, 2),
-            ParamSpec(f"{prefix}.experts.w2", (e, h, d), layer, 1),
-        ]
-    else:
-        for i in range(e):
-            specs += [
-                ParamSpec(f"{prefix}.experts.{i}.w1", (d, h), layer),
-                ParamSpec(f"{prefix}.experts.{i}.w3", (d, h), layer),
-                ParamSpec(f"{prefix}.experts.{i}.w2", (h, d), layer),
-            ]
-    if cfg.moe_shared_experts:
-        specs += mlp_specs(f"{prefix}.shared", d, cfg.moe_shared_experts * h, layer, tp=True)
-    return specs
-
-
-def block_specs(cfg: ModelConfig, layer: int) -> list[ParamSpec]:
-    p, d, q, kv = f"layers.{layer}", cfg.dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    specs = norm_specs(cfg, f"{p}.attention_norm", d, layer)
-    specs += [
-        ParamSpec(f"{p}.attention.wq.weight", (q, d), layer, 0),
-        ParamSpec(f"{p}.attention.wk.weight", (kv, d), layer, 0),
-        ParamSpec(f"{p}.attention.wv.weight", (kv, d), layer, 0),
-        ParamSpec(f"{p}.attention.wo.weight", (d, q), layer, 1),
-    ]
-    if cfg.qk_norm:
-        specs += [
-            ParamSpec(f"{p}.attention.q_norm.weight", (cfg.head_dim,), layer),
-            ParamSpec(f"{p}.attention.k_norm.weight", (cfg.head_dim,), layer),
-        ]
-    specs += norm_specs(cfg, f"{p}.ffn_norm", d, layer)
-    if cfg.is_moe_layer(layer):
-        return specs + moe_specs(cfg, f"{p}.feed_forward", layer)
-    return specs + mlp_specs(f"{p}.feed_forward", d, cfg.ffn_dim, layer, tp=True)
-
-
 def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
-    """Every parameter tensor of `Transformer(cfg)`, in registration order (a tied head is the embedding)."""
-    specs = [ParamSpec("tok_embeddings.weight", (cfg.vocab_size, cfg.dim), "embedding", 0)]
-    for layer in range(cfg.n_layers):
-        specs += block_specs(cfg, layer)
-    specs += norm_specs(cfg, "norm", cfg.dim, "norm")
-    if not cfg.tie_embeddings:
-        specs.append(ParamSpec("output.weight", (cfg.vocab_size, cfg.dim), "head", 0))
-    assert sum(s.numel for s in specs) == param_counts(cfg)["total"], "param_specs out of step with estimate.py"
-    return specs
+    """Every parameter tensor of the model of `cfg`, in registration order, as its family lists them."""
+    return spec_for(cfg).param_specs(cfg)
 
 
 def local_numel(spec: ParamSpec, tp: int, fsdp: int) -> int:
@@ -199,15 +120,7 @@ def grad_numel(cfg: JobConfig, spec: ParamSpec, local: int) -> int:
 
 def optimizer_state_bytes(cfg: JobConfig, spec: ParamSpec, local: int) -> int:
     """Bytes of the optimizer's state for one parameter holding `local` elements on this rank."""
-    name = cfg.optimizer.name
-    if name == "adamw":
-        return 2 * FP32 * local + FP32  # exp_avg, exp_avg_sq, and the scalar `step` tensor
-    if name == "lion":
-        return FP32 * local
-    if name == "muon" and len(spec.shape) == 2 and spec.name.startswith("layers."):
-        return FP32 * local  # momentum buffer of a hidden matrix (engine.train.optim.groups.hidden_matrices)
-    assert name in ("muon", "schedule_free_adamw"), f"unknown optimizer {name!r}"
-    return 2 * FP32 * local  # muon's AdamW fallback (exp_avg, exp_avg_sq) or schedule-free z, exp_avg_sq
+    return OPTIMIZER_STATES.get(cfg.optimizer.name).bytes(spec.kind, local)
 
 
 def checkpoint_bytes(cfg: JobConfig) -> int:
@@ -248,98 +161,31 @@ def residual_bytes(cfg: JobConfig) -> int:
     return COMPUTE_BYTES[cfg.train.mixed_precision] if uses_fsdp(cfg) else FP32
 
 
-def norm_bytes(cfg: JobConfig) -> int:
-    """Saved per token by one norm: CUDA's fused RMSNorm keeps its input and 1/rms (fp32), LayerNorm its
-    input, mean and 1/std. (On CPU torch decomposes RMSNorm and also keeps the normalized input.)"""
-    h, r = cfg.model.dim, residual_bytes(cfg)
-    return r * h + FP32 if cfg.model.norm_type == "rmsnorm" else r * h + 2 * FP32
-
-
-def math_attention(cfg: JobConfig) -> bool:
-    """Whether SDPA runs its math kernel, which keeps the [heads, seq, seq] attention weights: when pinned to
-    it, or on auto in fp32 with GQA (CUDA's flash kernel has no fp32, its memory-efficient one no GQA; seen on
-    an H100 with torch 2.11)."""
-    m = cfg.model
-    if m.sdpa_backend != "auto":
-        return m.sdpa_backend == "math"
-    return COMPUTE_BYTES[cfg.train.mixed_precision] == FP32 and m.kv_heads < m.n_heads
+def activation_layout(cfg: JobConfig) -> ActivationLayout:
+    """What a family's saved activations depend on besides the model: the compute and residual-stream bytes,
+    autocast's per-projection casts (compute below fp32 and no FSDP), and the tp/cp layout."""
+    c, d = COMPUTE_BYTES[cfg.train.mixed_precision], cfg.distributed
+    return ActivationLayout(
+        compute=c,
+        residual=residual_bytes(cfg),
+        casts=c < FP32 and not uses_fsdp(cfg),
+        tp=d.tp,
+        cp=d.cp,
+        cp_method=d.cp_method,
+        seq_len=cfg.train.seq_len,
+    )
 
 
 def layer_activation_bytes(cfg: JobConfig, layer: int, tokens: int) -> int:
-    """Bytes autograd saves for one block over `tokens` tokens on one rank, without activation checkpointing.
-
-    Counted per token, with h = dim, kv = kv_heads·head_dim, f = ffn width, c = compute bytes (matmul
-    inputs/outputs), ρ = residual-stream bytes (`residual_bytes`: fp32 under autocast); this is what
-    the saved-tensor hooks of the real block record (tests/test_memory_estimate.py), and on an H100 what the
-    allocator holds after forward (dense blocks within 1 %, QK-norm and MoE within 4 %), i.e. the
-    Korthikanti et al. (2022) count sbh(34 + 5as/h) redone for this block: no dropout, SwiGLU, GQA, and
-    flash-style SDPA, which keeps its output and logsumexp instead of the s² attention matrix:
-      norms ×2:        ρ·h + 4 each for RMSNorm (input, 1/rms), ρ·h + 8 for LayerNorm (`norm_bytes`)
-      attention:       c·r·h (the normed input as the projections read it) + c·(h + 2kv + h) (q, k, v after
-                       RoPE, SDPA's output, which wo reads without a copy) + 4·heads (logsumexp); when SDPA
-                       runs its math kernel (`math_attention`) c·(r·h + h) + 4·(3h + heads·seq_len)
-                       (q, k and v repeated to all heads, and the attention weights, in fp32)
-      dense MLP:       c·r'·h (normed input) + c·4f (w1 out, act(w1 out), w3 out, their product)
-      MoE MLP:         4·(h + 2E) (router input, logits/probs) + c·k·(2h + 4f_e + 1) (each of the top-k
-                       assignments: gathered input, the expert's SwiGLU, its weighted output) + 16k
-                       (indices) + shared experts c·(r'·h + 4f_s)
-      QK-norm:         (c + 4)·(h + kv) + 4·(heads + kv_heads)
-    r = r' = 1, except under autocast (compute below fp32 and no FSDP): r = 3, r' = 2, as autocast casts the
-    fp32 norm output separately for each projection that reads it (wq, wk, wv; w1, w3) and each keeps its
-    own copy. Tensor parallelism (with sequence parallelism) divides everything by tp except the
-    projections' inputs, which are all-gathered over the sequence before wq/wk/wv and w1/w3, and autograd
-    keeps the gathered tensor; MoE blocks are not tensor parallel.
-    """
-    m, tp = cfg.model, cfg.distributed.tp
-    h, kv, c = m.dim, m.kv_heads * m.head_dim, COMPUTE_BYTES[cfg.train.mixed_precision]
-    casts = c < FP32 and not uses_fsdp(cfg)  # autocast: one cast of the norm's output per projection reading it
-    if math_attention(cfg):  # q and k, v repeated to every head, the weights, in fp32; wo reads a copy of the output
-        gathered, split = c * (3 if casts else 1) * h, c * h + FP32 * (3 * h + m.n_heads * cfg.train.seq_len)
-    else:
-        gathered, split = c * (3 if casts else 1) * h, c * (2 * h + 2 * kv) + FP32 * m.n_heads
-    if m.qk_norm:
-        split += (c + FP32) * (h + kv) + FP32 * (m.n_heads + m.kv_heads)
-    split += 2 * norm_bytes(cfg)
-    gated = 2 if casts else 1
-    if m.is_moe_layer(layer):
-        k, shared = m.moe_top_k, m.moe_shared_experts * m.expert_ffn_dim
-        # Under tp every rank routes all of the layer's tokens (engine/parallel/tp.py); only the experts'
-        # hidden units (routed and shared) are split.
-        moe = FP32 * (h + 2 * m.num_experts) + c * k * (2 * h + 1) + c * k * 4 * m.expert_ffn_dim // tp
-        moe += 2 * INT64 * k + (c * gated * h + c * 4 * shared // tp if shared else 0)
-        return tokens * (gathered + split // tp) + tokens * moe
-    gathered += c * gated * h
-    split += c * 4 * m.ffn_dim + context_parallel_bytes(cfg)
-    return tokens * gathered + tokens * split // tp
-
-
-def context_parallel_bytes(cfg: JobConfig) -> int:
-    """What a cp attention core (engine/parallel/context.py) saves beyond the local q, k, v and output, per
-    local token (÷ tp like the rest of attention): allgather keeps the gathered K and V of the other cp−1
-    ranks; ring keeps the K/V blocks it received and each step's partial output and log-sum-exp (fp32), its
-    attention weights being recomputed; ulysses keeps its head-sharded whole-sequence q, k, v, the same bytes
-    as the local ones."""
-    m, cp = cfg.model, cfg.distributed.cp
-    kv, c = m.kv_heads * m.head_dim, COMPUTE_BYTES[cfg.train.mixed_precision]
-    if cp == 1 or cfg.distributed.cp_method == "ulysses":
-        return 0
-    received = c * 2 * kv * (cp - 1)
-    if cfg.distributed.cp_method == "allgather":
-        return received
-    return received + FP32 * (m.dim + m.n_heads) * cp
+    """Bytes autograd saves for block `layer` over `tokens` tokens on one rank, without activation
+    checkpointing, as the family counts them (its spec's `block_activation_bytes`)."""
+    return spec_for(cfg.model).block_activation_bytes(cfg.model, activation_layout(cfg), layer, tokens)
 
 
 def checkpointed_layer_bytes(cfg: JobConfig, layer: int, tokens: int) -> int:
-    """Saved bytes per block and rank under activation checkpointing. full: only the block's input (the
-    residual stream, sequence parallel under tp). selective (assumed policy: keep the outputs of every
-    matmul and of SDPA, recompute norms, RoPE and the activation function): the input plus q, k, v, SDPA's
-    output and logsumexp, and the outputs of wo, w1, w3 and w2."""
-    m, tp = cfg.model, cfg.distributed.tp
-    h, c, r = m.dim, COMPUTE_BYTES[cfg.train.mixed_precision], residual_bytes(cfg)
-    if cfg.train.activation_checkpointing == "full":
-        return tokens * r * h // tp
-    kv, f = m.kv_heads * m.head_dim, m.ffn_dim if not m.is_moe_layer(layer) else m.moe_top_k * m.expert_ffn_dim
-    return tokens * (r * h + c * (4 * h + 2 * kv + 2 * f) + FP32 * m.n_heads) // tp
+    """Saved bytes of block `layer` per rank under `train.activation_checkpointing` (full or selective)."""
+    mode, m = cfg.train.activation_checkpointing, cfg.model
+    return spec_for(m).checkpointed_block_bytes(m, activation_layout(cfg), layer, tokens, mode)
 
 
 def loss_activation_bytes(cfg: JobConfig, tokens: int) -> int:
@@ -349,7 +195,7 @@ def loss_activation_bytes(cfg: JobConfig, tokens: int) -> int:
     chunked_cross_entropy keeps the gradients it computes in forward: the hidden states' (their dtype) and
     the whole head's (fp32)."""
     m, t, tp = cfg.model, cfg.train, cfg.distributed.tp
-    saved = tokens * norm_bytes(cfg) // tp
+    saved = tokens * spec_for(m).norm_bytes(m, activation_layout(cfg)) // tp
     if t.loss_fn == "chunked_cross_entropy":
         return saved + tokens * residual_bytes(cfg) * m.dim + FP32 * m.vocab_size * m.dim
     saved += INT64 * tokens  # the labels
@@ -369,13 +215,14 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
       autograd keeps until backward (with activation checkpointing, only the recomputed block's and the head's).
     - the loss's gradients: two fp32 [tokens, vocab/tp] tensors in backward for cross_entropy, two
       [ce_chunk_size, vocab] chunks in forward for chunked_cross_entropy (its head gradient is an activation).
-    - muon: the full fp32 matrix it orthogonalizes (gathered from its shards), its iterate and the result.
+    - the optimizer's step: `OptimizerState.step_copies` fp32 copies of the largest whole parameter of a
+      kind (a matrix orthogonalized after gathering it from its shards, its iterate and the result).
     """
     d, t, m = cfg.distributed, cfg.train, cfg.model
     c = COMPUTE_BYTES[t.mixed_precision]
     # What one gathered block holds: the whole of each weight (÷ tp), but under expert parallelism only this
     # rank's experts (their dim 0 ÷ ep; FSDP shards them over the other dp_shard / ep ranks).
-    tp_local = {s.name: local_numel(s, d.tp, d.ep if ".experts.w" in s.name else 1) for s in stage}
+    tp_local = {s.name: local_numel(s, d.tp, d.ep if s.expert_parallel else 1) for s in stage}
     blocks: dict[int, int] = {}
     matrices: dict[int, int] = {}  # what autocast casts, per block
     for s in stage:
@@ -399,9 +246,8 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
         total += 2 * FP32 * min(t.ce_chunk_size, tokens) * m.vocab_size
     elif has_head:
         total += 2 * FP32 * tokens * math.ceil(m.vocab_size / d.tp)
-    hidden = [s.numel for s in stage if len(s.shape) == 2 and s.name.startswith("layers.")]
-    if cfg.optimizer.name == "muon" and hidden:
-        total += 3 * FP32 * max(hidden)
+    for kind, copies in OPTIMIZER_STATES.get(cfg.optimizer.name).step_copies.items():
+        total += copies * FP32 * max((s.numel for s in stage if s.kind == kind), default=0)
     return total
 
 
@@ -460,8 +306,9 @@ def tied_head_copy(cfg: JobConfig, specs: list[ParamSpec], stages: list[int], n_
     (engine/parallel/pipeline.py), with its own gradient and optimizer state."""
     if not cfg.model.tie_embeddings or n_stages == 1 or n_stages - 1 not in stages or 0 in stages:
         return []
-    [embedding] = [s for s in specs if s.owner == "embedding"]
-    return [ParamSpec("output.weight", embedding.shape, "head", embedding.tp_dim)]
+    embedding_module, head_module = spec_for(cfg.model).parts.tied
+    [embedding] = [s for s in specs if s.name == f"{embedding_module}.weight"]
+    return [ParamSpec(f"{head_module}.weight", embedding.shape, "head", embedding.tp_dim)]
 
 
 def packing_bytes(cfg: JobConfig, device_type: str = "cuda", in_flight: list[int] | None = None) -> int:
@@ -490,7 +337,7 @@ def packing_bytes(cfg: JobConfig, device_type: str = "cuda", in_flight: list[int
     if not cfg.data.pack_sequences:
         return 0
     in_flight = [m.n_layers] if in_flight is None else in_flight
-    rope = 2 * FP32 * (len(in_flight) * t.batch_size - 1) * (t.seq_len // d.cp) * m.head_dim
+    rope = 2 * FP32 * (len(in_flight) * t.batch_size - 1) * (t.seq_len // d.cp) * spec_for(m).position_table_width(m)
     blocks = sum(in_flight) if t.activation_checkpointing == "none" else 1
     if d.cp > 1 and d.cp_method != "ulysses":
         return blocks * context_parallel_mask_bytes(cfg) + rope

@@ -1,7 +1,9 @@
 """Pipeline parallelism: the model cut into stages by layer, run by a `torch.distributed.pipelining` schedule.
 
-Following torchtitan, every stage is a deep copy of the single-device `Transformer` with the blocks it does not
-own deleted from `layers` and `tok_embeddings` / `norm` / `output` set to None where another stage owns them.
+Following torchtitan, every stage is a deep copy of the single-device model with the blocks it does not own
+deleted and its first or last modules set to None where another stage owns them, as the model family's
+`ModelParts` names them (engine/model/spec.py; the transformer's: blocks in `layers`, first `tok_embeddings`,
+last `norm` and `output`).
 Parameter names therefore stay those of the full model, so checkpoints do not depend on the pipeline layout.
 
 Stages are assigned to ranks in a loop: stage s runs on pipeline rank s % pp. `gpipe` and `1f1b` have one stage
@@ -61,7 +63,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from engine.errors import UserError
-from engine.model.transformer import Transformer
+from engine.model.spec import spec_for
 from engine.parallel.pipeline_moe import StageAuxLosses
 from engine.parallel.stages import stage_layers, stages_per_rank
 
@@ -120,28 +122,26 @@ def check_output_hook(expected: torch.Tensor, stage: int) -> Callable:
 
 
 def stage_layer_names(n_layers: int, n_stages: int) -> list[list[str]]:
-    """The `layers` keys ("0", "1", …) each stage owns, in order."""
+    """The block keys ("0", "1", …) each stage owns, in order."""
     return [[str(i) for i in layers] for layers in stage_layers(n_layers, n_stages)]
 
 
-def stage_model(model: Transformer, stage: int, n_stages: int) -> Transformer:
-    """A copy of `model` holding only what stage `stage` of `n_stages` runs (same parameter names)."""
+def stage_model(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+    """A copy of `model` holding only what stage `stage` of `n_stages` runs (same parameter names): the blocks
+    of its family's `ModelParts.blocks` it owns, the `first` modules on the first stage, the `last` on the last."""
+    parts = spec_for(model.cfg).parts
     keep = set(stage_layer_names(model.cfg.n_layers, n_stages)[stage])
     part = copy.deepcopy(model)
-    for name in list(part.layers):
+    blocks = getattr(part, parts.blocks)
+    for name in list(blocks):
         if name not in keep:
-            del part.layers[name]
-    if stage != 0:
-        part.tok_embeddings = None
-    if stage != n_stages - 1:
-        part.norm = None
-        part.output = None
+            del blocks[name]
+    for name in (parts.first if stage != 0 else ()) + (parts.last if stage != n_stages - 1 else ()):
+        setattr(part, name, None)
     return part
 
 
-def split_stages(
-    model: Transformer, pp_rank: int, pp_size: int, n_stages_per_rank: int
-) -> list[tuple[int, Transformer]]:
+def split_stages(model: nn.Module, pp_rank: int, pp_size: int, n_stages_per_rank: int) -> list[tuple[int, nn.Module]]:
     """(stage index, stage model) for every stage pipeline rank `pp_rank` runs: stages pp_rank + k·pp_size."""
     n_stages = pp_size * n_stages_per_rank
     return [(stage, stage_model(model, stage, n_stages)) for stage in range(pp_rank, n_stages, pp_size)]
@@ -174,11 +174,12 @@ def tied_weight(parts: list[nn.Module], pp_mesh: DeviceMesh) -> TiedWeight | Non
     """The tied embedding copy this rank holds (first stage: the embedding's, last: the head's), if any.
     A collective over the whole world when pp > 2 (every rank creates every pair's group)."""
     group = first_last_group(pp_mesh)
+    embedding, head = spec_for(parts[0].cfg).parts.tied
     for part in parts:
-        if part.tok_embeddings is not None:
-            return TiedWeight(part.tok_embeddings, group, is_head=False)
-        if part.output is not None:
-            return TiedWeight(part.output, group, is_head=True)
+        if getattr(part, embedding) is not None:
+            return TiedWeight(getattr(part, embedding), group, is_head=False)
+        if getattr(part, head) is not None:
+            return TiedWeight(getattr(part, head), group, is_head=True)
     return None
 
 
@@ -271,14 +272,14 @@ def documents(doc_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
 
 
 def build_pipeline(
-    model: Transformer,
+    model: nn.Module,
     pp_mesh: DeviceMesh,
     schedule: str,
     n_microbatches: int,
     loss_fn: StageLoss,
     device: torch.device,
     shapes: StageShapes,
-    parallelize_stage: Callable[[Transformer], nn.Module] | None = None,
+    parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
 ) -> Pipeline:
     """Cut `model` (the full single-device model, identical on every rank, possibly on the meta device) into
     this rank's stages, apply `parallelize_stage` to each (TP / AC / compile / FSDP — whatever the caller
@@ -345,18 +346,23 @@ def stage_union(parts: list[nn.Module]) -> nn.Module:
     checkpoint keys are those of the unpipelined model, and a checkpoint moves between layouts."""
     union = nn.Module()
     union.cfg = parts[0].cfg  # the model's config (the optimizer's groups read tie_embeddings from it)
-    union.layers = nn.ModuleDict()
+    model_parts = spec_for(union.cfg).parts
+    blocks = nn.ModuleDict()
+    setattr(union, model_parts.blocks, blocks)
     for part in parts:
-        union.layers.update(part.layers)
-        for name in ("tok_embeddings", "norm", "output"):
+        blocks.update(getattr(part, model_parts.blocks))
+        for name in model_parts.first + model_parts.last:
             if getattr(part, name) is not None:
                 setattr(union, name, getattr(part, name))
-    if union.cfg.tie_embeddings and not hasattr(union, "tok_embeddings") and hasattr(union, "output"):
-        # The last stage's copy of a tied matrix, also under the embedding's name and registered before the
-        # head: as in the full model, its parameter is then named tok_embeddings.weight (optimizer state, a
-        # checkpoint's optimizer entries) while the state dict holds both names, so checkpoints match one
-        # process's.
-        head = union.output
-        del union.output
-        union.tok_embeddings, union.output = head, head
+    if union.cfg.tie_embeddings:
+        embedding, head = model_parts.tied
+        if not hasattr(union, embedding) and hasattr(union, head):
+            # The last stage's copy of a tied matrix, also under the embedding's name and registered before the
+            # head: as in the full model, its parameter is then named as the embedding's (optimizer state, a
+            # checkpoint's optimizer entries) while the state dict holds both names, so checkpoints match one
+            # process's.
+            module = getattr(union, head)
+            delattr(union, head)
+            setattr(union, embedding, module)
+            setattr(union, head, module)
     return union

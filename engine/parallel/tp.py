@@ -1,36 +1,36 @@
 """Tensor parallelism (Megatron-style, Shoeybi et al. 2019) with sequence parallelism, applied from outside.
 
-The single-device `Transformer` is rewritten in place by `parallelize_module` with PyTorch's parallel styles;
-the model code itself never sees a DTensor except as the tensors flowing through it. The plan:
+The plan is the model family's, as data (`ModelSpec.tp_plan`: module name → `TPStyle`, engine/model/spec.py);
+this module makes PyTorch's parallel styles of it and rewrites the single-device model in place with
+`parallelize_module`. The model code itself never sees a DTensor except as the tensors flowing through it.
+What each style does:
 
-- token embedding: vocabulary-sharded rows (as `RowwiseParallel` shards them), its output reduce-scattered
-  over the sequence (`Shard(1)`, `SequenceShardedEmbedding`), so the residual stream between blocks is a plain
-  tensor holding this rank's positions (each norm and each attention/MLP input rewraps it as a `Shard(1)`
-  DTensor);
-- the block norms and the final norm: `SequenceParallel` (each rank normalises its own positions; the norm
-  weights are replicated and their gradients summed over the TP group by DTensor);
-- attention and feed-forward: inputs all-gathered over the sequence (`PrepareModuleInput` Shard(1) → Replicate),
-  wq/wk/wv and w1/w3 column-sharded (whole heads / hidden units per rank), wo and w2 row-sharded with a
-  reduce-scatter back to the sequence-sharded residual stream. Attention therefore sees n_heads/tp query heads
-  and n_kv_heads/tp key/value heads, contiguous in the same grouping as on one device;
-- QK-norm (over head_dim) sees head-sharded plain tensors: its weight is replicated and the input is treated as
-  sharded on the head dimension, so the weight's gradient is the sum over all heads as on one device;
-- output head: column-sharded over the vocabulary. With loss parallel its logits stay vocabulary-sharded
-  (`Shard(-1)`), and cross-entropy (inside `loss_context(True)`) never gathers them; otherwise they are
-  all-gathered into plain full logits.
+- "vocab_embedding": the token embedding with vocabulary-sharded rows (as `RowwiseParallel` shards them), its
+  output reduce-scattered over the sequence (`Shard(1)`, `SequenceShardedEmbedding`), so the residual stream
+  between blocks is a plain tensor holding this rank's positions (each norm and each gathered input rewraps
+  it as a `Shard(1)` DTensor);
+- "sequence_parallel": `SequenceParallel` (each rank normalises its own positions; the norm weights are
+  replicated and their gradients summed over the TP group by DTensor);
+- "gather_sequence": `PrepareModuleInput` all-gathers the module's first input over the sequence (Shard(1) →
+  Replicate); "colwise" / "rowwise": column- and row-sharded linears, the row-sharded one reduce-scattering
+  back to the sequence-sharded residual stream (so attention sees whole heads per rank, an MLP whole hidden
+  units); "rowwise_replicate": all-reduced to the full tokens instead;
+- "head_sharded_norm": a norm over head_dim of head-sharded plain q or k: its weight is replicated and the
+  input treated as sharded on the head dimension, so the weight's gradient is the sum over all heads as on
+  one device;
+- "vocab_head": the output head, column-sharded over the vocabulary. With loss parallel its logits stay
+  vocabulary-sharded (`Shard(-1)`), and cross-entropy (inside `loss_context(True)`) never gathers them;
+  otherwise they are all-gathered into plain full logits;
+- "full_tokens" (`FullTokens`): a module, such as an MoE layer, whose input (this rank's sequence shard) is
+  all-gathered over the sequence into a plain tensor every TP rank holds in full, so routing, capacity, the
+  auxiliary losses and the router load are computed on all the layer's tokens, identically on every TP rank
+  and exactly as on one device; its output is cut back to this rank's shard. "replicated_router": a router
+  weight as a replicated DTensor, computed with as its local tensor (every rank computes its full gradient
+  from the same values). Routed experts are sharded in engine/parallel/expert.py (`shard_experts`, together
+  with expert parallelism when ep > 1).
 
-Tied embeddings are supported: the embedding and the head both shard the shared [vocab, dim] weight on dim 0,
-so after the plan the head's weight is pointed at the embedding's DTensor parameter again.
-
-MoE blocks: attention and norms as above. The MoE layer's input is all-gathered over the sequence into a
-plain tensor that every TP rank holds in full (`MoESequenceGather`), so routing, capacity, the auxiliary
-losses and the router load are computed on all the layer's tokens, identically on every TP rank and exactly
-as on one device (a per-rank routing over its sequence shard would change all of them). The router weight
-stays a plain replicated parameter: every rank computes its full gradient from the same values. The shared
-experts are column/row-sharded like a dense MLP, their output all-reduced back to the full tokens. The
-routed experts are sharded within each expert over the hidden units, in engine/parallel/expert.py
-(`shard_experts`, together with expert parallelism when ep > 1). The layer's output is then cut back to
-this rank's sequence shard.
+Tied embeddings (`TPPlan.tied`): the embedding and the head both shard the shared [vocab, dim] weight on
+dim 0, so after the plan the head's weight is pointed at the embedding's DTensor parameter again.
 """
 
 from __future__ import annotations
@@ -52,9 +52,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from engine.model.mlp import GatedMLP
-from engine.model.moe import MoE
-from engine.model.transformer import Block, Transformer
+from engine.model.spec import TPStyle, spec_for
 
 # Losses that work on vocabulary-sharded logits (they call F.cross_entropy on the model's output). The chunked
 # loss projects the hidden states itself through `output.weight`: it gathers the head's full weight and the
@@ -62,81 +60,48 @@ from engine.model.transformer import Block, Transformer
 LOSS_PARALLEL_LOSSES = ("cross_entropy",)
 
 
-def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
-    """Shard `model` over the 1-D `tp_mesh` in place. The model is on the meta device (the trainer fills the
-    shards afterwards) or holds the same weights on every rank; every TP rank must receive the same batch. The caller checks that tp divides n_heads, n_kv_heads, the FFN width and
-    the sequence length (the vocabulary may shard unevenly). MoE layers' routed experts are left to
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+    """Shard `model` over the 1-D `tp_mesh` in place, as its family's plan says. The model is on the meta
+    device (the trainer fills the shards afterwards) or holds the same weights on every rank; every TP rank
+    must receive the same batch. The caller checks that tp divides what the plan shards (heads, the FFN
+    width, the sequence length; the vocabulary may shard unevenly). Routed experts are left to
     `engine.parallel.expert.shard_experts`.
     With `loss_parallel`, the forward returns vocabulary-sharded DTensor logits and the loss and its backward
     must run inside `loss_context(True)`; the loss is then a replicated DTensor (`.item()` works)."""
-    plan = {  # a pipeline stage has only some of these
-        "tok_embeddings": SequenceShardedEmbedding(),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(
+    spec = spec_for(model.cfg)
+    plan = spec.tp_plan
+    outer = {  # a pipeline stage has only some of these
+        name: parallel_style(style, loss_parallel)
+        for name, style in plan.outer.items()
+        if getattr(model, name, None) is not None
+    }
+    parallelize_module(model, tp_mesh, outer)
+    for name, block in getattr(model, spec.parts.blocks).items():
+        styles = {
+            path: parallel_style(style, loss_parallel) for path, style in plan.block(model.cfg, int(name)).items()
+        }
+        parallelize_module(block, tp_mesh, styles)
+    if plan.tied is not None and model.cfg.tie_embeddings:
+        head, embedding = (getattr(model, name, None) for name in plan.tied)
+        if head is not None and embedding is not None:
+            # Each style swapped in its own DTensor for the shared weight; both are Shard(0) of the same tensor.
+            # (A pipeline stage holds one of the two: engine/parallel/pipeline.py keeps the copies in step.)
+            head.weight = embedding.weight
+
+
+def parallel_style(style: TPStyle, loss_parallel: bool) -> ParallelStyle:
+    """The DTensor style of one `TPStyle` of a family's plan (the kinds are described in the module docstring)."""
+    kind = style.kind
+    if kind == "gather_sequence":  # only the first input is sharded; the others pass as they are
+        rest = (None,) * (style.inputs - 1)
+        return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
+    if kind == "vocab_head":
+        return ColwiseParallel(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
-        ),
-    }
-    parallelize_module(
-        model, tp_mesh, {name: style for name, style in plan.items() if getattr(model, name) is not None}
-    )
-    for block in model.layers.values():
-        parallelize_block(block, tp_mesh)
-    if model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
-        # Each style swapped in its own DTensor for the shared weight; both are Shard(0) of the same tensor.
-        # (A pipeline stage holds one of the two: engine/parallel/pipeline.py keeps the copies in step.)
-        model.output.weight = model.tok_embeddings.weight
-
-
-def parallelize_block(block: Block, tp_mesh: DeviceMesh) -> None:
-    """Attention and MLP over TP, norms over the sequence: two all-gathers and two reduce-scatters per block."""
-    gather_sequence = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    if isinstance(block.feed_forward, MoE):
-        feed_forward = moe_plan(block.feed_forward)
-    else:
-        assert isinstance(block.feed_forward, GatedMLP)
-        feed_forward = {
-            "feed_forward": gather_sequence,
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        }
-    parallelize_module(
-        block,
-        tp_mesh,
-        {
-            "attention_norm": SequenceParallel(),
-            # (x, cos, sin, cache): only x is sharded; the RoPE tables are plain tensors every rank holds in full.
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            **feed_forward,
-        },
-    )
-    attention = block.attention
-    if attention.q_norm is not None:
-        # q and k are [batch, seq, local heads, head_dim] plain tensors: dimension 2 is the sharded one.
-        head_sharded = SequenceParallel(sequence_dim=2, use_local_output=True)
-        parallelize_module(attention, tp_mesh, {"q_norm": head_sharded, "k_norm": head_sharded})
-
-
-def moe_plan(moe: MoE) -> dict[str, ParallelStyle]:
-    """The MoE layer on full tokens (see the module docstring); shared experts sharded like a dense MLP, their
-    plain full input replicated in and their output all-reduced to the full tokens again."""
-    plan: dict[str, ParallelStyle] = {"feed_forward": MoESequenceGather(), "feed_forward.router": ReplicatedRouter()}
-    if moe.shared is not None:
-        plan |= {
-            "feed_forward.shared.w1": ColwiseParallel(),
-            "feed_forward.shared.w3": ColwiseParallel(),
-            "feed_forward.shared.w2": RowwiseParallel(output_layouts=Replicate()),
-        }
-    return plan
+        )
+    return STYLES[kind]()
 
 
 class SequenceShardedEmbedding(ParallelStyle):
@@ -170,9 +135,11 @@ class SequenceShardedEmbedding(ParallelStyle):
         return output.redistribute(mesh, [Shard(1)]).to_local()
 
 
-class MoESequenceGather(ParallelStyle):
-    """An MoE layer between sequence-parallel norms: its input (this rank's sequence shard) all-gathered into
-    the full plain tensor, its output (identical on every TP rank) cut back to this rank's shard.
+class FullTokens(ParallelStyle):
+    """A module (an MoE layer) between sequence-parallel norms: its input (this rank's sequence shard)
+    all-gathered into the full plain tensor, its output (identical on every TP rank; a tensor, or a tuple whose
+    first item is the tensor and the rest pass through, as an MoE layer's routing stats) cut back to this
+    rank's shard.
 
     The gradients follow DTensor's rules for replicated values: the output's gradient is all-gathered from
     the ranks' shards (each rank then computes the full, identical gradient), and the input's is this rank's
@@ -193,10 +160,11 @@ class MoESequenceGather(ParallelStyle):
         return (x.redistribute(mesh, [Replicate()]).to_local(), *inputs[1:])
 
     @staticmethod
-    def scatter(module: nn.Module, inputs: tuple, outputs: tuple, mesh: DeviceMesh) -> tuple:
-        out, stats = outputs
+    def scatter(module: nn.Module, inputs: tuple, outputs: torch.Tensor | tuple, mesh: DeviceMesh) -> object:
+        out, rest = (outputs[0], outputs[1:]) if isinstance(outputs, tuple) else (outputs, None)
         full = DTensor.from_local(out, mesh, [Replicate()], run_check=False)
-        return full.redistribute(mesh, [Shard(1)]).to_local(), stats
+        local = full.redistribute(mesh, [Shard(1)]).to_local()
+        return local if rest is None else (local, *rest)
 
 
 class ReplicatedRouter(ParallelStyle):
@@ -225,3 +193,17 @@ def uses_loss_parallel(tp: int, loss_fn: str, pp: int = 1) -> bool:
     """Loss parallel pays whenever there is TP and the loss takes the logits from the model; not under pipeline
     parallelism, whose schedule computes the loss itself and hands plain tensors between stages."""
     return tp > 1 and pp == 1 and loss_fn in LOSS_PARALLEL_LOSSES
+
+
+STYLES: dict[str, type[ParallelStyle] | partial] = {
+    "colwise": ColwiseParallel,
+    "rowwise": partial(RowwiseParallel, output_layouts=Shard(1)),
+    "rowwise_replicate": partial(RowwiseParallel, output_layouts=Replicate()),
+    "sequence_parallel": SequenceParallel,
+    "head_sharded_norm": partial(SequenceParallel, sequence_dim=2, use_local_output=True),
+    "vocab_embedding": SequenceShardedEmbedding,
+    "full_tokens": FullTokens,
+    "replicated_router": ReplicatedRouter,
+}
+"""The styles made the same way whatever the call (the kinds of engine.model.spec.TP_KINDS but the two
+`parallel_style` builds from the style's arguments or the loss)."""

@@ -1,0 +1,4 @@
+"""Model families, one folder each; importing this registers every family's `ModelSpec` in `MODELS`
+(torch-free). A new family adds its folder and its line here."""
+
+from engine.model.families import transformer  # noqa: F401

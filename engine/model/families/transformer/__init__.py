@@ -1,0 +1,40 @@
+"""The decoder-only transformer family (`model_type = "transformer"`): Llama-style blocks (RMSNorm or
+LayerNorm, RoPE, grouped-query attention, optional QK-norm, a gated MLP or a mixture of experts), with its
+Hugging Face counterparts Llama, Qwen3, Qwen2-MoE, Qwen3-MoE and GLM-4-MoE.
+
+The module itself is engine/model/transformer.py (its attention, MLP, MoE and norms are the shared
+components in engine/model/); this folder holds what the rest of Forge needs to know of it: parameter
+shapes and FLOPs (`shapes.py`), saved activations (`activations.py`), the tensor-parallel plan
+(`tp_plan.py`) and the Hugging Face mapping (`hf.py`). Torch-free.
+"""
+
+from __future__ import annotations
+
+from engine.config.model import ModelConfig
+from engine.config.registry import MODELS
+from engine.model.families.transformer import activations, hf, shapes, tp_plan
+from engine.model.spec import ModelParts, ModelSpec
+
+
+def rope_width(cfg: ModelConfig) -> int:
+    """RoPE's cos and sin tables are [positions, head_dim]."""
+    return cfg.head_dim
+
+
+SPEC = MODELS.register("transformer")(
+    ModelSpec(
+        build="engine.model.transformer:Transformer",
+        param_specs=shapes.param_specs,
+        param_counts=shapes.param_counts,
+        flops_per_token=shapes.training_flops_per_token,
+        block_activation_bytes=activations.block_activation_bytes,
+        checkpointed_block_bytes=activations.checkpointed_block_bytes,
+        norm_bytes=activations.norm_bytes,
+        position_table_width=rope_width,
+        parts=ModelParts(
+            blocks="layers", first=("tok_embeddings",), last=("norm", "output"), tied=("tok_embeddings", "output")
+        ),
+        tp_plan=tp_plan.PLAN,
+        hf=hf.MAPPING,
+    )
+)

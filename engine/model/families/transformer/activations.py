@@ -1,0 +1,102 @@
+"""What autograd saves for one transformer block, per rank, for the memory estimate (engine/parallel/memory.py),
+which describes the job's precision and layout in an `ActivationLayout`. Torch-free."""
+
+from __future__ import annotations
+
+from engine.config.model import ModelConfig
+from engine.model.spec import ActivationLayout
+
+FP32 = 4
+INT64 = 8
+
+
+def norm_bytes(m: ModelConfig, lay: ActivationLayout) -> int:
+    """Saved per token by one norm: CUDA's fused RMSNorm keeps its input and 1/rms (fp32), LayerNorm its
+    input, mean and 1/std. (On CPU torch decomposes RMSNorm and also keeps the normalized input.)"""
+    h, r = m.dim, lay.residual
+    return r * h + FP32 if m.norm_type == "rmsnorm" else r * h + 2 * FP32
+
+
+def math_attention(m: ModelConfig, lay: ActivationLayout) -> bool:
+    """Whether SDPA runs its math kernel, which keeps the [heads, seq, seq] attention weights: when pinned to
+    it, or on auto in fp32 with GQA (CUDA's flash kernel has no fp32, its memory-efficient one no GQA; seen on
+    an H100 with torch 2.11)."""
+    if m.sdpa_backend != "auto":
+        return m.sdpa_backend == "math"
+    return lay.compute == FP32 and m.kv_heads < m.n_heads
+
+
+def block_activation_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, tokens: int) -> int:
+    """Bytes autograd saves for one block over `tokens` tokens on one rank, without activation checkpointing.
+
+    Counted per token, with h = dim, kv = kv_heads·head_dim, f = ffn width, c = compute bytes (matmul
+    inputs/outputs), ρ = residual-stream bytes (fp32 under autocast); this is what the saved-tensor hooks of
+    the real block record (tests/test_memory_estimate.py), and on an H100 what the allocator holds after
+    forward (dense blocks within 1 %, QK-norm and MoE within 4 %), i.e. the Korthikanti et al. (2022) count
+    sbh(34 + 5as/h) redone for this block: no dropout, SwiGLU, GQA, and flash-style SDPA, which keeps its
+    output and logsumexp instead of the s² attention matrix:
+      norms ×2:        ρ·h + 4 each for RMSNorm (input, 1/rms), ρ·h + 8 for LayerNorm (`norm_bytes`)
+      attention:       c·r·h (the normed input as the projections read it) + c·(h + 2kv + h) (q, k, v after
+                       RoPE, SDPA's output, which wo reads without a copy) + 4·heads (logsumexp); when SDPA
+                       runs its math kernel (`math_attention`) c·(r·h + h) + 4·(3h + heads·seq_len)
+                       (q, k and v repeated to all heads, and the attention weights, in fp32)
+      dense MLP:       c·r'·h (normed input) + c·4f (w1 out, act(w1 out), w3 out, their product)
+      MoE MLP:         4·(h + 2E) (router input, logits/probs) + c·k·(2h + 4f_e + 1) (each of the top-k
+                       assignments: gathered input, the expert's SwiGLU, its weighted output) + 16k
+                       (indices) + shared experts c·(r'·h + 4f_s)
+      QK-norm:         (c + 4)·(h + kv) + 4·(heads + kv_heads)
+    r = r' = 1, except under autocast (compute below fp32 and no FSDP): r = 3, r' = 2, as autocast casts the
+    fp32 norm output separately for each projection that reads it (wq, wk, wv; w1, w3) and each keeps its
+    own copy. Tensor parallelism (with sequence parallelism) divides everything by tp except the
+    projections' inputs, which are all-gathered over the sequence before wq/wk/wv and w1/w3, and autograd
+    keeps the gathered tensor; MoE blocks are not tensor parallel.
+    """
+    tp, c = lay.tp, lay.compute
+    h, kv = m.dim, m.kv_heads * m.head_dim
+    casts = lay.casts  # autocast: one cast of the norm's output per projection reading it
+    if math_attention(m, lay):  # q and k, v repeated to every head, the weights, in fp32; wo reads a copy of the output
+        gathered, split = c * (3 if casts else 1) * h, c * h + FP32 * (3 * h + m.n_heads * lay.seq_len)
+    else:
+        gathered, split = c * (3 if casts else 1) * h, c * (2 * h + 2 * kv) + FP32 * m.n_heads
+    if m.qk_norm:
+        split += (c + FP32) * (h + kv) + FP32 * (m.n_heads + m.kv_heads)
+    split += 2 * norm_bytes(m, lay)
+    gated = 2 if casts else 1
+    if m.is_moe_layer(layer):
+        k, shared = m.moe_top_k, m.moe_shared_experts * m.expert_ffn_dim
+        # Under tp every rank routes all of the layer's tokens (engine/parallel/tp.py); only the experts'
+        # hidden units (routed and shared) are split.
+        moe = FP32 * (h + 2 * m.num_experts) + c * k * (2 * h + 1) + c * k * 4 * m.expert_ffn_dim // tp
+        moe += 2 * INT64 * k + (c * gated * h + c * 4 * shared // tp if shared else 0)
+        return tokens * (gathered + split // tp) + tokens * moe
+    gathered += c * gated * h
+    split += c * 4 * m.ffn_dim + context_parallel_bytes(m, lay)
+    return tokens * gathered + tokens * split // tp
+
+
+def context_parallel_bytes(m: ModelConfig, lay: ActivationLayout) -> int:
+    """What a cp attention core (engine/parallel/context.py) saves beyond the local q, k, v and output, per
+    local token (÷ tp like the rest of attention): allgather keeps the gathered K and V of the other cp−1
+    ranks; ring keeps the K/V blocks it received and each step's partial output and log-sum-exp (fp32), its
+    attention weights being recomputed; ulysses keeps its head-sharded whole-sequence q, k, v, the same bytes
+    as the local ones."""
+    cp = lay.cp
+    kv, c = m.kv_heads * m.head_dim, lay.compute
+    if cp == 1 or lay.cp_method == "ulysses":
+        return 0
+    received = c * 2 * kv * (cp - 1)
+    if lay.cp_method == "allgather":
+        return received
+    return received + FP32 * (m.dim + m.n_heads) * cp
+
+
+def checkpointed_block_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, tokens: int, mode: str) -> int:
+    """Saved bytes per block and rank under activation checkpointing. full: only the block's input (the
+    residual stream, sequence parallel under tp). selective (assumed policy: keep the outputs of every
+    matmul and of SDPA, recompute norms, RoPE and the activation function): the input plus q, k, v, SDPA's
+    output and logsumexp, and the outputs of wo, w1, w3 and w2."""
+    tp, h, c, r = lay.tp, m.dim, lay.compute, lay.residual
+    if mode == "full":
+        return tokens * r * h // tp
+    kv, f = m.kv_heads * m.head_dim, m.ffn_dim if not m.is_moe_layer(layer) else m.moe_top_k * m.expert_ffn_dim
+    return tokens * (r * h + c * (4 * h + 2 * kv + 2 * f) + FP32 * m.n_heads) // tp

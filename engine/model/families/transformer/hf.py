@@ -1,0 +1,442 @@
+"""How the transformer family corresponds to Hugging Face `transformers` architectures, both ways (torch-free:
+engine/checkpoint/hf_mapping.py and hf.py move the tensors).
+
+Forge's block is the Llama block: RMSNorm, RoPE in the rotate-half layout (so q/k weights need no
+permutation), grouped-query attention without biases, and a SwiGLU MLP. With `qk_norm` it is the Qwen3
+block instead (the same, plus an RMSNorm over each head's queries and keys before RoPE, with the model's
+norm eps). Anything else (LayerNorm, GeGLU/ReGLU) has no equivalent there and is refused, never exported
+under a name that would compute something different.
+
+Mixture-of-experts models map to the transformers MoE class whose routing is exactly Forge's (the logits
+tests prove each one):
+- `softmax_topk` router (top-k of the softmax, weights not renormalised), no shared experts:
+  Qwen3-MoE with qk_norm, Qwen2-MoE without (norm_topk_prob = false; MoE in every
+  `decoder_sparse_step` = moe_frequency-th block, like Forge). Qwen2-MoE always has a shared expert behind
+  a learned sigmoid gate; it is exported with width 0, so it adds exactly 0. Mixtral is not used: it
+  always renormalises the top-k weights, which Forge's router does not.
+- `sigmoid_topk` router (DeepSeek-V3 routing: top-k of sigmoid score + balancing bias, chosen scores
+  renormalised), with or without shared experts: GLM-4-MoE (Glm4MoeForCausalLM), which has DeepSeek-V3's
+  router and ungated shared experts (n_group = topk_group = 1, routed_scaling_factor = 1) with standard
+  GQA attention (optional qk norm, full rotary). DeepSeek-V3 itself is not used: its attention is MLA
+  (low-rank, normalised key/value compression, split RoPE), which cannot express standard attention.
+  GLM-4-MoE's dense blocks come first (first_k_dense_replace), so the MoE blocks must be the last ones.
+- `softmax_topk` with shared experts has no equivalent (Qwen2-MoE gates its shared expert by a learned
+  sigmoid; Forge adds it ungated) and is refused, as is a capacity limit that can drop tokens
+  (transformers never drops).
+
+Experts are written one tensor per expert and projection (`mlp.experts.{e}.gate_proj.weight`, …), the
+layout the Hub checkpoints of these models use and transformers' save_pretrained writes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from engine.config.model import ModelConfig
+from engine.errors import UserError
+from engine.model.spec import HFMapping, Piece
+
+LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
+QWEN2_MOE, QWEN3_MOE, GLM4_MOE = "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"
+MODEL_TYPES = {LLAMA: "llama", QWEN3: "qwen3", QWEN2_MOE: "qwen2_moe", QWEN3_MOE: "qwen3_moe", GLM4_MOE: "glm4_moe"}
+MOE_ARCHITECTURES = (QWEN2_MOE, QWEN3_MOE, GLM4_MOE)
+
+# Inside block i: Forge "layers.{i}.<key>" ↔ HF "model.layers.{i}.<value>".
+LAYER_NAMES = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+QK_NORM_NAMES = ("attention.q_norm.weight", "attention.k_norm.weight")
+DENSE_FFN_NAMES = ("feed_forward.w1.weight", "feed_forward.w3.weight", "feed_forward.w2.weight")
+# Forge expert / shared-expert projection ↔ HF projection.
+PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# The HF name of the shared expert module of an MoE block (Qwen3-MoE has none).
+SHARED = {QWEN2_MOE: "shared_expert", GLM4_MOE: "shared_experts"}
+OUTER_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Fields that decide what the weights compute; a model and an HF folder must agree on all of them.
+ARCHITECTURE_FIELDS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "kv_heads",
+    "vocab_size",
+    "ffn_dim",
+    "norm_type",
+    "norm_eps",
+    "activation",
+    "rope_theta",
+    "tie_embeddings",
+    "qk_norm",
+    "num_experts",
+    "moe_top_k",
+    "moe_frequency",
+    "moe_router",
+    "moe_shared_experts",
+    "expert_ffn_dim",
+)
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """The `transformers` class that computes exactly what `cfg` does, or a UserError naming the field."""
+    if cfg.norm_type != "rmsnorm":
+        raise UserError(
+            f"model.norm_type = {cfg.norm_type!r} has no equivalent in the transformers models Forge "
+            "exports to (Llama, Qwen3, Qwen2/3-MoE, GLM-4-MoE: they use RMSNorm)",
+            'only models trained with norm_type = "rmsnorm" export to Hugging Face',
+        )
+    if cfg.activation != "silu":
+        raise UserError(
+            f"model.activation = {cfg.activation!r} has no equivalent in the transformers models Forge "
+            "exports to (Llama, Qwen3, Qwen2/3-MoE, GLM-4-MoE: their MLPs are SwiGLU)",
+            'only models trained with activation = "silu" export to Hugging Face',
+        )
+    if cfg.is_moe:
+        return moe_architecture(cfg)
+    return QWEN3 if cfg.qk_norm else LLAMA
+
+
+def moe_architecture(cfg: ModelConfig) -> str:
+    """The MoE class whose routing is exactly `cfg`'s (see the module docstring), or a UserError naming the field."""
+    capacity = cfg.moe_capacity
+    if capacity is not None and capacity * cfg.moe_top_k < cfg.num_experts:
+        raise UserError(
+            f"model.moe_capacity_factor = {capacity}: Forge's forward drops routed assignments beyond an "
+            "expert's capacity, and no transformers MoE model drops any, so the export would compute "
+            "something else",
+            f"only a capacity factor >= num_experts / moe_top_k "
+            f"({cfg.num_experts / cfg.moe_top_k:g}), which never drops, or none exports",
+        )
+    if cfg.moe_router == "softmax_topk":
+        if cfg.moe_shared_experts:
+            raise UserError(
+                f'model.moe_shared_experts = {cfg.moe_shared_experts} with moe_router = "softmax_topk" '
+                "has no equivalent in transformers: Qwen2-MoE scales its shared expert by a learned "
+                "sigmoid gate, Forge adds it ungated",
+                "softmax_topk models export without shared experts; sigmoid_topk models (GLM-4-MoE) export with them",
+            )
+        return QWEN3_MOE if cfg.qk_norm else QWEN2_MOE
+    if cfg.num_experts < 2:
+        raise UserError(
+            f"model.num_experts = {cfg.num_experts}: GLM-4-MoE's sigmoid router needs at least 2 experts",
+            "sigmoid_topk models with 2 or more experts export to Hugging Face",
+        )
+    if first_dense_layers(cfg) is None:
+        raise UserError(
+            f"model.moe_frequency = {cfg.moe_frequency} with n_layers = {cfg.n_layers} interleaves dense "
+            "and MoE blocks, but GLM-4-MoE (the transformers model with Forge's sigmoid_topk routing) "
+            "only has its dense blocks first (first_k_dense_replace)",
+            "sigmoid_topk models export with moe_frequency = 1, or = n_layers (only the last block MoE)",
+        )
+    return GLM4_MOE
+
+
+def first_dense_layers(cfg: ModelConfig) -> int | None:
+    """k when the MoE blocks are exactly blocks k … n_layers-1 (GLM-4-MoE's first_k_dense_replace), else None."""
+    moe = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+    return moe[0] if moe and moe == list(range(moe[0], cfg.n_layers)) else None
+
+
+def hf_config(cfg: ModelConfig, dtype_name: str, eos_id: int | None, bos_id: int | None) -> dict[str, Any]:
+    """config.json for `cfg` with weights in `dtype_name` ("bfloat16", …), whose tokenizer ends documents with `eos_id` and starts texts with `bos_id`. RoPE's
+    base is written both the transformers 4 way (rope_theta) and the transformers 5 way (rope_parameters), so
+    either version reads the same model."""
+    architecture = hf_architecture(cfg)
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": MODEL_TYPES[architecture],
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": dtype_name,
+        "use_cache": True,
+    }
+    if architecture == LLAMA:
+        config["mlp_bias"] = False
+    elif architecture == GLM4_MOE:
+        config.update(moe_config(cfg, architecture))
+    else:
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+        if architecture in MOE_ARCHITECTURES:
+            config.update(moe_config(cfg, architecture))
+    # The token the exported tokenizer starts a text with (the end-of-text token Forge trains each document
+    # after); without an explicit value transformers would take its default start token, an arbitrary id here.
+    config["bos_token_id"] = bos_id
+    if eos_id is not None:
+        config["eos_token_id"] = eos_id
+    return config
+
+
+def moe_config(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
+    """The MoE part of config.json: Forge's routing in each architecture's terms."""
+    common = {
+        "num_experts_per_tok": cfg.moe_top_k,
+        "moe_intermediate_size": cfg.expert_ffn_dim,
+        "output_router_logits": False,
+    }
+    if architecture == GLM4_MOE:
+        return {
+            **common,
+            "n_routed_experts": cfg.num_experts,
+            "n_shared_experts": cfg.moe_shared_experts,
+            "first_k_dense_replace": first_dense_layers(cfg),
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0,
+            "use_qk_norm": cfg.qk_norm,
+            "partial_rotary_factor": 1.0,
+            "num_nextn_predict_layers": 0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0},
+        }
+    config = {
+        **common,
+        "num_experts": cfg.num_experts,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": cfg.moe_frequency,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": cfg.moe_aux_loss_weight,
+    }  # what their training would use; not inference
+    if architecture == QWEN2_MOE:
+        config.update(shared_expert_intermediate_size=0, qkv_bias=False)
+    return config
+
+
+def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
+    """The `[model]` section that computes what an HF config.json of one of the architectures above
+    describes; anything Forge's model cannot reproduce exactly (other architectures, biases, RoPE scaling,
+    other routing, ...) is a UserError."""
+    architecture = read_architecture(config, source)
+    refuse_unsupported(config, architecture, source)
+    heads = required(config, "num_attention_heads", source)
+    dim = required(config, "hidden_size", source)
+    head_dim = config.get("head_dim") or dim // heads
+    if head_dim * heads != dim:
+        raise UserError(
+            f"{source}: head_dim ({head_dim}) × num_attention_heads ({heads}) != hidden_size ({dim})",
+            "Forge's attention uses head_dim = hidden_size / num_attention_heads",
+        )
+    rope = config.get("rope_parameters") or {}
+    ffn_dim = required(config, "intermediate_size", source)
+    qk_norm = architecture in (QWEN3, QWEN3_MOE) or (architecture == GLM4_MOE and bool(config.get("use_qk_norm")))
+    moe = moe_fields_from_hf(config, architecture, ffn_dim, source) if architecture in MOE_ARCHITECTURES else {}
+    try:
+        cfg = ModelConfig(
+            dim=dim,
+            n_layers=required(config, "num_hidden_layers", source),
+            n_heads=heads,
+            n_kv_heads=config.get("num_key_value_heads") or heads,
+            vocab_size=required(config, "vocab_size", source),
+            ffn_hidden_dim=ffn_dim,
+            norm_type="rmsnorm",
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            activation="silu",
+            max_seq_len=config.get("max_position_embeddings", 2048),
+            rope_theta=config.get("rope_theta") or rope.get("rope_theta") or 10000.0,
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qk_norm=qk_norm,
+            init_std=config.get("initializer_range", 0.02),
+            **moe,
+        )
+    except ValidationError as e:
+        raise UserError(
+            f"{source}: its config.json does not describe a valid Forge model: {e.errors()[0]['msg']}",
+            "check config.json",
+        ) from None
+    if moe and cfg.expert_ffn_dim != config["moe_intermediate_size"]:
+        raise UserError(
+            f"{source}: moe_intermediate_size = {config['moe_intermediate_size']} is not "
+            f"round(intermediate_size × m) for any moe_expert_ffn_multiplier m Forge can represent",
+            "this expert width cannot be expressed in Forge's [model] section",
+        )
+    return cfg
+
+
+def moe_fields_from_hf(config: dict[str, Any], architecture: str, ffn_dim: int, source: str) -> dict[str, Any]:
+    """The MoE fields of the `[model]` section for a Qwen2-MoE/Qwen3-MoE/GLM-4-MoE config.json (whose
+    routing `refuse_unsupported` has checked is Forge's)."""
+    layers = required(config, "num_hidden_layers", source)
+    fields = {
+        "moe_top_k": required(config, "num_experts_per_tok", source),
+        "moe_expert_ffn_multiplier": required(config, "moe_intermediate_size", source) / ffn_dim,
+    }
+    if architecture != GLM4_MOE:
+        return {
+            **fields,
+            "num_experts": required(config, "num_experts", source),
+            "moe_router": "softmax_topk",
+            "moe_frequency": config.get("decoder_sparse_step", 1),
+        }
+    first_dense = config.get("first_k_dense_replace", 1)
+    if first_dense not in (0, layers - 1):
+        raise UserError(
+            f"{source}: first_k_dense_replace = {first_dense} gives {first_dense} dense blocks before "
+            f"{layers - first_dense} MoE blocks, which Forge's moe_frequency (MoE in every N-th block) "
+            "cannot express",
+            "only first_k_dense_replace = 0 or num_hidden_layers - 1 converts",
+        )
+    return {
+        **fields,
+        "num_experts": required(config, "n_routed_experts", source),
+        "moe_router": "sigmoid_topk",
+        "moe_shared_experts": config.get("n_shared_experts", 1),
+        "moe_frequency": 1 if first_dense == 0 else layers,
+    }
+
+
+def read_architecture(config: dict[str, Any], source: str) -> str:
+    """The architecture of MODEL_TYPES a config.json describes (the caller found it among them)."""
+    model_type = config.get("model_type")
+    named = config.get("architectures") or []
+    for architecture, expected_type in MODEL_TYPES.items():
+        if model_type == expected_type and (not named or architecture in named):
+            return architecture
+    what = f"model_type {model_type!r}" + (f" ({', '.join(map(str, named))})" if named else "")
+    readable = ", ".join(f'{name} (model_type "{kind}")' for name, kind in MODEL_TYPES.items())
+    raise UserError(f"{source} holds a {what} model, which Forge cannot load", f"Forge reads {readable} folders")
+
+
+def refuse_unsupported(config: dict[str, Any], architecture: str, source: str) -> None:
+    """Settings of those architectures that Forge's model does not implement."""
+    problems = []
+    if config.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act = {config['hidden_act']!r} (Forge's gated MLP here needs silu)")
+    for bias in ("attention_bias", "mlp_bias", "qkv_bias"):
+        if config.get(bias, architecture == QWEN2_MOE and bias == "qkv_bias"):  # Qwen2-MoE has q/k/v biases by default
+            problems.append(f"{bias} = true (Forge's projections have no bias)")
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        problems.append(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} (Forge implements plain RoPE)")
+    if architecture != LLAMA and config.get("use_sliding_window"):
+        problems.append("use_sliding_window = true (Forge attends over the whole context)")
+    if architecture in MOE_ARCHITECTURES:
+        problems += moe_problems(config, architecture)
+    if problems:
+        raise UserError(
+            f"{source}: config.json asks for what Forge's model does not implement: {'; '.join(problems)}",
+            "only configurations Forge computes exactly convert; nothing was written",
+        )
+
+
+def moe_problems(config: dict[str, Any], architecture: str) -> list[str]:
+    """Routing settings of the MoE architectures that differ from Forge's routers."""
+    problems = []
+    if architecture == GLM4_MOE:
+        if not config.get("norm_topk_prob", True):
+            problems.append("norm_topk_prob = false (Forge's sigmoid_topk router renormalises the top-k scores)")
+        for key, wanted in (
+            ("n_group", 1),
+            ("topk_group", 1),
+            ("routed_scaling_factor", 1.0),
+            ("num_nextn_predict_layers", 0),
+        ):
+            if config.get(key, wanted) != wanted:
+                problems.append(f"{key} = {config[key]} (Forge's sigmoid_topk router is the case {key} = {wanted})")
+        rope = config.get("rope_parameters") or {}
+        rotary = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5))  # GLM's default: 0.5
+        if rotary != 1.0:
+            problems.append(f"partial_rotary_factor = {rotary} (Forge rotates the whole head)")
+        return problems
+    if config.get("norm_topk_prob"):
+        problems.append("norm_topk_prob = true (Forge's softmax_topk router does not renormalise the top-k weights)")
+    if config.get("mlp_only_layers"):
+        problems.append(
+            f"mlp_only_layers = {config['mlp_only_layers']} (Forge places MoE blocks by moe_frequency only)"
+        )
+    if architecture == QWEN2_MOE and config.get("shared_expert_intermediate_size", 1):
+        problems.append(
+            f"shared_expert_intermediate_size = {config.get('shared_expert_intermediate_size')} (Qwen2-MoE "
+            "gates its shared expert by a learned sigmoid; Forge's shared experts are ungated)"
+        )
+    return problems
+
+
+def required(config: dict[str, Any], key: str, source: str) -> Any:
+    if key not in config:
+        raise UserError(f"{source}: config.json has no {key!r}", "pass a complete Hugging Face model folder")
+    return config[key]
+
+
+def hf_layout(cfg: ModelConfig) -> dict[str, Piece]:
+    """HF tensor name → how to make it from the Forge state dict, for every tensor an HF folder of `cfg`
+    stores, in model order. A tied head is stored once, as the embedding (transformers ties lm_head to it
+    on load)."""
+    architecture = hf_architecture(cfg)
+    layout = {OUTER_NAMES["tok_embeddings.weight"]: Piece("tok_embeddings.weight")}
+    for i in range(cfg.n_layers):
+        for ours, theirs in LAYER_NAMES.items():
+            if (ours in QK_NORM_NAMES and not cfg.qk_norm) or (ours in DENSE_FFN_NAMES and cfg.is_moe_layer(i)):
+                continue
+            layout[f"model.layers.{i}.{theirs}"] = Piece(f"layers.{i}.{ours}")
+        if cfg.is_moe_layer(i):
+            layout.update(moe_layout(cfg, architecture, i))
+    layout[OUTER_NAMES["norm.weight"]] = Piece("norm.weight")
+    if not cfg.tie_embeddings:
+        layout[OUTER_NAMES["output.weight"]] = Piece("output.weight")
+    return layout
+
+
+def moe_layout(cfg: ModelConfig, architecture: str, layer: int) -> dict[str, Piece]:
+    """The HF tensors of MoE block `layer`: router, routing bias (sigmoid_topk), experts, shared experts."""
+    ours, theirs = f"layers.{layer}.feed_forward", f"model.layers.{layer}.mlp"
+    layout = {f"{theirs}.gate.weight": Piece(f"{ours}.router.gate.weight")}
+    if cfg.moe_router == "sigmoid_topk":
+        layout[f"{theirs}.gate.e_score_correction_bias"] = Piece(f"{ours}.router.bias", fp32=True)
+    for e in range(cfg.num_experts):
+        for w, proj in PROJECTIONS.items():
+            source = f"{ours}.experts.{w}" if cfg.moe_packed_experts else f"{ours}.experts.{e}.{w}"
+            layout[f"{theirs}.experts.{e}.{proj}.weight"] = Piece(
+                source, expert=e if cfg.moe_packed_experts else None, transpose=True
+            )
+    if architecture in SHARED:
+        shared = f"{theirs}.{SHARED[architecture]}"
+        for w, proj in PROJECTIONS.items():
+            empty = (cfg.dim, 0) if w == "w2" else (0, cfg.dim)
+            layout[f"{shared}.{proj}.weight"] = (
+                Piece(f"{ours}.shared.{w}.weight") if cfg.moe_shared_experts else Piece(None, shape=empty)
+            )
+        if architecture == QWEN2_MOE:  # gates a zero-width expert: its value cannot matter
+            layout[f"{theirs}.shared_expert_gate.weight"] = Piece(None, shape=(1, cfg.dim))
+    return layout
+
+
+MAPPING = HFMapping(
+    model_types=MODEL_TYPES,
+    architecture=hf_architecture,
+    config=hf_config,
+    model_config=model_config_from_hf,
+    layout=hf_layout,
+    architecture_fields=ARCHITECTURE_FIELDS,
+    # A sigmoid router's balancing state: imported as no update pending, none made.
+    unstored_state=("router.pending_load", "router.updates"),
+    ignored_suffixes=("rotary_emb.inv_freq",),  # buffers some older Llama checkpoints store, derived from the config
+    tied_head=OUTER_NAMES["output.weight"],
+)

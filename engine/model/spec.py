@@ -1,0 +1,228 @@
+"""What a model family tells the rest of Forge, as data and small functions, without torch.
+
+A family is one folder under `engine/model/families/` whose `__init__.py` builds one `ModelSpec` and registers
+it under its `model_type` (`MODELS.register(NAME)(SPEC)`). Everything outside the folder reads the spec, never
+the family by name: the analytic counts (`engine/model/estimate.py`) and the memory estimate
+(`engine/parallel/memory.py`) call its functions; tensor parallelism (`engine/parallel/tp.py`) turns its plan
+of `TPStyle`s into DTensor styles, so the model code never meets sharding code; pipeline parallelism
+(`engine/parallel/pipeline.py`) cuts the model where `ModelParts` says; `forge convert`
+(`engine/checkpoint/hf_mapping.py`) reads `HFMapping`. This module and the spec's functions stay torch-free
+(`forge validate-config` reads them); only `build` imports the family's torch module, when a model is built.
+
+What a family must keep so that the layouts apply to it: the model holds its `[model]` section as `cfg`
+(the layouts find the spec through it); parameter names that say their owner (the blocks
+under `ModelParts.blocks`, a ModuleDict keyed "0", "1", …, each block's parameters named
+`{blocks}.{i}.…`); the modules of `ModelParts.first` (embeddings) and `ModelParts.last` (final norm, head)
+may be set to None on a pipeline stage that does not own them, and the forward then takes or returns
+hidden states [batch, seq, dim].
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from engine.config.model import ModelConfig
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter tensor of the model: its name in `named_parameters()`, full shape, owner ("embedding"
+    (held by the first pipeline stage), "head" or "norm" (the last stage's), or the block index), the
+    dimension tensor parallelism shards (None = replicated over tp), and whether expert parallelism splits
+    its dim 0 (packed experts [experts, …])."""
+
+    name: str
+    shape: tuple[int, ...]
+    owner: str | int
+    tp_dim: int | None = None
+    expert_parallel: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def kind(self) -> str:
+        """ "hidden_matrix" for a 2-D weight inside a block (what Muon orthogonalizes, as
+        engine.train.optim.groups.hidden_matrices picks them), else "other": optimizers whose state
+        differs by kind say so in their `OptimizerState`."""
+        return "hidden_matrix" if isinstance(self.owner, int) and len(self.shape) == 2 else "other"
+
+
+@dataclass(frozen=True)
+class ActivationLayout:
+    """What the saved activations of a block depend on besides the model, as the memory estimate works it
+    out from the job (engine/parallel/memory.py): bytes per element of matmul inputs/outputs (`compute`) and
+    of the residual stream (`residual`: fp32 under autocast, the compute dtype under FSDP), whether autocast
+    casts each projection's input separately (`casts`), the tensor and context parallel degrees, the
+    context-parallel method and the sequence length of a micro-batch."""
+
+    compute: int
+    residual: int
+    casts: bool
+    tp: int
+    cp: int
+    cp_method: str
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class TPStyle:
+    """How tensor parallelism treats one module, as data (engine/parallel/tp.py makes the DTensor style):
+
+    - "colwise": a linear sharded by output features (rows of its weight);
+    - "rowwise": a linear sharded by input features, its output reduce-scattered to the sequence-sharded
+      residual stream; "rowwise_replicate": the same, its output all-reduced to the full tokens;
+    - "sequence_parallel": a norm applied to this rank's positions (weight replicated);
+    - "head_sharded_norm": a norm over head_dim of head-sharded q or k [batch, seq, heads, head_dim];
+    - "gather_sequence": the module's first of `inputs` positional inputs all-gathered over the sequence
+      (the others pass through);
+    - "vocab_embedding": a token embedding with vocabulary-sharded rows, its output reduce-scattered over
+      the sequence;
+    - "vocab_head": the output head, sharded over the vocabulary (loss parallel keeps the logits sharded);
+    - "full_tokens": a module (an MoE layer) run on the whole sequence on every rank: input gathered,
+      output cut back to this rank's positions;
+    - "replicated_router": a router whose weight is replicated and used as a local tensor.
+    """
+
+    kind: str
+    inputs: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in TP_KINDS:
+            raise ValueError(f"unknown tensor-parallel style {self.kind!r} (known: {', '.join(TP_KINDS)})")
+
+
+TP_KINDS = (
+    "colwise",
+    "rowwise",
+    "rowwise_replicate",
+    "sequence_parallel",
+    "head_sharded_norm",
+    "gather_sequence",
+    "vocab_embedding",
+    "vocab_head",
+    "full_tokens",
+    "replicated_router",
+)
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """Tensor parallelism of a family: `outer` (module name → style, for the modules outside the blocks; a
+    pipeline stage skips those it does not hold), `block(cfg, layer)` (module name inside block `layer` →
+    style, applied in order) and `tied` (a (head, embedding) pair whose head weight is pointed at the
+    embedding's sharded weight again after the plan, when the config ties them)."""
+
+    outer: dict[str, TPStyle]
+    block: Callable[[ModelConfig, int], dict[str, TPStyle]]
+    tied: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """Where pipeline parallelism cuts the model: `blocks` (the ModuleDict of blocks, split by
+    engine/parallel/stages.py), the modules only the first stage holds (`first`) and only the last (`last`),
+    and with tied embeddings the (embedding, head) pair each end keeps a copy of."""
+
+    blocks: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    tied: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """How one HF tensor is made from the Forge state dict: the tensor `source` (a Forge FQN), or one expert
+    of it (`expert`, for packed experts), transposed (Forge stores expert weights input-major, HF as
+    nn.Linear [out, in]); or, when source is None, zeros of `shape` (a tensor the HF model must hold and
+    Forge's has no counterpart of, such as a zero-width expert). `fp32` tensors are written in fp32 whatever
+    the export dtype (a routing bias, which transformers keeps in fp32)."""
+
+    source: str | None
+    expert: int | None = None
+    transpose: bool = False
+    shape: tuple[int, ...] = ()
+    fp32: bool = False
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """A family's correspondence with Hugging Face `transformers` models, both ways.
+
+    - `model_types`: HF architecture class → its config.json `model_type`, for every class it reads or writes;
+    - `architecture(cfg)`: the class that computes exactly what `cfg` does, or a UserError naming the field;
+    - `config(cfg, dtype_name, eos_id, bos_id)`: that class's config.json (dtype_name e.g. "bfloat16");
+    - `model_config(config_json, source)`: the `[model]` section of a config.json of one of `model_types`;
+    - `layout(cfg)`: HF tensor name → `Piece`, every tensor an HF folder of `cfg` stores, in model order;
+    - `architecture_fields`: the ModelConfig fields a checkpoint and an HF folder must agree on;
+    - `unstored_state`: name suffixes of Forge state entries HF folders do not hold (training state, such as
+      a router's balancing counters), set to zeros on import;
+    - `ignored_suffixes`: HF tensors some folders store that are derived, not learned (skipped on import);
+    - `tied_head`: the HF name of the head, which a folder of a tied model may store besides the embedding
+      (skipped on import: the embedding is the head).
+    """
+
+    model_types: dict[str, str]
+    architecture: Callable[[ModelConfig], str]
+    config: Callable[[ModelConfig, str, int | None, int | None], dict[str, Any]]
+    model_config: Callable[[dict[str, Any], str], ModelConfig]
+    layout: Callable[[ModelConfig], dict[str, Piece]]
+    architecture_fields: tuple[str, ...]
+    unstored_state: tuple[str, ...] = ()
+    ignored_suffixes: tuple[str, ...] = ()
+    tied_head: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the trainer, the layouts, the estimates and conversion need of one model family.
+
+    - `build`: "module:attribute" of the nn.Module class (or function) taking a ModelConfig, imported when a
+      model is built (so that registering stays torch-free), or that class itself;
+    - `param_specs(cfg)`: every parameter tensor, in registration order (a tied head is the embedding's);
+    - `param_counts(cfg)`: embedding, output_head, blocks, non_embedding, total, active (see estimate.py);
+    - `flops_per_token(cfg, seq_len)`: training (forward + backward) FLOPs of one token;
+    - `block_activation_bytes(cfg, layout, layer, tokens)`: what autograd saves for block `layer` over
+      `tokens` tokens on one rank, without activation checkpointing; `checkpointed_block_bytes` the same
+      with activation checkpointing (`mode` "full" or "selective");
+    - `norm_bytes(cfg, layout)`: saved per token by one of its norms (the final norm's, before the head);
+    - `position_table_width(cfg)`: width of the per-position tables (RoPE's cos and sin) that packed
+      documents give every sequence its own copy of; 0 for a family without such tables;
+    - `parts`, `tp_plan`: pipeline cut points and tensor-parallel plan; `hf`: conversion, None when the
+      family has no Hugging Face counterpart.
+    """
+
+    build: str | Callable[[ModelConfig], nn.Module]
+    param_specs: Callable[[ModelConfig], list[ParamSpec]]
+    param_counts: Callable[[ModelConfig], dict[str, int]]
+    flops_per_token: Callable[[ModelConfig, int], int]
+    block_activation_bytes: Callable[[ModelConfig, ActivationLayout, int, int], int]
+    checkpointed_block_bytes: Callable[[ModelConfig, ActivationLayout, int, int, str], int]
+    norm_bytes: Callable[[ModelConfig, ActivationLayout], int]
+    position_table_width: Callable[[ModelConfig], int]
+    parts: ModelParts
+    tp_plan: TPPlan
+    hf: HFMapping | None = None
+
+    def model_class(self) -> Callable[[ModelConfig], nn.Module]:
+        """The builder named by `build`, imported now (this imports torch)."""
+        if callable(self.build):
+            return self.build
+        module, _, attribute = self.build.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+def spec_for(cfg: ModelConfig) -> ModelSpec:
+    """The registered spec of `cfg.model_type` (every family registers when engine.model is imported)."""
+    from engine.config.registry import MODELS
+    from engine.model import families  # noqa: F401  (registers the families)
+
+    return MODELS.get(cfg.model_type)
