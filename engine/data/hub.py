@@ -132,6 +132,10 @@ class HubSource:
     def position(self, doc: Document) -> int:
         return doc.consumed
 
+    def start_at(self, position: int) -> tuple[int, int]:
+        """Row `position`: the rows before it end at or before it (a row's position is its index + 1)."""
+        return 0, position
+
     def __str__(self) -> str:
         config = f" ({self.config})" if self.config else ""
         split = f" split {self.split!r}" if self.split is not None else ""

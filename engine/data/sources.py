@@ -8,6 +8,7 @@ exactly the documents that are already tokenized.
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -219,3 +220,7 @@ class FileSource:
 
     def position(self, doc: Document) -> int:
         return self.offsets[doc.file] + doc.consumed
+
+    def start_at(self, position: int) -> tuple[int, int]:
+        """The first file that holds input past `position`: the files before it end at or before it."""
+        return bisect.bisect_right(self.offsets, position) - 1, 0

@@ -30,6 +30,7 @@ import numpy as np
 from engine.data import DEFAULT_SHARD_TOKENS
 from engine.data.hub import PREFIX as HUB_PREFIX
 from engine.data.hub import HubSource, is_hub_input
+from engine.data.parts import Part, PartSource, part_record
 from engine.data.shards import (
     MANIFEST,
     SHARD_GLOB,
@@ -63,6 +64,7 @@ class Source(Protocol):
     def describe(self) -> list[str]: ...
     def documents(self, text_field: str, start: tuple[int, int] = (0, 0)) -> Iterator[Document]: ...
     def position(self, doc: Document) -> int: ...
+    def start_at(self, position: int) -> tuple[int, int]: ...  # a start before every document past `position`
 
 
 @dataclass(frozen=True)
@@ -158,10 +160,11 @@ def check_request(
     train_vocab_size: int | None = None,
     eos_token: str | None = None,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    part: Part | None = None,
 ) -> None:
     """The checks of `tokenize` that need no input, for a caller to run before opening a source that may
     download for hours: the options, the tokenizer file and its EOS token, and the output directory."""
-    check_options(tokenizer, train_vocab_size, shard_tokens)
+    check_options(tokenizer, train_vocab_size, shard_tokens, part)
     if tokenizer is not None:
         Encoder.from_file(tokenizer, eos_token)
     check_out_dir(out_dir)
@@ -177,15 +180,20 @@ def tokenize(
     text_field: str = "text",
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     progress: ProgressFn | None = None,
+    part: Part | None = None,
 ) -> TokenizeReport:
     """Tokenize `source` into `out_dir` with `tokenizer` (a tokenizer.json) or a byte-level BPE of
-    `train_vocab_size` trained on the source. Options, inputs, the text field (of each file's first record,
-    of a dataset's columns) and the tokenizer are checked before anything is written; a bad record found
-    later removes the output."""
+    `train_vocab_size` trained on the source; with `part`, only that part of it (`engine.data.parts`).
+    Options, inputs, the text field (of each file's first record, of a dataset's columns) and the tokenizer
+    are checked before anything is written; a bad record found later removes the output."""
     started = time.perf_counter()
-    check_options(tokenizer, train_vocab_size, shard_tokens)
+    check_options(tokenizer, train_vocab_size, shard_tokens, part)
     source.check(text_field)
     encoder = Encoder.from_file(tokenizer, eos_token) if tokenizer is not None else None
+    record = {}
+    if part is not None:
+        record["part"] = part_record(part, run_key(source, text_field, shard_tokens, encoder, None, eos_token))
+        source = PartSource(source, part)
     key = run_key(source, text_field, shard_tokens, encoder, train_vocab_size, eos_token)
     finished = finished_output(out_dir, key)
     if finished is not None:
@@ -194,7 +202,7 @@ def tokenize(
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         manifest, reused = Run(out_dir, source, text_field, shard_tokens, progress or (lambda p: None)).execute(
-            key, encoder, train_vocab_size, eos_token or DEFAULT_EOS
+            key, encoder, train_vocab_size, eos_token or DEFAULT_EOS, record
         )
     except DataError:
         remove_outputs(out_dir, remove_dir=created)
@@ -202,7 +210,9 @@ def tokenize(
     return TokenizeReport(out_dir, manifest, reused, False, time.perf_counter() - started)
 
 
-def check_options(tokenizer: Path | None, train_vocab_size: int | None, shard_tokens: int) -> None:
+def check_options(
+    tokenizer: Path | None, train_vocab_size: int | None, shard_tokens: int, part: Part | None = None
+) -> None:
     if (tokenizer is None) == (train_vocab_size is None):
         both = tokenizer is not None
         raise DataError(
@@ -213,6 +223,12 @@ def check_options(tokenizer: Path | None, train_vocab_size: int | None, shard_to
         check_vocab_size(train_vocab_size)
     if shard_tokens <= 0:
         raise DataError(f"--shard-tokens must be positive, got {shard_tokens}", "e.g. --shard-tokens 50000000")
+    if part is not None and train_vocab_size is not None:
+        raise DataError(
+            "--train-tokenizer cannot be used with --num-shards: each part would train its own tokenizer",
+            "train one first (forge tokenize SAMPLE --train-tokenizer --vocab-size N --out DIR), then pass "
+            "--tokenizer DIR/tokenizer.json to every part",
+        )
 
 
 def run_key(
@@ -303,7 +319,7 @@ class Run:
         self.shard_tokens, self.progress = shard_tokens, progress
 
     def execute(
-        self, key: str, encoder: Encoder | None, train_vocab_size: int | None, eos_token: str
+        self, key: str, encoder: Encoder | None, train_vocab_size: int | None, eos_token: str, record: dict
     ) -> tuple[Manifest, int]:
         state = self.resumable_state(key)
         encoder = encoder or self.trained_encoder(state, train_vocab_size, eos_token)
@@ -318,7 +334,7 @@ class Run:
             raise DataError(
                 "no documents found: every document in the inputs is empty", "check the inputs and --text-field"
             )
-        source = {"key": key, "text_field": self.text_field, "inputs": self.source.describe()}
+        source = {"key": key, "text_field": self.text_field, "inputs": self.source.describe(), **record}
         manifest = manifest_of(encoder, state.shards, source)
         write_manifest(self.out_dir, manifest)
         (self.out_dir / STATE).unlink()
