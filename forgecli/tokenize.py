@@ -31,8 +31,9 @@ def tokenize(
         show_default=False,
         help=(
             ".txt files (one document each), .jsonl files (one document per line), .parquet files (one per row), "
-            "or directories searched recursively for them; or one Hugging Face dataset as hf:NAME (a Hub id, a local "
-            "folder of data files, or a save_to_disk folder), one document per row."
+            "or directories searched recursively for them; or such files and folders as URLs (s3://, gs://, https://, "
+            "streamed; credentials from the store's usual environment); or one Hugging Face dataset as hf:NAME (a Hub "
+            "id, a local folder of data files, or a save_to_disk folder), one document per row."
         ),
     ),
     out: Path = typer.Option(
@@ -96,6 +97,8 @@ def tokenize(
       forge tokenize corpus/ --tokenizer tok.json --num-shards 8 --shard-index 3 --out data/parts/part-00003
 
       forge tokenize merge data/parts/part-* --out data/corpus   (joins the parts into one data set)
+
+      forge tokenize s3://my-bucket/corpus/ --tokenizer tok.json --out data/corpus
 
     """
     from engine.data.parts import part_of

@@ -145,7 +145,7 @@ def open_source(
                 f"{', '.join(given)} {verb} only to a Hugging Face dataset input (hf:NAME)",
                 f"name the dataset as hf:NAME (e.g. hf:HuggingFaceFW/fineweb-edu), or drop {them}",
             )
-        return FileSource([Path(text) for text in inputs])
+        return FileSource(list(inputs))
     if len(inputs) > 1:
         raise DataError(
             f"{hub[0]} must be the only input (got {len(inputs)})",
