@@ -28,10 +28,6 @@ READ_BATCH_ROWS = 1024
 DEFAULT_SPLIT = "train"
 
 
-def is_hub_input(text: str) -> bool:
-    return text.startswith(PREFIX)
-
-
 class HubSource:
     """One split of a Hugging Face dataset; progress is counted in rows (unknown total for some streams)."""
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from engine.data import DEFAULT_SHARD_TOKENS
 from engine.data.hub import PREFIX as HUB_PREFIX
-from engine.data.hub import HubSource, is_hub_input
+from engine.data.hub import HubSource
 from engine.data.parts import Part, PartSource, part_record
 from engine.data.shards import (
     MANIFEST,
@@ -117,6 +117,54 @@ def tokenize_files(inputs: Sequence[Path], out_dir: Path, **options: Any) -> Tok
     return tokenize(FileSource(inputs), out_dir, **options)
 
 
+@dataclass(frozen=True)
+class DatasetOptions:
+    """The command-line options that shape a dataset input (configuration, split, streaming, revision)."""
+
+    config: str | None = None
+    split: str | None = None
+    streaming: bool = False
+    revision: str | None = None
+
+    def given(self) -> list[str]:
+        flags = {"--hf-config": self.config, "--split": self.split, "--streaming": self.streaming}
+        return [flag for flag, value in {**flags, "--revision": self.revision}.items() if value]
+
+
+@dataclass(frozen=True)
+class InputKind:
+    """A kind of input named as `SCHEME:NAME` on the command line, opened as one source of its own. Whatever no
+    kind claims is files: local paths, or fsspec URLs (`s3://…`, which `engine.data.sources` reads)."""
+
+    scheme: str
+    describe: str  # for messages, e.g. "a Hugging Face dataset input (hf:NAME)"
+    example: str
+    open: Callable[[str, DatasetOptions], Source]  # NAME and the dataset options → the source
+
+
+INPUT_KINDS: dict[str, InputKind] = {}
+
+
+def register_input_kind(kind: InputKind) -> None:
+    INPUT_KINDS[kind.scheme] = kind
+
+
+register_input_kind(
+    InputKind(
+        HUB_PREFIX.rstrip(":"),
+        "a Hugging Face dataset input (hf:NAME)",
+        "hf:HuggingFaceFW/fineweb-edu",
+        lambda name, o: HubSource(name, o.config, o.split, o.streaming, o.revision),
+    )
+)
+
+
+def kind_of(text: str) -> InputKind | None:
+    """The registered kind `text` names by its scheme (`hf:NAME`; a URL's `scheme://` is fsspec's), if any."""
+    scheme, sep, rest = text.partition(":")
+    return INPUT_KINDS.get(scheme) if sep and not rest.startswith("//") else None
+
+
 def open_source(
     inputs: Sequence[str],
     hf_config: str | None = None,
@@ -124,34 +172,28 @@ def open_source(
     streaming: bool = False,
     revision: str | None = None,
 ) -> Source:
-    """The source the command line names: files and directories, or one `hf:NAME` dataset, whose options
-    (configuration, split, streaming, revision) apply to it alone. A dataset is opened (and, when not
-    streamed, downloaded) here, before any progress display starts."""
-    hub = [text for text in inputs if is_hub_input(text)]
-    if not hub:
-        given = [
-            flag
-            for flag, value in (
-                ("--hf-config", hf_config),
-                ("--split", split),
-                ("--streaming", streaming),
-                ("--revision", revision),
-            )
-            if value
-        ]
+    """The source the command line names: files, directories and URLs, or one input of a registered kind
+    (`hf:NAME`), whose options (configuration, split, streaming, revision) apply to it alone. A dataset is
+    opened (and, when not streamed, downloaded) here, before any progress display starts."""
+    options = DatasetOptions(hf_config, split, streaming, revision)
+    claimed = [(text, kind) for text in inputs if (kind := kind_of(text)) is not None]
+    if not claimed:
+        given = options.given()
         if given:
             verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
+            kinds = " or ".join(k.describe for k in INPUT_KINDS.values())
+            examples = ", ".join(k.example for k in INPUT_KINDS.values())
             raise DataError(
-                f"{', '.join(given)} {verb} only to a Hugging Face dataset input (hf:NAME)",
-                f"name the dataset as hf:NAME (e.g. hf:HuggingFaceFW/fineweb-edu), or drop {them}",
+                f"{', '.join(given)} {verb} only to {kinds}", f"name the dataset (e.g. {examples}), or drop {them}"
             )
         return FileSource(list(inputs))
     if len(inputs) > 1:
         raise DataError(
-            f"{hub[0]} must be the only input (got {len(inputs)})",
+            f"{claimed[0][0]} must be the only input (got {len(inputs)})",
             "tokenize the dataset and the files into separate directories",
         )
-    return HubSource(hub[0][len(HUB_PREFIX) :], hf_config, split, streaming, revision)
+    text, kind = claimed[0]
+    return kind.open(text[len(kind.scheme) + 1 :], options)
 
 
 def check_request(
