@@ -36,7 +36,7 @@ EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
 app.command("train", cls=OverrideCommand, context_settings=EXTRA_ARGS)(train.train)
 app.command("resume", cls=OverrideCommand, context_settings=EXTRA_ARGS)(resume.resume)
 app.command("validate-config", cls=OverrideCommand, context_settings=EXTRA_ARGS)(validate_config.validate_config)
-app.command("tokenize")(tokenize.tokenize)
+app.command("tokenize", cls=tokenize.WithMerge)(tokenize.tokenize)
 app.command("doctor")(doctor.doctor)
 app.add_typer(convert.app, name="convert")
 app.add_typer(checkpoint.app, name="checkpoint")

@@ -10,13 +10,14 @@ from typing import Annotated
 
 import typer
 
+from engine.data import DEFAULT_SHARD_TOKENS
 from forgecli.completion import OverrideCommand, complete_preset
 from forgecli.overrides import collect_overrides
 from forgecli.ui import console, print_json, user_errors
 
 app = typer.Typer(
     name="slurm",
-    help="Submit training to SLURM (preemption-safe, sweeps, chains) and follow, stop jobs across requeues.",
+    help="Submit training to SLURM (preemption-safe, sweeps, chains) and follow, stop jobs across requeues; tokenize on many nodes.",
     no_args_is_help=True,
     rich_markup_mode="rich",
 )
@@ -136,6 +137,88 @@ def submit(
         say(
             f"follow: forge slurm status {target}   forge slurm logs {target} -f   forge slurm cancel {target} --graceful"
         )
+
+
+@app.command("tokenize")
+@user_errors
+def tokenize(
+    inputs: list[str] = typer.Argument(
+        ..., metavar="INPUT", show_default=False, help="What forge tokenize reads: files, directories, or hf:NAME."
+    ),
+    out: Path = typer.Option(..., "--out", "-o", help="New directory for the merged data set."),
+    num_shards: int = typer.Option(..., "--num-shards", min=1, help="Parts: array tasks, one machine each."),
+    tokenizer: Path = typer.Option(..., "--tokenizer", help="The tokenizer.json every part encodes with."),
+    eos_token: str | None = typer.Option(None, "--eos-token", help="As for forge tokenize."),
+    text_field: str = typer.Option("text", "--text-field", help="As for forge tokenize."),
+    shard_tokens: int = typer.Option(DEFAULT_SHARD_TOKENS, "--shard-tokens", help="Tokens per shard of each part."),
+    hf_config: str | None = typer.Option(None, "--hf-config", help="hf:NAME only, as for forge tokenize."),
+    split: str | None = typer.Option(None, "--split", help="hf:NAME only, as for forge tokenize."),
+    revision: str | None = typer.Option(None, "--revision", help="hf:NAME only, as for forge tokenize."),
+    parts: Path | None = typer.Option(
+        None, "--parts", help="Directory of the parts and the jobs' scripts and logs. Default: OUT.parts beside OUT."
+    ),
+    cpus_per_task: int = typer.Option(1, "--cpus-per-task", min=1, help="CPU cores per part (the encoder's threads)."),
+    time_limit: str | None = typer.Option(None, "--time", help="Time limit of each job, e.g. 12:00:00."),
+    partition: str | None = typer.Option(None, "--partition"),
+    account: str | None = typer.Option(None, "--account"),
+    qos: str | None = typer.Option(None, "--qos"),
+    job_name: str | None = typer.Option(None, "--job-name", help="Default: tokenize-<OUT's name>."),
+    sbatch_arg: list[str] = typer.Option([], "--sbatch-arg", help="Extra sbatch option, passed through (repeatable)."),
+    template: Path | None = typer.Option(
+        None, "--template", help="sbatch template (Jinja2). Default: templates/slurm_tokenize.sbatch."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check and print both scripts; submit nothing."),
+    as_json: bool = typer.Option(False, "--json", help="Print the job ids and directories as JSON."),
+) -> None:
+    """Tokenize on many machines: the parts as one array job, then one job that merges them into OUT.
+
+    [bold]Examples[/bold]
+
+      forge slurm tokenize corpus/ --tokenizer tok.json --num-shards 16 --cpus-per-task 32 --out data/corpus
+
+      forge slurm tokenize corpus/ --tokenizer tok.json --num-shards 4 --out data/corpus --dry-run
+    """
+    from engine.slurm.tokenize import TEMPLATE, TokenizeJob, prepare
+    from engine.slurm.tokenize import submit as submit_tokenize
+
+    job = TokenizeJob(
+        inputs=inputs,
+        out=out.resolve(),
+        count=num_shards,
+        tokenizer=tokenizer.resolve(),
+        eos_token=eos_token,
+        text_field=text_field,
+        shard_tokens=shard_tokens,
+        hf_config=hf_config,
+        split=split,
+        revision=revision,
+        parts=parts.resolve() if parts else None,
+        cpus_per_task=cpus_per_task,
+        time=time_limit,
+        partition=partition,
+        account=account,
+        qos=qos,
+        job_name=job_name,
+        sbatch_args=sbatch_arg,
+    )
+    scripts = prepare(job, template or TEMPLATE)
+    if dry_run:
+        sys.stdout.write(scripts.dry_run_text())
+        return
+    array, merge = submit_tokenize(scripts)
+    if as_json:
+        print_json(
+            {
+                "array_job": array,
+                "merge_job": merge,
+                "parts": str(job.parts_dir),
+                "out": str(job.out),
+                "count": num_shards,
+            }
+        )
+        return
+    say(f"submitted array job {array} ({num_shards} parts into {job.parts_dir}) and merge job {merge} (after it)")
+    say(f"logs: {scripts.directory}   data set when done: {job.out}")
 
 
 @app.command("status")

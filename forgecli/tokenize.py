@@ -7,11 +7,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from typer.core import TyperCommand
 
 from engine.data import DEFAULT_SHARD_TOKENS
 from forgecli.ui import LiveBar, PlainLines, console, err_console, print_json, user_errors
@@ -29,8 +31,9 @@ def tokenize(
         show_default=False,
         help=(
             ".txt files (one document each), .jsonl files (one document per line), .parquet files (one per row), "
-            "or directories searched recursively for them; or one Hugging Face dataset as hf:NAME (a Hub id, a local "
-            "folder of data files, or a save_to_disk folder), one document per row."
+            "or directories searched recursively for them; or such files and folders as URLs (s3://, gs://, https://, "
+            "streamed; credentials from the store's usual environment); or one Hugging Face dataset as hf:NAME (a Hub "
+            "id, a local folder of data files, or a save_to_disk folder), one document per row."
         ),
     ),
     out: Path = typer.Option(
@@ -67,6 +70,12 @@ def tokenize(
         help=("hf:NAME only: read rows as they are tokenized instead of downloading the split first."),
     ),
     revision: str | None = typer.Option(None, "--revision", help="hf:NAME only: a Hub branch, tag or commit."),
+    num_shards: int | None = typer.Option(
+        None,
+        "--num-shards",
+        help="Tokenize only part --shard-index of this many (for many machines; join them with forge tokenize merge).",
+    ),
+    shard_index: int | None = typer.Option(None, "--shard-index", help="Which part, from 0 (with --num-shards)."),
     as_json: bool = typer.Option(
         False, "--json", help="Print the result (manifest included) as JSON; progress goes to stderr."
     ),
@@ -85,12 +94,20 @@ def tokenize(
 
       forge tokenize hf:HuggingFaceFW/fineweb-edu --hf-config sample-10BT --streaming --tokenizer tok.json --out data/fw
 
+      forge tokenize corpus/ --tokenizer tok.json --num-shards 8 --shard-index 3 --out data/parts/part-00003
+
+      forge tokenize merge data/parts/part-* --out data/corpus   (joins the parts into one data set)
+
+      forge tokenize s3://my-bucket/corpus/ --tokenizer tok.json --out data/corpus
+
     """
+    from engine.data.parts import part_of
     from engine.data.tokenize import check_request, open_source
     from engine.data.tokenize import tokenize as tokenize_source
 
     train_vocab_size = trained_vocab_size(train_tokenizer, vocab_size)
-    check_request(out, tokenizer, train_vocab_size, eos_token, shard_tokens)  # before a dataset downloads
+    part = part_of(num_shards, shard_index)
+    check_request(out, tokenizer, train_vocab_size, eos_token, shard_tokens, part)  # before a dataset downloads
     source = open_source(inputs, hf_config, split, streaming, revision)
     view = progress_view(err_console if as_json else console)
     with view:
@@ -103,11 +120,57 @@ def tokenize(
             text_field=text_field,
             shard_tokens=shard_tokens,
             progress=view.update,
+            part=part,
         )
     if as_json:
         print_json(report_json(report))
     else:
         console.print(summary_table(report))
+
+
+@user_errors
+def merge(
+    parts: list[Path] = typer.Argument(
+        ..., metavar="PART_DIR", show_default=False, help="The parts' output directories, in any order."
+    ),
+    out: Path = typer.Option(..., "--out", "-o", help="New (or empty) directory for the joined data set."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result (manifest included) as JSON."),
+) -> None:
+    """Join the parts of a `forge tokenize --num-shards N` run into one data set with one manifest.
+
+    Every part must be finished and of the same run (inputs, options, tokenizer); each index once, none missing.
+    Shards are hard-linked where the file system allows (else copied) and renumbered in part order.
+
+    [bold]Examples[/bold]
+
+      forge tokenize merge data/parts/part-* --out data/corpus
+    """
+    from engine.data.parts import merge_parts
+
+    report = merge_parts(parts, out)
+    m = report.manifest
+    if as_json:
+        print_json(
+            {
+                "directory": str(report.directory),
+                "already_complete": report.already_complete,
+                "parts": report.parts,
+                "linked": report.linked,
+                "manifest": m.to_json(),
+            }
+        )
+        return
+    title = "already merged (nothing to do)" if report.already_complete else "merged"
+    table = Table(title=title, show_header=False, expand=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("directory", escape(str(report.directory)))
+    table.add_row("parts", f"{report.parts}")
+    table.add_row("tokens", f"{m.total_tokens:,}")
+    table.add_row("documents", f"{m.total_documents:,}")
+    how = "" if report.already_complete else (" (hard links)" if report.linked else " (copied)")
+    table.add_row("shards", f"{len(m.shards)} × {m.dtype}{how}")
+    console.print(table)
 
 
 def trained_vocab_size(train_tokenizer: bool, vocab_size: int | None) -> int | None:
@@ -234,3 +297,18 @@ def summary_table(report: TokenizeReport) -> Table:
             "time", f"{report.seconds:.1f} s, {new_tokens(report) / max(report.seconds, 1e-9) / 1e6:.2f} M tokens/s"
         )
     return table
+
+
+class WithMerge(TyperCommand):
+    """`forge tokenize`, which hands `forge tokenize merge …` to `merge`: a command whose arguments are input
+    paths cannot also be a group of subcommands (an input file named merge is still `./merge`)."""
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra
+    ) -> click.Context:
+        if args[:1] == ["merge"]:
+            merger = typer.Typer(rich_markup_mode="rich", add_completion=False)
+            merger.command("merge")(merge)
+            command = typer.main.get_command(merger)
+            return command.make_context(f"{info_name} merge", args[1:], parent=parent, **extra)
+        return super().make_context(info_name, args, parent=parent, **extra)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from engine.data.hub import HubSource
-from engine.data.hub_cache import hub_shards
+from engine.data.source_kinds import section_source, source_directory
 from engine.data.tokenize import STATE, open_source, tokenize, tokenize_files
 from engine.errors import DataError
 from tests.conftest import REPO
@@ -369,12 +369,12 @@ BUILD_SCRIPT = """
 import sys, time
 from pathlib import Path
 from engine.config import load_job_config
-from engine.data.hub_cache import hub_shards
+from engine.data.source_kinds import section_source, source_directory
 cfg = load_job_config(None, [f"data.hf_dataset_name={sys.argv[1]}", f"data.tokenizer_path={sys.argv[2]}",
                              "model.vocab_size=512"])
 while not Path(sys.argv[3]).exists():  # start together, as the ranks of a job do
     time.sleep(0.01)
-print(hub_shards(cfg, "data", Path(sys.argv[2])), flush=True)
+print(source_directory(cfg, section_source(cfg, "data"), lambda: Path(sys.argv[2])), flush=True)
 """
 
 
@@ -469,7 +469,7 @@ def test_a_cache_build_reports_through_the_view_the_cli_installs(
         yield lambda p: seen.append((name, p))
 
     with progress_shown_by(view):
-        entry = hub_shards(cfg, "data", tok)
+        entry = source_directory(cfg, section_source(cfg, "data"), lambda: tok)
     assert seen and {name for name, _ in seen} == {f"hf:{dataset_repo} split 'train'"}
     last = seen[-1][1]
     assert last.phase == "tokenizing" and last.done == last.total == len(TEXTS)

@@ -222,3 +222,26 @@ def test_refuses_to_write_into_a_directory_with_other_files(tmp_path: Path, tok:
     with pytest.raises(DataError, match="did not write"):
         tokenize_files([write_jsonl(tmp_path / "a.jsonl", TEXTS)], tmp_path / "out", tokenizer=tok)
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
+
+
+def test_input_kinds_are_a_registry_open_source_looks_up(tmp_path: Path, tok: Path, monkeypatch):
+    """A kind registered under a scheme opens `SCHEME:NAME` inputs (with the dataset options); `hf:` is one such
+    kind, and `SCHEME://` URLs and plain paths are files."""
+    from engine.data import tokenize as tokenize_module
+    from engine.data.sources import FileSource
+
+    monkeypatch.setattr(tokenize_module, "INPUT_KINDS", dict(tokenize_module.INPUT_KINDS))
+    opened = []
+
+    def open_lines(name: str, options) -> FileSource:
+        opened.append((name, options.split))
+        return FileSource([write_jsonl(tmp_path / f"{name}.jsonl", TEXTS[:2])])
+
+    tokenize_module.register_input_kind(tokenize_module.InputKind("lines", "a lines input", "lines:x", open_lines))
+    source = tokenize_module.open_source(["lines:corpus"], split="train")
+    assert opened == [("corpus", "train")] and source.describe() == [str(tmp_path / "corpus.jsonl")]
+    assert tokenize_module.kind_of("hf:some/dataset").scheme == "hf"
+    assert tokenize_module.kind_of("hf://datasets/some/dataset") is None  # fsspec's URL: files
+    assert tokenize_module.kind_of(str(tmp_path / "a.jsonl")) is None
+    with pytest.raises(DataError, match="must be the only input"):
+        tokenize_module.open_source(["lines:corpus", str(tmp_path / "corpus.jsonl")])

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -468,3 +469,79 @@ def test_a_scaling_plan_runs_as_one_array_job(cluster, tmp_path):
         assert '"eval_loss"' in (run_dir / "metrics.jsonl").read_text()
     local = forge("scale", "run", str(plan_dir), cwd=tmp_path)
     assert local.returncode == 0 and local.stdout.count("complete, skipped") == 3, local.stdout + local.stderr
+
+
+# ----- forge slurm tokenize ----------------------------------------------------------------------------------
+
+
+def tokenize_inputs(tmp_path: Path) -> tuple[Path, Path]:
+    """Nine small .txt documents (three per part) and a tokenizer for them."""
+    from tests.data_fixtures import corpus_texts, tokenizer_file, write_txt
+
+    return write_txt(tmp_path / "in", corpus_texts(9, 600)), tokenizer_file(tmp_path / "tok")
+
+
+def test_slurm_tokenize_dry_run_shows_the_array_and_the_merge_after_it(tmp_path):
+    source, tok = tokenize_inputs(tmp_path)
+    out = tmp_path / "data set"
+    result = runner.invoke(
+        app,
+        ["slurm", "tokenize", str(source), "--tokenizer", str(tok), "--num-shards", "3", "--out", str(out),
+         "--shard-tokens", "500", "--time", "2:00:00", "--dry-run"],
+        env={"NO_COLOR": "1"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    array, merge = ("\n" + result.stdout).split("\n# ---- ")[1:]
+    parts = tmp_path / "data set.parts"
+    assert array.startswith(f"{parts}/slurm/tokenize.sbatch: submitted with sbatch --parsable tokenize.sbatch")
+    assert "#SBATCH --array=0-2\n" in array and "#SBATCH --time=2:00:00\n" in array
+    assert (
+        f"tokenize {source} --tokenizer {tok} --text-field text --shard-tokens 500 --num-shards 3 "
+        f'--shard-index "$INDEX" --out \'{parts}\'/part-"$PART"\n'
+    ) in array
+    assert "--dependency=afterok:ARRAY_JOB_ID --kill-on-invalid-dep=yes merge.sbatch" in merge.splitlines()[0]
+    assert "#SBATCH --array" not in merge
+    named = " ".join(f"'{parts}/part-0000{i}'" for i in range(3))
+    assert f"tokenize merge {named} --out '{out}'\n" in merge
+    assert not parts.exists() and not out.exists()  # a dry run writes nothing
+
+
+def test_slurm_tokenize_refuses_bad_requests_before_anything_is_written(tmp_path):
+    source, tok = tokenize_inputs(tmp_path)
+    (tmp_path / "taken").mkdir()
+    cases = {
+        ("--num-shards", "0", "--tokenizer", str(tok), "--out", str(tmp_path / "o")): "--num-shards",
+        ("--num-shards", "2", "--tokenizer", str(tmp_path / "no.json"), "--out", str(tmp_path / "o")): "no.json",
+        ("--num-shards", "2", "--tokenizer", str(tok), "--out", str(tmp_path / "taken")): "already exists",
+    }
+    for args, message in cases.items():
+        result = runner.invoke(app, ["slurm", "tokenize", str(source), *args, "--dry-run"], env={"NO_COLOR": "1"})
+        assert result.exit_code == 2 and message in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "taken", "tok"]
+
+
+@pytest.mark.slurm
+def test_slurm_tokenize_runs_the_parts_and_merges_them(cluster, tmp_path):
+    """Three array tasks and the merge job after them leave the data set one process would: the same tokens,
+    documents and token counts."""
+    from engine.data.shards import read_manifest
+    from engine.data.tokenize import tokenize_files
+    from tests.data_fixtures import all_tokens
+
+    source, tok = tokenize_inputs(tmp_path)
+    out = tmp_path / "merged"
+    result = forge(
+        "slurm", "tokenize", str(source), "--tokenizer", str(tok), "--num-shards", "3", "--shard-tokens", "500",
+        "--out", str(out), "--json", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    jobs = json.loads(result.stdout)
+    assert job(jobs["merge_job"])["Dependency"].startswith(f"afterok:{jobs['array_job']}")
+    wait_for(lambda: finished(jobs["merge_job"]), 180, "the merge job")
+    logs = tmp_path / "merged.parts" / "slurm"
+    assert job(jobs["merge_job"])["JobState"] == "COMPLETED", (logs / "merge.log").read_text()
+    whole = tokenize_files([source], tmp_path / "whole", tokenizer=tok, shard_tokens=500).manifest
+    merged = read_manifest(out)
+    assert [read_manifest(tmp_path / "merged.parts" / f"part-0000{i}").total_documents for i in range(3)] == [3, 3, 3]
+    assert (merged.total_tokens, merged.total_documents) == (whole.total_tokens, whole.total_documents)
+    assert np.array_equal(all_tokens(out), all_tokens(tmp_path / "whole"))

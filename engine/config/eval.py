@@ -35,11 +35,11 @@ class EvalConfig(HubDatasetFields, EvalSchedule):
         "enabled": "data/loader.py",
         "interval": "train/trainer.py",
         "steps": "train/step.py, data/sampler.py",
-        "dataset_path": "data/loader.py",
+        "dataset_path": "data/source_kinds.py",
         "file_pattern": "data/loader.py",
-        "hf_dataset_name": "data/hub_cache.py",
-        "hf_dataset_config": "data/hub_cache.py",
-        "hf_dataset_split": "data/hub_cache.py",
-        "hf_dataset_revision": "data/hub_cache.py",
+        "hf_dataset_name": "data/source_kinds.py",
+        "hf_dataset_config": "data/source_kinds.py",
+        "hf_dataset_split": "data/source_kinds.py",
+        "hf_dataset_revision": "data/source_kinds.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""

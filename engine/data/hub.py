@@ -28,10 +28,6 @@ READ_BATCH_ROWS = 1024
 DEFAULT_SPLIT = "train"
 
 
-def is_hub_input(text: str) -> bool:
-    return text.startswith(PREFIX)
-
-
 class HubSource:
     """One split of a Hugging Face dataset; progress is counted in rows (unknown total for some streams)."""
 
@@ -131,6 +127,10 @@ class HubSource:
 
     def position(self, doc: Document) -> int:
         return doc.consumed
+
+    def start_at(self, position: int) -> tuple[int, int]:
+        """Row `position`: the rows before it end at or before it (a row's position is its index + 1)."""
+        return 0, position
 
     def __str__(self) -> str:
         config = f" ({self.config})" if self.config else ""

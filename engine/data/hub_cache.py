@@ -20,9 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from engine.config.data import HubDatasetFields, MixtureSource
 from engine.data import DEFAULT_SHARD_TOKENS
 from engine.data.embedded import cache_dir
 from engine.data.hub import HubSource
@@ -31,48 +29,10 @@ from engine.data.tokenize import Progress, ProgressFn, run_key, tokenize
 from engine.data.tokenizer import Encoder
 from engine.errors import DataError
 
-if TYPE_CHECKING:
-    from engine.config.job import JobConfig
-
 PROGRESS_INTERVAL_S = 60.0
 ProgressView = Callable[[str], contextlib.AbstractContextManager[ProgressFn]]
 PROGRESS_VIEWS: list[ProgressView] = []  # the innermost `progress_shown_by` last
 NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL)
-
-
-def hub_shards(cfg: JobConfig, section: str, tokenizer: Path) -> Path:
-    """The cache directory holding the split that `cfg.<section>.hf_dataset_name` names, tokenized with
-    `tokenizer`; built on first use. What goes wrong is reported in terms of the config's fields."""
-    values, d = getattr(cfg, section), cfg.data
-    fields = ", ".join(f"{section}.{field}" for field in HubDatasetFields.model_fields)
-    request = HubRequest(
-        values.hf_dataset_name,
-        values.hf_dataset_config,
-        values.hf_dataset_split,
-        values.hf_dataset_revision,
-        d.hf_dataset_text_field,
-        f"{section}.hf_dataset_name",
-        f"{fields} and data.hf_dataset_text_field",
-    )
-    return cached_shards(request, d.hf_streaming, tokenizer, cfg.model.vocab_size)
-
-
-def source_shards(cfg: JobConfig, index: int, tokenizer: Path) -> Path:
-    """The same for the `hf_name` of `[[data.datasets]]` entry `index`: one cache, keyed alike, so a source
-    tokenized once (as a mixture's source or as data.hf_dataset_name) is reused by either."""
-    source, where = cfg.data.datasets[index], f"data.datasets.{index}"
-    assert source.hf_name is not None
-    fields = ", ".join(f"{where}.{field}" for field in ("hf_name", *MixtureSource.HUB_FIELDS))
-    request = HubRequest(
-        source.hf_name,
-        source.hf_config,
-        source.hf_split,
-        source.hf_revision,
-        source.text_field,
-        f"{where}.hf_name",
-        fields,
-    )
-    return cached_shards(request, cfg.data.hf_streaming, tokenizer, cfg.model.vocab_size)
 
 
 @dataclass(frozen=True)
@@ -89,6 +49,8 @@ class HubRequest:
 
 
 def cached_shards(request: HubRequest, streaming: bool, tokenizer: Path, vocab_size: int) -> Path:
+    """The cache entry of `request` tokenized with `tokenizer`, built on first use (`engine.data.source_kinds`
+    resolves a config's Hugging Face source to it). What goes wrong names the config's fields."""
     r = request
     if not tokenizer.is_file():
         raise DataError(

@@ -22,13 +22,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from engine.config import JobConfig
-from engine.config.data import MixtureSource
 from engine.data.batch_plan import batch_plan
 from engine.data.embedded import cache_dir, embedded_corpus
-from engine.data.hub_cache import hub_shards, source_shards
 from engine.data.mixture import Phase, SourceDraws, mixture_phases
 from engine.data.sampler import BatchLayout, EpochOrder, EvalBatchSampler, MixtureBatchSampler, TrainBatchSampler
 from engine.data.shards import MANIFEST, TOKENIZER_FILE, Manifest, ShardInfo, open_shard, read_manifest
+from engine.data.source_kinds import SourceSpec, section_source, source_directory, train_sources
 from engine.data.tokenizer import file_sha256
 from engine.errors import DataError
 
@@ -218,13 +217,12 @@ def open_mixture(cfg: JobConfig, layout: BatchLayout) -> MixtureData:
     """Every `[[data.datasets]]` source verified like a single data set, all with one tokenizer. The sources
     that already have shards are opened first, so a mistake in any of them (another tokenizer, say) stops the
     run before a Hugging Face source is tokenized, which can take hours; the mixture keeps the config's order."""
-    sources = cfg.data.datasets
-    order = sorted(range(len(sources)), key=lambda i: sources[i].hf_name is not None)  # stable: config order
+    sources, specs = cfg.data.datasets, train_sources(cfg)
+    order = sorted(range(len(sources)), key=lambda i: specs[i].kind == "hf")  # stable: config order
     opened: dict[int, tuple[Path, Manifest, Path | None, TokenWindows]] = {}
     for i in order:
-        source = sources[i]
-        field = f"data.datasets.{i}.{next(f for f in MixtureSource.LOCATIONS if getattr(source, f) is not None)}"
-        directory = source_directory(cfg, i)
+        field = specs[i].field
+        directory = source_directory(cfg, specs[i], lambda: train_tokenizer(cfg))
         opened[i] = verified(directory, field, cfg.data.file_pattern, "data.file_pattern", cfg)
         first = order[0]
         if opened[i][1].tokenizer_sha256 != opened[first][1].tokenizer_sha256:
@@ -256,13 +254,12 @@ def open_eval_data(
     if not cfg.eval.enabled:
         return None
     train_dir = train.directory if train is not None else train_directory(cfg)
-    e, d = cfg.eval, cfg.data
-    if e.dataset_path:
-        directory = Path(e.dataset_path)
-    elif e.hf_dataset_name:
+    d = cfg.data
+    spec = section_source(cfg, "eval")
+    if spec is not None:
         tokenizer = Path(d.tokenizer_path) if d.tokenizer_path else train_dir / TOKENIZER_FILE
-        directory = hub_shards(cfg, "eval", tokenizer)
-    elif d.dataset_path is None and d.hf_dataset_name is None and all(s.embedded is not None for s in d.datasets):
+        directory = source_directory(cfg, spec, lambda: tokenizer)
+    elif all(source.kind == "embedded" for source in train_sources(cfg)):
         directory = embedded_corpus().val
     else:
         raise DataError(
@@ -293,35 +290,19 @@ def held_out(
 
 
 def train_directory(cfg: JobConfig) -> Path:
-    """Where the training shards are: data.dataset_path, data.hf_dataset_name's cache entry (built on first
-    use), or the embedded corpus."""
-    d = cfg.data
-    if d.datasets:
-        return source_directory(cfg, 0)
-    if d.dataset_path:
-        return Path(d.dataset_path)
-    if d.hf_dataset_name:
-        assert d.tokenizer_path is not None, "config validation requires data.tokenizer_path"
-        return hub_shards(cfg, "data", Path(d.tokenizer_path))
-    return embedded_corpus().train
+    """Where the (first) training source's shards are: data.dataset_path, data.hf_dataset_name's cache entry
+    (built on first use), the embedded corpus, or the first `[[data.datasets]]` entry's."""
+    return source_directory(cfg, train_sources(cfg)[0], lambda: train_tokenizer(cfg))
 
 
-def source_directory(cfg: JobConfig, index: int) -> Path:
-    """`[[data.datasets]]` entry `index`'s shards: its path, its split of the embedded corpus, or its Hugging
-    Face dataset's cache entry (either built on first use)."""
-    source = cfg.data.datasets[index]
-    if source.hf_name is not None:
-        return source_shards(cfg, index, mixture_tokenizer(cfg))
-    return Path(source.path) if source.path is not None else embedded_corpus().split(source.embedded)
-
-
-def mixture_tokenizer(cfg: JobConfig) -> Path:
-    """What a mixture's Hugging Face sources are tokenized with: data.tokenizer_path, else the tokenizer.json
-    beside the first source that has shards (every source must share it; validation requires one of them)."""
+def train_tokenizer(cfg: JobConfig) -> Path:
+    """What a training source on the Hugging Face Hub is tokenized with: data.tokenizer_path, else (a mixture)
+    the tokenizer.json beside its first source that has shards (every source must share it; validation
+    requires data.tokenizer_path for a flat data.hf_dataset_name, and a source with shards otherwise)."""
     if cfg.data.tokenizer_path is not None:
         return Path(cfg.data.tokenizer_path)
-    first = next(i for i, source in enumerate(cfg.data.datasets) if source.hf_name is None)
-    return source_directory(cfg, first) / TOKENIZER_FILE
+    first: SourceSpec = next(spec for spec in train_sources(cfg) if spec.kind != "hf")
+    return source_directory(cfg, first, lambda: train_tokenizer(cfg)) / TOKENIZER_FILE
 
 
 def loader_options(cfg: JobConfig) -> dict[str, Any]:

@@ -8,15 +8,19 @@ exactly the documents that are already tokenized.
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
+from typing import BinaryIO
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from engine.data.remote import RemoteFile, is_url, remote_files
 from engine.errors import DataError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -26,18 +30,32 @@ PARQUET_BATCH_ROWS = 1024
 
 @dataclass(frozen=True)
 class InputFile:
-    path: Path
+    path: PurePath  # a local file's path, or the path part of a remote file's URL
     size: int
     mtime_ns: int
+    remote: RemoteFile | None = None
 
     @classmethod
     def at(cls, path: Path) -> InputFile:
         st = path.stat()
         return cls(path.resolve(), st.st_size, st.st_mtime_ns)
 
+    @classmethod
+    def of(cls, remote: RemoteFile) -> InputFile:
+        return cls(PurePosixPath(urlsplit(remote.url).path), remote.size, 0, remote)
+
+    @property
+    def name(self) -> str:
+        """What messages and manifests call the file: its path, or its URL without credentials."""
+        return self.remote.url if self.remote else str(self.path)
+
     def identity(self) -> list:
-        """What decides whether a rerun sees the same input: path, size and modification time."""
-        return [str(self.path), self.size, self.mtime_ns]
+        """What decides whether a rerun sees the same input: path, size and modification time (a remote file:
+        its URL, size and version)."""
+        return self.remote.identity() if self.remote else [str(self.path), self.size, self.mtime_ns]
+
+    def open(self) -> BinaryIO:
+        return self.remote.open() if self.remote else open(self.path, "rb")
 
 
 @dataclass(frozen=True)
@@ -48,12 +66,18 @@ class Document:
     consumed: int  # bytes of the file (rows of a dataset) read up to and including this document, for progress
 
 
-def find_input_files(inputs: Sequence[Path]) -> list[InputFile]:
-    """Expand directories (recursively, sorted, hidden entries skipped) and check every named file."""
+def find_input_files(inputs: Sequence[Path | str]) -> list[InputFile]:
+    """Expand directories (recursively, sorted, hidden entries skipped) and check every named file; URLs are
+    listed through `engine.data.remote`."""
     if not inputs:
         raise DataError("no input given", FORMATS_HINT)
     paths: list[Path] = []
-    for item in inputs:
+    remote: list[InputFile] = []
+    for given in inputs:
+        if is_url(str(given)):
+            remote += [InputFile.of(f) for f in remote_files(str(given), SUFFIXES, FORMATS_HINT)]
+            continue
+        item = Path(given)
         if not item.exists():
             raise DataError(f"input {item} not found", "check the path")
         if item.is_dir():
@@ -62,6 +86,10 @@ def find_input_files(inputs: Sequence[Path]) -> list[InputFile]:
             raise DataError(f"input {item} has an unknown extension {item.suffix or '(none)'!r}", FORMATS_HINT)
         else:
             paths.append(item)
+    if remote and paths:
+        raise DataError("local files and URLs were given together", "tokenize them into separate directories")
+    if remote:
+        return list({f.name: f for f in remote}.values())
     unique = dict.fromkeys(p.resolve() for p in paths)
     return [InputFile.at(p) for p in unique]
 
@@ -82,7 +110,7 @@ def check_text_field(file: InputFile, text_field: str) -> None:
     if file.path.suffix == ".jsonl":
         next(iter_jsonl(file, 0, text_field), None)  # parsing the first record runs every check on it
     elif file.path.suffix == ".parquet":
-        parquet_column(open_parquet(file.path), file.path, text_field)
+        parquet_column(open_parquet(file), file.name, text_field)
 
 
 def iter_documents(files: Sequence[InputFile], text_field: str, start: tuple[int, int] = (0, 0)) -> Iterator[Document]:
@@ -108,23 +136,25 @@ def read_file(file: InputFile, text_field: str, start: int) -> Iterator[tuple[in
 def iter_txt(file: InputFile, start: int) -> Iterator[tuple[int, str, int]]:
     if start > 0:
         return
+    with file.open() as f:
+        data = f.read()
     try:
-        yield 0, file.path.read_bytes().decode("utf-8"), file.size
+        yield 0, data.decode("utf-8"), file.size
     except UnicodeDecodeError as e:
-        raise DataError(f"{file.path} is not UTF-8 text (byte {e.start})", "convert it to UTF-8 first") from None
+        raise DataError(f"{file.name} is not UTF-8 text (byte {e.start})", "convert it to UTF-8 first") from None
 
 
 def iter_jsonl(file: InputFile, start: int, text_field: str) -> Iterator[tuple[int, str, int]]:
     consumed = 0
-    with open(file.path, "rb") as f:
+    with file.open() as f:
         for line_no, line in enumerate(f):
             consumed += len(line)
             if line_no < start or not line.strip():
                 continue
-            yield line_no, jsonl_text(line, file.path, line_no + 1, text_field), consumed
+            yield line_no, jsonl_text(line, file.name, line_no + 1, text_field), consumed
 
 
-def jsonl_text(line: bytes, path: Path, line_no: int, text_field: str) -> str:
+def jsonl_text(line: bytes, path: str, line_no: int, text_field: str) -> str:
     where = f"{path} line {line_no}"
     try:
         record = json.loads(line)
@@ -146,14 +176,16 @@ def jsonl_text(line: bytes, path: Path, line_no: int, text_field: str) -> str:
     return text
 
 
-def open_parquet(path: Path) -> pq.ParquetFile:
+def open_parquet(file: InputFile) -> pq.ParquetFile:
     try:
-        return pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise DataError(f"{path} is not a readable Parquet file ({e})", "check the file, or export it again") from None
+        return pq.ParquetFile(file.open() if file.remote else file.path)
+    except (pa.ArrowException, OSError) as e:  # a store's own failures were retried and raised as FetchError
+        raise DataError(
+            f"{file.name} is not a readable Parquet file ({e})", "check the file, or export it again"
+        ) from None
 
 
-def parquet_column(parquet: pq.ParquetFile, path: Path, text_field: str) -> None:
+def parquet_column(parquet: pq.ParquetFile, path: str, text_field: str) -> None:
     schema = parquet.schema_arrow
     if text_field not in schema.names:
         raise DataError(
@@ -169,8 +201,8 @@ def parquet_column(parquet: pq.ParquetFile, path: Path, text_field: str) -> None
 
 def iter_parquet(file: InputFile, start: int, text_field: str) -> Iterator[tuple[int, str, int]]:
     """Rows from `start` on, skipping whole row groups that lie before it."""
-    parquet = open_parquet(file.path)
-    parquet_column(parquet, file.path, text_field)
+    parquet = open_parquet(file)
+    parquet_column(parquet, file.name, text_field)
     meta = parquet.metadata
     first_group, row = 0, 0
     while first_group < meta.num_row_groups and row + meta.row_group(first_group).num_rows <= start:
@@ -183,7 +215,7 @@ def iter_parquet(file: InputFile, start: int, text_field: str) -> Iterator[tuple
             if row >= start:
                 if text is None:
                     raise DataError(
-                        f"{file.path} row {row}: column {text_field!r} is null",
+                        f"{file.name} row {row}: column {text_field!r} is null",
                         "drop or fill the null rows, or pass --text-field naming another column",
                     )
                 yield row, text, file.size * (row + 1) // total
@@ -195,7 +227,7 @@ class FileSource:
 
     unit = "bytes"
 
-    def __init__(self, inputs: Sequence[Path]) -> None:
+    def __init__(self, inputs: Sequence[Path | str]) -> None:
         self.files = find_input_files(inputs)
         self.offsets = [0, *accumulate(f.size for f in self.files)]
         self.total: int | None = self.offsets[-1]
@@ -203,7 +235,7 @@ class FileSource:
     def check(self, text_field: str) -> None:
         if self.total == 0:
             raise DataError(
-                f"no documents found: the input files are empty ({self.files[0].path}…)", "check the inputs"
+                f"no documents found: the input files are empty ({self.files[0].name}…)", "check the inputs"
             )
         for file in self.files:
             check_text_field(file, text_field)
@@ -212,10 +244,14 @@ class FileSource:
         return {"files": [f.identity() for f in self.files]}
 
     def describe(self) -> list[str]:
-        return [str(f.path) for f in self.files]
+        return [f.name for f in self.files]
 
     def documents(self, text_field: str, start: tuple[int, int] = (0, 0)) -> Iterator[Document]:
         return iter_documents(self.files, text_field, start)
 
     def position(self, doc: Document) -> int:
         return self.offsets[doc.file] + doc.consumed
+
+    def start_at(self, position: int) -> tuple[int, int]:
+        """The first file that holds input past `position`: the files before it end at or before it."""
+        return bisect.bisect_right(self.offsets, position) - 1, 0

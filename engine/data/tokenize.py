@@ -29,7 +29,8 @@ import numpy as np
 
 from engine.data import DEFAULT_SHARD_TOKENS
 from engine.data.hub import PREFIX as HUB_PREFIX
-from engine.data.hub import HubSource, is_hub_input
+from engine.data.hub import HubSource
+from engine.data.parts import Part, PartSource, part_record
 from engine.data.shards import (
     MANIFEST,
     SHARD_GLOB,
@@ -63,6 +64,7 @@ class Source(Protocol):
     def describe(self) -> list[str]: ...
     def documents(self, text_field: str, start: tuple[int, int] = (0, 0)) -> Iterator[Document]: ...
     def position(self, doc: Document) -> int: ...
+    def start_at(self, position: int) -> tuple[int, int]: ...  # a start before every document past `position`
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,54 @@ def tokenize_files(inputs: Sequence[Path], out_dir: Path, **options: Any) -> Tok
     return tokenize(FileSource(inputs), out_dir, **options)
 
 
+@dataclass(frozen=True)
+class DatasetOptions:
+    """The command-line options that shape a dataset input (configuration, split, streaming, revision)."""
+
+    config: str | None = None
+    split: str | None = None
+    streaming: bool = False
+    revision: str | None = None
+
+    def given(self) -> list[str]:
+        flags = {"--hf-config": self.config, "--split": self.split, "--streaming": self.streaming}
+        return [flag for flag, value in {**flags, "--revision": self.revision}.items() if value]
+
+
+@dataclass(frozen=True)
+class InputKind:
+    """A kind of input named as `SCHEME:NAME` on the command line, opened as one source of its own. Whatever no
+    kind claims is files: local paths, or fsspec URLs (`s3://…`, which `engine.data.sources` reads)."""
+
+    scheme: str
+    describe: str  # for messages, e.g. "a Hugging Face dataset input (hf:NAME)"
+    example: str
+    open: Callable[[str, DatasetOptions], Source]  # NAME and the dataset options → the source
+
+
+INPUT_KINDS: dict[str, InputKind] = {}
+
+
+def register_input_kind(kind: InputKind) -> None:
+    INPUT_KINDS[kind.scheme] = kind
+
+
+register_input_kind(
+    InputKind(
+        HUB_PREFIX.rstrip(":"),
+        "a Hugging Face dataset input (hf:NAME)",
+        "hf:HuggingFaceFW/fineweb-edu",
+        lambda name, o: HubSource(name, o.config, o.split, o.streaming, o.revision),
+    )
+)
+
+
+def kind_of(text: str) -> InputKind | None:
+    """The registered kind `text` names by its scheme (`hf:NAME`; a URL's `scheme://` is fsspec's), if any."""
+    scheme, sep, rest = text.partition(":")
+    return INPUT_KINDS.get(scheme) if sep and not rest.startswith("//") else None
+
+
 def open_source(
     inputs: Sequence[str],
     hf_config: str | None = None,
@@ -122,34 +172,28 @@ def open_source(
     streaming: bool = False,
     revision: str | None = None,
 ) -> Source:
-    """The source the command line names: files and directories, or one `hf:NAME` dataset, whose options
-    (configuration, split, streaming, revision) apply to it alone. A dataset is opened (and, when not
-    streamed, downloaded) here, before any progress display starts."""
-    hub = [text for text in inputs if is_hub_input(text)]
-    if not hub:
-        given = [
-            flag
-            for flag, value in (
-                ("--hf-config", hf_config),
-                ("--split", split),
-                ("--streaming", streaming),
-                ("--revision", revision),
-            )
-            if value
-        ]
+    """The source the command line names: files, directories and URLs, or one input of a registered kind
+    (`hf:NAME`), whose options (configuration, split, streaming, revision) apply to it alone. A dataset is
+    opened (and, when not streamed, downloaded) here, before any progress display starts."""
+    options = DatasetOptions(hf_config, split, streaming, revision)
+    claimed = [(text, kind) for text in inputs if (kind := kind_of(text)) is not None]
+    if not claimed:
+        given = options.given()
         if given:
             verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
+            kinds = " or ".join(k.describe for k in INPUT_KINDS.values())
+            examples = ", ".join(k.example for k in INPUT_KINDS.values())
             raise DataError(
-                f"{', '.join(given)} {verb} only to a Hugging Face dataset input (hf:NAME)",
-                f"name the dataset as hf:NAME (e.g. hf:HuggingFaceFW/fineweb-edu), or drop {them}",
+                f"{', '.join(given)} {verb} only to {kinds}", f"name the dataset (e.g. {examples}), or drop {them}"
             )
-        return FileSource([Path(text) for text in inputs])
+        return FileSource(list(inputs))
     if len(inputs) > 1:
         raise DataError(
-            f"{hub[0]} must be the only input (got {len(inputs)})",
+            f"{claimed[0][0]} must be the only input (got {len(inputs)})",
             "tokenize the dataset and the files into separate directories",
         )
-    return HubSource(hub[0][len(HUB_PREFIX) :], hf_config, split, streaming, revision)
+    text, kind = claimed[0]
+    return kind.open(text[len(kind.scheme) + 1 :], options)
 
 
 def check_request(
@@ -158,10 +202,11 @@ def check_request(
     train_vocab_size: int | None = None,
     eos_token: str | None = None,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    part: Part | None = None,
 ) -> None:
     """The checks of `tokenize` that need no input, for a caller to run before opening a source that may
     download for hours: the options, the tokenizer file and its EOS token, and the output directory."""
-    check_options(tokenizer, train_vocab_size, shard_tokens)
+    check_options(tokenizer, train_vocab_size, shard_tokens, part)
     if tokenizer is not None:
         Encoder.from_file(tokenizer, eos_token)
     check_out_dir(out_dir)
@@ -177,15 +222,20 @@ def tokenize(
     text_field: str = "text",
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     progress: ProgressFn | None = None,
+    part: Part | None = None,
 ) -> TokenizeReport:
     """Tokenize `source` into `out_dir` with `tokenizer` (a tokenizer.json) or a byte-level BPE of
-    `train_vocab_size` trained on the source. Options, inputs, the text field (of each file's first record,
-    of a dataset's columns) and the tokenizer are checked before anything is written; a bad record found
-    later removes the output."""
+    `train_vocab_size` trained on the source; with `part`, only that part of it (`engine.data.parts`).
+    Options, inputs, the text field (of each file's first record, of a dataset's columns) and the tokenizer
+    are checked before anything is written; a bad record found later removes the output."""
     started = time.perf_counter()
-    check_options(tokenizer, train_vocab_size, shard_tokens)
+    check_options(tokenizer, train_vocab_size, shard_tokens, part)
     source.check(text_field)
     encoder = Encoder.from_file(tokenizer, eos_token) if tokenizer is not None else None
+    record = {}
+    if part is not None:
+        record["part"] = part_record(part, run_key(source, text_field, shard_tokens, encoder, None, eos_token))
+        source = PartSource(source, part)
     key = run_key(source, text_field, shard_tokens, encoder, train_vocab_size, eos_token)
     finished = finished_output(out_dir, key)
     if finished is not None:
@@ -194,7 +244,7 @@ def tokenize(
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         manifest, reused = Run(out_dir, source, text_field, shard_tokens, progress or (lambda p: None)).execute(
-            key, encoder, train_vocab_size, eos_token or DEFAULT_EOS
+            key, encoder, train_vocab_size, eos_token or DEFAULT_EOS, record
         )
     except DataError:
         remove_outputs(out_dir, remove_dir=created)
@@ -202,7 +252,9 @@ def tokenize(
     return TokenizeReport(out_dir, manifest, reused, False, time.perf_counter() - started)
 
 
-def check_options(tokenizer: Path | None, train_vocab_size: int | None, shard_tokens: int) -> None:
+def check_options(
+    tokenizer: Path | None, train_vocab_size: int | None, shard_tokens: int, part: Part | None = None
+) -> None:
     if (tokenizer is None) == (train_vocab_size is None):
         both = tokenizer is not None
         raise DataError(
@@ -213,6 +265,12 @@ def check_options(tokenizer: Path | None, train_vocab_size: int | None, shard_to
         check_vocab_size(train_vocab_size)
     if shard_tokens <= 0:
         raise DataError(f"--shard-tokens must be positive, got {shard_tokens}", "e.g. --shard-tokens 50000000")
+    if part is not None and train_vocab_size is not None:
+        raise DataError(
+            "--train-tokenizer cannot be used with --num-shards: each part would train its own tokenizer",
+            "train one first (forge tokenize SAMPLE --train-tokenizer --vocab-size N --out DIR), then pass "
+            "--tokenizer DIR/tokenizer.json to every part",
+        )
 
 
 def run_key(
@@ -303,7 +361,7 @@ class Run:
         self.shard_tokens, self.progress = shard_tokens, progress
 
     def execute(
-        self, key: str, encoder: Encoder | None, train_vocab_size: int | None, eos_token: str
+        self, key: str, encoder: Encoder | None, train_vocab_size: int | None, eos_token: str, record: dict
     ) -> tuple[Manifest, int]:
         state = self.resumable_state(key)
         encoder = encoder or self.trained_encoder(state, train_vocab_size, eos_token)
@@ -318,7 +376,7 @@ class Run:
             raise DataError(
                 "no documents found: every document in the inputs is empty", "check the inputs and --text-field"
             )
-        source = {"key": key, "text_field": self.text_field, "inputs": self.source.describe()}
+        source = {"key": key, "text_field": self.text_field, "inputs": self.source.describe(), **record}
         manifest = manifest_of(encoder, state.shards, source)
         write_manifest(self.out_dir, manifest)
         (self.out_dir / STATE).unlink()
