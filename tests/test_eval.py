@@ -79,9 +79,12 @@ def tasks(tmp_path_factory) -> Path:
     rolling = [{"text": " ".join(words[i * 40 : i * 40 + 15 + 45 * i])} for i in range(3)]  # up to ~4 windows
     for name, docs in (("mc", mc), ("gen", gen), ("rolling", rolling)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    data = lambda name: (
-        f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / name}.jsonl\ntest_split: test\n"
-    )  # noqa: E731
+
+    def data(name: str) -> str:
+        return (
+            f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / name}.jsonl\ntest_split: test\n"
+        )
+
     (folder / "quiz_mc.yaml").write_text(
         "task: quiz_mc\noutput_type: multiple_choice\n" + data("mc") + 'doc_to_text: "{{q}}"\n'
         'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{gold}}"\n'
