@@ -8,6 +8,7 @@ similar length. Chance is 25%; a model that has learnt how speeches run on (synt
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import random
@@ -37,14 +38,16 @@ def is_speech(line: str) -> bool:
 def questions(lines: list[str], rng: random.Random) -> list[dict]:
     """Every line preceded by CONTEXT_LINES speech lines of the same speech, with three distractors."""
     speech = [i for i, line in enumerate(lines) if is_speech(line)]
-    pool = [lines[i].strip() for i in speech]
+    pool = sorted({lines[i].strip() for i in speech}, key=lambda line: (len(line), line))
+    lengths = [len(line) for line in pool]
     found = []
     for i in speech:
         before = lines[i - CONTEXT_LINES : i]
         if len(before) < CONTEXT_LINES or not all(is_speech(line) for line in before):
             continue
         true = lines[i].strip()
-        similar = [line for line in pool if line != true and 0.75 <= len(line) / len(true) <= 1.33]
+        lo, hi = bisect.bisect_left(lengths, 0.75 * len(true)), bisect.bisect_right(lengths, 1.33 * len(true))
+        similar = [line for line in pool[lo:hi] if line != true]
         if len(similar) < CHOICES - 1:
             continue
         choices = [true, *rng.sample(similar, CHOICES - 1)]
