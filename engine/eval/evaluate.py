@@ -1,8 +1,8 @@
 """`forge eval`: a checkpoint on downstream tasks and/or perplexity over a data set, recorded in its run.
 
-Everything that can be refused is checked before the model is loaded and nothing is written before the
-evaluation has finished: the checkpoint (a run without one is refused), the task names (unknown ones with
-the closest names), the tasks' data (a data set an offline machine does not hold, naming it).
+Nothing is written before the evaluation has finished. What can be refused cheaply is checked before the
+model is loaded: the options, the checkpoint (a run without one is refused), the task names (unknown ones
+with the closest names) and the tasks' data (a data set an offline machine does not hold, naming it).
 """
 
 from __future__ import annotations
@@ -10,12 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.checkpoint.hf import is_hf_folder
 from engine.checkpoint.layout import STEP_DIR
 from engine.checkpoint.locate import find_checkpoint
 from engine.errors import UserError
 from engine.eval.record import append_record, run_dir_of
+
+if TYPE_CHECKING:
+    from engine.eval.perplexity import Perplexity
+    from engine.eval.suite import TaskRun
 
 
 @dataclass(frozen=True)
@@ -36,8 +41,8 @@ class EvalReport:
     checkpoint: str
     step: int | None
     run_dir: Path | None  # where the results were recorded (None: not a run's checkpoint, or not asked)
-    tasks: object | None = None  # engine.eval.suite.TaskRun
-    perplexity: object | None = None  # engine.eval.perplexity.Perplexity
+    tasks: TaskRun | None = None
+    perplexity: Perplexity | None = None
     records: list[dict] = field(default_factory=list)
 
 
