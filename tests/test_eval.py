@@ -21,10 +21,13 @@ import torch
 from typer.testing import CliRunner
 
 from engine.checkpoint.hf import export_to_hf
+from engine.config.model import ModelConfig
 from engine.eval.harness import ForgeLM
 from engine.eval.perplexity import perplexity
+from engine.eval.scoring import score
 from engine.eval.suite import load_tasks, run_tasks, task_manager
 from engine.generate import load_model
+from engine.model.transformer import Transformer
 from forgecli.app import app
 from tests.data_fixtures import corpus_texts, job_config, tokenized, write_jsonl
 
@@ -103,6 +106,31 @@ def tasks(tmp_path_factory) -> Path:
 
 
 TASKS = ["quiz_mc", "quiz_gen", "quiz_rolling"]
+
+
+@torch.no_grad()
+def test_packed_scoring_equals_each_request_alone():
+    """Shared contexts as branches, several segments per row, padding, the left cut: the same log-probabilities
+    as one plain forward per request. fp64, the same algorithm on the same numbers but for the order of
+    additions (masked keys add exact zeros): 1e-10."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=24))
+    model = model.double().eval()
+    tokens = lambda n: torch.randint(0, 97, (n,)).tolist()  # noqa: E731
+    contexts = [tokens(n) for n in (1, 3, 7, 12, 30)]  # 30 > max_seq_len: cut from the left
+    requests = [(c, tokens(k)) for c in contexts for k in (1, 2, 5)] + [(contexts[1], [5, 6])] * 2
+    forwards = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    got = score(model, requests, batch_size=2)
+    assert len(got) == len(requests)
+    assert len(forwards) < len(requests) / 2  # packed: fewer forwards than two requests per forward would take
+    forwards.clear()
+    for (context, continuation), (logprob, greedy) in zip(requests, got):
+        fed = (context + continuation)[-(24 + 1) :][:-1]
+        logprobs = torch.log_softmax(model(torch.tensor([fed]))[0, -len(continuation) :], dim=-1)
+        picked = logprobs[torch.arange(len(continuation)), torch.tensor(continuation)]
+        assert logprob == pytest.approx(float(picked.sum()), abs=1e-10)
+        assert greedy == bool((logprobs.argmax(-1) == torch.tensor(continuation)).all())
 
 
 def responses(samples: list[dict]) -> list:

@@ -188,7 +188,8 @@ def score(
         batch = layout(rows[first : first + batch_size], device)
         hidden = model(batch.tokens, positions=batch.positions, attention_mask=batch.mask, return_hidden=True)
         picked = hidden.flatten(0, 1)[batch.scored]
-        logprobs = torch.log_softmax(model.output(picked).float(), dim=-1)
+        logits = model.output(picked)  # log-softmax in fp32 at least (in fp64 for an fp64 model)
+        logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
         chosen = logprobs.gather(1, batch.targets[:, None])[:, 0]
         greedy = logprobs.argmax(dim=-1) == batch.targets
         done = 0
