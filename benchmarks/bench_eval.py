@@ -108,6 +108,14 @@ def evaluate(lm: LM, specs: list[str], limit: int) -> dict:
     return {"requests": timed.requests, "model_s": timed.seconds, "wall_s": wall, "metrics": metrics}
 
 
+def rate(runs: list[dict]) -> float:
+    return statistics.median(x["requests"] / x["model_s"] for x in runs)
+
+
+def wall(runs: list[dict]) -> float:
+    return statistics.median(x["wall_s"] for x in runs)
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
@@ -142,8 +150,6 @@ def main() -> None:
             order = [(ours, ours_lm), (theirs, theirs_lm)]
             for results, lm in order if r % 2 == 0 else order[::-1]:
                 results.append(evaluate(lm, specs, args.limit))
-    rate = lambda runs: statistics.median(x["requests"] / x["model_s"] for x in runs)  # noqa: E731
-    wall = lambda runs: statistics.median(x["wall_s"] for x in runs)  # noqa: E731
     report = {
         "tasks": specs,
         "limit": args.limit,

@@ -241,6 +241,9 @@ def test_cli_records_results_that_forge_runs_shows(run, tasks):
     assert table.exit_code == 0, table.output
     assert re.search(r"quiz_mc\s+│\s+acc\s+│\s+\d\.\d{4}\s+│\s+± \d\.\d{4}", table.stdout)
     assert len((run / "evals.jsonl").read_text().splitlines()) == 1  # --no-record
+    shipped = forge("eval", str(run), "--tasks", "forge_next_line", "--limit", "4", "--no-record", "--json")
+    assert shipped.exit_code == 0, shipped.output
+    assert json.loads(shipped.stdout)["samples"] == {"forge_next_line": 4}
 
 
 def test_cli_refuses_bad_input_and_writes_nothing(run, tasks, tmp_path):
