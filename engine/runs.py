@@ -16,14 +16,14 @@ import json
 import os
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from engine.checkpoint.layout import complete_checkpoints
 from engine.durable import write_durably
 from engine.errors import UserError
-from engine.run_files import METRICS_FILE, RUN_CONFIG
+from engine.run_files import EVALS_FILE, METRICS_FILE, RUN_CONFIG
 from engine.run_lock import lock_holder
 
 ATTEMPTS_FILE = "attempts.jsonl"
@@ -56,6 +56,7 @@ class RunSummary:
     tokens_per_sec: float | None
     last_checkpoint: int | None  # the step of the newest complete checkpoint
     updated: float | None  # when the run last wrote its metrics, log or attempt record (seconds since the epoch)
+    evals: dict[str, float] = field(default_factory=dict)  # `forge eval` results of its newest evaluated step
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -93,7 +94,29 @@ def summarize_run(run_dir: Path, name: str | None = None) -> RunSummary:
         train.get("tokens_per_sec"),
         checkpoints[-1][0] if checkpoints else None,
         max(written, default=None),
+        newest_evals(run_dir),
     )
+
+
+def eval_records(run_dir: Path) -> list[dict[str, Any]]:
+    """What `forge eval` recorded of the run's checkpoints (engine/eval/record.py), oldest first."""
+    return [r for r in json_lines(run_dir / EVALS_FILE) if isinstance(r.get("metrics"), dict)]
+
+
+def eval_curves(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
+    """Each evaluated metric (TASK/METRIC, SOURCE/perplexity, …) as (steps, values) in step order; a step
+    evaluated more than once keeps its latest result."""
+    points: dict[str, dict[int, float]] = {}
+    for record in eval_records(run_dir):
+        for key, value in record["metrics"].items():
+            if isinstance(value, int | float) and isinstance(record.get("step"), int):
+                points.setdefault(key, {})[record["step"]] = value
+    return {key: (sorted(by_step), [by_step[s] for s in sorted(by_step)]) for key, by_step in sorted(points.items())}
+
+
+def newest_evals(run_dir: Path) -> dict[str, float]:
+    """Each evaluated metric's value at the newest step it was evaluated at."""
+    return {key: values[-1] for key, (_, values) in eval_curves(run_dir).items()}
 
 
 def run_status(run_dir: Path, last_step: int | None, max_steps: int | None) -> tuple[str, str]:

@@ -21,6 +21,7 @@ from forgecli import (
     train,
     validate_config,
 )
+from forgecli import eval as eval_cli
 from forgecli.completion import OverrideCommand
 
 app = typer.Typer(
@@ -41,6 +42,7 @@ app.command("doctor")(doctor.doctor)
 app.add_typer(convert.app, name="convert")
 app.add_typer(checkpoint.app, name="checkpoint")
 app.command("generate")(generate.generate)
+app.command("eval")(eval_cli.eval_command)
 app.command("init")(init.init)
 app.add_typer(runs.app, name="runs")
 app.add_typer(slurm.app, name="slurm")

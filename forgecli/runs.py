@@ -85,9 +85,15 @@ def runs_table(runs: list[RunSummary]) -> Table:
     table = Table(box=box.SIMPLE_HEAD if is_interactive() else None, header_style="bold", pad_edge=False)
     for column in ("run", "status", "step", "tokens", "loss", "eval loss", "tokens/s", "checkpoint", "age"):
         table.add_column(column, justify="left" if column in ("run", "status") else "right", no_wrap=True)
+    with_evals = any(run.evals for run in runs)
+    if with_evals:
+        table.add_column("evals", no_wrap=True, overflow="ellipsis", max_width=40)
     table.add_column("detail")  # the one column Rich narrows first; each cell cut, not wrapped (whole in --json)
     now = time.time()
     for run in runs:
+        evals = (
+            [Text(" ".join(f"{k}={v:.4g}" for k, v in run.evals.items()) or "-", no_wrap=True)] if with_evals else []
+        )
         table.add_row(
             escape(run.name),
             f"[{STATUS_STYLES.get(run.status, '')}]{run.status}[/]",
@@ -98,6 +104,7 @@ def runs_table(runs: list[RunSummary]) -> Table:
             fmt(run.tokens_per_sec, ",.0f"),
             fmt(run.last_checkpoint),
             age(now - run.updated) if run.updated else "-",
+            *evals,
             Text(run.detail, no_wrap=True, overflow="ellipsis"),
         )
     return table
@@ -140,7 +147,8 @@ def compare(
     ),
 ) -> None:
     """Several runs side by side: the config fields that differ, their final metrics, and their loss curves
-    (in the terminal, or with --plot as a PNG of training and eval loss, learning rate and tokens/s).
+    (in the terminal, or with --plot as a PNG of training and eval loss, learning rate and tokens/s); the
+    results of `forge eval` on their checkpoints, newest step first in a table and against the step in a plot.
 
     [bold]Examples[/bold]
 
@@ -151,7 +159,7 @@ def compare(
     """
     from engine.errors import UserError
     from engine.run_files import RUN_CONFIG
-    from engine.runs import config_differences, curves, summarize_run
+    from engine.runs import config_differences, curves, eval_curves, summarize_run
 
     for path in run_dirs:
         if not (path / RUN_CONFIG).is_file():
@@ -163,15 +171,20 @@ def compare(
     runs = [summarize_run(path, name) for path, name in zip(run_dirs, names)]
     differences = config_differences(run_dirs)
     series = {name: curves(path, x.value) for path, name in zip(run_dirs, names)}
+    evals = {name: eval_curves(path) for path, name in zip(run_dirs, names)}
     if plot is not None:
         save_plot(series, plot, x.value)
     if as_json:
         from dataclasses import asdict
 
-        print_json({"differences": differences, "runs": [asdict(run) for run in runs], "curves": series})
+        print_json(
+            {"differences": differences, "runs": [asdict(run) for run in runs], "curves": series, "evals": evals}
+        )
         return
     print_wide(differences_table(names, differences))
     print_wide(runs_table(runs))
+    if any(run.evals for run in runs):
+        print_wide(evals_table(runs))
     terminal_width = min(console.width, 120)
     losses = [
         (f"{name} {label}", *run[key])
@@ -180,6 +193,9 @@ def compare(
         if key in run
     ]
     console.print(line_plot(losses, width=max(terminal_width - 12, 20), height=16, title="loss", x_label=x.value))
+    for key in sorted({key for run in evals.values() for key, (steps, _) in run.items() if len(steps) > 1}):
+        lines = [(name, *run[key]) for name, run in evals.items() if key in run]
+        console.print(line_plot(lines, width=max(terminal_width - 12, 20), height=10, title=key, x_label="steps"))
     if plot is not None:
         console.print(f"plot: {plot}", markup=False, highlight=False)
 
@@ -188,6 +204,24 @@ def unique_names(run_dirs: list[Path]) -> list[str]:
     """The folder names, or the whole paths where two runs share a name (runs/a/seed1 and runs/b/seed1)."""
     names = [path.name for path in run_dirs]
     return [name if names.count(name) == 1 else str(path) for name, path in zip(names, run_dirs)]
+
+
+def evals_table(runs: list[RunSummary]) -> Table:
+    """`forge eval` results (each run's newest evaluated step), one row per metric."""
+    keys = sorted({key for run in runs for key in run.evals})
+    table = Table(
+        box=box.SIMPLE_HEAD if is_interactive() else None,
+        header_style="bold",
+        pad_edge=False,
+        title="forge eval (newest evaluated checkpoint)",
+        title_justify="left",
+    )
+    table.add_column("metric", no_wrap=True)
+    for run in runs:
+        table.add_column(escape(run.name), justify="right")
+    for key in keys:
+        table.add_row(escape(key), *(fmt(run.evals.get(key), ".4f") for run in runs))
+    return table
 
 
 def differences_table(names: list[str], differences: dict[str, list[Any]]) -> Table:

@@ -70,6 +70,7 @@ def test_help_shows_bracketed_words():
         (["convert", "from-hf"], ["the [model] section"]),
         (["extract", "run"], ["[default: the model's max_seq_len]", "[default: the newest]", "[default: all]"]),
         (["extract", "compare"], ["[default: DIR_A against itself]", "pip install 'forge-lm[plot]'"]),
+        (["eval"], ["[default: each task's own, usually 0]", "[default: the model's max_seq_len, disjoint windows]"]),
     ]
     for command, needles in cases:
         out = " ".join(forge(*command, "--help").stdout.replace("│", " ").split())
