@@ -48,7 +48,7 @@ class Parity:
 
     def within(self, what: str, deviation: float, tolerance: float) -> None:
         """Record `deviation` (≥ 0) and assert it is at most `tolerance`."""
-        deviation = float(deviation)
+        deviation, tolerance = float(deviation), float(tolerance)
         self.log(what, deviation, tolerance, deviation / tolerance if tolerance else float(deviation > 0))
         assert deviation <= tolerance, f"{self.test} {what}: deviation {deviation:.3g} > tolerance {tolerance:.3g}"
 
@@ -65,7 +65,7 @@ class Parity:
                 deviation = max(deviation, gap.max().item())
                 allowed = atol + rtol * e.double().abs()
                 used = max(used, (gap / allowed).max().item() if (allowed > 0).all() else float(gap.max() > 0))
-        self.log(what, deviation, {"atol": atol, "rtol": rtol}, used)
+        self.log(what, deviation, {"atol": float(atol), "rtol": float(rtol)}, used)
         torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
     def log(self, what: str, deviation: float, tolerance, used: float) -> None:
@@ -84,7 +84,7 @@ def fp32_bound(scale: float, length: int, depth: int) -> float:
     reductions in sequence on the way to a compared value (their relative errors add; norms and softmax do
     not amplify them), and `scale` the largest compared |value|, standing for the sum of the terms' sizes.
     Both computations may err, hence the 2."""
-    return 2 * depth * length * U32 * scale
+    return float(2 * depth * length * U32 * scale)
 
 
 def model_bound(cfg, scale: float, *, backward: bool = False, extra: int = 0) -> float:

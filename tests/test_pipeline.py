@@ -158,7 +158,7 @@ PARITY_SCRIPT = textwrap.dedent('''
     def sequences(g):
         """ACCUM * BATCH * dp sequences; about every fifth token is an EOS, so a window holds several documents."""
         data = torch.randint(0, 64, (ACCUM * BATCH * dp, SEQ + 1), generator=g)
-        return data.masked_fill(torch.rand(data.shape, generator=g) < 0.2, EOS)
+        return data.masked_fill(torch.rand(data.shape, generator=g, dtype=torch.float32) < 0.2, EOS)  # as in fp32
 
     def batches():
         """The global batch of each step."""
