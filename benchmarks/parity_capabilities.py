@@ -8,13 +8,17 @@ deviations (tests/parity.py).
 
     python benchmarks/parity_capabilities.py            # writes benchmarks/results/parity_cpu_capabilities.md
     python benchmarks/parity_capabilities.py --workers 2 --capabilities default avx2
+    python benchmarks/parity_capabilities.py --workers 0 --concurrent   # the capabilities side by side
 
-One thread per process (OMP_NUM_THREADS=1), as `make test`; `--workers` xdist workers (0 = none).
+One thread per process (OMP_NUM_THREADS=1), as `make test`; `--workers` xdist workers per capability (0 =
+none); `--concurrent` runs the capabilities at the same time instead of one after the other (each then gets a
+share of the cores: the wall times are not comparable with a run alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import platform
@@ -48,12 +52,12 @@ def used_capability(env: dict[str, str]) -> str:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip()
 
 
-def run(capability: str, workers: int, scratch: Path) -> dict:
+def run(capability: str, workers: int, scratch: Path, select: list[str]) -> dict:
     """pytest -m parity under one capability → counts, wall time and the deviation records."""
     log, junit = scratch / f"{capability}.jsonl", scratch / f"{capability}.xml"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": "1", "FORGE_PARITY_LOG": str(log)}
     xdist = ["-n", str(workers), "--dist", "loadgroup"] if workers else ["-p", "no:xdist"]
-    command = [sys.executable, "-m", "pytest", "-m", "parity", "-q", *xdist, f"--junitxml={junit}"]
+    command = [sys.executable, "-m", "pytest", "-m", "parity", "-q", *xdist, f"--junitxml={junit}", *select]
     start = time.monotonic()
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.monotonic() - start
@@ -93,7 +97,7 @@ def tolerance_text(tolerance) -> str:
     return f"{tolerance:.2g}"
 
 
-def report(runs: list[dict], model: str, flags: list[str], workers: int) -> str:
+def report(runs: list[dict], model: str, flags: list[str], workers: int, concurrent: bool) -> str:
     import torch
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
@@ -104,8 +108,10 @@ def report(runs: list[dict], model: str, flags: list[str], workers: int) -> str:
         "",
         "`python benchmarks/parity_capabilities.py"
         + (f" --workers {workers}" if workers != 2 else "")
-        + f"`: `pytest -m parity {workers_text}` with OMP_NUM_THREADS=1, once per capability "
-        "(the torchrun workers the tests start inherit it). Deviation: the largest |ours − reference| of the "
+        + (" --concurrent" if concurrent else "")
+        + f"`: `pytest -m parity {workers_text}` with OMP_NUM_THREADS=1, once per capability"
+        + (", the capabilities running at the same time" if concurrent else "")
+        + " (the torchrun workers the tests start inherit it). Deviation: the largest |ours − reference| of the "
         "comparison that used the largest share of its tolerance in that test; used = deviation / tolerance.",
         "",
         f"- CPU: {model}; flags: {', '.join(flags) or 'none of ' + ', '.join(FLAGS)}",
@@ -151,26 +157,40 @@ def report(runs: list[dict], model: str, flags: list[str], workers: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write(out: Path, runs: list[dict], model: str, flags: list[str], workers: int, concurrent: bool) -> None:
+    """The report, and beside it each run's counts and largest deviation per test as JSON."""
+    out.write_text(report(runs, model, flags, workers, concurrent))
+    summary = [
+        {**{k: v for k, v in r.items() if k != "records"}, "largest": largest_by_test(r["records"])} for r in runs
+    ]
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (0 = none)")
     parser.add_argument("--capabilities", nargs="*", help="default: every one this CPU has")
+    parser.add_argument("--concurrent", action="store_true", help="run the capabilities at the same time")
+    parser.add_argument("-k", dest="select", help="only the parity tests matching this pytest -k expression")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "parity_cpu_capabilities.md")
     args = parser.parse_args()
     model, flags = cpu_info()
-    runs = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for capability in args.capabilities or capabilities(flags):
-            print(f"parity tests under ATEN_CPU_CAPABILITY={capability} …", flush=True)
-            runs.append(run(capability, args.workers, Path(scratch)))
-            r = runs[-1]
-            print(f"  {r['counts']} in {r['wall_s']:.0f} s (torch: {r['used']})", flush=True)
-    args.out.write_text(report(runs, model, flags, args.workers))
-    summary = [
-        {**{k: v for k, v in r.items() if k != "records"}, "largest": largest_by_test(r["records"])} for r in runs
-    ]
-    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    print(f"wrote {args.out}")
+    chosen = args.capabilities or capabilities(flags)
+    runs: list[dict] = []
+    scratch = tempfile.mkdtemp(prefix="parity-capabilities-")  # kept: each capability's JSON lines and junit XML
+    select = ["-k", args.select] if args.select else []
+    with concurrent.futures.ThreadPoolExecutor(len(chosen)) as pool:
+        width = len(chosen) if args.concurrent else 1
+        for first in range(0, len(chosen), width):
+            batch = chosen[first : first + width]
+            print(f"parity tests under ATEN_CPU_CAPABILITY={', '.join(batch)} …", flush=True)
+            for r in pool.map(lambda c: run(c, args.workers, Path(scratch), select), batch):
+                runs.append(r)
+                print(f"  {r['capability']}: {r['counts']} in {r['wall_s']:.0f} s (torch: {r['used']})", flush=True)
+                for name in r["failed"]:
+                    print(f"  failed: {name}", flush=True)
+            write(args.out, runs, model, flags, args.workers, args.concurrent)  # an interrupted run keeps these
+    print(f"wrote {args.out} (raw records in {scratch})")
     return 0 if all(r["returncode"] == 0 for r in runs) else 1
 
 
