@@ -148,6 +148,17 @@ class TrainingTolerance:
         step = SIGMAS * math.sqrt(2)
         return cls(step * sigma_f * loss_scale / math.sqrt(tokens), step * sigma_n, step * sigma_b)
 
+    @classmethod
+    def of_run(cls, cfg) -> TrainingTolerance:
+        """For a one-process run of JobConfig `cfg`: its sizes, the loss scale ln(vocab)."""
+        from engine.model.estimate import param_counts
+
+        tokens = cfg.train.seq_len * cfg.train.batch_size * cfg.train.grad_accum_steps
+        params = param_counts(cfg.model)["total"]
+        return cls.of(
+            cfg.model, seq=cfg.train.seq_len, tokens=tokens, params=params, loss_scale=math.log(cfg.model.vocab_size)
+        )
+
     def loss_at(self, step: int) -> float:
         return self.loss * step
 

@@ -372,7 +372,7 @@ TINY_MOE = [
 ]
 
 
-def test_trainer_logs_expert_load_resumes_exactly_and_matches_under_activation_checkpointing(tmp_path):
+def test_trainer_logs_expert_load_resumes_exactly_and_matches_under_activation_checkpointing(tmp_path, parity):
     from engine.train.trainer import train
 
     def run(name: str, *extra: str) -> list[dict]:
@@ -385,7 +385,11 @@ def test_trainer_logs_expert_load_resumes_exactly_and_matches_under_activation_c
     assert all(r["moe/imbalance"] >= 1.0 and "moe/1/balance_loss" in r and "moe/1/bias_max" in r for r in plain)
     assert plain[-1]["moe/1/bias_max"] > 0  # the balancing bias moved
     checkpointed = run("ac", "train.activation_checkpointing=full")
-    assert [r["loss"] for r in checkpointed] == pytest.approx([r["loss"] for r in plain], abs=1e-6)
+    # recomputation runs the same kernels on the same inputs: bit for bit
+    assert len(checkpointed) == len(plain) > 0
+    parity.close(
+        torch.tensor([r["loss"] for r in checkpointed]), torch.tensor([r["loss"] for r in plain]), atol=0, what="losses"
+    )
     run("resumed", "train.max_steps=2")
     resumed = run("resumed")  # continues from the step-2 checkpoint: router bias and load come back with it
     assert [(r["loss"], r["moe/1/bias_max"]) for r in resumed if r["step"] > 2] == [

@@ -56,9 +56,9 @@ def test_moe_layout_matches_one_process_and_resumes_in_one(tmp_path, one_process
     ours, ref = records(run_dir), records(one_process)
     bias_keys = sorted(key for key in ref[6] if key.endswith(("bias_max", "bias_min")))
     assert len(bias_keys) == 8 and ref[6]["moe/1/bias_max"] > 0  # four MoE layers' bias, which has moved
-    for step in range(1, 7):
-        for key in bias_keys:
-            assert ours[step][key] == pytest.approx(ref[step][key], abs=1e-6), (step, key)
+    # bias += rate · sign(mean load − load): the same loads give the same fp32 sums, bit for bit
+    worst = max(abs(ours[step][key] - ref[step][key]) for step in range(1, 7) for key in bias_keys)
+    parity.within("balancing biases, steps 1-6", worst, 0.0)
     # The same checkpoint, now in one process: the next step is the uninterrupted run's.
     result = forge(run_dir, *MOE_TP, "--train.max_steps=7", batch_size=4)
     assert result.returncode == 0, result.stderr[-3000:]
