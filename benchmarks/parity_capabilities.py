@@ -55,7 +55,15 @@ def used_capability(env: dict[str, str]) -> str:
 def run(capability: str, workers: int, scratch: Path, select: list[str]) -> dict:
     """pytest -m parity under one capability → counts, wall time and the deviation records."""
     log, junit = scratch / f"{capability}.jsonl", scratch / f"{capability}.xml"
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": "1", "FORGE_PARITY_LOG": str(log)}
+    # A compile cache of its own: inductor builds its kernels for the capability, and a kernel or precompiled
+    # header built under another one (a concurrent run's, an earlier run's) must not be reused.
+    env = {
+        **os.environ,
+        "ATEN_CPU_CAPABILITY": capability,
+        "OMP_NUM_THREADS": "1",
+        "FORGE_PARITY_LOG": str(log),
+        "TORCHINDUCTOR_CACHE_DIR": str(scratch / f"inductor-{capability}"),
+    }
     xdist = ["-n", str(workers), "--dist", "loadgroup"] if workers else ["-p", "no:xdist"]
     command = [sys.executable, "-m", "pytest", "-m", "parity", "-q", *xdist, f"--junitxml={junit}", *select]
     start = time.monotonic()
