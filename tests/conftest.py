@@ -1,4 +1,4 @@
-"""Shared test set-up: a per-session cache for the embedded corpus, and a CLI runner."""
+"""Shared test set-up: a per-session cache for the embedded corpus, and the `parity` fixture and marker."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from tests.parity import Parity
 
 REPO = Path(__file__).resolve().parents[1]
 # Tests read local models and datasets only; never wait on the network. Set at import, before test modules
@@ -23,3 +25,28 @@ def forge_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("HF_DATASETS_CACHE", str(shared / "hf-datasets"))
     return shared
+
+
+@pytest.fixture
+def parity(request: pytest.FixtureRequest):
+    """The test's parity comparisons (tests/parity.py); a parity test that compared nothing fails."""
+    checks = Parity(request.node.nodeid)
+    yield checks
+    report = getattr(request.node, "call_report", None)
+    if report is not None and report.passed:
+        assert checks.records, f"{request.node.nodeid} asked for `parity` but compared nothing"
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """A test that asks for the `parity` fixture is a parity test: marked so that `-m parity` selects it."""
+    if "parity" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.parity)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Keeps the call phase's report on the item, for the `parity` fixture's teardown."""
+    report = yield
+    if report.when == "call":
+        item.call_report = report
+    return report

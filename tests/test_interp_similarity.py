@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from engine.errors import UserError
 from engine.interp.similarity import in_memory, linear_cka, rsa, svcca
+from tests.parity import FP64_TOL
 
 
 def data(seed: int = 0, n: int = 300, dx: int = 12, dy: int = 9) -> tuple[np.ndarray, np.ndarray]:
@@ -58,42 +60,53 @@ def direct_rsa(x: np.ndarray, y: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("unbiased", [False, True])
-def test_cka_agrees_with_numpy_on_the_full_gram_matrices(unbiased):
+def test_cka_agrees_with_numpy_on_the_full_gram_matrices(unbiased, parity):
+    """float64 throughout; values in [0, 1]: two routes to the same number within parity.FP64_TOL. The Gram
+    matrices are formed from the centred data (CKA is shift-invariant, test_invariances): from the raw data
+    (mean 50) the unbiased formula cancels terms (mean²/variance)² ≈ 10^6 times larger than its result, which
+    would cost the reference, not our streaming code, six digits; ours still gets the raw data."""
     x, y = data()
-    assert abs(linear_cka(x, y, unbiased=unbiased) - direct_cka(x, y, unbiased)) < 1e-6
-    assert abs(linear_cka(x, x, unbiased=unbiased) - 1) < 1e-9
+    reference = direct_cka(x - x.mean(0), y - y.mean(0), unbiased)
+    parity.within("CKA against the Gram matrices", abs(linear_cka(x, y, unbiased=unbiased) - reference), FP64_TOL)
+    parity.within("CKA of x with itself", abs(linear_cka(x, x, unbiased=unbiased) - 1), FP64_TOL)
 
 
-def test_svcca_and_rsa_agree_with_numpy():
+def test_svcca_and_rsa_agree_with_numpy(parity):
+    """float64; values in [0, 1] (parity.FP64_TOL)."""
     x, y = data(1)
     for keep in (0.99, 0.9, 1.0):
-        assert abs(svcca(x, y, keep=keep) - direct_svcca(x, y, keep)) < 1e-6
-    assert abs(rsa(x[:120], y[:120]) - direct_rsa(x[:120], y[:120])) < 1e-6
-    assert abs(svcca(x, x, keep=1.0) - 1) < 1e-9 and abs(rsa(x[:50], x[:50]) - 1) < 1e-12
+        parity.within(f"SVCCA keep {keep}", abs(svcca(x, y, keep=keep) - direct_svcca(x, y, keep)), FP64_TOL)
+    parity.within("RSA", abs(rsa(x[:120], y[:120]) - direct_rsa(x[:120], y[:120])), FP64_TOL)
+    parity.within("SVCCA of x with itself", abs(svcca(x, x, keep=1.0) - 1), FP64_TOL)
+    parity.within("RSA of x with itself", abs(rsa(x[:50], x[:50]) - 1), FP64_TOL)
 
 
-def test_invariances():
+def test_invariances(parity):
+    """float64; the invariant measures equal on the moved data within parity.FP64_TOL."""
     x, y = data(2)
     rng = np.random.default_rng(3)
     rotation, _ = np.linalg.qr(rng.normal(size=(x.shape[1], x.shape[1])))
     invertible = rng.normal(size=(x.shape[1], x.shape[1])) + 3 * np.eye(x.shape[1])
     moved = 4.5 * x @ rotation + 2.0  # orthogonal transform, isotropic scale, shift
     for unbiased in (False, True):
-        assert abs(linear_cka(moved, y, unbiased) - linear_cka(x, y, unbiased)) < 1e-9
-    assert abs(svcca(moved, y) - svcca(x, y)) < 1e-9
-    assert abs(svcca(x @ invertible, y, keep=1.0) - svcca(x, y, keep=1.0)) < 1e-9
+        parity.within(
+            f"CKA (unbiased={unbiased})", abs(linear_cka(moved, y, unbiased) - linear_cka(x, y, unbiased)), FP64_TOL
+        )
+    parity.within("SVCCA", abs(svcca(moved, y) - svcca(x, y)), FP64_TOL)
+    parity.within("SVCCA, invertible map", abs(svcca(x @ invertible, y, keep=1.0) - svcca(x, y, keep=1.0)), FP64_TOL)
     # and CKA is not invariant to every invertible map (that is what tells it apart from CCA)
     stretch = np.diag(np.logspace(-2, 2, x.shape[1]))
     assert abs(linear_cka(x @ stretch, y) - linear_cka(x, y)) > 1e-2
 
 
-def test_streaming_equals_in_memory():
+def test_streaming_equals_in_memory(parity):
     x, y = data(4, n=517)
     for metric in ("cka", "cka_unbiased", "svcca"):
         whole = in_memory([x, y], metric, batch_rows=10_000)
         streamed = in_memory([x, y], metric, batch_rows=37)
-        np.testing.assert_allclose(streamed, whole, rtol=0, atol=1e-9)
-        assert whole.shape == (2, 2) and abs(whole[0, 0] - 1) < 1e-9
+        assert whole.shape == streamed.shape == (2, 2)
+        parity.close(torch.from_numpy(streamed), torch.from_numpy(whole), atol=FP64_TOL, what=f"{metric} streamed")
+        parity.within(f"{metric} of x with itself", abs(whole[0, 0] - 1), FP64_TOL)
 
 
 def test_too_few_rows_and_unknown_metric():

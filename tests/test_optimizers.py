@@ -17,36 +17,39 @@ from engine.train.optim import build_optimizer, eval_mode, hidden_matrices
 from engine.train.optim.lion import Lion
 from engine.train.optim.muon import Muon, orthogonalize
 from engine.train.optim.schedule_free import ScheduleFreeAdamW
+from tests.parity import FP64_TOL, U32, Parity
 from tests.torchrun import torchrun
 
 STEPS = 6
 SHAPES = [(16, 16), (24, 8), (8, 40)]  # square, tall, wide
 
 
-def random_params(seed: int = 0) -> list[torch.Tensor]:
+# float64 unless a test says otherwise: the claim is that two implementations compute the same update, so
+# they are compared to parity.FP64_TOL (parameters and updates of order 1).
+def random_params(seed: int = 0, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=g) for shape in SHAPES]
+    return [torch.randn(shape, generator=g, dtype=dtype) for shape in SHAPES]
 
 
-def random_grads(step: int) -> list[torch.Tensor]:
+def random_grads(step: int, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    return [torch.randn(shape, generator=g) for shape in SHAPES]
+    return [torch.randn(shape, generator=g, dtype=dtype) for shape in SHAPES]
 
 
-def run(optimizer_of, steps: int = STEPS) -> list[torch.Tensor]:
+def run(optimizer_of, steps: int = STEPS, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
     """Parameters after `steps` updates with the same random gradients; `optimizer_of(params)` builds it."""
-    params = [torch.nn.Parameter(p) for p in random_params()]
+    params = [torch.nn.Parameter(p) for p in random_params(dtype=dtype)]
     optimizer = optimizer_of(params)
     for step in range(steps):
-        for p, grad in zip(params, random_grads(step)):
+        for p, grad in zip(params, random_grads(step, dtype)):
             p.grad = grad.clone()
         optimizer.step()
     return [p.detach() for p in params]
 
 
-def assert_close(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> None:
-    for a, b in zip(ours, reference):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+def assert_close(parity: Parity, ours: list[torch.Tensor], reference: list[torch.Tensor], what: str = "params") -> None:
+    assert len(ours) == len(reference) == len(SHAPES)
+    parity.close(ours, reference, atol=FP64_TOL, what=what)
 
 
 def groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
@@ -57,16 +60,16 @@ def groups(params: list[torch.Tensor], weight_decay: float) -> list[dict]:
 # --- Lion -------------------------------------------------------------------------------------------
 
 
-def test_lion_matches_lion_pytorch():
+def test_lion_matches_lion_pytorch(parity):
     from lion_pytorch import Lion as ReferenceLion
 
     kwargs = {"lr": 3e-3, "betas": (0.9, 0.99)}
     ours = run(lambda ps: Lion(groups(ps, 0.5), **kwargs))
     reference = run(lambda ps: ReferenceLion(groups(ps, 0.5), **kwargs))
-    assert_close(ours, reference)
+    assert_close(parity, ours, reference)
 
 
-def test_lion_matches_the_paper():
+def test_lion_matches_the_paper(parity):
     """Chen et al. 2023, Algorithm 2: c = β1 m + (1-β1) g; θ -= lr (sign(c) + λ θ); m = β2 m + (1-β2) g."""
     lr, (b1, b2), wd = 3e-3, (0.8, 0.95), 0.3
     theta = random_params()
@@ -76,7 +79,7 @@ def test_lion_matches_the_paper():
             c = b1 * m[i] + (1 - b1) * g
             theta[i] = theta[i] - lr * (torch.sign(c) + wd * theta[i])
             m[i] = b2 * m[i] + (1 - b2) * g
-    assert_close(run(lambda ps: Lion(ps, lr=lr, betas=(b1, b2), weight_decay=wd)), theta)
+    assert_close(parity, run(lambda ps: Lion(ps, lr=lr, betas=(b1, b2), weight_decay=wd)), theta)
 
 
 # --- Muon -------------------------------------------------------------------------------------------
@@ -93,7 +96,7 @@ def newton_schulz_reference(g: torch.Tensor, steps: int) -> torch.Tensor:
     return x.T if g.shape[0] > g.shape[1] else x
 
 
-def test_muon_matches_its_equations():
+def test_muon_matches_its_equations(parity):
     """Nesterov momentum, Newton–Schulz, update scaled by 0.2·sqrt(max(rows, cols)), decoupled decay."""
     lr, mu, wd, ns = 0.02, 0.9, 0.1, 5
     theta = random_params()
@@ -104,15 +107,19 @@ def test_muon_matches_its_equations():
             o = newton_schulz_reference(mu * buffers[i] + (1 - mu) * g, ns)
             theta[i] = theta[i] * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(g.shape)) * o
     ours = run(lambda ps: Muon(ps, lr=lr, momentum=mu, weight_decay=wd, ns_steps=ns))
-    assert_close(ours, theta)
+    assert_close(parity, ours, theta)
 
 
-def test_muon_matches_torch_muon_in_bfloat16():
-    """torch.optim.Muon runs Newton–Schulz in bf16 (as the original); ours does too when asked (and on CUDA)."""
+def test_muon_matches_torch_muon_in_bfloat16(parity):
+    """torch.optim.Muon runs Newton–Schulz in bf16 (as the original); ours does too when asked (and on CUDA).
+    fp32 parameters, as torch's Muon keeps them: both run the same bf16 Newton–Schulz on the same momentum,
+    and differ in the fp32 elementwise ops around it (decay, momentum, the scaled update: ≤ 4 roundings of
+    the parameter's size per step), so within STEPS · 4 · 2 · U32 · max|θ|."""
     kwargs = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1, "ns_steps": 5}
-    ours = run(lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kwargs))
-    reference = run(lambda ps: torch.optim.Muon(ps, adjust_lr_fn="match_rms_adamw", **kwargs))
-    assert_close(ours, reference)
+    ours = run(lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kwargs), dtype=torch.float32)
+    reference = run(lambda ps: torch.optim.Muon(ps, adjust_lr_fn="match_rms_adamw", **kwargs), dtype=torch.float32)
+    largest = max(t.abs().max().item() for t in reference)
+    parity.close(ours, reference, atol=STEPS * 4 * 2 * U32 * largest, what="params")
 
 
 def test_orthogonalize_gives_singular_values_near_one():
@@ -154,12 +161,12 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert len(hidden_matrices(tiny_model(tie_embeddings=True))) == 14
 
 
-def test_muon_fallback_is_adamw():
+def test_muon_fallback_is_adamw(parity):
     """The non-matrix groups step exactly as torch.optim.AdamW with the same groups and lr."""
     kwargs = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
     ours = run(lambda ps: Muon([{**g, "use_muon": False} for g in groups(ps, 0.1)], **kwargs))
     reference = run(lambda ps: torch.optim.AdamW(groups(ps, 0.1), foreach=False, **kwargs))
-    assert_close(ours, reference)
+    assert_close(parity, ours, reference)
 
 
 def test_muon_rejects_non_matrices():
@@ -193,6 +200,7 @@ def train(model, tokens, name):
     return optimizer
 
 dist.init_process_group("gloo")
+torch.set_default_dtype(torch.float64)  # one function, two layouts: compared in float64
 results = {{}}
 for name in ("muon", "adamw", "lion", "schedule_free_adamw"):
     model, tokens = model_and_data()
@@ -214,9 +222,10 @@ end_process(0)  # leave without interpreter teardown while gloo's threads live (
 """
 
 
-def test_fsdp2_equals_single_process(tmp_path):
+def test_fsdp2_equals_single_process(tmp_path, parity):
     """Muon (which must orthogonalize the full matrix, not each rank's shard) and the other optimizers on
-    DTensor parameters sharded over 2 CPU ranks: after 5 steps, the same parameters as on one process."""
+    DTensor parameters sharded over 2 CPU ranks: after 5 steps, the same parameters as on one process
+    (float64, parity.FP64_TOL)."""
     from tests.torchrun import REPO
 
     script = tmp_path / "optimizers_fsdp.py"
@@ -224,17 +233,18 @@ def test_fsdp2_equals_single_process(tmp_path):
     out = tmp_path / "params.pt"
     result = torchrun(script, 2, str(out))
     assert result.returncode == 0, result.stdout[-4000:]
-    for optimizer, params in torch.load(out).items():
-        for name, single in params["single"].items():
-            torch.testing.assert_close(
-                params["sharded"][name], single.detach(), rtol=0, atol=1e-6, msg=f"{optimizer}: {name}"
-            )
+    results = torch.load(out)
+    assert sorted(results) == sorted(["muon", "adamw", "lion", "schedule_free_adamw"])
+    for optimizer, params in results.items():
+        assert len(params["sharded"]) == len(params["single"]) > 0
+        single = {name: p.detach() for name, p in params["single"].items()}
+        parity.close(params["sharded"], single, atol=FP64_TOL, what=optimizer)
 
 
 # --- Schedule-free AdamW ---------------------------------------------------------------------------
 
 
-def test_schedule_free_matches_facebookresearch():
+def test_schedule_free_matches_facebookresearch(parity):
     from schedulefree import AdamWScheduleFree
 
     kwargs = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "warmup_steps": 3}
@@ -247,14 +257,14 @@ def test_schedule_free_matches_facebookresearch():
     ours_opt, ref_opt = [], []
     ours = run(lambda ps: ours_opt.append(ScheduleFreeAdamW(groups(ps, 0.2), **kwargs)) or ours_opt[0])
     ref = run(lambda ps: ref_opt.append(reference(ps)) or ref_opt[0])
-    assert_close(ours, ref)  # y, the training point
+    assert_close(parity, ours, ref, "y, the training point")
     ours_opt[0].eval()
     ref_opt[0].eval()
-    assert_close(ours, ref)  # x, the evaluation point
+    assert_close(parity, ours, ref, "x, the evaluation point")
     assert [g["k"] for g in ours_opt[0].param_groups] == [STEPS, STEPS]
 
 
-def test_eval_mode_switches_schedule_free_and_nothing_else():
+def test_eval_mode_switches_schedule_free_and_nothing_else(parity):
     ps = [torch.nn.Parameter(p) for p in random_params()]
     optimizer = ScheduleFreeAdamW(ps, lr=1e-2)
     for step in range(3):
@@ -269,7 +279,7 @@ def test_eval_mode_switches_schedule_free_and_nothing_else():
             optimizer.step()
     assert all(torch.equal(p, yi) for p, yi in zip(ps, y)), "leaving eval mode restores y bit for bit"
     for p, yi, xi in zip(ps, y, x):  # y = β1·x + (1 − β1)·z
-        torch.testing.assert_close(yi, 0.9 * xi + 0.1 * optimizer.state[p]["z"], rtol=0, atol=1e-6)
+        parity.close(yi, 0.9 * xi + 0.1 * optimizer.state[p]["z"], atol=FP64_TOL, what="y = β1·x + (1 − β1)·z")
 
     lion = Lion(ps)
     before = [p.detach().clone() for p in ps]

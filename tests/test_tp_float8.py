@@ -74,7 +74,7 @@ end_process(0)
 """
 
 
-def test_fp8_with_tensor_parallelism_matches_fp8_on_one_process(tmp_path):
+def test_fp8_with_tensor_parallelism_matches_fp8_on_one_process(tmp_path, parity):
     import torch
     import torch.distributed.checkpoint as dcp
     import torch.nn.functional as F
@@ -92,8 +92,12 @@ def test_fp8_with_tensor_parallelism_matches_fp8_on_one_process(tmp_path):
     assert len(found["fp8"]) == 5 and len(found["bf16"]) == 5
     # float8 has 3 mantissa bits: a bf16-level difference of an input flips some of its roundings, so the gap
     # is larger than bf16's, yet far below FP8's own gap from bf16 (0.015-0.024 on such a model, docs/parallelism.md).
-    assert max(found["fp8"]) < 1e-3, found
-    assert max(found["bf16"]) < 3e-4, found
+    # Not derived: the statistical rounding model (tests/parity.py) with bf16's roundoff 2^-8 bounds these gaps
+    # by ~1e-2, as large as the FP8-against-bf16 gap the test must tell apart; so these two stay set from the
+    # measured gaps above (about 2× them), the one place the suite does so.
+    for step, (fp8, bf16) in enumerate(zip(found["fp8"], found["bf16"]), 1):
+        parity.within(f"fp8 loss step {step}", fp8, 1e-3)
+        parity.within(f"bf16 loss step {step}", bf16, 3e-4)
     # The TP run's weights in one process (FP8 keeps names and fp32 dtypes): its next loss.
     cfg = JobConfig(
         model=dict(dim=64, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=32, ffn_hidden_dim=128),
@@ -107,4 +111,4 @@ def test_fp8_with_tensor_parallelism_matches_fp8_on_one_process(tmp_path):
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         logits = model(batch[:, :-1])
     loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).item()
-    assert abs(loss - found["tp_next"]) < 1e-3, (loss, found["tp_next"])
+    parity.within("the TP checkpoint's next loss in one process", abs(loss - found["tp_next"]), 1e-3)

@@ -114,7 +114,12 @@ def apply_fsdp(
     data-parallel ranks; resharded, it would be the local shard, and a gradient reaching it directly would
     skip that reduction (each rank would keep its own batch's gradient of the head).
     """
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # An fp32 run casts nothing (None: the parameters' own dtype), which also keeps a float64 model float64,
+    # as the parity tests run it.
+    cast = param_dtype != torch.float32
+    policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype if cast else None, reduce_dtype=torch.float32 if cast else None
+    )
     if expert_mesh is not None:  # expert-parallel experts: sharded over the ranks that hold the same experts
         fully_shard_experts(model, expert_mesh, mp_policy=policy, reshard_after_forward=not pipelined)
     blocks = list(getattr(model, spec_for(model.cfg).parts.blocks).values())  # the family's blocks

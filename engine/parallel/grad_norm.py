@@ -31,7 +31,8 @@ def clip_grad_norm(
             by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
     counted = [[p.grad for p in group if p not in duplicates] for group in by_mesh.values()]
     norms = [torch.nn.utils.get_total_norm(grads, foreach=True) for grads in counted if grads]
-    squares = [(n.full_tensor() if isinstance(n, DTensor) else n).float().square() for n in norms]
+    plain = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    squares = [n.to(torch.promote_types(n.dtype, torch.float32)).square() for n in plain]  # fp32 at least
     device = parameters[0].device if parameters else None
     total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if pipeline_group is not None:

@@ -258,9 +258,10 @@ class Pipeline:
 
     def step_loss(self, share: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         """The loss on every pipeline rank (a collective: all ranks of the pipeline call it): the sum of the
-        ranks' shares from `step` or `evaluate` (None counts 0)."""
-        value = share.detach().float().reshape(()) if share is not None else torch.zeros((), device=device)
-        value = value.to(device).clone()
+        ranks' shares from `step` or `evaluate` (None counts 0). A float64 scalar on every rank: the collective
+        needs one dtype everywhere, and it keeps a float64 model's loss (the parity tests') unrounded."""
+        value = share.detach().reshape(()) if share is not None else torch.zeros((), device=device)
+        value = value.to(device=device, dtype=torch.float64, copy=True)
         dist.all_reduce(value, group=self.group)
         return value
 

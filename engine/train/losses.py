@@ -1,4 +1,5 @@
-"""Training losses, chosen by `train.loss_fn`. Computed in fp32 whatever the compute dtype.
+"""Training losses, chosen by `train.loss_fn`. Computed in fp32 whatever the compute dtype (in float64 for a
+float64 model, as the parity tests run them).
 
 A registered loss is built from `[train]` and called as `loss(model, tokens, labels)`: it runs the model
 itself, because chunked cross-entropy needs the hidden states before the output head, not the logits.
@@ -51,7 +52,8 @@ def cross_entropy(
     Written as log_softmax then nll_loss, which is exactly how F.cross_entropy computes it (same kernels,
     same autograd graph), so that the log-probabilities are there to gather each token's loss from."""
     shape = labels.shape
-    logits, labels = logits.flatten(0, 1).float(), labels.flatten()
+    # fp32 at least: bf16 logits are upcast, float64 ones (the parity tests' models) kept
+    logits, labels = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)), labels.flatten()
     log_probs = F.log_softmax(logits, dim=-1)
     loss = F.nll_loss(log_probs, labels)
     if on_token_losses is not None:
@@ -157,16 +159,17 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         keep_tokens: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = labels.numel()
+        exact = torch.promote_types(weight.dtype, torch.float32)  # fp32, or float64 for a float64 model
         with torch.autocast(hidden.device.type, enabled=False):
             head = weight.to(dtype)
-            lse = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
-            nll = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            token_nll = torch.empty(labels.shape if keep_tokens else 0, dtype=torch.float32, device=hidden.device)
+            lse = torch.empty(labels.shape, dtype=exact, device=hidden.device)
+            nll = torch.zeros((), dtype=exact, device=hidden.device)
+            token_nll = torch.empty(labels.shape if keep_tokens else 0, dtype=exact, device=hidden.device)
             grad_hidden = torch.empty_like(hidden) if with_grads else None
-            grad_head = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grads else None
+            grad_head = torch.zeros(weight.shape, dtype=exact, device=weight.device) if with_grads else None
             for chunk in chunks(tokens, chunk_size):
                 h = hidden[chunk].to(dtype)
-                logits = (h @ head.T).float()
+                logits = (h @ head.T).to(exact)
                 target = logits.gather(1, labels[chunk, None]).squeeze(1)
                 if with_grads:
                     grad_logits, lse[chunk] = softmax_grad(logits, labels[chunk], z_loss_weight)

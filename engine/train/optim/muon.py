@@ -74,7 +74,7 @@ class Muon(torch.optim.Optimizer):
         θ ← θ·(1 − lr·λ) − lr·0.2·sqrt(max(rows, cols))·O
 
     `ns_dtype` is the precision of the Newton–Schulz matmuls: unset = bfloat16 on CUDA (as the
-    reference implementation, for speed) and float32 elsewhere.
+    reference implementation, for speed) and float32 elsewhere (float64 for float64 parameters).
     """
 
     def __init__(
@@ -122,7 +122,9 @@ class Muon(torch.optim.Optimizer):
         buffer = state["momentum_buffer"]
         buffer.lerp_(p.grad, 1 - momentum)
         nesterov = p.grad.lerp(buffer, momentum)
-        dtype = self.ns_dtype or (torch.bfloat16 if p.device.type == "cuda" else torch.float32)
+        dtype = self.ns_dtype or (
+            torch.bfloat16 if p.device.type == "cuda" else torch.promote_types(p.dtype, torch.float32)
+        )
         direction = orthogonalize_full(nesterov, group["ns_steps"], dtype)
         p.mul_(1 - lr * group["weight_decay"])
         p.add_(direction, alpha=-lr * update_scale(p.shape))
