@@ -1,0 +1,144 @@
+"""Per-layer expert load metrics against a recount by hand from the routing decisions, and the MoE forward
+at ep = 1 without host synchronisation."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine.config.model import ModelConfig
+from engine.model.moe import moe_metrics
+from engine.model.transformer import Transformer
+from engine.train.balancing import attach_router_balancing
+from engine.train.moe_load import ExpertLoadWindow
+
+
+def tiny_moe(router: str, **fields) -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        dim=32,
+        n_layers=3,
+        n_heads=4,
+        vocab_size=97,
+        max_seq_len=32,
+        num_experts=16,
+        moe_top_k=2,
+        moe_router=router,
+        moe_shared_experts=1,
+        **fields,
+    )
+    model = Transformer(cfg)
+    model.init_weights()
+    return model
+
+
+def capture_routing(model: Transformer) -> dict[str, list[torch.Tensor]]:
+    """Layer name → the chosen experts [tokens, k] of every forward, taken from each router's output."""
+    chosen: dict[str, list[torch.Tensor]] = {name: [] for name in model.moe_routers()}
+    for name, router in model.moe_routers().items():
+        router.register_forward_hook(lambda module, args, out, name=name: chosen[name].append(out.experts.clone()))
+    return chosen
+
+
+@pytest.mark.parametrize("router", ["sigmoid_topk", "softmax_topk"])
+def test_per_layer_load_metrics_equal_a_recount_of_the_routing_decisions(router):
+    """Two training micro-batches: imbalance and load_cv from the last one's decisions, dead experts from both
+    (an expert is dead only if neither picked it), totals over the layers (the worst layer named)."""
+    fields = {"moe_bias_schedule": [[0, 0.05]]} if router == "sigmoid_topk" else {}
+    model = tiny_moe(router, **fields)
+    chosen = capture_routing(model)
+    window = ExpertLoadWindow()
+    window.attach(model)
+    attach_router_balancing(model)
+    model.train()
+    # few tokens per micro-batch (6 tokens · top-2 = 12 assignments over 16 experts): dead experts certain
+    for seed in (1, 2):
+        tokens = torch.randint(0, 97, (2, 3), generator=torch.Generator().manual_seed(seed))
+        model(tokens).sum().backward()
+    metrics = moe_metrics(model, window.take())
+    assert set(chosen) == {"0", "1", "2"} and all(len(forwards) == 2 for forwards in chosen.values())
+    worst, dead_total = None, 0
+    for name, forwards in chosen.items():
+        last = Counter(forwards[-1].flatten().tolist())
+        counts = [last.get(e, 0) for e in range(16)]
+        mean = sum(counts) / 16  # = 6 tokens · 2 / 16
+        std = math.sqrt(sum((c - mean) ** 2 for c in counts) / 16)
+        used = set(torch.cat(forwards).flatten().tolist())
+        dead = 16 - len(used)
+        # the metrics are fp32 ratios of small integers: exact to fp32 rounding (a few ulps of values ≤ 16)
+        assert metrics[f"moe/{name}/imbalance"] == pytest.approx(max(counts) / mean, rel=1e-6)
+        assert metrics[f"moe/{name}/load_cv"] == pytest.approx(std / mean, rel=1e-6)
+        assert metrics[f"moe/{name}/dead_experts"] == dead
+        assert dead >= 16 - 2 * 12  # proves nothing by itself; the equality above is the check
+        dead_total += dead
+        if worst is None or max(counts) / mean > metrics[f"moe/{worst}/imbalance"]:
+            worst = name
+    assert dead_total > 0  # 24 assignments over 16 experts per layer, some layers certainly skip experts
+    assert metrics["moe/imbalance_layer"] == int(worst)
+    assert metrics["moe/imbalance"] == metrics[f"moe/{worst}/imbalance"]
+    assert metrics["moe/dead_experts"] == dead_total
+    assert metrics["moe/load_cv"] == max(metrics[f"moe/{n}/load_cv"] for n in chosen)
+    # the window starts over after it is read, and evaluation forwards do not count
+    model.eval()
+    with torch.no_grad():
+        model(torch.zeros(1, 3, dtype=torch.long))
+    assert window.take() == {}
+
+
+SYNC_OPS = {
+    torch.ops.aten._local_scalar_dense.default,  # .item(), .tolist(), bool(tensor), int(tensor)
+    torch.ops.aten.nonzero.default,  # an output shape that depends on the data
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten.unique_consecutive.default,
+    torch.ops.aten._unique2.default,
+    torch.ops.aten.repeat_interleave.Tensor,  # without output_size
+}
+
+
+class CountSyncs(TorchDispatchMode):
+    """Counts the ops reaching dispatch that make the host wait for the device's data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in SYNC_OPS:
+            self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "router,fields",
+    [
+        ("sigmoid_topk", {"moe_sequence_aux_loss_weight": 1e-4}),
+        ("softmax_topk", {"moe_aux_loss_weight": 0.01, "moe_router_z_loss_weight": 1e-3}),
+        ("softmax_topk", {"moe_capacity_factor": 1.0, "moe_gradient_scale": True}),
+    ],
+)
+@pytest.mark.parametrize("implementation", ["grouped", "loop"])
+def test_the_moe_forward_at_ep1_makes_no_host_synchronisation(router, fields, implementation):
+    """A training forward of every MoE block (router, losses, sort by expert, experts, combine) and the bias
+    update before it, under a dispatch mode that counts the ops that synchronise; `loop` is the fallback
+    where grouped_mm is missing, whose split sizes need the counts on the host (one sync per layer)."""
+    from engine.model.moe import GROUPED_MM
+
+    if implementation == "grouped" and GROUPED_MM is None:
+        pytest.skip("this torch has no grouped_mm")
+    model = tiny_moe(router, **fields)
+    for moe in model.moe_layers().values():
+        moe.implementation = implementation
+    attach_router_balancing(model)
+    model.train()
+    tokens = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(tokens).sum().backward()  # the first forward records a load; the next applies it
+    counter = CountSyncs()
+    with counter:
+        out = model(tokens)
+    assert out.shape == (2, 8, 97) and len(model.last_moe_stats) == 3
+    expected = [] if implementation == "grouped" else ["aten._local_scalar_dense.default"] * 16 * 3
+    assert counter.calls == expected
