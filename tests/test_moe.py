@@ -369,6 +369,7 @@ def test_trainer_logs_expert_load_resumes_exactly_and_matches_under_activation_c
 
     plain = run("plain")
     assert all(r["moe/imbalance"] >= 1.0 and "moe/1/balance_loss" in r and "moe/1/bias_max" in r for r in plain)
+    assert all("moe/1/load_cv" in r and "moe/1/dead_experts" in r and "moe/imbalance_layer" in r for r in plain)
     assert plain[-1]["moe/1/bias_max"] > 0  # the balancing bias moved
     checkpointed = run("ac", "train.activation_checkpointing=full")
     assert [r["loss"] for r in checkpointed] == pytest.approx([r["loss"] for r in plain], abs=1e-6)

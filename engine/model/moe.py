@@ -39,6 +39,7 @@ from engine.model.routers import (
     Routing,
     balance_loss,
     build_router,
+    expert_counts,
     router_z_loss,
     sequence_balance_loss,
     tokens_per_expert,
@@ -257,7 +258,11 @@ def with_moe_totals(flat: dict[str, float]) -> dict[str, float]:
 def within_capacity(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
     """[tokens, k] bool: whether each assignment is among the first `capacity` of its expert, counting in
     token order (then by rank within a token)."""
-    onehot = F.one_hot(experts.flatten(), num_experts)
+    flat = experts.flatten()
+    # not F.one_hot, which reads the indices' min and max on the host to check them
+    onehot = torch.zeros(flat.shape[0], num_experts, dtype=torch.int64, device=flat.device).scatter_(
+        1, flat[:, None], 1
+    )
     position = (onehot.cumsum(dim=0) * onehot).sum(dim=-1) - 1  # index of the assignment within its expert
     return (position < capacity).view_as(experts)
 
@@ -285,7 +290,7 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     token order within an expert), the token of each sorted assignment, and assignments per expert [E]."""
     flat = experts.flatten()
     order = flat.argsort(stable=True)
-    return order, order // experts.shape[1], torch.bincount(flat, minlength=num_experts)
+    return order, order // experts.shape[1], expert_counts(experts, num_experts)
 
 
 def run_experts(
