@@ -59,6 +59,7 @@ class SigmoidTopK(nn.Module):
         super().__init__()
         self.top_k = cfg.moe_top_k
         self.schedule = cfg.moe_bias_schedule
+        self.step_of = BIAS_UPDATES[cfg.moe_bias_update]
         self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
         self.register_buffer("bias", torch.zeros(cfg.num_experts))
         self.register_buffer("pending_load", torch.zeros(cfg.num_experts))
@@ -93,14 +94,29 @@ class SigmoidTopK(nn.Module):
 
     @torch.no_grad()
     def apply_bias_update(self) -> None:
-        """bias += rate · sign(mean load − load): underloaded experts become likelier picks, overloaded ones
-        less likely. Changes nothing when no load is pending (the first forward, or after evaluation-only
-        use: the sign of an all-zero load is 0 and the update count stays). All on the device, with no host
-        synchronisation, so that it does not stall the forward it precedes."""
+        """bias += rate · step(load) (`model.moe_bias_update`, `BIAS_UPDATES`): underloaded experts become
+        likelier picks, overloaded ones less likely. Changes nothing when no load is pending (the first
+        forward, or after evaluation-only use: the step of an all-zero load is 0 and the update count stays).
+        All on the device, with no host synchronisation, so that it does not stall the forward it precedes."""
         load = self.pending_load
-        self.bias.add_(self.rate(self.updates) * torch.sign(load.mean() - load))
+        self.bias.add_(self.rate(self.updates) * self.step_of(load))
         self.updates.add_(load.any().long())
         self.pending_load.zero_()
+
+
+def sign_step(load: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's update: sign(mean − load), ±1 whatever the size of the imbalance."""
+    return torch.sign(load.mean() - load)
+
+
+def proportional_step(load: torch.Tensor) -> torch.Tensor:
+    """(mean − load) / mean: an expert at k times the mean load moves by k − 1 times the rate, one near the
+    mean barely moves; an underloaded expert moves by at most the rate."""
+    mean = load.mean()
+    return (mean - load) / mean.clamp(min=1e-9)
+
+
+BIAS_UPDATES = {"sign": sign_step, "proportional": proportional_step}  # model.moe_bias_update
 
 
 def build_router(cfg: ModelConfig) -> nn.Module:
