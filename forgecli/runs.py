@@ -248,7 +248,7 @@ def save_plot(series: dict[str, dict[str, tuple[list[float], list[float]]]], pat
     layer_loads = {name: [key for key in run if LAYER_LOAD.fullmatch(key)] for name, run in series.items()}
     moe = any(layer_loads.values())
     figure = Figure(figsize=(10, 9.75 if moe else 6.5), layout="constrained")
-    panels = figure.subplots(3 if moe else 2, 2).flat
+    panels = list(figure.subplots(3 if moe else 2, 2).flat)
     for axes, (key, label) in zip(panels, PLOTTED.items()):
         for name, curves_of_run in series.items():
             if key in curves_of_run:
@@ -258,8 +258,8 @@ def save_plot(series: dict[str, dict[str, tuple[list[float], list[float]]]], pat
         axes.grid(alpha=0.3)
     figure.axes[0].legend(fontsize="small")
     if moe:
-        plot_layer_loads(next(panels), series, layer_loads, x)
-        next(panels).set_visible(False)
+        plot_layer_loads(panels[4], series, layer_loads, x)
+        panels[5].set_visible(False)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=80)
     return figure

@@ -168,3 +168,46 @@ def test_the_moe_forward_at_ep1_makes_no_host_synchronisation(router, fields, im
     assert out.shape == (2, 8, 97) and len(model.last_moe_stats) == 3
     assert syncs.calls == []
     assert reads.calls == ([] if implementation == "grouped" else ["tolist"] * 3)  # the loop's split sizes
+
+
+def fake_moe_run(run_dir, imbalances: list[list[float]]) -> None:
+    """A run directory as training leaves it, with per-layer expert load in its metrics (no training)."""
+    import json
+
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.toml").write_text("[train]\nmax_steps = 20\n")
+    rows = []
+    for i, layers in enumerate(imbalances):
+        row = {"step": 10 * (i + 1), "loss": 5.0 - i, "tokens_seen": 100 * (i + 1)}
+        row.update({f"moe/{layer}/imbalance": value for layer, value in enumerate(layers)})
+        worst = max(range(len(layers)), key=layers.__getitem__)
+        row.update({"moe/imbalance": layers[worst], "moe/imbalance_layer": worst})
+        rows.append(json.dumps(row))
+    (run_dir / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+
+
+def test_forge_runs_names_the_worst_layer_and_compare_plots_each_layers_load(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+    from typer.testing import CliRunner
+
+    from forgecli.app import app
+
+    fake_moe_run(tmp_path / "runs" / "a", [[1.5, 9.0, 4.0], [1.2, 1.8, 2.6]])
+    fake_moe_run(tmp_path / "runs" / "b", [[3.0, 2.0], [1.1, 1.3]])
+    env = {"NO_COLOR": "1", "COLUMNS": "250"}
+    listed = CliRunner().invoke(app, ["runs", str(tmp_path / "runs")], env=env)
+    assert listed.exit_code == 0, listed.output
+    assert "expert load" in listed.output and "2.60 (layer 2)" in listed.output and "1.30 (layer 1)" in listed.output
+    assert "max/mean tokens per expert" in listed.output and "1 = balanced" in listed.output  # the caption
+    saved: list[Figure] = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (saved.append(self), savefig(self, *a, **k))[1])
+    runs = [str(tmp_path / "runs" / name) for name in ("a", "b")]
+    compared = CliRunner().invoke(app, ["runs", "compare", *runs, "--plot", str(tmp_path / "c.png")], env=env)
+    assert compared.exit_code == 0, compared.output
+    assert len(saved) == 1
+    panel = next(axes for axes in saved[0].axes if axes.get_title().startswith("expert load per layer"))
+    lines = {line.get_label(): line for line in panel.get_lines() if not line.get_label().startswith("_")}
+    assert sorted(lines) == ["a layer 0", "a layer 1", "a layer 2", "b layer 0", "b layer 1"]
+    assert list(lines["a layer 1"].get_ydata()) == [9.0, 1.8] and list(lines["a layer 1"].get_xdata()) == [10, 20]
+    assert list(lines["b layer 0"].get_ydata()) == [3.0, 1.1]
