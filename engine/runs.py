@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from engine.run_lock import lock_holder
 ATTEMPTS_FILE = "attempts.jsonl"
 ACTIVITY_FILES = (METRICS_FILE, "train.log", ATTEMPTS_FILE)  # what a run writes as it goes: its age
 CURVES = ("loss", "eval_loss", "lr", "tokens_per_sec")  # what `forge runs compare` plots
+LAYER_LOAD = re.compile(r"moe/(\d+)/imbalance")  # an MoE layer's max/mean tokens per expert: plotted per layer
 
 
 def record_attempt(run_dir: Path, event: str, **fields: Any) -> None:
@@ -56,6 +58,8 @@ class RunSummary:
     tokens_per_sec: float | None
     last_checkpoint: int | None  # the step of the newest complete checkpoint
     updated: float | None  # when the run last wrote its metrics, log or attempt record (seconds since the epoch)
+    expert_imbalance: float | None = None  # MoE: the worst layer's max/mean tokens per expert at the last log
+    expert_imbalance_layer: int | None = None  # … and which layer that is
     evals: dict[str, float] = field(default_factory=dict)  # `forge eval` results of its newest evaluated step
 
 
@@ -94,6 +98,8 @@ def summarize_run(run_dir: Path, name: str | None = None) -> RunSummary:
         train.get("tokens_per_sec"),
         checkpoints[-1][0] if checkpoints else None,
         max(written, default=None),
+        train.get("moe/imbalance"),
+        train.get("moe/imbalance_layer"),
         newest_evals(run_dir),
     )
 
@@ -191,13 +197,17 @@ def config_differences(run_dirs: list[Path]) -> dict[str, list[Any]]:
 
 
 def curves(run_dir: Path, x: Literal["steps", "tokens"] = "steps") -> dict[str, tuple[list[float], list[float]]]:
-    """Each logged series of `CURVES` as (x, y), against the step or the tokens seen by then (`x="tokens"`).
-    Every step trains on the same number of tokens, so an eval record's tokens are its step times that."""
+    """Each logged series of `CURVES` and of each MoE layer's load (`moe/{layer}/imbalance`) as (x, y), against
+    the step or the tokens seen by then (`x="tokens"`). Every step trains on the same number of tokens, so an
+    eval record's tokens are its step times that."""
     records = metric_records(run_dir)
     per_step = next((r["tokens_seen"] / r["step"] for r in reversed(records) if r.get("tokens_seen") and r["step"]), 0)
     scale = per_step if x == "tokens" else 1
+    layer_loads = sorted(
+        {key for r in records for key in r if LAYER_LOAD.fullmatch(key)}, key=lambda k: int(k.split("/")[1])
+    )
     return {
         key: ([r["step"] * scale for r in points], [r[key] for r in points])
-        for key in CURVES
+        for key in (*CURVES, *layer_loads)
         if (points := [r for r in records if r.get(key) is not None])
     }

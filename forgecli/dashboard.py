@@ -29,9 +29,17 @@ def fmt_metrics(metrics: dict[str, Any]) -> dict[str, str]:
     for key, value in metrics.items():  # a mixture: each source's loss in the step (engine/train/source_losses.py)
         if key.startswith("loss/"):
             shown[f"loss {key.removeprefix('loss/')}"] = f"{value:.4f}"
-    if "moe/imbalance" in metrics:  # MoE: the worst layer's max/mean tokens per expert (1 = balanced)
-        shown["expert imbalance"] = f"{metrics['moe/imbalance']:.2f}"
+    if "moe/imbalance" in metrics:
+        shown["expert imbalance"] = expert_load(metrics)
     return shown
+
+
+def expert_load(metrics: dict[str, Any]) -> str:
+    """The worst MoE layer's max/mean tokens per expert, which layer, what it means, and how many experts got
+    no token since the last logged step (docs/moe.md#metrics)."""
+    text = f"{metrics['moe/imbalance']:.2f} (layer {metrics['moe/imbalance_layer']}; max/mean tokens per expert, 1 = balanced)"
+    dead = metrics.get("moe/dead_experts")
+    return text if not dead else f"{text}, {dead:.0f} dead experts"
 
 
 def start_line(info: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperGroup
 
+from engine.runs import LAYER_LOAD
 from forgecli.termplot import line_plot
 from forgecli.ui import console, is_interactive, print_json, print_wide, user_errors
 
@@ -81,9 +82,18 @@ def name_under(root: Path, run_dir: Path) -> str:
 
 
 def runs_table(runs: list[RunSummary]) -> Table:
-    """One row per run; the last column (why a run is in its state) is cut to the width left, never wrapped."""
-    table = Table(box=box.SIMPLE_HEAD if is_interactive() else None, header_style="bold", pad_edge=False)
-    for column in ("run", "status", "step", "tokens", "loss", "eval loss", "tokens/s", "checkpoint", "age"):
+    """One row per run; the last column (why a run is in its state) is cut to the width left, never wrapped.
+    With an MoE run among them, an `expert load` column and a caption that says what it means."""
+    moe = any(run.expert_imbalance is not None for run in runs)
+    table = Table(
+        box=box.SIMPLE_HEAD if is_interactive() else None,
+        header_style="bold",
+        pad_edge=False,
+        caption=EXPERT_LOAD_MEANING if moe else None,
+        caption_justify="left",
+    )
+    columns = ("run", "status", "step", "tokens", "loss", "eval loss", "tokens/s", "checkpoint", "age")
+    for column in (*columns, "expert load") if moe else columns:
         table.add_column(column, justify="left" if column in ("run", "status") else "right", no_wrap=True)
     with_evals = any(run.evals for run in runs)
     if with_evals:
@@ -94,6 +104,7 @@ def runs_table(runs: list[RunSummary]) -> Table:
         evals = (
             [Text(" ".join(f"{k}={v:.4g}" for k, v in run.evals.items()) or "-", no_wrap=True)] if with_evals else []
         )
+        load = [expert_load(run)] if moe else []
         table.add_row(
             escape(run.name),
             f"[{STATUS_STYLES.get(run.status, '')}]{run.status}[/]",
@@ -104,10 +115,23 @@ def runs_table(runs: list[RunSummary]) -> Table:
             fmt(run.tokens_per_sec, ",.0f"),
             fmt(run.last_checkpoint),
             age(now - run.updated) if run.updated else "-",
+            *load,
             *evals,
             Text(run.detail, no_wrap=True, overflow="ellipsis"),
         )
     return table
+
+
+EXPERT_LOAD_MEANING = (
+    "expert load: the worst MoE layer's max/mean tokens per expert at the last logged step, and which layer "
+    "(1 = balanced; num_experts / moe_top_k = every token on the same experts)"
+)
+
+
+def expert_load(run: RunSummary) -> str:
+    if run.expert_imbalance is None:
+        return "-"
+    return f"{run.expert_imbalance:.2f} (layer {run.expert_imbalance_layer})"
 
 
 def fmt(value: float | None, spec: str = "") -> str:
@@ -241,7 +265,8 @@ def differences_table(names: list[str], differences: dict[str, list[Any]]) -> Ta
 
 
 def save_plot(series: dict[str, dict[str, tuple[list[float], list[float]]]], path: Path, x: str) -> Figure:
-    """Four panels (training loss, eval loss, learning rate, tokens/s), one line per run; returns the figure."""
+    """Four panels (training loss, eval loss, learning rate, tokens/s), one line per run, and for MoE runs a
+    fifth: each layer's max/mean tokens per expert, one line per run and layer; returns the figure."""
     from engine.errors import UserError
 
     try:
@@ -254,8 +279,11 @@ def save_plot(series: dict[str, dict[str, tuple[list[float], list[float]]]], pat
             "--plot needs matplotlib, which is not installed",
             "pip install 'forge-lm[plot]' (or pip install matplotlib)",
         ) from None
-    figure = Figure(figsize=(10, 6.5), layout="constrained")
-    for axes, (key, label) in zip(figure.subplots(2, 2).flat, PLOTTED.items()):
+    layer_loads = {name: [key for key in run if LAYER_LOAD.fullmatch(key)] for name, run in series.items()}
+    moe = any(layer_loads.values())
+    figure = Figure(figsize=(10, 9.75 if moe else 6.5), layout="constrained")
+    panels = list(figure.subplots(3 if moe else 2, 2).flat)
+    for axes, (key, label) in zip(panels, PLOTTED.items()):
         for name, curves_of_run in series.items():
             if key in curves_of_run:
                 axes.plot(*curves_of_run[key], label=name, marker="o" if key == "eval_loss" else None, markersize=3)
@@ -263,6 +291,21 @@ def save_plot(series: dict[str, dict[str, tuple[list[float], list[float]]]], pat
         axes.set_xlabel(x)
         axes.grid(alpha=0.3)
     figure.axes[0].legend(fontsize="small")
+    if moe:
+        plot_layer_loads(panels[4], series, layer_loads, x)
+        panels[5].set_visible(False)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=80)
     return figure
+
+
+def plot_layer_loads(axes: Any, series: dict[str, dict[str, Any]], layer_loads: dict[str, list[str]], x: str) -> None:
+    """Each MoE layer's max/mean tokens per expert, one line per run and layer."""
+    for name, keys in layer_loads.items():
+        for key in keys:
+            axes.plot(*series[name][key], label=f"{name} layer {key.split('/')[1]}", linewidth=1)
+    axes.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+    axes.set_title("expert load per layer: max/mean tokens per expert (1 = balanced)")
+    axes.set_xlabel(x)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="x-small", ncol=2)

@@ -143,6 +143,28 @@ def test_bias_schedule_picks_the_rate_by_update_count():
     torch.testing.assert_close(router.bias, torch.tensor([-0.2, 0.2, 0.2, 0.2]))  # the third used rate 0
 
 
+def test_proportional_bias_update_moves_each_expert_by_its_distance_from_the_mean():
+    cfg = moe_config(moe_router="sigmoid_topk", moe_bias_schedule=[(0, 0.1)], moe_bias_update="proportional")
+    router = SigmoidTopK(cfg)
+    router.record_load(torch.tensor([8.0, 0.0, 0.0, 0.0]))  # mean 2: (2 − 8)/2 = −3, (2 − 0)/2 = +1
+    router.apply_bias_update()
+    torch.testing.assert_close(router.bias, torch.tensor([-0.3, 0.1, 0.1, 0.1]))
+    router.record_load(torch.tensor([3.0, 1.0, 2.0, 2.0]))  # near balance: small steps
+    router.apply_bias_update()
+    torch.testing.assert_close(router.bias, torch.tensor([-0.35, 0.15, 0.1, 0.1]))
+    router.apply_bias_update()  # nothing pending: no update, no count
+    assert int(router.updates) == 2
+    with pytest.raises(ConfigError, match="moe_bias_update"):
+        load_job_config(
+            REPO / "presets" / "debug_moe.toml",
+            [
+                "model.moe_router=softmax_topk",
+                "model.moe_bias_schedule=[[0,0.001]]",
+                "model.moe_bias_update=proportional",
+            ],
+        ).validate(1)
+
+
 def test_losses_equal_their_formulas_on_hand_made_inputs():
     probs = torch.tensor([[0.7, 0.2, 0.1], [0.6, 0.3, 0.1], [0.1, 0.1, 0.8], [0.5, 0.25, 0.25]])
     experts = torch.tensor([[0], [0], [2], [1]])
@@ -383,6 +405,7 @@ def test_trainer_logs_expert_load_resumes_exactly_and_matches_under_activation_c
 
     plain = run("plain")
     assert all(r["moe/imbalance"] >= 1.0 and "moe/1/balance_loss" in r and "moe/1/bias_max" in r for r in plain)
+    assert all("moe/1/load_cv" in r and "moe/1/dead_experts" in r and "moe/imbalance_layer" in r for r in plain)
     assert plain[-1]["moe/1/bias_max"] > 0  # the balancing bias moved
     checkpointed = run("ac", "train.activation_checkpointing=full")
     # recomputation runs the same kernels on the same inputs: bit for bit

@@ -146,7 +146,7 @@ def test_selective_recomputes_the_pointwise_ops_but_no_matmul(fields):
     layers, moe = fields["n_layers"], "num_experts" in fields
     saved = ["aten.mm.default", "aten._scaled_dot_product_flash_attention_for_cpu.default"]
     if moe:
-        saved += ["aten._grouped_mm.default", "aten.topk.default", "aten.bincount.default"]
+        saved += ["aten._grouped_mm.default", "aten.topk.default"]  # the counts: a cheap scatter-add, recomputed
     for op in saved:
         assert recomputed["full"][op] >= layers, op
         assert recomputed["selective"][op] == 0, op

@@ -51,8 +51,9 @@ def test_moe_pipelined_matches_one_process_and_resumes_in_one(tmp_path, parity):
     ours, ref = records(piped), records(single)
     assert sorted(ours) == list(range(1, 7)), ours.keys()
     routing = sorted(key for key in ref[6] if key.startswith("moe/"))
-    # 4 MoE layers × (imbalance, dropped, 3 aux losses, bias min/max) + the two totals, from both stages
-    assert len(routing) == 4 * 7 + 2 and sorted(key for key in ours[6] if key.startswith("moe/")) == routing
+    # 4 MoE layers × (imbalance, load_cv, dead_experts, dropped, 3 aux losses, bias min/max) + the five totals
+    # (imbalance and its layer, load_cv, dropped, dead experts), from both stages
+    assert len(routing) == 4 * 9 + 5 and sorted(key for key in ours[6] if key.startswith("moe/")) == routing
     assert ref[6]["moe/0/bias_max"] > 0 and ref[6]["moe/3/balance_loss"] > 0
     tol = tolerance(single)
     for step in range(1, 7):

@@ -78,8 +78,14 @@ class ModelConfig(Section):
     moe_bias_schedule: list[tuple[int, float]] = Field(
         default_factory=lambda: [(0, 1e-3)],
         description="sigmoid_topk only: balancing-bias update rate as [[from_update, rate], …]; after each "
-        "training forward, bias += rate · sign(mean load − expert load); updates are counted per "
+        "training forward, bias += rate · step (model.moe_bias_update); updates are counted per "
         "forward (micro-batch)",
+    )
+    moe_bias_update: Literal["sign", "proportional"] = Field(
+        "sign",
+        description="sigmoid_topk only: how the balancing bias moves: sign = rate · sign(mean − load) "
+        "(DeepSeek-V3), proportional = rate · (mean − load) / mean (large steps for an expert far above the "
+        "mean, small ones near balance)",
     )
     moe_packed_experts: bool = Field(
         True, description="store each projection of all experts as one [experts, …] tensor (else one module per expert)"
@@ -119,6 +125,7 @@ class ModelConfig(Section):
         "moe_sequence_aux_loss_weight": "model/moe.py",
         "moe_gradient_scale": "model/moe.py",
         "moe_bias_schedule": "model/routers.py",
+        "moe_bias_update": "model/routers.py",
         "moe_packed_experts": "model/moe.py",
         "moe_expert_ffn_multiplier": "model/moe.py",
         "moe_router_z_loss_weight": "model/moe.py",
@@ -188,6 +195,7 @@ MOE_FIELDS = (
     "moe_sequence_aux_loss_weight",
     "moe_gradient_scale",
     "moe_bias_schedule",
+    "moe_bias_update",
     "moe_packed_experts",
     "moe_expert_ffn_multiplier",
     "moe_router_z_loss_weight",

@@ -39,6 +39,7 @@ from engine.model.routers import (
     Routing,
     balance_loss,
     build_router,
+    expert_counts,
     router_z_loss,
     sequence_balance_loss,
     tokens_per_expert,
@@ -180,18 +181,24 @@ class MoE(nn.Module):
         loss = balance_w * balance + sequence_w * sequence + z_w * z
         return MoEStats(loss, load, dropped, balance.detach(), sequence.detach(), z.detach())
 
-    def metrics(self, stats: MoEStats) -> dict[str, torch.Tensor]:
+    def metrics(self, stats: MoEStats, window: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """This layer's routing metrics for `stats` of one of its forwards, as tensors (the caller syncs once
-        for all layers): imbalance = max/mean tokens per expert, dropped assignments, the unweighted aux
-        losses, and the router's balancing bias (min/max) where it has one."""
+        for all layers): imbalance = max/mean tokens per expert and load_cv = their coefficient of variation
+        (population std / mean; 0 when balanced, sqrt(E/k − 1) when every token goes to the same k experts),
+        dropped assignments, the unweighted aux losses, the router's balancing bias (min/max) where it has one,
+        and with `window` (tokens per expert summed over several forwards) the experts it never picked."""
         load = stats.load.float()
+        mean = load.mean().clamp(min=1e-9)
         row = {
-            "imbalance": load.max() / load.mean().clamp(min=1e-9),
+            "imbalance": load.max() / mean,
+            "load_cv": load.std(correction=0) / mean,
             "dropped": stats.dropped,
             "balance_loss": stats.balance_loss,
             "sequence_balance_loss": stats.sequence_balance_loss,
             "z_loss": stats.z_loss,
         }
+        if window is not None:
+            row["dead_experts"] = (window == 0).sum().float()
         bias = getattr(self.router, "bias", None)
         if bias is not None:
             row.update(bias_min=bias.min(), bias_max=bias.max())
@@ -206,44 +213,56 @@ class MoE(nn.Module):
         return [*self.experts.output_weights(), *shared]
 
 
-def moe_metrics(model: nn.Module) -> dict[str, float]:
-    """Flat metrics of the routing of `model`'s last forward: each MoE layer's row (`moe/{layer}/…`), the
-    largest imbalance and the dropped assignments of all layers; {} for a dense model. `model` is a
-    Transformer (its `moe_layers()` and `last_moe_stats`). One host sync for all of them."""
-    return with_moe_totals(moe_layer_metrics(model))
+def moe_metrics(model: nn.Module, windows: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+    """Flat metrics of the routing of `model`'s last forward: each MoE layer's row (`moe/{layer}/…`) and the
+    totals over all layers (`with_moe_totals`); {} for a dense model. `model` is a Transformer (its
+    `moe_layers()` and `last_moe_stats`); `windows`: layer name → tokens per expert summed since the last
+    report (engine/train/moe_load.py), for the dead-expert counts. One host sync for all of them."""
+    return with_moe_totals(moe_layer_metrics(model, windows))
 
 
-def moe_layer_metrics(model: nn.Module) -> dict[str, float]:
+def moe_layer_metrics(model: nn.Module, windows: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     """Each MoE layer's row of `model`'s last forward (`moe/{layer}/…`), in one host sync; {} when dense. A
     pipeline stage reports its own layers, and the rows of all stages together are one process's
     (engine/parallel/pipeline_moe.py)."""
     if not model.last_moe_stats:
         return {}
-    layers = model.moe_layers()
+    layers, windows = model.moe_layers(), windows or {}
     keys, values = [], []
     for name, stats in model.last_moe_stats.items():
-        row = layers[name].metrics(stats)
+        row = layers[name].metrics(stats, windows.get(name))
         keys += [f"moe/{name}/{key}" for key in row]
         values += [v.detach().float().reshape(()) for v in row.values()]
     return dict(zip(keys, torch.stack(values).tolist()))
 
 
 def with_moe_totals(flat: dict[str, float]) -> dict[str, float]:
-    """The layers' rows plus the largest imbalance and the dropped assignments over all of them."""
+    """The layers' rows plus totals over all of them: the largest imbalance and the layer it is in
+    (`moe/imbalance`, `moe/imbalance_layer`), the largest coefficient of variation, the dropped assignments
+    and, where the rows have them, the dead experts."""
     names = list(dict.fromkeys(key.split("/")[1] for key in flat))
     if not names:
         return {}
+    worst = max(names, key=lambda n: flat[f"moe/{n}/imbalance"])
     totals = {
-        "moe/imbalance": max(flat[f"moe/{n}/imbalance"] for n in names),
+        "moe/imbalance": flat[f"moe/{worst}/imbalance"],
+        "moe/imbalance_layer": int(worst),
+        "moe/load_cv": max(flat[f"moe/{n}/load_cv"] for n in names),
         "moe/dropped": sum(flat[f"moe/{n}/dropped"] for n in names),
     }
+    if all(f"moe/{n}/dead_experts" in flat for n in names):
+        totals["moe/dead_experts"] = sum(flat[f"moe/{n}/dead_experts"] for n in names)
     return {**flat, **totals}
 
 
 def within_capacity(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
     """[tokens, k] bool: whether each assignment is among the first `capacity` of its expert, counting in
     token order (then by rank within a token)."""
-    onehot = F.one_hot(experts.flatten(), num_experts)
+    flat = experts.flatten()
+    # not F.one_hot, which reads the indices' min and max on the host to check them
+    onehot = torch.zeros(flat.shape[0], num_experts, dtype=torch.int64, device=flat.device).scatter_(
+        1, flat[:, None], 1
+    )
     position = (onehot.cumsum(dim=0) * onehot).sum(dim=-1) - 1  # index of the assignment within its expert
     return (position < capacity).view_as(experts)
 
@@ -271,7 +290,7 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     token order within an expert), the token of each sorted assignment, and assignments per expert [E]."""
     flat = experts.flatten()
     order = flat.argsort(stable=True)
-    return order, order // experts.shape[1], torch.bincount(flat, minlength=num_experts)
+    return order, order // experts.shape[1], expert_counts(experts, num_experts)
 
 
 def run_experts(

@@ -59,6 +59,7 @@ class SigmoidTopK(nn.Module):
         super().__init__()
         self.top_k = cfg.moe_top_k
         self.schedule = cfg.moe_bias_schedule
+        self.step_of = BIAS_UPDATES[cfg.moe_bias_update]
         self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
         self.register_buffer("bias", torch.zeros(cfg.num_experts))
         self.register_buffer("pending_load", torch.zeros(cfg.num_experts))
@@ -73,8 +74,15 @@ class SigmoidTopK(nn.Module):
         weights = chosen / chosen.sum(dim=-1, keepdim=True)
         return Routing(experts, weights, scores / scores.sum(dim=-1, keepdim=True), logits)
 
-    def rate(self, update: int) -> float:
-        return [rate for start, rate in self.schedule if start <= update][-1]
+    def rate(self, update: torch.Tensor) -> torch.Tensor:
+        """The schedule's rate at `update` (a count held as a tensor), computed on its device: the first rate
+        plus each later change of the schedule from its start on. Reading the count on the host would wait
+        for the device."""
+        (_, first), *later = self.schedule
+        rate = torch.full((), first, dtype=torch.float32, device=update.device)
+        for (_, before), (start, after) in zip(self.schedule, later):
+            rate = rate + (after - before) * (update >= start)
+        return rate
 
     @torch.no_grad()
     def record_load(self, load: torch.Tensor) -> None:
@@ -86,14 +94,29 @@ class SigmoidTopK(nn.Module):
 
     @torch.no_grad()
     def apply_bias_update(self) -> None:
-        """bias += rate · sign(mean load − load): underloaded experts become likelier picks, overloaded ones
-        less likely. No-op when no load is pending (the first forward, or after evaluation-only use)."""
-        if not bool(self.pending_load.any()):
-            return
+        """bias += rate · step(load) (`model.moe_bias_update`, `BIAS_UPDATES`): underloaded experts become
+        likelier picks, overloaded ones less likely. Changes nothing when no load is pending (the first
+        forward, or after evaluation-only use: the step of an all-zero load is 0 and the update count stays).
+        All on the device, with no host synchronisation, so that it does not stall the forward it precedes."""
         load = self.pending_load
-        self.bias.add_(self.rate(int(self.updates)) * torch.sign(load.mean() - load))
+        self.bias.add_(self.rate(self.updates) * self.step_of(load))
+        self.updates.add_(load.any().long())
         self.pending_load.zero_()
-        self.updates.add_(1)
+
+
+def sign_step(load: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's update: sign(mean − load), ±1 whatever the size of the imbalance."""
+    return torch.sign(load.mean() - load)
+
+
+def proportional_step(load: torch.Tensor) -> torch.Tensor:
+    """(mean − load) / mean: an expert at k times the mean load moves by k − 1 times the rate, one near the
+    mean barely moves; an underloaded expert moves by at most the rate."""
+    mean = load.mean()
+    return (mean - load) / mean.clamp(min=1e-9)
+
+
+BIAS_UPDATES = {"sign": sign_step, "proportional": proportional_step}  # model.moe_bias_update
 
 
 def build_router(cfg: ModelConfig) -> nn.Module:
@@ -102,7 +125,15 @@ def build_router(cfg: ModelConfig) -> nn.Module:
 
 def tokens_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[num_experts] fp32 count of (token, expert) assignments in `experts` [..., k]."""
-    return torch.bincount(experts.flatten(), minlength=num_experts).float()
+    return expert_counts(experts, num_experts).float()
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[num_experts] int64 count of the assignments in `experts` [..., k], by a scatter-add of ones into a
+    fixed-size tensor: exact (integers), and unlike `torch.bincount`, whose output size depends on the data,
+    it never waits for the device to learn the largest index."""
+    flat = experts.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

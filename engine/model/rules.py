@@ -46,7 +46,10 @@ def moe_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
             )
             for field in changed_fields(m, MOE_FIELDS)
         ]
-    issues = unread_field_issues("model", m, m.moe_router, {"moe_bias_schedule": ("sigmoid_topk",)})
+    sigmoid_only = ("sigmoid_topk",)
+    issues = unread_field_issues(
+        "model", m, m.moe_router, {"moe_bias_schedule": sigmoid_only, "moe_bias_update": sigmoid_only}
+    )
     if m.moe_top_k > m.num_experts:
         issues.append(
             ConfigIssue(

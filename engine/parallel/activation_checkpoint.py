@@ -17,9 +17,8 @@ Three modes (`train.activation_checkpointing`):
       path of backward. All-gathers are recomputed: their output is tp times larger than their input;
     * `max`/`amax` reductions: fp8 scaling takes the absolute max of each tensor it casts; the result
       is a scalar (or one value per row), so keeping it costs nothing and saves a full read of the tensor;
-    * the MoE routing decisions, `topk` and `bincount` ([tokens, k] indices and per-expert counts): tiny,
-      and on a GPU `bincount` waits for the device (its output size depends on the data), a host sync that
-      recomputation would repeat in every MoE block's backward.
+    * the MoE routing decisions, `topk` ([tokens, k] indices): tiny, and what keeps a recomputed block
+      routing as its forward did.
   recomputed: everything else — norms (upcasts, mean of squares, rsqrt), activations (silu/gelu/relu)
     and the gated product, RoPE, residual adds, reshapes, autocast's low-precision copies of the weights,
     and the MoE router's top-k, sort and counts. These are elementwise or cheap, memory-bound ops whose
@@ -76,7 +75,6 @@ def _saved_ops() -> frozenset:
         aten.max.default,
         aten.amax.default,
         aten.topk.default,
-        aten.bincount.default,
     }
     if hasattr(aten, "_grouped_mm"):
         ops.add(aten._grouped_mm.default)

@@ -72,12 +72,15 @@ class StageAuxLosses:
         return total / n_microbatches
 
 
-def pipeline_moe_metrics(parts: list[nn.Module], group: dist.ProcessGroup) -> dict[str, float]:
+def pipeline_moe_metrics(
+    parts: list[nn.Module], group: dist.ProcessGroup, windows: dict[str, torch.Tensor] | None = None
+) -> dict[str, float]:
     """`moe_metrics` of the whole pipelined model, on every rank of the pipeline `group` (a collective):
-    each rank's stages' layer rows, gathered, in layer order, with the totals over all layers."""
+    each rank's stages' layer rows, gathered, in layer order, with the totals over all layers. `windows`:
+    this rank's layers' tokens per expert since the last report (the dead experts)."""
     mine: dict[str, float] = {}
     for part in parts:
-        mine.update(moe_layer_metrics(part))
+        mine.update(moe_layer_metrics(part, windows))
     everyone: list[dict[str, float] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     rows = {key: value for rows in everyone for key, value in (rows or {}).items()}

@@ -13,7 +13,6 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +50,7 @@ from engine.train.ema import STATE_KEY as EMA_KEY
 from engine.train.ema import WeightAverage
 from engine.train.length import as_given, with_derived_length
 from engine.train.losses import StageCrossEntropy
+from engine.train.moe_load import ExpertLoadWindow
 from engine.train.optim import build_optimizer
 from engine.train.run_dir import check_run_dir
 from engine.train.schedules import job_scheduler, with_pinned_schedule
@@ -238,12 +238,15 @@ def moe_training(
     if not cfg.model.is_moe:
         return ()
     group = mesh.dp.get_group() if mesh is not None and mesh.dp is not None else None
+    window = ExpertLoadWindow(group)  # tokens per expert since the last logged step: the dead experts
     if pipeline is None:
         attach_router_balancing(model, group)
-        return (partial(moe_metrics, model),)
+        window.attach(model)
+        return (lambda: moe_metrics(model, window.take()),)
     for part in pipeline.model_parts:
         attach_router_balancing(part, group)
-    return (partial(pipeline_moe_metrics, pipeline.model_parts, pipeline.group),)
+        window.attach(part)
+    return (lambda: pipeline_moe_metrics(pipeline.model_parts, pipeline.group, window.take()),)
 
 
 def initial_model(cfg: JobConfig, starts_fresh: bool) -> Transformer:
