@@ -43,12 +43,11 @@ pytestmark = pytest.mark.xdist_group("slurm")
 
 @pytest.fixture(autouse=True)
 def wide_consoles(monkeypatch):
-    """The CLI's consoles take their width from COLUMNS when first imported (80 off a terminal, as in CI): the
-    in-process runs here read whole panels, so widen them for each test."""
-    from forgecli import ui
-
-    for console in (ui.console, ui.err_console):
-        monkeypatch.setattr(console, "width", 200)
+    """The in-process runs here read whole panels: the CLI's consoles (made without a width) read COLUMNS each
+    time they measure, so a wide COLUMNS for each test widens them. Setting `console.width` instead would pin
+    it: monkeypatch's undo writes the old width back as a fixed one, and the worker's later tests would all
+    get 80 columns whatever COLUMNS they ask for."""
+    monkeypatch.setenv("COLUMNS", "200")
 
 
 def dry_run(*args: str, env: dict | None = None):
