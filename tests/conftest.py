@@ -13,6 +13,11 @@ REPO = Path(__file__).resolve().parents[1]
 # Tests read local models and datasets only; never wait on the network. Set at import, before test modules
 # import transformers or datasets (which read it once).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# pytest-xdist's workers start with COLUMNS=80 in their environment, and a Rich console made while COLUMNS is
+# set keeps that width for good: the CLI's consoles (forgecli/ui.py, made at import) would then ignore the
+# COLUMNS that in-process CLI tests pass, and wrap long paths in their panels differently under xdist than in
+# one process. Without it they are 80 wide off a terminal all the same, and read COLUMNS when they measure.
+os.environ.pop("COLUMNS", None)
 
 
 @pytest.fixture(scope="session", autouse=True)
