@@ -146,7 +146,7 @@ def build(variant: str, cfg) -> tuple[nn.Module, torch.optim.Optimizer, torch.op
     return model, optimizer, scheduler
 
 
-def train(variant: str, cfg, steps: int, log_every: int) -> list[dict]:
+def train(variant: str, cfg, steps: int, log_every: int, replay: bool = False) -> list[dict]:
     model, optimizer, scheduler = build(variant, cfg)
     batches = open_train_data(cfg).batches()
     model.train()
@@ -170,6 +170,30 @@ def train(variant: str, cfg, steps: int, log_every: int) -> list[dict]:
             row.update({f"{name}": (load.max() / load.mean()).item() for name, load in loads.items()})
             rows.append(row)
             print(variant, json.dumps(row), flush=True)
+    if replay:
+        rows += replay_batches(model, cfg, steps, variant)
+    return rows
+
+
+@torch.no_grad()
+def replay_batches(model: nn.Module, cfg, steps: int, variant: str) -> list[dict]:
+    """The trained model, frozen (its balancing bias as training left it), routes every batch of the run again:
+    the per-layer max/mean of a router that no longer moves, on the same batches. Where a batch's tokens crowd
+    an expert of this frozen router too, the spike in training came from the batch's content, not from the
+    bias lagging behind."""
+    batches = open_train_data(cfg).batches()
+    rows = []
+    for step in range(1, steps + 1):
+        loads: dict[str, torch.Tensor] = {}
+        for _ in range(cfg.train.grad_accum_steps):
+            inputs, _ = next(batches)
+            model(inputs)  # no gradient: the balancing hooks neither record nor apply
+            for name, stats in model.last_moe_stats.items():
+                loads[name] = loads.get(name, 0) + stats.load
+        row = {"replay_step": step}
+        row.update({f"{name}": (load.max() / load.mean()).item() for name, load in loads.items()})
+        rows.append(row)
+        print(variant, "replay", json.dumps(row), flush=True)
     return rows
 
 
@@ -180,6 +204,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", choices=["forge", "torchtitan"], default=["forge", "torchtitan"])
     p.add_argument("--preset", default=str(REPO / "presets" / "moe_small.toml"))
     p.add_argument("--out")
+    p.add_argument("--replay", action="store_true", help="then route every batch again with the trained model frozen")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides after the issue's shape")
     args = p.parse_args()
     cfg = load_job_config(Path(args.preset), [*ISSUE_SHAPE, *args.overrides])
@@ -191,7 +216,7 @@ def main() -> None:
         "torchtitan": getattr(torchtitan, "__version__", "?"),
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
-        "runs": {variant: train(variant, cfg, args.steps, args.log_every) for variant in args.variants},
+        "runs": {variant: train(variant, cfg, args.steps, args.log_every, args.replay) for variant in args.variants},
     }
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
