@@ -19,12 +19,13 @@ from engine.config.model import ModelConfig
 from engine.errors import ConfigError, UserError
 from engine.generate import Sampling, generate
 from engine.model import build_model
+from engine.model.documents import document_ids
 from engine.model.estimate import param_counts, training_flops_per_token
 from engine.model.families.gpt2.model import GPT2
 from engine.parallel.memory import param_specs
 from forgecli.app import app
 from tests.conftest import REPO
-from tests.parity import SIGMAS, Parity, forward_lengths, rounding_sigma
+from tests.parity import FP64_TOL, SIGMAS, Parity, forward_lengths, rounding_sigma
 from tests.test_convert import make_run
 
 transformers = pytest.importorskip("transformers")
@@ -180,3 +181,15 @@ def test_a_refused_field_exits_2_from_the_cli():
         app, ["validate-config", str(PRESET), "--model.qk_norm=true"], env={"COLUMNS": "200", "NO_COLOR": "1"}
     )
     assert result.exit_code == 2 and "model.qk_norm" in result.output and "'gpt2'" in result.output, result.output
+
+
+def test_packed_documents_restart_positions_and_attend_within_their_document(parity):
+    """A window of three documents (ended by token 0) computes, per document, the logits that document gets
+    alone: the position embedding restarts at each document's first token, attention stays inside it. float64,
+    the claim being the same function: within parity.FP64_TOL."""
+    model = randomized(build_model(gpt2_config()), 2).double()
+    window = torch.tensor([[5, 9, 0, 7, 3, 8, 0, 4, 6, 2, 1, 11]])
+    with torch.no_grad():
+        packed = model(window, doc_ids=document_ids(window, 0))
+        alone = torch.cat([model(window[:, a:b]) for a, b in ((0, 3), (3, 7), (7, 12))], dim=1)
+    parity.close(packed, alone, atol=FP64_TOL, what="packed logits")

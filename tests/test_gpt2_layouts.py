@@ -6,7 +6,8 @@ engine (`engine.parallel.apply.parallelize` on the engine's mesh; `build_pipelin
 take the same AdamW steps on the same global batch: FSDP on half the rows per rank, TP on all of them with
 loss parallel (both embeddings are vocabulary-style lookups: tok rows, position rows), CP on each rank's
 head-tail slice of every sequence (the position embedding looked up at the positions the rank holds), PP in
-two micro-batches. The models are float64, since the claim is that the layouts compute the same function:
+two micro-batches; ulysses and the activation-checkpointed layouts recompute through the same hooks. The
+models are float64, since the claim is that the layouts compute the same function:
 per-step losses and final full weights agree to parity.FP64_TOL (tests/parity.py derives it; a lost
 reduction, a wrong position or a bias added twice moves a loss by > 1e-4).
 """
@@ -99,7 +100,9 @@ for name, overrides in cases.items():
         res["ref_loss"].append(ref_loss.item()); res["loss"].append(loss.item())
     expected = dict(ref.named_parameters())
     same = {"output.weight": "tok_embeddings.weight"}  # the last stage's copy of the tied matrix
-    held = {same.get(n, n): p for part in parts for n, p in part.named_parameters()}
+    plain = (n.replace("._checkpoint_wrapped_module", "") for part in parts for n, _ in part.named_parameters())
+    params = (p for part in parts for p in part.parameters())
+    held = {same.get(n, n): p for n, p in zip(plain, params)}
     res["weights"] = sorted(held)
     res["weight_error"] = max((full(p) - expected[n].detach()).abs().max().item() for n, p in held.items())
     res["sharded"] = all(isinstance(p, DTensor) for p in parts[0].parameters())
@@ -116,6 +119,14 @@ LAYOUTS = {
     "tp": ["--distributed.tp=2", "--distributed.dp_shard=1"],
     "cp_allgather": ["--distributed.cp=2", "--distributed.dp_shard=1", "--distributed.cp_method=allgather"],
     "cp_ring": ["--distributed.cp=2", "--distributed.dp_shard=1", "--distributed.cp_method=ring"],
+    # ulysses moves heads, not positions, across the ranks; recomputation reruns its all-to-alls in backward
+    "cp_ulysses_full_ac": [
+        "--distributed.cp=2",
+        "--distributed.dp_shard=1",
+        "--distributed.cp_method=ulysses",
+        "--train.activation_checkpointing=full",
+    ],
+    "tp_selective_ac": ["--distributed.tp=2", "--distributed.dp_shard=1", "--train.activation_checkpointing=selective"],
     "pp": ["--distributed.pp=2", "--distributed.dp_shard=1", "--train.grad_accum_steps=2"],
 }
 
