@@ -37,7 +37,8 @@ ACTIVATION_TOLERANCE = 0.05
 """Measured estimate/saved-tensor ratios on CPU (torch 2.13): 1.000 for dense blocks in fp32 and under bf16
 autocast (rmsnorm and layernorm, tied or not, either loss, flash or math SDPA) and under tp = 2 (4 bytes
 apart), 0.985 (fp32) and 0.962 (bf16) for MoE blocks, 0.965 for QK-norm under bf16, 0.999 for GPT-2 (fp32
-and bf16, tied or not, either loss, flash or math SDPA: 256 bytes apart, the position lookup's indices)."""
+and bf16, tied or not, either loss, flash or math SDPA: ~260 bytes apart, about the position lookup's
+indices, which the estimate leaves out)."""
 
 
 def job(model: dict | None = None, **sections: dict) -> JobConfig:

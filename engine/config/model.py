@@ -145,7 +145,7 @@ class ModelConfig(Section):
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})")
-        if self.head_dim % 2:
+        if self.head_dim % 2 and self.model_type != "gpt2":  # (GPT-2's positions are learned, not rotated)
             raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
         steps = [start for start, _ in self.moe_bias_schedule]
         if not steps or steps[0] != 0 or any(b <= a for a, b in itertools.pairwise(steps)):
