@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from engine.checkpoint.dcp import load_checkpoint
 from engine.checkpoint.hf import export_to_hf, import_from_hf
+from engine.checkpoint.hf_mapping import hf_architecture
 from engine.config.loader import load_job_config
 from engine.config.model import ModelConfig
 from engine.errors import ConfigError, UserError
@@ -151,6 +152,9 @@ def test_transformers_configurations_forge_does_not_compute_are_refused(tmp_path
         with pytest.raises(UserError, match=key):
             import_from_hf(folder, tmp_path / f"{key}-out")
         assert not (tmp_path / f"{key}-out").exists()
+    # and a checkpoint config with a field of another family (one config validation would refuse) does not export
+    with pytest.raises(UserError, match="model.qk_norm is set, but model.model_type = 'gpt2'"):
+        hf_architecture(gpt2_config(qk_norm=True))
 
 
 REFUSED = {
