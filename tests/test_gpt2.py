@@ -153,7 +153,7 @@ def test_transformers_configurations_forge_does_not_compute_are_refused(tmp_path
             import_from_hf(folder, tmp_path / f"{key}-out")
         assert not (tmp_path / f"{key}-out").exists()
     # and a checkpoint config with a field of another family (one config validation would refuse) does not export
-    with pytest.raises(UserError, match="model.qk_norm is set, but model.model_type = 'gpt2'"):
+    with pytest.raises(UserError, match=r"model\.qk_norm is set, but model\.model_type = 'gpt2'"):
         hf_architecture(gpt2_config(qk_norm=True))
 
 
