@@ -389,8 +389,9 @@ def test_to_hf_bad_input_exits_2_and_writes_nothing(tmp_path):
 
 
 def test_from_hf_bad_input_exits_2_and_writes_nothing(tmp_path):
+    neox = hf_folder(tmp_path / "neox", {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"})
+    (neox / "model.safetensors").write_bytes(b"")
     gpt2 = hf_folder(tmp_path / "gpt2", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 32})
-    (gpt2 / "model.safetensors").write_bytes(b"")
     no_weights = hf_folder(tmp_path / "no-weights", llama_config())
     pickled = hf_folder(tmp_path / "pickled", llama_config())
     (pickled / "pytorch_model.bin").write_bytes(b"\x80")
@@ -408,7 +409,8 @@ def test_from_hf_bad_input_exits_2_and_writes_nothing(tmp_path):
     cases = [
         (tmp_path / "nowhere", "not a folder"),
         (tmp_path, "no config.json"),
-        (gpt2, "'gpt2' (GPT2LMHeadModel)"),
+        (neox, "'gpt_neox' (GPTNeoXForCausalLM)"),
+        (gpt2, "config.json has no 'n_layer'"),
         (no_weights, "no model.safetensors"),
         (pickled, "pickled"),
         (scaled, "RoPE scaling 'llama3'"),

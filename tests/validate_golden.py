@@ -415,6 +415,25 @@ RULE_CASES: dict[str, list[str]] = {
         "--checkpoint.exclude_from_loading=['output.']",
     ],
     "preset-missing": ["presets/no_such_preset.toml"],
+    # family_issues (and lora_issues' refusal of a family with biased linears)
+    "gpt2-fields-of-other-families": [
+        "presets/gpt2_124m.toml",
+        "--world-size",
+        "8",
+        "--model.qk_norm=true",
+        "--model.rope_theta=500000",
+        "--model.moe_top_k=1",
+        "--lora.enabled=true",
+    ],
+    "layout-gpt2-tp2-pp2": [
+        "presets/gpt2_124m.toml",
+        "--world-size",
+        "8",
+        "--distributed.tp=2",
+        "--distributed.pp=2",
+        "--distributed.pp_schedule=1f1b",
+    ],
+    "layout-gpt2-cp2-tp2": ["presets/gpt2_124m.toml", "--world-size", "8", "--distributed.cp=2", "--distributed.tp=2"],
 }
 
 CASES: dict[str, list[str]] = {**preset_cases(), **RULE_CASES}

@@ -59,12 +59,14 @@ from engine.checkpoint.hf_mapping import (
     check_same_architecture,
     expected_state,
     forge_sources,
+    from_hf,
     hf_architecture,
     hf_config,
     hf_layout,
     hf_shapes,
     model_config_from_hf,
     skipped_on_import,
+    source_groups,
     to_hf,
     unstored_state,
 )
@@ -136,7 +138,7 @@ def export_to_hf(
     saved = saved_tensors(ckpt.path, cfg, names)
     encoder = Encoder.from_file(ckpt.tokenizer) if ckpt.tokenizer else None
     check_out(out)
-    shards = plan_shards(names, saved, torch_dtype.itemsize, max_shard_bytes)
+    shards = plan_shards(source_groups(layout), saved, torch_dtype.itemsize, max_shard_bytes)
     parameters = sum(saved[n].size.numel() for n in names)
     tokenizer = export_tokenizer(encoder, cfg.max_seq_len) if encoder is not None else None
     eos_id, bos_id = (encoder.eos_id, tokenizer.bos_id) if tokenizer is not None else (None, None)
@@ -205,17 +207,18 @@ def saved_tensors(step: Path, cfg: ModelConfig, names: list[str]) -> dict[str, T
 
 
 def plan_shards(
-    names: list[str], saved: dict[str, TensorStorageMetadata], itemsize: int, max_shard_bytes: int
+    groups: list[tuple[str, ...]], saved: dict[str, TensorStorageMetadata], itemsize: int, max_shard_bytes: int
 ) -> list[list[str]]:
-    """Forge FQNs grouped into files of at most max_shard_bytes (a larger tensor gets a file of its own)."""
+    """Forge FQNs split into files of at most max_shard_bytes (a larger tensor gets a file of its own); the
+    tensors of one group (`source_groups`: those one fused HF tensor is made of) go to the same file."""
     shards: list[list[str]] = [[]]
     size = 0
-    for name in names:
-        nbytes = saved[name].size.numel() * itemsize
+    for group in groups:
+        nbytes = sum(saved[name].size.numel() for name in group) * itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(name)
+        shards[-1].extend(group)
         size += nbytes
     return shards
 
@@ -246,7 +249,7 @@ def write_safetensors(
         for hf_name, piece in layout.items():
             if file_of[hf_name] != index:
                 continue
-            converted[hf_name] = to_hf(piece, None if piece.source is None else tensors[piece.source], dtype)
+            converted[hf_name] = to_hf(piece, tensors, dtype)
             weight_map[hf_name] = file
             done += converted[hf_name].numel() if piece.source is not None else 0
             total_bytes += converted[hf_name].nbytes
@@ -465,10 +468,10 @@ def forge_tensors(hf_dir: Path, files: list[Path], layout: dict[str, Piece]) -> 
                 if piece is None or piece.source is None:
                     continue
                 tensor = f.get_tensor(name)
-                tensor = tensor.T.contiguous() if piece.transpose else tensor
-                if piece.expert is None:
-                    done[piece.source] = tensor
+                if piece.expert is None:  # whole Forge tensors (several, for a fused HF tensor)
+                    done.update(from_hf(piece, tensor))
                     continue
+                tensor = tensor.T.contiguous() if piece.transpose else tensor
                 parts = pending.setdefault(piece.source, {})
                 parts[piece.expert] = tensor
                 if len(parts) == experts[piece.source]:

@@ -55,7 +55,7 @@ def module_names(cfg: ModelConfig) -> dict[str, str]:
     return {
         piece.source.removesuffix(".weight"): hf_name.removesuffix(".weight")
         for hf_name, piece in hf_layout(cfg).items()
-        if piece.source is not None and piece.expert is None and not piece.transpose
+        if piece.source is not None and piece.expert is None and not piece.transpose and not piece.fused
     }
 
 

@@ -9,6 +9,7 @@ export under a name that would compute something different.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,12 +26,14 @@ __all__ = [
     "expected_shapes",
     "expected_state",
     "forge_sources",
+    "from_hf",
     "hf_architecture",
     "hf_config",
     "hf_layout",
     "hf_shapes",
     "model_config_from_hf",
     "skipped_on_import",
+    "source_groups",
     "to_hf",
     "unstored_state",
 ]
@@ -111,7 +114,19 @@ def check_same_architecture(model_cfg: ModelConfig, hf_cfg: ModelConfig, source:
 
 def forge_sources(layout: dict[str, Piece]) -> list[str]:
     """The Forge tensors a layout reads, in order, each once."""
-    return list(dict.fromkeys(piece.source for piece in layout.values() if piece.source is not None))
+    return [name for group in source_groups(layout) for name in group]
+
+
+def source_groups(layout: dict[str, Piece]) -> list[tuple[str, ...]]:
+    """The Forge tensors a layout reads, in order, each once, grouped by what must be read together: the
+    sources of one fused HF tensor form one group, any other tensor a group of its own."""
+    groups, seen = [], set()
+    for piece in layout.values():
+        group = tuple(name for name in piece.sources if name not in seen)
+        if group:
+            groups.append(group)
+            seen.update(group)
+    return groups
 
 
 def hf_shapes(cfg: ModelConfig, layout: dict[str, Piece]) -> dict[str, torch.Size]:
@@ -123,17 +138,33 @@ def hf_shapes(cfg: ModelConfig, layout: dict[str, Piece]) -> dict[str, torch.Siz
             shapes[name] = torch.Size(piece.shape)
             continue
         shape = forge[piece.source][1:] if piece.expert is not None else forge[piece.source]
+        if piece.fused:  # the sources stacked along dim 0
+            shape = torch.Size((shape[0] * len(piece.sources), *shape[1:]))
         shapes[name] = torch.Size(reversed(shape)) if piece.transpose else shape
     return shapes
 
 
-def to_hf(piece: Piece, source: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The HF tensor `piece` describes, from its Forge source tensor, in `dtype` (fp32 pieces stay fp32)."""
+def to_hf(piece: Piece, state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The HF tensor `piece` describes, from the Forge tensors in `state` (FQN → tensor; at least the piece's
+    sources), in `dtype` (fp32 pieces stay fp32)."""
     dtype = torch.float32 if piece.fp32 else dtype
-    if source is None:
+    if piece.source is None:
         return torch.zeros(piece.shape, dtype=dtype)
-    tensor = source[piece.expert] if piece.expert is not None else source
+    if piece.fused:
+        tensor = torch.cat([state[name] for name in piece.sources])
+    else:
+        tensor = state[piece.source] if piece.expert is None else state[piece.source][piece.expert]
     return (tensor.T if piece.transpose else tensor).to(dtype).contiguous()
+
+
+def from_hf(piece: Piece, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The Forge tensors (FQN → tensor) one HF tensor of `piece` holds whole: its source, or for a fused
+    piece each of its sources; {} for an expert's slice, which the caller stacks with the others."""
+    tensor = tensor.T.contiguous() if piece.transpose else tensor
+    if piece.fused:
+        parts = tensor.chunk(len(piece.sources))
+        return {name: part.clone() for name, part in zip(piece.sources, parts, strict=True)}
+    return {piece.source: tensor} if piece.expert is None else {}
 
 
 def expected_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -26,15 +26,22 @@ class ModelConfig(Section):
     activation: Literal["silu", "gelu", "relu"] = Field(
         "silu", description="gate non-linearity of the gated MLP: silu = SwiGLU, gelu = GeGLU, relu = ReGLU"
     )
-    max_seq_len: int = Field(2048, gt=0, description="length of the RoPE table; train.seq_len must not exceed it")
+    max_seq_len: int = Field(
+        2048,
+        gt=0,
+        description="length of the RoPE table (gpt2: of the learned position embeddings); train.seq_len must "
+        "not exceed it",
+    )
     rope_theta: float = Field(10000.0, gt=0, description="RoPE frequency base")
     tie_embeddings: bool = Field(False, description="share the embedding matrix with the output head")
     qk_norm: bool = Field(False, description="RMSNorm over each head's queries and keys before RoPE")
     init_std: float = Field(
         0.02, gt=0, description="std of the normal weight init; output projections get init_std/sqrt(2*n_layers)"
     )
-    model_type: Literal["transformer"] = Field(
-        "transformer", description="the model class, by its name in the MODELS registry"
+    model_type: Literal["transformer", "gpt2"] = Field(
+        "transformer",
+        description="the model family, by its name in the MODELS registry: transformer (Llama-style blocks, "
+        "MoE) or gpt2 (LayerNorm, biases, learned positions, GELU MLP; refuses the fields it has no use for)",
     )
     sdpa_backend: Literal["auto", "math", "flash", "efficient", "cudnn"] = Field(
         "auto", description="restrict scaled_dot_product_attention to one kernel; auto lets PyTorch choose"
@@ -98,23 +105,23 @@ class ModelConfig(Section):
     )
 
     readers: ClassVar[dict[str, str]] = {
-        "dim": "model/transformer.py, model/attention.py, model/mlp.py",
-        "n_layers": "model/transformer.py",
-        "n_heads": "model/attention.py",
+        "dim": "model/transformer.py, model/attention.py, model/mlp.py, model/families/gpt2/model.py",
+        "n_layers": "model/transformer.py, model/families/gpt2/model.py",
+        "n_heads": "model/attention.py, model/families/gpt2/model.py",
         "n_kv_heads": "model/attention.py",
-        "vocab_size": "model/transformer.py, data/loader.py",
+        "vocab_size": "model/transformer.py, data/loader.py, model/families/gpt2/model.py",
         "ffn_dim_multiplier": "model/mlp.py",
-        "ffn_hidden_dim": "model/mlp.py",
+        "ffn_hidden_dim": "model/mlp.py, model/families/gpt2/model.py",
         "norm_type": "model/norms.py",
-        "norm_eps": "model/transformer.py, model/attention.py",
+        "norm_eps": "model/transformer.py, model/attention.py, model/families/gpt2/model.py",
         "activation": "model/mlp.py",
-        "max_seq_len": "model/transformer.py",
+        "max_seq_len": "model/transformer.py, model/families/gpt2/model.py",
         "rope_theta": "model/transformer.py",
-        "tie_embeddings": "model/transformer.py",
+        "tie_embeddings": "model/transformer.py, model/families/gpt2/model.py",
         "qk_norm": "model/attention.py",
-        "init_std": "model/transformer.py",
-        "model_type": "model/__init__.py",
-        "sdpa_backend": "model/attention.py",
+        "init_std": "model/transformer.py, model/families/gpt2/model.py",
+        "model_type": "model/__init__.py, model/rules.py",
+        "sdpa_backend": "model/attention.py, model/families/gpt2/model.py",
         "num_experts": "model/transformer.py, model/moe.py",
         "moe_top_k": "model/routers.py",
         "moe_frequency": "model/transformer.py",
@@ -138,7 +145,7 @@ class ModelConfig(Section):
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})")
-        if self.head_dim % 2:
+        if self.head_dim % 2 and self.model_type != "gpt2":  # (GPT-2's positions are learned, not rotated)
             raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
         steps = [start for start, _ in self.moe_bias_schedule]
         if not steps or steps[0] != 0 or any(b <= a for a, b in itertools.pairwise(steps)):
@@ -179,9 +186,12 @@ class ModelConfig(Section):
 
     @property
     def ffn_dim(self) -> int:
-        """FFN width: explicit, else 256 * ceil((8/3) * dim * ffn_dim_multiplier / 256)."""
+        """FFN width: explicit, else GPT-2's 4 · dim for model_type gpt2 (its MLP is not gated), else
+        256 * ceil((8/3) * dim * ffn_dim_multiplier / 256)."""
         if self.ffn_hidden_dim is not None:
             return self.ffn_hidden_dim
+        if self.model_type == "gpt2":
+            return 4 * self.dim
         return 256 * math.ceil((8 / 3) * self.dim * self.ffn_dim_multiplier / 256)
 
 

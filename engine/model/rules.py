@@ -1,6 +1,6 @@
 """The cross-section rules of the model (engine/model/): sequences within its RoPE table, MoE fields only
-for a model with experts and routing that can work, and what LoRA adapters (model/lora.py) cannot be combined
-with yet; and the warning for a capacity factor of 0.
+for a model with experts and routing that can work, what LoRA adapters (model/lora.py) cannot be combined
+with yet, and no field the model's family has no use for; and the warning for a capacity factor of 0.
 
 Torch-free, like every room's rules module: it imports engine.config's sections and helpers only (`JobConfig`
 for its types alone), and engine/config/job.py calls these functions in the order it lists.
@@ -14,6 +14,7 @@ from engine.config.fields import changed_fields, unread_field_issues
 from engine.config.lora import LoraConfig
 from engine.config.model import MOE_FIELDS
 from engine.errors import ConfigIssue
+from engine.model.spec import spec_for
 
 if TYPE_CHECKING:
     from engine.config.job import JobConfig
@@ -35,8 +36,11 @@ def length_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
 
 def moe_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     """MoE fields only when the model has experts, and routing that can work. (What compiling an MoE model
-    allows is a layout rule: engine/parallel/rules.py.)"""
+    allows is a layout rule: engine/parallel/rules.py.) A family without experts refuses them all in
+    `family_issues`, once."""
     m = cfg.model
+    if "num_experts" in spec_for(m).refused_fields:
+        return []
     if not m.is_moe:
         return [
             ConfigIssue(
@@ -97,6 +101,13 @@ def lora_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     def refuse(field: str, problem: str, fix: str) -> None:
         issues.append(ConfigIssue(field, problem, fix))
 
+    if not spec_for(cfg.model).lora_adapters:
+        refuse(
+            "lora.enabled",
+            f"model.model_type = {cfg.model.model_type!r} has biased linears, and LoRA adapts bias-free ones only "
+            "(model/lora.py) yet",
+            "train the whole model (lora.enabled = false), or a model_type LoRA adapts",
+        )
     d = cfg.distributed
     for degree in ("tp", "pp", "cp"):
         if getattr(d, degree) > 1:
@@ -152,3 +163,18 @@ def lora_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     if lora.reset_optimizer_on_merge and lora.merge_interval is None:
         refuse("lora.reset_optimizer_on_merge", "is set, but lora.merge_interval is not", "set lora.merge_interval")
     return issues
+
+
+def family_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """The `[model]` fields the chosen family has no use for (its spec's `refused_fields`, e.g. RoPE, QK-norm
+    or expert fields with gpt2), set away from their defaults: refused, naming the field and the family."""
+    m = cfg.model
+    return [
+        ConfigIssue(
+            f"model.{field}",
+            f"is set, but model.model_type = {m.model_type!r} has no such setting (the field belongs to other "
+            "model families)",
+            f"remove model.{field}, or choose a model_type that uses it",
+        )
+        for field in changed_fields(m, spec_for(m).refused_fields)
+    ]

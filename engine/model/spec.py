@@ -142,15 +142,28 @@ class ModelParts:
 class Piece:
     """How one HF tensor is made from the Forge state dict: the tensor `source` (a Forge FQN), or one expert
     of it (`expert`, for packed experts), transposed (Forge stores expert weights input-major, HF as
-    nn.Linear [out, in]); or, when source is None, zeros of `shape` (a tensor the HF model must hold and
-    Forge's has no counterpart of, such as a zero-width expert). `fp32` tensors are written in fp32 whatever
-    the export dtype (a routing bias, which transformers keeps in fp32)."""
+    nn.Linear [out, in]; GPT-2's Conv1D stores every linear [in, out]); or, when source is None, zeros of
+    `shape` (a tensor the HF model must hold and Forge's has no counterpart of, such as a zero-width expert).
+    `fp32` tensors are written in fp32 whatever the export dtype (a routing bias, which transformers keeps in
+    fp32). `fused`: further Forge tensors of source's shape that follow it along dim 0 in one HF tensor (a
+    fused projection, GPT-2's c_attn = q, k and v): the HF tensor is their concatenation on dim 0 (then
+    transposed), and importing splits it into equal parts again."""
 
     source: str | None
     expert: int | None = None
     transpose: bool = False
     shape: tuple[int, ...] = ()
     fp32: bool = False
+    fused: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.fused and (self.source is None or self.expert is not None):
+            raise ValueError("a fused Piece concatenates whole Forge tensors: it needs a source and no expert")
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The Forge tensors this HF tensor is made of, in order (none for zeros)."""
+        return () if self.source is None else (self.source, *self.fused)
 
 
 @dataclass(frozen=True)
@@ -197,7 +210,11 @@ class ModelSpec:
     - `position_table_width(cfg)`: width of the per-position tables (RoPE's cos and sin) that packed
       documents give every sequence its own copy of; 0 for a family without such tables;
     - `parts`, `tp_plan`: pipeline cut points and tensor-parallel plan; `hf`: conversion, None when the
-      family has no Hugging Face counterpart.
+      family has no Hugging Face counterpart;
+    - `refused_fields`: the `[model]` fields the family has no use for; a config that sets one away from its
+      default is refused, naming the field and the family (engine/model/rules.py: family_issues);
+    - `lora_adapters`: whether `[lora]` can adapt the family's linears (engine/model/lora.py adapts
+      bias-free ones only; a family with biased linears says False, and config validation refuses LoRA).
     """
 
     build: str | Callable[[ModelConfig], nn.Module]
@@ -211,6 +228,8 @@ class ModelSpec:
     parts: ModelParts
     tp_plan: TPPlan
     hf: HFMapping | None = None
+    refused_fields: tuple[str, ...] = ()
+    lora_adapters: bool = True
 
     def model_class(self) -> Callable[[ModelConfig], nn.Module]:
         """The builder named by `build`, imported now (this imports torch)."""

@@ -151,7 +151,7 @@ def parallelize(
     where it will train, when the model is still on the meta device.
 
     The order matters and is pinned by tests/test_parallel_apply.py: see the module docstring."""
-    device = device or model.rope_cos.device
+    device = device or next(model.parameters()).device  # where the model is (any family)
     tp_mesh = mesh.get("tp") if mesh is not None else None
     fp8 = cfg.train.mixed_precision == "fp8"
     if fp8 and tp_mesh is not None:

@@ -123,7 +123,7 @@ def convert_to_float8(
         raise ValueError(f"fp8 recipe must be one of {', '.join(FP8_RECIPES)}, not {recipe!r}")
     if fsdp_float8_all_gather and recipe != "tensorwise":
         raise ValueError(f"float8 all-gather under FSDP needs the tensorwise recipe, not {recipe!r}")
-    check_float8_device(device or model.rope_cos.device)  # the model may still be on the meta device
+    check_float8_device(device or next(model.parameters()).device)  # the model may still be on the meta device
     config = Float8LinearConfig.from_recipe_name(recipe)
     if fsdp_float8_all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
