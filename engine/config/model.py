@@ -48,7 +48,7 @@ class ModelConfig(Section):
         None,
         gt=0,
         description="mup only (required there): the dim the hyper-parameters were tuned at; multipliers are "
-        "measured against this base model (<= dim, divisible by n_heads)",
+        "measured against this base model (<= dim; an explicit ffn_hidden_dim must scale to a whole width)",
     )
 
     # Mixture of experts (engine/model/moe.py). The defaults give a dense model; every other MoE field is
@@ -163,7 +163,7 @@ class ModelConfig(Section):
 
     def _mup_fields(self) -> None:
         """μP measures its multipliers against a base model: `cfg` at dim = mup_base_dim (engine/model/mup.py),
-        which must exist with the same head count and an FFN width in proportion."""
+        no wider than the model, with an FFN width in proportion."""
         base = self.mup_base_dim
         if self.parametrization == "sp":
             if base is not None:
@@ -175,11 +175,6 @@ class ModelConfig(Section):
             raise ValueError(
                 f"mup_base_dim ({base}) is larger than dim ({self.dim}): μP transfers from a narrower base "
                 "model; set mup_base_dim <= dim"
-            )
-        if base % self.n_heads or (base // self.n_heads) % 2:
-            raise ValueError(
-                f"mup_base_dim ({base}) must be divisible by n_heads ({self.n_heads}) into an even head size "
-                "(the base model keeps the head count); choose a multiple of 2·n_heads"
             )
         if self.ffn_hidden_dim is not None and (self.ffn_hidden_dim * base) % self.dim:
             raise ValueError(

@@ -10,8 +10,12 @@ and their change per step stay the same size as the model widens:
 - hidden matrices (the 2-D weights inside the blocks): init std × sqrt(base_fan_in / fan_in) and learning
   rate × base_fan_in / fan_in (their input's width over the base's: dim for the attention projections and
   w1/w3, the FFN width for w2);
-- the output logits × mup_base_dim / dim (the head keeps its init and learning rate: TP V's equivalent
-  "readout multiplier" form of the output layer, which leaves a tied embedding/head pair valid);
+- the output logits × mup_base_dim / dim, and an untied head initialised to zero (it keeps its learning
+  rate: TP V's equivalent "readout multiplier" form of the output layer, which leaves a tied
+  embedding/head pair valid). The zero head is TP V's advice (its appendix on zero-initialising the
+  output layer): in the limit the logits at init vanish anyway, and a random head's init term, shrinking
+  like 1/sqrt(width), would otherwise make the first steps' logits width-dependent. A tied head keeps the
+  embedding's init;
 - attention logits q·k / head_dim instead of q·k / sqrt(head_dim) (keys and queries become correlated
   during training, so their dot product grows like head_dim, not its square root).
 
@@ -61,11 +65,14 @@ class MupPlan:
 
 
 def base_config(cfg: ModelConfig) -> ModelConfig:
-    """The base model the multipliers are measured against: `cfg` at dim = mup_base_dim, its FFN width
-    scaled in proportion when set explicitly (engine/model/rules.py checks that it divides exactly)."""
+    """The base model whose fan-ins the multipliers are measured against: `cfg` at dim = mup_base_dim, its
+    FFN width scaled in proportion when set explicitly (ModelConfig checks that it divides exactly).
+    Only the fan-ins of its 2-D weights are read, and the head layout changes none of them (q, k, v read
+    dim; wo reads n_heads · head_dim = dim), so the base is laid out as one head: a width grown by heads
+    of a fixed size and one grown by wider heads have the same base."""
     base = cfg.mup_base_dim
     ffn = None if cfg.ffn_hidden_dim is None else cfg.ffn_hidden_dim * base // cfg.dim
-    return cfg.model_copy(update={"dim": base, "ffn_hidden_dim": ffn})
+    return cfg.model_copy(update={"dim": base, "ffn_hidden_dim": ffn, "n_heads": 1, "n_kv_heads": None})
 
 
 def mup_plan(cfg: ModelConfig) -> MupPlan | None:
@@ -78,8 +85,8 @@ def mup_plan(cfg: ModelConfig) -> MupPlan | None:
         if isinstance(p.owner, int) and len(p.shape) == 2:  # a hidden matrix [out, in]
             ratio = base_shapes[p.name][-1] / p.shape[-1]
             params[p.name] = ParamScale(init=math.sqrt(ratio), lr=ratio)
-        else:
-            params[p.name] = ParamScale(init=1.0, lr=1.0)
+        else:  # a tied head is the embedding's parameter: its spec is the embedding's, owner "embedding"
+            params[p.name] = ParamScale(init=0.0 if p.owner == "head" else 1.0, lr=1.0)
     width_mult = cfg.dim / cfg.mup_base_dim
     return MupPlan(width_mult, 1 / width_mult, 1 / cfg.head_dim, params)
 

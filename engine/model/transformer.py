@@ -188,13 +188,17 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def scale_init_for_mup(self) -> None:
         """μP's init: each weight drawn above times its init multiplier (engine/model/mup.py), the same as
-        drawing it with that std, and the same random numbers as sp."""
+        drawing it with that std, and the same random numbers as sp; a multiplier of 0 (the untied head)
+        zeroes it."""
         plan = mup_plan(self.cfg)
         if plan is None:
             return
         for name, param in self.named_parameters():
-            if plan.params[name].init != 1.0:
-                param.mul_(plan.params[name].init)
+            scale = plan.params[name].init
+            if scale == 0.0:
+                param.zero_()
+            elif scale != 1.0:
+                param.mul_(scale)
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied head counts once)."""
