@@ -35,13 +35,13 @@ from engine.train.optim import build_optimizer
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 512])
-    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3.2e-3, 1e-2, 3.2e-2, 1e-1])
+    p.add_argument("--lrs", type=float, nargs="+", default=[3.2e-4, 1e-3, 3.2e-3, 1e-2, 3.2e-2])
     p.add_argument("--parametrizations", nargs="+", default=["sp", "mup"])
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--steps", type=int, default=80)
-    p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=6)
+    p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
@@ -106,6 +106,7 @@ def run(cfg: ModelConfig, lr: float, args: argparse.Namespace, train: list, held
 
 def main() -> None:
     args = parser().parse_args()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     torch.set_num_threads(args.threads)
     train_tokens, val_tokens = tokens("train"), tokens("val")
     vocab = int(read_manifest(embedded_corpus().train).vocab_size)
@@ -137,7 +138,7 @@ def main() -> None:
         "seconds": round(time.perf_counter() - started, 1),
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s)",
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "commit": commit,
     }
     print(json.dumps(report["best_lr"], indent=2))
     if args.out:

@@ -128,11 +128,14 @@ def hf_shapes(cfg: ModelConfig, layout: dict[str, Piece]) -> dict[str, torch.Siz
 
 
 def to_hf(piece: Piece, source: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The HF tensor `piece` describes, from its Forge source tensor, in `dtype` (fp32 pieces stay fp32)."""
+    """The HF tensor `piece` describes, from its Forge source tensor (times its scale), in `dtype` (fp32
+    pieces stay fp32)."""
     dtype = torch.float32 if piece.fp32 else dtype
     if source is None:
         return torch.zeros(piece.shape, dtype=dtype)
     tensor = source[piece.expert] if piece.expert is not None else source
+    if piece.scale != 1.0:  # in the source's precision (fp32 in checkpoints), before the cast
+        tensor = tensor * piece.scale
     return (tensor.T if piece.transpose else tensor).to(dtype).contiguous()
 
 

@@ -144,13 +144,16 @@ class Piece:
     of it (`expert`, for packed experts), transposed (Forge stores expert weights input-major, HF as
     nn.Linear [out, in]); or, when source is None, zeros of `shape` (a tensor the HF model must hold and
     Forge's has no counterpart of, such as a zero-width expert). `fp32` tensors are written in fp32 whatever
-    the export dtype (a routing bias, which transformers keeps in fp32)."""
+    the export dtype (a routing bias, which transformers keeps in fp32). `scale` multiplies the tensor on
+    export: a μP model's query and logit multipliers folded into the weights (engine/model/mup.py); an
+    import reads folders of sp configs, whose pieces all have scale 1."""
 
     source: str | None
     expert: int | None = None
     transpose: bool = False
     shape: tuple[int, ...] = ()
     fp32: bool = False
+    scale: float = 1.0
 
 
 @dataclass(frozen=True)
