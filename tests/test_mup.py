@@ -17,16 +17,20 @@ import pytest
 import torch
 
 from engine.checkpoint.hf import export_to_hf
+from engine.checkpoint.hf_lora import export_adapters
 from engine.config import load_job_config
+from engine.config.lora import LoraConfig
 from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
 from engine.errors import ConfigError
 from engine.model import build_model
+from engine.model.lora import apply_lora, is_adapter_weight
 from engine.model.mup import mup_plan
 from engine.train.losses import cross_entropy
 from engine.train.optim import build_optimizer, current_lr
 from engine.train.run_dir import run_config
 from engine.train.trainer import train
+from tests.parity import model_bound
 
 WIDTHS = (64, 128, 256, 512, 1024)
 HEAD_DIM = 16
@@ -139,6 +143,12 @@ def test_the_plan_scales_hidden_matrices_by_their_fan_in_and_the_model_and_optim
     assert lr_of[id(named["tok_embeddings.weight"])] == lr_of[id(named["output.weight"])] == 1e-3
     assert current_lr(optimizer) == 1e-3  # metrics report the base lr
 
+    apply_lora(model, LoraConfig(enabled=True))  # adapters (width × rank) train at the base lr
+    adapters = [p for name, p in model.named_parameters() if is_adapter_weight(name)]
+    groups = build_optimizer(model, OptimizerConfig(lr=1e-3)).param_groups
+    assert len(adapters) == 16 and sum(len(g["params"]) for g in groups) == 16
+    assert all(g["lr"] == 1e-3 for g in groups)
+
 
 def export_case(**fields) -> ModelConfig:
     return ModelConfig(vocab_size=151, max_seq_len=64, parametrization="mup", **fields)
@@ -225,3 +235,32 @@ def test_bad_mup_settings_are_refused(overrides, needle):
     preset = Path(__file__).parents[1] / "presets" / "debug.toml"
     with pytest.raises(ConfigError, match=needle):
         load_job_config(preset, ["model.parametrization='mup'", *overrides]).validate()
+
+
+def test_a_mup_lora_adapter_export_gives_peft_our_logits(tmp_path, parity):
+    """--adapters-only under μP: q_proj is exported times the query scale, so its lora_B is too; peft on the
+    exported base then computes the adapted model's logits (within model_bound, two more reductions per
+    adapted linear as in tests/test_lora.py)."""
+    import peft
+
+    from tests.test_convert import hf_model, make_run, random_model
+    from tests.test_lora import save_lora_run
+
+    cfg = export_case(dim=64, n_layers=2, n_heads=4, mup_base_dim=16)
+    base = random_model(cfg)
+    with torch.no_grad():
+        base.output.weight.normal_(0, 0.5)
+    export_to_hf(make_run(tmp_path / "base-run", base), tmp_path / "base-hf")
+    lora = LoraConfig(enabled=True, rank=4, alpha=8.0)
+    apply_lora(base, lora)
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.3)
+    export_adapters(save_lora_run(tmp_path / "run", base, lora), tmp_path / "adapter")
+    theirs = peft.PeftModel.from_pretrained(hf_model(tmp_path / "base-hf"), tmp_path / "adapter")
+    tokens = torch.randint(0, 151, (2, 24))
+    with torch.no_grad():
+        ours = base(tokens)
+        bound = model_bound(cfg, ours.abs().max().item(), extra=2)
+        parity.close(theirs(tokens).logits, ours, atol=bound, what="peft logits")

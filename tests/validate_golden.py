@@ -415,6 +415,17 @@ RULE_CASES: dict[str, list[str]] = {
         "--checkpoint.exclude_from_loading=['output.']",
     ],
     "preset-missing": ["presets/no_such_preset.toml"],
+    # μP (engine/model/mup.py): the multipliers shown, and each refusal
+    "mup-valid-debug": [DEBUG, "--model.parametrization=mup", "--model.mup_base_dim=96"],
+    "mup-base-dim-larger-than-dim": [DEBUG, "--model.parametrization=mup", "--model.mup_base_dim=384"],
+    "mup-ffn-not-dividing": [
+        DEBUG,
+        "--model.parametrization=mup",
+        "--model.mup_base_dim=64",
+        "--model.ffn_hidden_dim=500",
+    ],
+    "mup-base-dim-without-mup": [DEBUG, "--model.mup_base_dim=96"],
+    "mup-muon": [DEBUG, "--model.parametrization=mup", "--model.mup_base_dim=96", "--optimizer.name=muon"],
 }
 
 CASES: dict[str, list[str]] = {**preset_cases(), **RULE_CASES}
