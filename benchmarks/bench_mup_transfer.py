@@ -9,6 +9,7 @@ that width the two parametrizations differ only in the attention scale. The clai
 
     python benchmarks/bench_mup_transfer.py --out benchmarks/results/mup_transfer.json
     python benchmarks/bench_mup_transfer.py --widths 64 128 --lrs 3e-3 1e-2 --steps 20   # a quick look
+    python benchmarks/bench_mup_transfer.py --from-json benchmarks/results/mup_transfer.json   # the tables
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", help="write the result as JSON here")
+    p.add_argument("--md", help="write the result as a Markdown table here")
+    p.add_argument("--from-json", help="only render --md from a JSON report written by an earlier run")
     return p
 
 
@@ -104,8 +107,45 @@ def run(cfg: ModelConfig, lr: float, args: argparse.Namespace, train: list, held
     return float(np.mean(losses))
 
 
+def markdown(report: dict) -> str:
+    """Held-out loss per width and learning rate, for each parametrization, the best marked in bold, and
+    where the best learning rate went as the width grew."""
+    args, rows = report["args"], report["results"]
+    lrs = args["lrs"]
+    lines = []
+    for parametrization in args["parametrizations"]:
+        lines += [f"### {parametrization}", "", "| width | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | best lr |"]
+        lines.append("|---" * (len(lrs) + 2) + "|")
+        for width in args["widths"]:
+            losses = {
+                r["lr"]: r["held_out_loss"]
+                for r in rows
+                if r["width"] == width and r["parametrization"] == parametrization
+            }
+            best = report["best_lr"][f"{parametrization}/{width}"]
+            cells = [f"**{losses[lr]:.3f}**" if lr == best else f"{losses[lr]:.3f}" for lr in lrs]
+            lines.append(f"| {width} | " + " | ".join(cells) + f" | {best:g} |")
+        bests = [report["best_lr"][f"{parametrization}/{w}"] for w in args["widths"]]
+        steps = [round(math.log(b / bests[0], math.sqrt(10))) for b in bests]  # grid steps of ×sqrt(10)
+        moved = (
+            "stayed"
+            if len(set(bests)) == 1
+            else f"moved by {steps} grid steps (×√10 each) from width {args['widths'][0]}"
+        )
+        lines += [
+            "",
+            f"Best learning rate under {parametrization}: {', '.join(f'{b:g}' for b in bests)} — {moved}.",
+            "",
+        ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     args = parser().parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            print(markdown(json.load(f)))
+        return
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     torch.set_num_threads(args.threads)
     train_tokens, val_tokens = tokens("train"), tokens("val")
@@ -144,6 +184,9 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(markdown(report))
 
 
 if __name__ == "__main__":

@@ -39,14 +39,14 @@ VOCAB, SEQ, BATCH = 64, 16, 2
 
 
 def coord_config(width: int, parametrization: str) -> ModelConfig:
-    """Width grows by heads of a fixed size, the FFN in proportion (2·dim): every hidden dimension scales."""
+    """Width grows by heads of a fixed size, the FFN in proportion (= dim): every hidden dimension scales."""
     mup = {"mup_base_dim": WIDTHS[0]} if parametrization == "mup" else {}
     return ModelConfig(
         dim=width,
         n_layers=2,
         n_heads=width // HEAD_DIM,
         vocab_size=VOCAB,
-        ffn_hidden_dim=2 * width,
+        ffn_hidden_dim=width,
         max_seq_len=SEQ,
         parametrization=parametrization,
         **mup,
