@@ -46,6 +46,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="init seed; the training batches are drawn with seed + 1")
     p.add_argument("--out", help="write the result as JSON here")
     p.add_argument("--md", help="write the result as a Markdown table here")
     p.add_argument("--from-json", help="only render --md from a JSON report written by an earlier run")
@@ -82,7 +83,7 @@ def model_config(width: int, args: argparse.Namespace, parametrization: str, voc
 
 def run(cfg: ModelConfig, lr: float, args: argparse.Namespace, train: list, held_out: list) -> float:
     """Held-out loss after training `cfg` at `lr` (nan if it diverged)."""
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = build_model(cfg)
     optimizer = build_optimizer(model, OptimizerConfig(lr=lr, weight_decay=0.0))
 
@@ -150,7 +151,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     train_tokens, val_tokens = tokens("train"), tokens("val")
     vocab = int(read_manifest(embedded_corpus().train).vocab_size)
-    train = batches(train_tokens, args.steps, args.batch_size, args.seq_len, seed=1)
+    train = batches(train_tokens, args.steps, args.batch_size, args.seq_len, seed=args.seed + 1)
     held_out = batches(val_tokens, args.eval_batches, args.batch_size, args.seq_len, seed=2)
     results = []
     started = time.perf_counter()
