@@ -146,7 +146,21 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table.add_row("tokens per step (global)", f"{summary['tokens_per_step']:,}")
     table.add_row("training FLOPs per step", human(summary["flops_per_step"], "FLOP"))
     table.add_row("total tokens", f"{summary['total_tokens']:,}")
+    if "mup" in summary:
+        mup_rows(table, summary["mup"])
     return table
+
+
+def mup_rows(table: Table, mup: dict[str, Any]) -> None:
+    """μP's multipliers (engine/model/mup.py): the scalars, then each group of parameters with its init std
+    and learning-rate multipliers."""
+    table.add_row("μP width multiplier", f"{mup['width_mult']:g} (dim / mup_base_dim {mup['base_dim']})")
+    table.add_row("  output logit multiplier", f"{mup['output_multiplier']:g}")
+    table.add_row("  attention scale (q·k ×)", f"{mup['attention_scale']:g} (1/head_dim)")
+    for group in mup["groups"]:
+        table.add_row(
+            f"  init std ×{group['init_std_mult']:.4g}, lr ×{group['lr_mult']:.4g}", escape(", ".join(group["params"]))
+        )
 
 
 GIB = 2**30

@@ -243,10 +243,16 @@ def test_a_global_batch_and_the_whole_held_out_set_on_two_processes_match_one(tm
     assert records(two, "eval_loss")[6]["eval_loss"] == pytest.approx(total / count, abs=1e-5)
 
 
+# The runs that resume across layouts train under μP (engine/model/mup.py: its init, per-group learning
+# rates, query scale and logit multiplier), so FSDP, tensor and context parallelism are shown to match one
+# process with it at no extra launch; the layouts above cover sp.
+MUP = ["--model.parametrization=mup", "--model.mup_base_dim=16"]
+
+
 @pytest.fixture(scope="module")
 def eight_steps(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("layouts") / "eight"
-    result = forge(run_dir, "--train.max_steps=8")
+    result = forge(run_dir, "--train.max_steps=8", *MUP)
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
@@ -255,10 +261,10 @@ def test_a_sharded_run_resumes_in_one_process_and_back(tmp_path, eight_steps, pa
     """FSDP 2 → one process, and one process → FSDP 2: the next step's loss is the uninterrupted run's."""
     reference = eight_steps
     sharded = tmp_path / "sharded"
-    assert forge(sharded, nproc=2).returncode == 0
-    result = forge(sharded, "--train.max_steps=7")  # the same global batch, now on one process
+    assert forge(sharded, *MUP, nproc=2).returncode == 0
+    result = forge(sharded, "--train.max_steps=7", *MUP)  # the same global batch, now on one process
     assert result.returncode == 0, result.stderr[-3000:]
-    result = forge(sharded, "--train.max_steps=8", nproc=2)  # and back to two
+    result = forge(sharded, "--train.max_steps=8", *MUP, nproc=2)  # and back to two
     assert result.returncode == 0, result.stderr[-3000:]
     tol = tolerance(reference)
     for step in (7, 8):
@@ -271,11 +277,11 @@ def test_a_context_parallel_run_resumes_in_one_process_and_back(tmp_path, eight_
     sequences and keep half of each; the sharded checkpoint loads in either layout, and each step's loss and
     per-source losses are the uninterrupted one-process run's."""
     run_dir = tmp_path / "run"
-    result = forge(run_dir, *CONTEXT_PARALLEL, "--distributed.cp_method=ulysses", nproc=2, batch_size=4)
+    result = forge(run_dir, *CONTEXT_PARALLEL, "--distributed.cp_method=ulysses", *MUP, nproc=2, batch_size=4)
     assert result.returncode == 0, result.stderr[-3000:]
-    result = forge(run_dir, "--train.max_steps=7")
+    result = forge(run_dir, "--train.max_steps=7", *MUP)
     assert result.returncode == 0, result.stderr[-3000:]
-    result = forge(run_dir, "--train.max_steps=8", *CONTEXT_PARALLEL, nproc=2, batch_size=4)
+    result = forge(run_dir, "--train.max_steps=8", *CONTEXT_PARALLEL, *MUP, nproc=2, batch_size=4)
     assert result.returncode == 0, result.stderr[-3000:]
     ours, reference = records(run_dir), records(eight_steps)
     tol = tolerance(eight_steps)
@@ -293,9 +299,9 @@ def test_a_context_parallel_run_resumes_in_one_process_and_back(tmp_path, eight_
 
 def test_a_tensor_parallel_checkpoint_resumes_under_fsdp(tmp_path, eight_steps, parity):
     run_dir = tmp_path / "run"
-    result = forge(run_dir, "--distributed.tp=2", "--distributed.dp_shard=1", nproc=2, batch_size=4)
+    result = forge(run_dir, "--distributed.tp=2", "--distributed.dp_shard=1", *MUP, nproc=2, batch_size=4)
     assert result.returncode == 0, result.stderr[-3000:]
-    result = forge(run_dir, "--train.max_steps=7", nproc=2)  # dp_shard = 2, two sequences per rank
+    result = forge(run_dir, "--train.max_steps=7", *MUP, nproc=2)  # dp_shard = 2, two sequences per rank
     assert result.returncode == 0, result.stderr[-3000:]
     gap = abs(records(run_dir)[7]["loss"] - records(eight_steps)[7]["loss"])
     parity.within("loss step 7", gap, tolerance(eight_steps).loss_at(7))

@@ -434,6 +434,17 @@ RULE_CASES: dict[str, list[str]] = {
         "--distributed.pp_schedule=1f1b",
     ],
     "layout-gpt2-cp2-tp2": ["presets/gpt2_124m.toml", "--world-size", "8", "--distributed.cp=2", "--distributed.tp=2"],
+    # μP (engine/model/mup.py): the multipliers shown, and each refusal
+    "mup-valid-debug": [DEBUG, "--model.parametrization=mup", "--model.mup_base_dim=96"],
+    "mup-base-dim-larger-than-dim": [DEBUG, "--model.parametrization=mup", "--model.mup_base_dim=384"],
+    "mup-ffn-not-dividing": [
+        DEBUG,
+        "--model.parametrization=mup",
+        "--model.mup_base_dim=64",
+        "--model.ffn_hidden_dim=500",
+    ],
+    "mup-base-dim-without-mup": [DEBUG, "--model.mup_base_dim=96"],
+    "mup-muon": [DEBUG, "--model.parametrization=mup", "--model.mup_base_dim=96", "--optimizer.name=muon"],
 }
 
 CASES: dict[str, list[str]] = {**preset_cases(), **RULE_CASES}

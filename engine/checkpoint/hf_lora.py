@@ -102,8 +102,15 @@ def export_adapters(
     check_out(out)
     wanted = {f"{module}.{part}": metadata[f"model.{module}.{part}"] for module in adapted for part in PARTS}
     tensors = read_checkpoint_tensors(ckpt, wanted)
+    # A base weight exported times a scale (μP's query scale folded into q_proj) needs its update B·A scaled
+    # alike: B carries it.
+    scales = {piece.source: piece.scale for piece in hf_layout(ckpt.model).values() if piece.source is not None}
     weights = {
-        f"{PEFT_PREFIX}{names[module]}.{part}.weight": tensors[f"{module}.{part}"].to(torch_dtype).contiguous()
+        f"{PEFT_PREFIX}{names[module]}.{part}.weight": (
+            tensors[f"{module}.{part}"] * (scales[f"{module}.weight"] if part == "lora_B" else 1.0)
+        )
+        .to(torch_dtype)
+        .contiguous()
         for module in adapted
         for part in PARTS
     }

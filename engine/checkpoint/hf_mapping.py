@@ -146,7 +146,7 @@ def hf_shapes(cfg: ModelConfig, layout: dict[str, Piece]) -> dict[str, torch.Siz
 
 def to_hf(piece: Piece, state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The HF tensor `piece` describes, from the Forge tensors in `state` (FQN → tensor; at least the piece's
-    sources), in `dtype` (fp32 pieces stay fp32)."""
+    sources), times its scale, in `dtype` (fp32 pieces stay fp32)."""
     dtype = torch.float32 if piece.fp32 else dtype
     if piece.source is None:
         return torch.zeros(piece.shape, dtype=dtype)
@@ -154,6 +154,8 @@ def to_hf(piece: Piece, state: Mapping[str, torch.Tensor], dtype: torch.dtype) -
         tensor = torch.cat([state[name] for name in piece.sources])
     else:
         tensor = state[piece.source] if piece.expert is None else state[piece.source][piece.expert]
+    if piece.scale != 1.0:  # in the source's precision (fp32 in checkpoints), before the cast
+        tensor = tensor * piece.scale
     return (tensor.T if piece.transpose else tensor).to(dtype).contiguous()
 
 

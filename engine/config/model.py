@@ -46,6 +46,17 @@ class ModelConfig(Section):
     sdpa_backend: Literal["auto", "math", "flash", "efficient", "cudnn"] = Field(
         "auto", description="restrict scaled_dot_product_attention to one kernel; auto lets PyTorch choose"
     )
+    parametrization: Literal["sp", "mup"] = Field(
+        "sp",
+        description="sp = standard; mup = maximal update parametrization (Tensor Programs V, docs/mup.md): "
+        "hidden init and lr, output logits and attention scaled with width so tuned hyper-parameters transfer",
+    )
+    mup_base_dim: int | None = Field(
+        None,
+        gt=0,
+        description="mup only (required there): the dim the hyper-parameters were tuned at; multipliers are "
+        "measured against this base model (<= dim; an explicit ffn_hidden_dim must scale to a whole width)",
+    )
 
     # Mixture of experts (engine/model/moe.py). The defaults give a dense model; every other MoE field is
     # read only when num_experts > 0 (config validation rejects them otherwise).
@@ -122,6 +133,8 @@ class ModelConfig(Section):
         "init_std": "model/transformer.py, model/families/gpt2/model.py",
         "model_type": "model/__init__.py, model/rules.py",
         "sdpa_backend": "model/attention.py, model/families/gpt2/model.py",
+        "parametrization": "model/mup.py, model/transformer.py, model/attention.py, train/optim/groups.py",
+        "mup_base_dim": "model/mup.py",
         "num_experts": "model/transformer.py, model/moe.py",
         "moe_top_k": "model/routers.py",
         "moe_frequency": "model/transformer.py",
@@ -152,7 +165,34 @@ class ModelConfig(Section):
             raise ValueError(f"moe_bias_schedule must start at update 0 with strictly increasing updates, got {steps}")
         if any(rate < 0 for _, rate in self.moe_bias_schedule):
             raise ValueError("moe_bias_schedule rates must be >= 0")
+        self._mup_fields()
         return self
+
+    def _mup_fields(self) -> None:
+        """μP measures its multipliers against a base model: `cfg` at dim = mup_base_dim (engine/model/mup.py),
+        no wider than the model, with an FFN width in proportion."""
+        base = self.mup_base_dim
+        if self.parametrization == "sp":
+            if base is not None:
+                raise ValueError('mup_base_dim is set, but parametrization = "sp" does not read it: remove it')
+            return
+        if base is None:
+            raise ValueError('parametrization = "mup" needs mup_base_dim, the dim its hyper-parameters were tuned at')
+        if base > self.dim:
+            raise ValueError(
+                f"mup_base_dim ({base}) is larger than dim ({self.dim}): μP transfers from a narrower base "
+                "model; set mup_base_dim <= dim"
+            )
+        if self.ffn_hidden_dim is not None and (self.ffn_hidden_dim * base) % self.dim:
+            raise ValueError(
+                f"ffn_hidden_dim ({self.ffn_hidden_dim}) · mup_base_dim ({base}) / dim ({self.dim}) is not a whole "
+                "number, so the base model has no FFN width in proportion; choose widths that divide"
+            )
+        if self.is_moe:
+            raise ValueError(
+                'parametrization = "mup" is not supported for mixtures of experts (num_experts > 0): the router '
+                "and the experts' multipliers are not part of the scheme; use a dense model or sp"
+            )
 
     @property
     def is_moe(self) -> bool:

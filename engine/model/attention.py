@@ -14,6 +14,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from engine.config.model import ModelConfig
 from engine.model.documents import flex_document_attention
 from engine.model.kv_cache import LayerKV
+from engine.model.mup import query_scale
 from engine.model.rope import apply_rope
 
 CPU_SDPA_BACKENDS = ("auto", "math", "flash")  # the kernels PyTorch has for CPU tensors
@@ -69,6 +70,9 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core = AttentionCore(cfg.sdpa_backend)
+        # μP's q·k/head_dim, applied to the queries so that every kernel (SDPA, flex, context parallel's) and
+        # what a hook on the core sees agree; 1 under sp (engine/model/mup.py).
+        self.query_scale = query_scale(cfg)
 
     def forward(
         self,
@@ -93,6 +97,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
         causal = mask is None
         if cache is not None:
             assert mask is None, "packed documents are a training-time layout; generation uses the cache's mask"

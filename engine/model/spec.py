@@ -147,7 +147,9 @@ class Piece:
     `fp32` tensors are written in fp32 whatever the export dtype (a routing bias, which transformers keeps in
     fp32). `fused`: further Forge tensors of source's shape that follow it along dim 0 in one HF tensor (a
     fused projection, GPT-2's c_attn = q, k and v): the HF tensor is their concatenation on dim 0 (then
-    transposed), and importing splits it into equal parts again."""
+    transposed), and importing splits it into equal parts again. `scale` multiplies the tensor on export: a μP
+    model's query and logit multipliers folded into the weights (engine/model/mup.py); an import reads folders
+    of sp configs, whose pieces all have scale 1."""
 
     source: str | None
     expert: int | None = None
@@ -155,6 +157,7 @@ class Piece:
     shape: tuple[int, ...] = ()
     fp32: bool = False
     fused: tuple[str, ...] = ()
+    scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.fused and (self.source is None or self.expert is not None):

@@ -25,6 +25,7 @@ from engine.model.documents import document_positions, packed_attention_mask
 from engine.model.kv_cache import KVCache, LayerKV
 from engine.model.mlp import GatedMLP
 from engine.model.moe import MoE, MoEStats
+from engine.model.mup import mup_plan, output_multiplier
 from engine.model.norms import build_norm
 from engine.model.rope import rope_tables
 
@@ -73,6 +74,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.last_moe_stats: dict[str, MoEStats] = {}  # layer name → routing stats of the last forward
+        self.output_multiplier = output_multiplier(cfg)  # μP's logit multiplier (1 under sp): engine/model/mup.py
         self.init_weights()
 
     def forward(
@@ -87,7 +89,8 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """tokens [batch, seq] → logits [batch, seq, vocab]. Without a cache (training) the tokens are
         positions 0 … seq-1; with one (inference) they continue the cached positions, and are added to it.
-        With return_hidden, the final-normed hidden states [batch, seq, dim] instead of logits, for losses that
+        With return_hidden, the final-normed hidden states [batch, seq, dim] (times μP's output multiplier)
+        instead of logits, for losses that
         project them through `output.weight` chunk by chunk (engine.train.losses.chunked_cross_entropy).
         A pipeline stage without `tok_embeddings` takes the previous stage's hidden states [batch, seq, dim]
         as `tokens`; one without `output` returns its last block's hidden states (not normed).
@@ -124,6 +127,8 @@ class Transformer(nn.Module):
         if self.output is None:
             return h
         h = self.norm(h)
+        if self.output_multiplier != 1.0:  # on the head's input, so the chunked loss (return_hidden) gets it too
+            h = h * self.output_multiplier
         return h if return_hidden else self.output(h)
 
     @torch.no_grad()
@@ -178,6 +183,22 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.RMSNorm, nn.LayerNorm)):
                 module.reset_parameters()
+        self.scale_init_for_mup()
+
+    @torch.no_grad()
+    def scale_init_for_mup(self) -> None:
+        """μP's init: each weight drawn above times its init multiplier (engine/model/mup.py), the same as
+        drawing it with that std, and the same random numbers as sp; a multiplier of 0 (the untied head)
+        zeroes it."""
+        plan = mup_plan(self.cfg)
+        if plan is None:
+            return
+        for name, param in self.named_parameters():
+            scale = plan.params[name].init
+            if scale == 0.0:
+                param.zero_()
+            elif scale != 1.0:
+                param.mul_(scale)
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied head counts once)."""

@@ -6,6 +6,7 @@ from typing import Any
 
 from engine.config.job import JobConfig
 from engine.data.batch_plan import batch_plan
+from engine.model import mup
 from engine.model.estimate import param_counts, training_flops_per_token
 from engine.train.length import in_recipe_terms, length_summary, with_derived_length
 
@@ -26,4 +27,5 @@ def job_summary(cfg: JobConfig, world_size: int = 1) -> dict[str, Any]:
         "flops_per_step": flops_per_token * tokens_per_step,
         "total_tokens": batch_plan(cfg, world_size).tokens_before(cfg.train.max_steps),
         **({"length": length_summary(cfg, world_size)} if in_recipe_terms(cfg) else {}),
+        **({"mup": mup.summary(cfg.model)} if cfg.model.parametrization == "mup" else {}),
     }

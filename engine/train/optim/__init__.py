@@ -23,13 +23,24 @@ __all__ = ["build_optimizer", "current_lr", "eval_mode", "hidden_matrices", "par
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    return OPTIMIZERS.get(cfg.name)(model, cfg)
+    return apply_lr_multipliers(OPTIMIZERS.get(cfg.name)(model, cfg))
+
+
+def apply_lr_multipliers(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Groups that carry μP's `lr_multiplier` (optim/groups.py) train at that multiple of their lr. Done once,
+    before the schedule is built, which then scales each group's own lr."""
+    for group in optimizer.param_groups:
+        if "lr_multiplier" in group:
+            group["lr"] = group["lr"] * group["lr_multiplier"]
+    return optimizer
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
-    """The lr the next step takes (first param group), as metrics should report it."""
+    """The lr the next step takes (first param group, over its μP multiplier: the base lr), as metrics
+    should report it."""
     group = optimizer.param_groups[0]
-    return ScheduleFreeAdamW.step_lr(group) if isinstance(optimizer, ScheduleFreeAdamW) else group["lr"]
+    lr = ScheduleFreeAdamW.step_lr(group) if isinstance(optimizer, ScheduleFreeAdamW) else group["lr"]
+    return lr / group.get("lr_multiplier", 1.0)
 
 
 @contextlib.contextmanager

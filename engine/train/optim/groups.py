@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from engine.model.lora import clean_name, is_adapter_weight
+from engine.model.mup import mup_plan
+
 
 def param_groups(model: nn.Module, weight_decay: float, exclude: frozenset[int] = frozenset()) -> list[dict]:
     """Two groups: ≥2-D weights other than embeddings decay; norms, biases and embedding tables do not.
@@ -11,6 +14,8 @@ def param_groups(model: nn.Module, weight_decay: float, exclude: frozenset[int] 
     A tied output head shares the embedding's parameter and so follows the embedding (no decay), also where
     it is a copy of its own (the last pipeline stage's, whose model `cfg` says it is tied).
     Parameters whose id is in `exclude` (those another group of the optimizer owns) are left out.
+    Under μP each of the two is split further by the parameters' learning-rate multipliers
+    (`mup_lr_groups`).
     """
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     cfg, head = getattr(model, "cfg", None), getattr(model, "output", None)
@@ -21,7 +26,27 @@ def param_groups(model: nn.Module, weight_decay: float, exclude: frozenset[int] 
         if not param.requires_grad or id(param) in exclude:
             continue
         (decay if param.ndim >= 2 and id(param) not in embeddings else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return groups if cfg is None or cfg.parametrization != "mup" else mup_lr_groups(model, groups)
+
+
+def mup_lr_groups(model: nn.Module, groups: list[dict]) -> list[dict]:
+    """Each group split by μP's learning-rate multiplier (engine/model/mup.py), which the group carries as
+    `lr_multiplier`; `apply_lr_multipliers` turns it into the group's lr once the optimizer exists. Groups
+    keep the order of their first parameter, so the first is the embedding's, at the base lr. LoRA adapters
+    (width × rank) keep the base lr, like every tensor with one width-sized dimension."""
+    plan = mup_plan(model.cfg)
+    multiplier = {}
+    for raw_name, param in model.named_parameters():
+        name = clean_name(raw_name)
+        multiplier[id(param)] = 1.0 if is_adapter_weight(name) else plan.params[name].lr
+    split = []
+    for group in groups:
+        by_lr: dict[float, list[nn.Parameter]] = {}
+        for param in group["params"]:
+            by_lr.setdefault(multiplier[id(param)], []).append(param)
+        split += [{**group, "params": params, "lr_multiplier": lr} for lr, params in by_lr.items()]
+    return split
 
 
 def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:

@@ -1,6 +1,6 @@
 """The `[model]` fields GPT-2 has no use for (torch-free): its norms are always LayerNorm, its MLP is GELU and
 not gated, its heads all have their own keys and values, its positions are learned (no RoPE), it has no QK-norm
-and no experts. Config validation refuses a gpt2 config that sets one away from its default
+and no experts, and μP's scales are not wired into its modules. Config validation refuses a gpt2 config that sets one away from its default
 (engine/model/rules.py: family_issues), and the export refuses a checkpoint config that does."""
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ REFUSED_FIELDS = (
     "activation",
     "rope_theta",
     "qk_norm",
+    "parametrization",  # μP (engine/model/mup.py) is wired into the transformer family only
+    "mup_base_dim",
     "num_experts",
     *MOE_FIELDS,
 )

@@ -30,12 +30,14 @@ layout the Hub checkpoints of these models use and transformers' save_pretrained
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from pydantic import ValidationError
 
 from engine.config.model import ModelConfig
 from engine.errors import UserError
+from engine.model.mup import output_multiplier, query_scale
 from engine.model.spec import HFMapping, Piece
 
 LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
@@ -88,6 +90,7 @@ ARCHITECTURE_FIELDS = (
     "moe_router",
     "moe_shared_experts",
     "expert_ffn_dim",
+    "parametrization",  # HF folders are sp (a μP export has its scales folded in): a μP model cannot take them
 )
 
 
@@ -401,7 +404,21 @@ def hf_layout(cfg: ModelConfig) -> dict[str, Piece]:
     layout[OUTER_NAMES["norm.weight"]] = Piece("norm.weight")
     if not cfg.tie_embeddings:
         layout[OUTER_NAMES["output.weight"]] = Piece("output.weight")
-    return layout
+    return fold_mup_scales(cfg, layout)
+
+
+def fold_mup_scales(cfg: ModelConfig, layout: dict[str, Piece]) -> dict[str, Piece]:
+    """Under μP the model multiplies the queries and the head's input by constants (engine/model/mup.py)
+    that the HF classes do not have; both are folded into weights that are linear in them. The query scale
+    goes into q_proj, or with QK-norm into q_norm's weight (the norm would undo a scaled q_proj; RoPE is
+    linear, so scaling before or after it is the same). The logit multiplier goes into the final norm's
+    weight, the head's input, which holds it whether or not the head is tied to the embedding."""
+    if cfg.parametrization != "mup":
+        return layout
+    query = "self_attn.q_norm.weight" if cfg.qk_norm else "self_attn.q_proj.weight"
+    scales = {OUTER_NAMES["norm.weight"]: output_multiplier(cfg)}
+    scales |= {f"model.layers.{i}.{query}": query_scale(cfg) for i in range(cfg.n_layers)}
+    return {name: replace(piece, scale=scales[name]) if name in scales else piece for name, piece in layout.items()}
 
 
 def moe_layout(cfg: ModelConfig, architecture: str, layer: int) -> dict[str, Piece]:
