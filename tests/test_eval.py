@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -274,3 +275,144 @@ def test_cli_refuses_bad_input_and_writes_nothing(run, tasks, tmp_path):
     assert not (empty / "evals.jsonl").exists()
     after = (run / "evals.jsonl").read_bytes() if (run / "evals.jsonl").exists() else None
     assert after == before
+
+
+# ---------------------------------------------------------------- tasks during training, several processes
+
+IN_LOOP = ["quiz_mc", "quiz_gen"]
+
+
+def task_paths(tasks: Path) -> str:
+    return "[" + ", ".join(f'"{tasks / name}.yaml"' for name in IN_LOOP) + "]"
+
+
+def metric_records(run_dir: Path) -> dict[int, dict[str, float]]:
+    """step → the eval/TASK/METRIC values logged at that step."""
+    out: dict[int, dict[str, float]] = {}
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        found = {k: v for k, v in record.items() if k.startswith("eval/")}
+        if found:
+            out.setdefault(record["step"], {}).update(found)
+    return out
+
+
+def one_process_eval(checkpoint: Path, tasks: Path, **extra) -> dict[str, float]:
+    """What `forge eval` of `checkpoint` gives in one process, keyed as training logs it."""
+    from engine.eval.evaluate import EvalRequest, evaluate
+
+    request = EvalRequest(tasks=tuple(IN_LOOP), include_path=(tasks,), batch_size=4, record=False, **extra)
+    return {f"eval/{r.key}": r.value for r in evaluate(checkpoint, request).tasks.results}
+
+
+def test_tasks_during_training_equal_forge_eval_of_each_checkpoint(tasks, tmp_path):
+    """One process: eval.tasks every task_interval steps and after the last, as eval/TASK/METRIC in
+    metrics.jsonl, each exactly what forge eval gives on the checkpoint of that step (the same fp32 model,
+    the same code); no held-out loss (none named: tasks need none); eval.enabled = false turns tasks off."""
+    from engine.eval.in_training import open_tasks
+    from engine.train.trainer import train
+
+    common = [
+        "model.dim=64",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        f"model.max_seq_len={MAX_SEQ_LEN}",
+        "train.seq_len=32",
+        "train.max_steps=3",
+        "scheduler.warmup_steps=1",
+        "optimizer.lr=1e-2",
+        "checkpoint.interval=2",
+        f"eval.tasks={task_paths(tasks)}",
+        "eval.task_interval=2",
+        "eval.interval=1",  # the held-out loss's interval: unused, no held-out data is named
+        "eval.task_batch_size=4",
+    ]
+    data = tokenized(tmp_path)
+    train(job_config(data, *common, "eval.enabled=true"), tmp_path / "on")
+    logged = metric_records(tmp_path / "on")
+    assert sorted(logged) == [2, 3]
+    lines = (tmp_path / "on" / "metrics.jsonl").read_text()
+    assert "eval_loss" not in lines
+    for step, values in logged.items():
+        assert {key.split("/")[1] for key in values} == set(IN_LOOP), values
+        assert values == one_process_eval(tmp_path / "on" / "checkpoints" / f"step_{step}", tasks), step
+    assert open_tasks(job_config(data, *common, "eval.enabled=false"), None) is None  # before the tokenizer matters
+
+
+def test_tasks_refused_before_anything_is_written(tasks, tmp_path, monkeypatch):
+    """lm-eval missing (validate time, no torch or lm-eval import), an unknown task, pipeline parallelism:
+    exit 2 naming the field and the fix; no run directory written."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    ok = f'--eval.tasks=["{tasks / "quiz_mc.yaml"}"]'
+    code = (
+        f"import sys; sys.argv = ['forge', 'validate-config', 'presets/debug.toml', '{ok}']\n"
+        "from forgecli.app import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "assert 'torch' not in sys.modules and 'lm_eval' not in sys.modules, 'imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    monkeypatch.setattr("engine.eval.rules.harness_installed", lambda: False)
+    missing = forge("validate-config", "presets/debug.toml", ok)
+    assert missing.exit_code == 2 and "pip install 'forge-lm[eval]'" in said(missing), said(missing)
+    monkeypatch.undo()
+    piped = forge("validate-config", "presets/debug.toml", ok, "--distributed.pp=2")
+    assert piped.exit_code == 2 and "not evaluated under pipeline parallelism" in said(piped)
+    remote = tmp_path / "remote.yaml"  # a task whose data set is on the Hub, which this offline machine lacks
+    remote.write_text((tasks / "quiz_mc.yaml").read_text().replace("task: quiz_mc", "task: remote_quiz")
+                      .replace("dataset_path: json", "dataset_path: someorg/quiz_data"))  # fmt: skip
+    out, data = tmp_path / "run", tokenized(tmp_path)
+    for spec, needle in ((f'["{remote}"]', "someorg/quiz_data"), (f'["{tmp_path}/no.yaml"]', "no.yaml not found")):
+        result = forge(
+            "train", "presets/debug.toml", "--run-dir", str(out), f"--data.dataset_path={data}",
+            "--model.vocab_size=512", "--train.max_steps=1", f"--eval.tasks={spec}",
+        )  # fmt: skip
+        assert result.exit_code == 2 and needle in said(result), said(result)
+        assert not out.exists()
+
+
+def test_two_processes_give_the_numbers_of_one(run, tasks, tmp_path):
+    """`forge train --nproc-per-node 2` (FSDP over two ranks) with eval.tasks: the ranks share the requests, and
+    what they log at each step is exactly what one process's forge eval gives on that step's checkpoint. Then
+    `forge eval --nproc-per-node 2` on that run: tasks and --data perplexity exactly as one process, recorded
+    once (by rank 0). Exact: each process computes whole batches laid out from all the requests, with the
+    shapes one process uses, and all of them gather every answer (engine/eval/split.py)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.torchrun import run_bounded
+
+    env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+    def forge_cli(*args: str) -> subprocess.CompletedProcess:
+        return run_bounded([sys.executable, "-m", "forgecli.app", *args], timeout=240, cwd=REPO, env=env)
+
+    two = tmp_path / "two"
+    trained = forge_cli(
+        "train", str(run / "config.toml"), "--run-dir", str(two), "--nproc-per-node=2", "--train.max_steps=2",
+        "--checkpoint.interval=1", "--eval.enabled=true", f"--eval.tasks={task_paths(tasks)}",
+        "--eval.task_interval=1", "--eval.task_batch_size=4",
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-12000:]
+    logged = metric_records(two)
+    assert sorted(logged) == [1, 2]
+    for step, values in logged.items():
+        assert values == one_process_eval(two / "checkpoints" / f"step_{step}", tasks), step
+
+    text = write_jsonl(tmp_path / "text.jsonl", corpus_texts(3, 300))
+    asked = ["--tasks", ",".join(IN_LOOP), "--include-path", str(tasks), "--data", str(text), "--stride", "24"]
+    shared = forge_cli("eval", str(two), *asked, "--batch-size", "4", "--json", "--nproc-per-node", "2")
+    assert shared.returncode == 0, shared.stderr[-3000:]
+    alone = forge("eval", str(two), *asked, "--batch-size", "4", "--json", "--no-record")
+    assert alone.exit_code == 0, alone.output
+    got, expected = json.loads(shared.stdout), json.loads(alone.stdout)
+    assert got["results"] == expected["results"] and len(got["results"]) >= 3
+    assert got["perplexity"] == expected["perplexity"] and got["perplexity"]["windows"] > 3
+    assert {f"eval/{r['task']}/{r['metric']}": r["value"] for r in got["results"]} == logged[2]
+    recorded = (two / "evals.jsonl").read_text().splitlines()
+    assert len(recorded) == 2 and got["recorded_in"] == str(two / "evals.jsonl")  # tasks and perplexity, once

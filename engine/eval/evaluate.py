@@ -68,7 +68,7 @@ def evaluate(target: Path, request: EvalRequest, progress: Callable[[int], None]
         from engine.eval.suite import run_loaded
 
         lm = ForgeLM(model, encoder, request.batch_size, progress, split)
-        report.tasks = run_loaded(lm, *tasks, request.num_fewshot, request.limit)
+        report.tasks = run_loaded(lm, *tasks, request.num_fewshot, request.limit, split=split)
     if request.data is not None:
         from engine.eval.perplexity import perplexity
 

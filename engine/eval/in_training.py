@@ -62,8 +62,9 @@ class TrainingTasks:
 
         e = self.cfg.eval
         copy = whole_model(model, self.cfg.model, device)
-        lm = ForgeLM(copy, self.encoder, e.task_batch_size, split=process_split())
-        run = run_loaded(lm, self.manager, self.tasks, e.task_num_fewshot, e.task_limit)
+        split = process_split()
+        lm = ForgeLM(copy, self.encoder, e.task_batch_size, split=split)
+        run = run_loaded(lm, self.manager, self.tasks, e.task_num_fewshot, e.task_limit, split=split)
         return {f"eval/{r.key}": r.value for r in run.results}
 
 

@@ -37,6 +37,14 @@ class WorkSplit:
         dist.all_gather_object(parts, answers)
         return {index: answer for part in parts for index, answer in (part or {}).items()}
 
+    def from_first(self, value: T) -> T:
+        """Rank 0's `value`, on every process (collective)."""
+        if self.size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
 
 ALONE = WorkSplit()
 
