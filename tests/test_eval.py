@@ -304,80 +304,55 @@ def one_process_eval(checkpoint: Path, tasks: Path, **extra) -> dict[str, float]
     return {f"eval/{r.key}": r.value for r in evaluate(checkpoint, request).tasks.results}
 
 
-def test_tasks_during_training_equal_forge_eval_of_each_checkpoint(tasks, tmp_path):
-    """One process: eval.tasks every task_interval steps and after the last, as eval/TASK/METRIC in
-    metrics.jsonl, each exactly what forge eval gives on the checkpoint of that step (the same fp32 model,
-    the same code); no held-out loss (none named: tasks need none); eval.enabled = false turns tasks off."""
+def test_tasks_refused_before_anything_is_written(run, tasks, tmp_path, monkeypatch):
+    """eval.tasks with lm-eval missing (at validate time: tests/test_cli.py checks validate-config imports neither
+    torch nor lm-eval with eval.tasks set), a missing task file, pipeline parallelism, a task whose data this
+    offline machine lacks (when the run starts): exit 2 naming the field and the fix, no run directory written.
+    eval.enabled = false turns the tasks off as it turns off the held-out loss. `forge eval --nproc-per-node 2`
+    refuses bad input before it starts any process."""
     from engine.eval.in_training import open_tasks
-    from engine.train.trainer import train
-
-    common = [
-        "model.dim=64",
-        "model.n_layers=2",
-        "model.n_heads=4",
-        "model.n_kv_heads=2",
-        f"model.max_seq_len={MAX_SEQ_LEN}",
-        "train.seq_len=32",
-        "train.max_steps=3",
-        "scheduler.warmup_steps=1",
-        "optimizer.lr=1e-2",
-        "checkpoint.interval=2",
-        f"eval.tasks={task_paths(tasks)}",
-        "eval.task_interval=2",
-        "eval.interval=1",  # the held-out loss's interval: unused, no held-out data is named
-        "eval.task_batch_size=4",
-    ]
-    data = tokenized(tmp_path)
-    train(job_config(data, *common, "eval.enabled=true"), tmp_path / "on")
-    logged = metric_records(tmp_path / "on")
-    assert sorted(logged) == [2, 3]
-    lines = (tmp_path / "on" / "metrics.jsonl").read_text()
-    assert "eval_loss" not in lines
-    for step, values in logged.items():
-        assert {key.split("/")[1] for key in values} == set(IN_LOOP), values
-        assert values == one_process_eval(tmp_path / "on" / "checkpoints" / f"step_{step}", tasks), step
-    assert open_tasks(job_config(data, *common, "eval.enabled=false"), None) is None  # before the tokenizer matters
-
-
-def test_tasks_refused_before_anything_is_written(tasks, tmp_path, monkeypatch):
-    """lm-eval missing (validate time, no torch or lm-eval import), an unknown task, pipeline parallelism:
-    exit 2 naming the field and the fix; no run directory written."""
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO
 
     ok = f'--eval.tasks=["{tasks / "quiz_mc.yaml"}"]'
-    code = (
-        f"import sys; sys.argv = ['forge', 'validate-config', 'presets/debug.toml', '{ok}']\n"
-        "from forgecli.app import main\n"
-        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-        "assert 'torch' not in sys.modules and 'lm_eval' not in sys.modules, 'imported'\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
     monkeypatch.setattr("engine.eval.rules.harness_installed", lambda: False)
     missing = forge("validate-config", "presets/debug.toml", ok)
     assert missing.exit_code == 2 and "pip install 'forge-lm[eval]'" in said(missing), said(missing)
     monkeypatch.undo()
     piped = forge("validate-config", "presets/debug.toml", ok, "--distributed.pp=2")
     assert piped.exit_code == 2 and "not evaluated under pipeline parallelism" in said(piped)
-    remote = tmp_path / "remote.yaml"  # a task whose data set is on the Hub, which this offline machine lacks
-    remote.write_text((tasks / "quiz_mc.yaml").read_text().replace("task: quiz_mc", "task: remote_quiz")
-                      .replace("dataset_path: json", "dataset_path: someorg/quiz_data"))  # fmt: skip
+    lost = tmp_path / "lost.yaml"  # a task whose data file is not there: found when the run starts
+    lost.write_text(
+        (tasks / "quiz_mc.yaml")
+        .read_text()
+        .replace("task: quiz_mc", "task: lost_quiz")
+        .replace("mc.jsonl", "gone.jsonl")
+    )
     out, data = tmp_path / "run", tokenized(tmp_path)
-    for spec, needle in ((f'["{remote}"]', "someorg/quiz_data"), (f'["{tmp_path}/no.yaml"]', "no.yaml not found")):
+    assert open_tasks(job_config(data, f"eval.tasks=['{tasks / 'quiz_mc.yaml'}']", "eval.enabled=false"), None) is None
+    for spec, needle in (
+        (f'["{lost}"]', "lost.yaml: its data set cannot be read here"),
+        (f'["{tmp_path}/no.yaml"]', "no.yaml not found"),
+    ):
         result = forge(
             "train", "presets/debug.toml", "--run-dir", str(out), f"--data.dataset_path={data}",
             "--model.vocab_size=512", "--train.max_steps=1", f"--eval.tasks={spec}",
         )  # fmt: skip
         assert result.exit_code == 2 and needle in said(result), said(result)
         assert not out.exists()
+    started = []
+    monkeypatch.setattr("engine.parallel.launch.launch_local_workers", lambda *args: started.append(args) or 0)
+    before = (run / "evals.jsonl").read_bytes() if (run / "evals.jsonl").exists() else None
+    refused = forge("eval", str(run), "--tasks", str(tmp_path / "no.yaml"), "--nproc-per-node", "2")
+    assert refused.exit_code == 2 and "no.yaml not found" in said(refused) and started == []
+    launched = forge("eval", str(run), "--tasks", "quiz_mc", "--include-path", str(tasks), "--nproc-per-node", "2")
+    assert launched.exit_code == 0 and len(started) == 1 and started[0][:2] == (2, "forgecli.app")
+    after = (run / "evals.jsonl").read_bytes() if (run / "evals.jsonl").exists() else None
+    assert after == before  # the launcher process itself evaluates and records nothing
 
 
 def test_two_processes_give_the_numbers_of_one(run, tasks, tmp_path):
-    """`forge train --nproc-per-node 2` (FSDP over two ranks) with eval.tasks: the ranks share the requests, and
-    what they log at each step is exactly what one process's forge eval gives on that step's checkpoint. Then
+    """`forge train --nproc-per-node 2` (FSDP over two ranks) with eval.tasks every step: the ranks share the
+    requests, and what they log at each step (eval/TASK/METRIC in metrics.jsonl) is exactly what one process's
+    forge eval gives on that step's checkpoint (the same fp32 model, the same code). Then
     `forge eval --nproc-per-node 2` on that run: tasks and --data perplexity exactly as one process, recorded
     once (by rank 0). Exact: each process computes whole batches laid out from all the requests, with the
     shapes one process uses, and all of them gather every answer (engine/eval/split.py)."""
@@ -401,6 +376,7 @@ def test_two_processes_give_the_numbers_of_one(run, tasks, tmp_path):
     assert trained.returncode == 0, trained.stderr[-12000:]
     logged = metric_records(two)
     assert sorted(logged) == [1, 2]
+    assert "eval_loss" not in (two / "metrics.jsonl").read_text()  # no held-out data named: tasks need none
     for step, values in logged.items():
         assert values == one_process_eval(two / "checkpoints" / f"step_{step}", tasks), step
 
