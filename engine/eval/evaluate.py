@@ -75,6 +75,7 @@ def evaluate(target: Path, request: EvalRequest, progress: Callable[[int], None]
         report.perplexity = perplexity(
             model, encoder, request.data, request.stride, request.max_tokens, request.batch_size, progress, split
         )
+    split.wait()  # every process is done with the others before rank 0 writes and any process exits
     if report.run_dir is not None:
         report.records = [append_record(report.run_dir, r) for r in records(report, request)]
     return report

@@ -16,12 +16,16 @@ set an offline machine lacks stops the run before it starts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -64,8 +68,22 @@ class TrainingTasks:
         copy = whole_model(model, self.cfg.model, device)
         split = process_split()
         lm = ForgeLM(copy, self.encoder, e.task_batch_size, split=split)
-        run = run_loaded(lm, self.manager, self.tasks, e.task_num_fewshot, e.task_limit, split=split)
+        with random_state_kept(device):
+            run = run_loaded(lm, self.manager, self.tasks, e.task_num_fewshot, e.task_limit, split=split)
         return {f"eval/{r.key}": r.value for r in run.results}
+
+
+@contextlib.contextmanager
+def random_state_kept(device: torch.device) -> Iterator[None]:
+    """The harness seeds Python's, NumPy's and torch's global generators (as `forge eval` does, for the same
+    numbers); training goes on from the states they had, as if no evaluation had run."""
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type="cuda"):
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
 
 
 def open_tasks(cfg: JobConfig, tokenizer: Path | None) -> TrainingTasks | None:

@@ -37,6 +37,11 @@ class WorkSplit:
         dist.all_gather_object(parts, answers)
         return {index: answer for part in parts for index, answer in (part or {}).items()}
 
+    def wait(self) -> None:
+        """A barrier over the processes (none alone)."""
+        if self.size > 1:
+            dist.barrier()
+
     def from_first(self, value: T) -> T:
         """Rank 0's `value`, on every process (collective)."""
         if self.size == 1:
