@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from pathlib import Path
 
@@ -349,46 +348,68 @@ def test_tasks_refused_before_anything_is_written(run, tasks, tmp_path, monkeypa
     assert after == before  # the launcher process itself evaluates and records nothing
 
 
+WORKER = """
+import contextlib, io, json, sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from engine.config import load_job_config
+from engine.parallel.launch import end_process
+from engine.train.trainer import train
+from forgecli.app import app
+
+copy, run, two, out = map(Path, sys.argv[1:5])
+shown = io.StringIO()
+with contextlib.redirect_stdout(shown):  # what `forge eval --nproc-per-node 2` runs in each of its processes
+    app(["eval", str(copy), *sys.argv[6:], "--json"], standalone_mode=False)
+if dist.get_rank() == 0:
+    out.write_text(shown.getvalue())
+train(load_job_config(run / "config.toml", json.loads(sys.argv[5])), two)  # forge train's worker, in the same group
+end_process(0)
+"""
+
+
 def test_two_processes_give_the_numbers_of_one(run, tasks, tmp_path):
-    """`forge train --nproc-per-node 2` (FSDP over two ranks) with eval.tasks every step: the ranks share the
-    requests, and what they log at each step (eval/TASK/METRIC in metrics.jsonl) is exactly what one process's
-    forge eval gives on that step's checkpoint (the same fp32 model, the same code). Then
-    `forge eval --nproc-per-node 2` on that run: tasks and --data perplexity exactly as one process, recorded
-    once (by rank 0). Exact: each process computes whole batches laid out from all the requests, with the
-    shapes one process uses, and all of them gather every answer (engine/eval/split.py)."""
-    import subprocess
-    import sys
+    """One launch of two processes (gloo, CPU), which run what `forge eval --nproc-per-node 2` and `forge train
+    --nproc-per-node 2` run in each of their processes (the launch itself: test_tasks_refused_before_…):
+    - forge eval of a checkpoint, tasks and --data perplexity: the JSON one process prints, exactly, and the
+      results recorded once (by rank 0);
+    - training under FSDP over the two ranks with eval.tasks every step and no held-out data: what is logged at
+      each step (eval/TASK/METRIC in metrics.jsonl) is exactly what one process's forge eval gives on that
+      step's checkpoint (the same fp32 model, the same code).
+    Exact: each process computes whole batches laid out from all the requests, with the shapes one process
+    uses, and all of them gather every answer (engine/eval/split.py)."""
+    import shutil
 
-    from tests.conftest import REPO
-    from tests.torchrun import run_bounded
+    from tests.torchrun import torchrun
 
-    env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    copy, two, shown = tmp_path / "copy", tmp_path / "two", tmp_path / "shown.json"
+    shutil.copytree(run, copy)
+    (copy / "evals.jsonl").unlink(missing_ok=True)
+    text = write_jsonl(tmp_path / "text.jsonl", corpus_texts(3, 300))
+    asked = ["--tasks", ",".join(IN_LOOP), "--include-path", str(tasks), "--data", str(text), "--stride", "24"]
+    asked += ["--batch-size", "4"]
+    training = [
+        "train.max_steps=2", "checkpoint.interval=1", "eval.enabled=true", f"eval.tasks={task_paths(tasks)}",
+        "eval.task_interval=1", "eval.task_batch_size=4",
+    ]  # fmt: skip
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {"NO_COLOR": "1", "COLUMNS": "200"}
+    result = torchrun(script, 2, str(copy), str(run), str(two), str(shown), json.dumps(training), *asked, env=env)
+    assert result.returncode == 0, result.stdout[-6000:]
 
-    def forge_cli(*args: str) -> subprocess.CompletedProcess:
-        return run_bounded([sys.executable, "-m", "forgecli.app", *args], timeout=240, cwd=REPO, env=env)
+    alone = forge("eval", str(copy), *asked, "--json", "--no-record")
+    assert alone.exit_code == 0, alone.output
+    got, expected = json.loads(shown.read_text()), json.loads(alone.stdout)
+    assert got["results"] == expected["results"] and len(got["results"]) >= 3
+    assert got["perplexity"] == expected["perplexity"] and got["perplexity"]["windows"] > 3
+    recorded = [json.loads(line) for line in (copy / "evals.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in recorded] == ["tasks", "perplexity"]  # once, by rank 0
 
-    two = tmp_path / "two"
-    trained = forge_cli(
-        "train", str(run / "config.toml"), "--run-dir", str(two), "--nproc-per-node=2", "--train.max_steps=2",
-        "--checkpoint.interval=1", "--eval.enabled=true", f"--eval.tasks={task_paths(tasks)}",
-        "--eval.task_interval=1", "--eval.task_batch_size=4",
-    )  # fmt: skip
-    assert trained.returncode == 0, trained.stderr[-12000:]
     logged = metric_records(two)
     assert sorted(logged) == [1, 2]
     assert "eval_loss" not in (two / "metrics.jsonl").read_text()  # no held-out data named: tasks need none
     for step, values in logged.items():
         assert values == one_process_eval(two / "checkpoints" / f"step_{step}", tasks), step
-
-    text = write_jsonl(tmp_path / "text.jsonl", corpus_texts(3, 300))
-    asked = ["--tasks", ",".join(IN_LOOP), "--include-path", str(tasks), "--data", str(text), "--stride", "24"]
-    shared = forge_cli("eval", str(two), *asked, "--batch-size", "4", "--json", "--nproc-per-node", "2")
-    assert shared.returncode == 0, shared.stderr[-3000:]
-    alone = forge("eval", str(two), *asked, "--batch-size", "4", "--json", "--no-record")
-    assert alone.exit_code == 0, alone.output
-    got, expected = json.loads(shared.stdout), json.loads(alone.stdout)
-    assert got["results"] == expected["results"] and len(got["results"]) >= 3
-    assert got["perplexity"] == expected["perplexity"] and got["perplexity"]["windows"] > 3
-    assert {f"eval/{r['task']}/{r['metric']}": r["value"] for r in got["results"]} == logged[2]
-    recorded = (two / "evals.jsonl").read_text().splitlines()
-    assert len(recorded) == 2 and got["recorded_in"] == str(two / "evals.jsonl")  # tasks and perplexity, once
