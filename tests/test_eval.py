@@ -375,9 +375,9 @@ def test_two_processes_give_the_numbers_of_one(run, tasks, tmp_path):
     --nproc-per-node 2` run in each of their processes (the launch itself: test_tasks_refused_before_…):
     - forge eval of a checkpoint, tasks and --data perplexity: the JSON one process prints, exactly, and the
       results recorded once (by rank 0);
-    - training under FSDP over the two ranks with eval.tasks every step and no held-out data: what is logged at
-      each step (eval/TASK/METRIC in metrics.jsonl) is exactly what one process's forge eval gives on that
-      step's checkpoint (the same fp32 model, the same code).
+    - training under FSDP over the two ranks with eval.tasks every 2 steps and no held-out data: what is logged
+      at steps 2 and 3, the last (eval/TASK/METRIC in metrics.jsonl), is exactly what one process's forge eval
+      gives on that step's checkpoint (the same fp32 model, the same code).
     Exact: each process computes whole batches laid out from all the requests, with the shapes one process
     uses, and all of them gather every answer (engine/eval/split.py)."""
     import shutil
@@ -391,8 +391,8 @@ def test_two_processes_give_the_numbers_of_one(run, tasks, tmp_path):
     asked = ["--tasks", ",".join(IN_LOOP), "--include-path", str(tasks), "--data", str(text), "--stride", "24"]
     asked += ["--batch-size", "4"]
     training = [
-        "train.max_steps=2", "checkpoint.interval=1", "eval.enabled=true", f"eval.tasks={task_paths(tasks)}",
-        "eval.task_interval=1", "eval.task_batch_size=4",
+        "train.max_steps=3", "checkpoint.interval=2", "eval.enabled=true", f"eval.tasks={task_paths(tasks)}",
+        "eval.task_interval=2", "eval.task_batch_size=4", "eval.interval=1",
     ]  # fmt: skip
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -409,7 +409,7 @@ def test_two_processes_give_the_numbers_of_one(run, tasks, tmp_path):
     assert [r["kind"] for r in recorded] == ["tasks", "perplexity"]  # once, by rank 0
 
     logged = metric_records(two)
-    assert sorted(logged) == [1, 2]
+    assert sorted(logged) == [2, 3]  # every task_interval steps and after the last (not eval.interval's)
     assert "eval_loss" not in (two / "metrics.jsonl").read_text()  # no held-out data named: tasks need none
     for step, values in logged.items():
         assert values == one_process_eval(two / "checkpoints" / f"step_{step}", tasks), step
