@@ -17,7 +17,6 @@ set an offline machine lacks stops the run before it starts.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import random
 from collections.abc import Iterator
@@ -37,8 +36,6 @@ from engine.errors import UserError
 from engine.eval.evaluate import require_harness
 from engine.eval.split import process_split
 from engine.model import build_model
-
-log = logging.getLogger("forge.eval")
 
 
 @dataclass
