@@ -4,6 +4,7 @@ The work is in `engine.eval`."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,6 +66,13 @@ def eval_command(
     max_tokens: int | None = typer.Option(None, "--max-tokens", help="--data: only the first N tokens."),
     no_record: bool = typer.Option(False, "--no-record", help="Do not append the results to RUN_DIR/evals.jsonl."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    nproc_per_node: int = typer.Option(
+        1,
+        "--nproc-per-node",
+        min=1,
+        help="Processes sharing the evaluation (one per GPU), started by PyTorch's elastic launcher; the same "
+        "numbers as one process.",
+    ),
 ) -> None:
     """Evaluate a checkpoint on downstream tasks (lm-evaluation-harness) and/or perplexity on text.
 
@@ -84,8 +92,11 @@ def eval_command(
 
       forge eval runs/debug --data embedded:val --stride 128
 
+      forge eval runs/big --tasks hellaswag --nproc-per-node 8
+
     """
-    from engine.eval.evaluate import EvalRequest, evaluate
+    from engine.eval.evaluate import EvalRequest, evaluate, prepare
+    from engine.parallel.place import process_place
 
     request = EvalRequest(
         tasks=split(tasks),
@@ -99,9 +110,25 @@ def eval_command(
         record=not no_record,
     )
     os.environ.setdefault("TQDM_DISABLE", "1")  # the harness's own progress bars; ours is below
+    if nproc_per_node > 1:
+        prepare(target, request)  # bad input exits 2 here, before any process starts
+        launch(nproc_per_node)
+    if process_place().rank != 0:  # the other processes of a multi-process evaluation compute and say nothing
+        evaluate(target, request)
+        return
     with progress_view(as_json) as view:
         report = evaluate(target, request, progress=view.update)
     show(report, as_json)
+
+
+def launch(nproc: int) -> None:
+    """This same command line once per process (each takes its share); exit with their exit code."""
+    from engine.parallel.launch import launch_local_workers
+    from forgecli.train import check_gpus_for, worker_argv
+
+    check_gpus_for(nproc)
+    code = launch_local_workers(nproc, "forgecli.app", worker_argv(sys.argv[1:]), 30.0, 1, ())
+    raise typer.Exit(code)
 
 
 def show(report: EvalReport, as_json: bool) -> None:

@@ -79,10 +79,12 @@ def test_help_shows_bracketed_words():
 
 def test_validate_config_never_imports_torch():
     code = (
-        "import sys; sys.argv = ['forge', 'validate-config', 'presets/debug.toml', '--json'];\n"
+        "import sys; sys.argv = ['forge', 'validate-config', 'presets/debug.toml', '--json', "
+        "'--eval.tasks=[\"forge_next_line\"]'];\n"  # eval.tasks: lm-eval is found, not imported
         "from forgecli.app import main\n"
         "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert 'lm_eval' not in sys.modules, 'lm_eval was imported'\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

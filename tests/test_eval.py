@@ -274,3 +274,142 @@ def test_cli_refuses_bad_input_and_writes_nothing(run, tasks, tmp_path):
     assert not (empty / "evals.jsonl").exists()
     after = (run / "evals.jsonl").read_bytes() if (run / "evals.jsonl").exists() else None
     assert after == before
+
+
+# ---------------------------------------------------------------- tasks during training, several processes
+
+IN_LOOP = ["quiz_mc", "quiz_gen"]
+
+
+def task_paths(tasks: Path) -> str:
+    return "[" + ", ".join(f'"{tasks / name}.yaml"' for name in IN_LOOP) + "]"
+
+
+def metric_records(run_dir: Path) -> dict[int, dict[str, float]]:
+    """step → the eval/TASK/METRIC values logged at that step."""
+    out: dict[int, dict[str, float]] = {}
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        found = {k: v for k, v in record.items() if k.startswith("eval/")}
+        if found:
+            out.setdefault(record["step"], {}).update(found)
+    return out
+
+
+def one_process_eval(checkpoint: Path, tasks: Path, **extra) -> dict[str, float]:
+    """What `forge eval` of `checkpoint` gives in one process, keyed as training logs it."""
+    from engine.eval.evaluate import EvalRequest, evaluate
+
+    request = EvalRequest(tasks=tuple(IN_LOOP), include_path=(tasks,), batch_size=4, record=False, **extra)
+    return {f"eval/{r.key}": r.value for r in evaluate(checkpoint, request).tasks.results}
+
+
+def test_tasks_refused_before_anything_is_written(run, tasks, tmp_path, monkeypatch):
+    """eval.tasks with lm-eval missing (at validate time: tests/test_cli.py checks validate-config imports neither
+    torch nor lm-eval with eval.tasks set), a missing task file, pipeline parallelism, a task whose data this
+    offline machine lacks (when the run starts): exit 2 naming the field and the fix, no run directory written.
+    eval.enabled = false turns the tasks off as it turns off the held-out loss. `forge eval --nproc-per-node 2`
+    refuses bad input before it starts any process."""
+    from engine.eval.in_training import open_tasks
+
+    ok = f'--eval.tasks=["{tasks / "quiz_mc.yaml"}"]'
+    monkeypatch.setattr("engine.eval.rules.harness_installed", lambda: False)
+    missing = forge("validate-config", "presets/debug.toml", ok)
+    assert missing.exit_code == 2 and "pip install 'forge-lm[eval]'" in said(missing), said(missing)
+    monkeypatch.undo()
+    piped = forge("validate-config", "presets/debug.toml", ok, "--distributed.pp=2")
+    assert piped.exit_code == 2 and "not evaluated under pipeline parallelism" in said(piped)
+    lost = tmp_path / "lost.yaml"  # a task whose data file is not there: found when the run starts
+    lost.write_text(
+        (tasks / "quiz_mc.yaml")
+        .read_text()
+        .replace("task: quiz_mc", "task: lost_quiz")
+        .replace("mc.jsonl", "gone.jsonl")
+    )
+    out, data = tmp_path / "run", tokenized(tmp_path)
+    assert open_tasks(job_config(data, f"eval.tasks=['{tasks / 'quiz_mc.yaml'}']", "eval.enabled=false"), None) is None
+    for spec, needle in (
+        (f'["{lost}"]', "lost.yaml: its data set cannot be read here"),
+        (f'["{tmp_path}/no.yaml"]', "no.yaml not found"),
+    ):
+        result = forge(
+            "train", "presets/debug.toml", "--run-dir", str(out), f"--data.dataset_path={data}",
+            "--model.vocab_size=512", "--train.max_steps=1", f"--eval.tasks={spec}",
+        )  # fmt: skip
+        assert result.exit_code == 2 and needle in said(result), said(result)
+        assert not out.exists()
+    started = []
+    monkeypatch.setattr("engine.parallel.launch.launch_local_workers", lambda *args: started.append(args) or 0)
+    before = (run / "evals.jsonl").read_bytes() if (run / "evals.jsonl").exists() else None
+    refused = forge("eval", str(run), "--tasks", str(tmp_path / "no.yaml"), "--nproc-per-node", "2")
+    assert refused.exit_code == 2 and "no.yaml not found" in said(refused) and started == []
+    launched = forge("eval", str(run), "--tasks", "quiz_mc", "--include-path", str(tasks), "--nproc-per-node", "2")
+    assert launched.exit_code == 0 and len(started) == 1 and started[0][:2] == (2, "forgecli.app")
+    after = (run / "evals.jsonl").read_bytes() if (run / "evals.jsonl").exists() else None
+    assert after == before  # the launcher process itself evaluates and records nothing
+
+
+WORKER = """
+import contextlib, io, json, sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from engine.config import load_job_config
+from engine.parallel.launch import end_process
+from engine.train.trainer import train
+from forgecli.app import app
+
+copy, run, two, out = map(Path, sys.argv[1:5])
+shown = io.StringIO()
+with contextlib.redirect_stdout(shown):  # what `forge eval --nproc-per-node 2` runs in each of its processes
+    app(["eval", str(copy), *sys.argv[6:], "--json"], standalone_mode=False)
+if dist.get_rank() == 0:
+    out.write_text(shown.getvalue())
+train(load_job_config(run / "config.toml", json.loads(sys.argv[5])), two)  # forge train's worker, in the same group
+end_process(0)
+"""
+
+
+def test_two_processes_give_the_numbers_of_one(run, tasks, tmp_path):
+    """One launch of two processes (gloo, CPU), which run what `forge eval --nproc-per-node 2` and `forge train
+    --nproc-per-node 2` run in each of their processes (the launch itself: test_tasks_refused_before_…):
+    - forge eval of a checkpoint, tasks and --data perplexity: the JSON one process prints, exactly, and the
+      results recorded once (by rank 0);
+    - training under FSDP over the two ranks with eval.tasks every 2 steps and no held-out data: what is logged
+      at steps 2 and 3, the last (eval/TASK/METRIC in metrics.jsonl), is exactly what one process's forge eval
+      gives on that step's checkpoint (the same fp32 model, the same code).
+    Exact: each process computes whole batches laid out from all the requests, with the shapes one process
+    uses, and all of them gather every answer (engine/eval/split.py)."""
+    import shutil
+
+    from tests.torchrun import torchrun
+
+    copy, two, shown = tmp_path / "copy", tmp_path / "two", tmp_path / "shown.json"
+    shutil.copytree(run, copy)
+    (copy / "evals.jsonl").unlink(missing_ok=True)
+    text = write_jsonl(tmp_path / "text.jsonl", corpus_texts(3, 300))
+    asked = ["--tasks", ",".join(IN_LOOP), "--include-path", str(tasks), "--data", str(text), "--stride", "24"]
+    asked += ["--batch-size", "4"]
+    training = [
+        "train.max_steps=3", "checkpoint.interval=2", "eval.enabled=true", f"eval.tasks={task_paths(tasks)}",
+        "eval.task_interval=2", "eval.task_batch_size=4", "eval.interval=1",
+    ]  # fmt: skip
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {"NO_COLOR": "1", "COLUMNS": "200"}
+    result = torchrun(script, 2, str(copy), str(run), str(two), str(shown), json.dumps(training), *asked, env=env)
+    assert result.returncode == 0, result.stdout[-6000:]
+
+    alone = forge("eval", str(copy), *asked, "--json", "--no-record")
+    assert alone.exit_code == 0, alone.output
+    got, expected = json.loads(shown.read_text()), json.loads(alone.stdout)
+    assert got["results"] == expected["results"] and len(got["results"]) >= 3
+    assert got["perplexity"] == expected["perplexity"] and got["perplexity"]["windows"] > 3
+    recorded = [json.loads(line) for line in (copy / "evals.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in recorded] == ["tasks", "perplexity"]  # once, by rank 0
+
+    logged = metric_records(two)
+    assert sorted(logged) == [2, 3]  # every task_interval steps and after the last (not eval.interval's)
+    assert "eval_loss" not in (two / "metrics.jsonl").read_text()  # no held-out data named: tasks need none
+    for step, values in logged.items():
+        assert values == one_process_eval(two / "checkpoints" / f"step_{step}", tasks), step

@@ -1,4 +1,4 @@
-"""`[eval]`: in-loop evaluation on held-out shards."""
+"""`[eval]`: in-loop evaluation: the loss on held-out shards, and downstream tasks through lm-evaluation-harness."""
 
 from __future__ import annotations
 
@@ -30,6 +30,20 @@ class EvalSchedule(Section):
 
 class EvalConfig(HubDatasetFields, EvalSchedule):
     hf_dataset_split: str = Field("validation", description="eval.hf_dataset_name's held-out split")
+    tasks: list[str] = Field(
+        default_factory=list,
+        description="downstream tasks evaluated during training (with eval.enabled), as `forge eval --tasks` "
+        "names them: lm-evaluation-harness names, Forge's own (forge_next_line), or task YAML files; logged as "
+        "eval/TASK/METRIC; needs the [eval] extra; no held-out shards needed",
+    )
+    task_interval: int | None = Field(
+        None, gt=0, description="evaluate eval.tasks every N training steps (and after the last); unset: eval.interval"
+    )
+    task_limit: int | None = Field(None, gt=0, description="the first N documents of each task only; unset: all")
+    task_num_fewshot: int | None = Field(
+        None, ge=0, description="examples in each task prompt; unset: each task's own (usually 0)"
+    )
+    task_batch_size: int = Field(8, gt=0, description="rows per forward when evaluating eval.tasks (as forge eval's)")
 
     readers: ClassVar[dict[str, str]] = {
         "enabled": "data/loader.py",
@@ -41,5 +55,10 @@ class EvalConfig(HubDatasetFields, EvalSchedule):
         "hf_dataset_config": "data/source_kinds.py",
         "hf_dataset_split": "data/source_kinds.py",
         "hf_dataset_revision": "data/source_kinds.py",
+        "tasks": "eval/in_training.py, eval/rules.py",
+        "task_interval": "eval/in_training.py",
+        "task_limit": "eval/in_training.py",
+        "task_num_fewshot": "eval/in_training.py",
+        "task_batch_size": "eval/in_training.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""

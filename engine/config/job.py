@@ -84,6 +84,7 @@ Rule = Callable[[JobConfig, int], list[ConfigIssue]]
 def error_rules() -> tuple[Rule, ...]:
     """Every cross-section rule that refuses a config, in the order its errors are listed."""
     from engine.data import rules as data
+    from engine.eval import rules as evaluation
     from engine.model import rules as model
     from engine.parallel import rules as parallel
     from engine.train import rules as train
@@ -100,6 +101,7 @@ def error_rules() -> tuple[Rule, ...]:
         model.lora_issues,
         data.mixture_issues,  # [[data.datasets]] and their phases
         model.family_issues,  # [model] fields the model family has no use for
+        evaluation.task_issues,  # eval.tasks: lm-eval installed, a layout that holds the whole model
     )
 
 

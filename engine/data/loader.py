@@ -249,7 +249,8 @@ def open_eval_data(
     cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1, train: TokenData | None = None
 ) -> EvalData | None:
     """The held-out shards of `cfg.eval` (the embedded corpus's held-out works when training uses the embedded
-    corpus and eval names no data set), verified; None when evaluation is off. `train`, the opened training
+    corpus and eval names no data set), verified; None when evaluation is off, or runs only eval.tasks and names
+    no held-out data. `train`, the opened training
     data, saves finding it again."""
     if not cfg.eval.enabled:
         return None
@@ -261,6 +262,8 @@ def open_eval_data(
         directory = source_directory(cfg, spec, lambda: tokenizer)
     elif all(source.kind == "embedded" for source in train_sources(cfg)):
         directory = embedded_corpus().val
+    elif cfg.eval.tasks:
+        return None  # downstream tasks only (engine/eval/in_training.py): no held-out loss
     else:
         raise DataError(
             "eval is enabled but eval.dataset_path is unset",

@@ -19,11 +19,14 @@ if TYPE_CHECKING:
 
 
 def source_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
-    """Evaluation needs held-out data of its own when training reads its own; then the Hugging Face fields."""
+    """Evaluation needs held-out data of its own when training reads its own (unless it only runs eval.tasks);
+    then the Hugging Face fields."""
     issues: list[ConfigIssue] = []
     own_data = cfg.data.dataset_path is not None or cfg.data.hf_dataset_name is not None
     own_data = own_data or any(source.embedded is None for source in cfg.data.datasets)
-    if cfg.eval.enabled and cfg.eval.dataset_path is None and cfg.eval.hf_dataset_name is None and own_data:
+    held_out_named = cfg.eval.dataset_path is not None or cfg.eval.hf_dataset_name is not None
+    # eval.tasks alone needs no held-out data: then the loss on held-out data is simply not measured
+    if cfg.eval.enabled and not held_out_named and own_data and not cfg.eval.tasks:
         issues.append(
             ConfigIssue(
                 "eval.dataset_path",

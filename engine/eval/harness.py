@@ -23,6 +23,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from engine.data.tokenizer import Encoder
 from engine.errors import UserError
 from engine.eval.scoring import score
+from engine.eval.split import ALONE, WorkSplit
 from engine.generate import Sampling, generate, prompt_ids
 from engine.model.transformer import Transformer
 
@@ -31,7 +32,13 @@ DEFAULT_MAX_GEN_TOKS = 256  # what the harness's models generate when a task doe
 
 class ForgeLM(TemplateLM):
     """`model` (in eval mode, on its device) with `encoder`; `batch_size` rows per forward (see scoring.score).
-    `progress(n)` is told each time n more requests are answered."""
+    `progress(n)` is told each time n more requests are answered.
+
+    Several processes (`split`): the harness runs in each as if alone (its own rank 0 of 1: every process builds
+    every request and computes every metric), and the model's work is what they share (engine.eval.split):
+    each answers its share of the forwards and generations and gathers the others'. So the results are one
+    process's, where the harness's own data parallelism would give each rank other few-shot examples (it
+    draws them in document order from one random stream) and change the order its stderr resamples."""
 
     def __init__(
         self,
@@ -39,10 +46,11 @@ class ForgeLM(TemplateLM):
         encoder: Encoder,
         batch_size: int = 8,
         progress: Callable[[int], None] | None = None,
+        split: WorkSplit = ALONE,
     ) -> None:
         super().__init__()
         self.model, self.encoder, self.batch_size = model, encoder, batch_size
-        self.progress = progress
+        self.progress, self.split = progress, split
         self.start = prompt_ids(encoder, "")  # what every text starts with: the end-of-text token or a BOS
 
     @property
@@ -69,7 +77,8 @@ class ForgeLM(TemplateLM):
         return prompt_ids(self.encoder, string)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        return score(self.model, [(ctx, cont) for _, ctx, cont in requests], self.batch_size, self.progress)
+        pairs = [(ctx, cont) for _, ctx, cont in requests]
+        return score(self.model, pairs, self.batch_size, self.progress, self.split)
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
         """Each text's log-likelihood over the harness's disjoint windows of the model's context, all windows of
@@ -81,7 +90,7 @@ class ForgeLM(TemplateLM):
                 windows.append(make_disjoint_window(window))
                 owner.append(index)
         totals = [0.0] * len(requests)
-        for index, (logprob, _) in zip(owner, score(self.model, windows, self.batch_size)):
+        for index, (logprob, _) in zip(owner, score(self.model, windows, self.batch_size, split=self.split)):
             totals[index] += logprob
         if self.progress is not None:
             self.progress(len(requests))
@@ -91,27 +100,34 @@ class ForgeLM(TemplateLM):
         """Greedy continuations, each stopped at the end-of-text token, at the first of the task's stop strings
         (and cut there), or after max_gen_toks. The context keeps its last max_length - max_gen_toks tokens."""
         eos_text = self.encoder.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
-        out = []
-        for context, gen_kwargs in (request.args for request in requests):
-            kwargs = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
-            if kwargs.get("do_sample"):
-                raise UserError(
-                    "a task asks for sampled generations (do_sample: true); forge eval decodes greedily",
-                    "set do_sample: false in the task's generation_kwargs",
-                )
-            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
-            max_new = kwargs.pop("max_gen_toks")
-            room = self.max_length - max_new
-            if room < 1:
-                raise UserError(
-                    f"a task asks for {max_new} generated tokens, as many as the model's whole context "
-                    f"({self.max_length} tokens)",
-                    "lower max_gen_toks in the task's generation_kwargs",
-                )
-            out.append(self.continuation(self.tok_encode(context)[-room:], max_new, until))
+        asks = [self.generation(context, gen_kwargs, eos_text) for context, gen_kwargs in (r.args for r in requests)]
+        out = {}
+        for index in self.split.mine(len(asks)):  # every request was checked above, on every process
+            out[index] = self.continuation(*asks[index])
             if self.progress is not None:
                 self.progress(1)
-        return out
+        out = self.split.gather(out)
+        return [out[index] for index in range(len(asks))]
+
+    def generation(self, context: str, gen_kwargs: dict, eos_text: str) -> tuple[list[int], int, list[str]]:
+        """(prompt ids, tokens to generate at most, stop strings) of one request; a request Forge cannot answer
+        as asked is a UserError."""
+        kwargs = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
+        if kwargs.get("do_sample"):
+            raise UserError(
+                "a task asks for sampled generations (do_sample: true); forge eval decodes greedily",
+                "set do_sample: false in the task's generation_kwargs",
+            )
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
+        max_new = kwargs.pop("max_gen_toks")
+        room = self.max_length - max_new
+        if room < 1:
+            raise UserError(
+                f"a task asks for {max_new} generated tokens, as many as the model's whole context "
+                f"({self.max_length} tokens)",
+                "lower max_gen_toks in the task's generation_kwargs",
+            )
+        return self.tok_encode(context)[-room:], max_new, until
 
     def continuation(self, prompt: list[int], max_new: int, until: list[str]) -> str:
         tokenizer, made = self.encoder.tokenizer, []

@@ -24,6 +24,7 @@ import numpy as np
 from engine.data.tokenizer import Encoder
 from engine.errors import UserError
 from engine.eval.scoring import Request, score
+from engine.eval.split import ALONE, WorkSplit
 from engine.generate import prompt_ids
 from engine.interp.tokens import TokenStream, open_tokens
 from engine.model.transformer import Transformer
@@ -86,14 +87,16 @@ def perplexity(
     max_tokens: int | None = None,
     batch_size: int = 8,
     progress: Callable[[int], None] | None = None,
+    split: WorkSplit = ALONE,
 ) -> Perplexity:
     """Perplexity and bits per byte of `model` on `data` (see the module docstring); `stride` defaults to the
-    model's context (disjoint windows); `max_tokens` keeps the data's first tokens only."""
+    model's context (disjoint windows); `max_tokens` keeps the data's first tokens only. Under a `split` the
+    processes share the windows' batches (engine.eval.scoring.score) and sum the same numbers in the same order."""
     max_len = model.cfg.max_seq_len
     stride = max_len if stride is None else stride
     stream = open_tokens(encoder, data, None, max_tokens)
     start = prompt_ids(encoder, "")[:1]
     tokens = np.concatenate([np.array(start, np.int64), stream.read(0, len(stream))])
     requests = windows(tokens, max_len, stride)
-    nll = -sum(logprob for logprob, _ in score(model, requests, batch_size, progress))
+    nll = -sum(logprob for logprob, _ in score(model, requests, batch_size, progress, split))
     return Perplexity(data, len(stream), text_bytes(stream, encoder), len(requests), stride, nll)

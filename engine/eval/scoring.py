@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import UserError
+from engine.eval.split import ALONE, WorkSplit
 from engine.model.transformer import Transformer
 
 Request = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids); the context is never empty
@@ -169,12 +170,15 @@ def score(
     requests: Sequence[Request],
     batch_size: int,
     progress: Callable[[int], None] | None = None,
+    split: WorkSplit = ALONE,
 ) -> list[tuple[float, bool]]:
     """(log-probability of the continuation, whether greedy decoding gives it) for every request, in order.
 
     A forward holds at most `batch_size` rows as wide as the longest single request (after the cut): the
     memory of the harness's own first batch, holding many more requests when they are short or share contexts.
-    `progress` is called with the number of requests each forward finished."""
+    `progress` is called with the number of requests each forward finished. Under a `split`, every process
+    lays out the same batches from all the requests (so a bad request fails on every process alike), computes
+    its share of them and gathers the rest: each answer is the one a single process computes."""
     if batch_size < 1:
         raise UserError(f"--batch-size {batch_size} must be at least 1")
     if not requests:
@@ -183,8 +187,9 @@ def score(
     width = max(min(len(c) + len(t), max_len + 1) - 1 for c, t in requests)
     rows = pack(segments(requests, max_len, width), width)
     device = model.tok_embeddings.weight.device
-    results: list[tuple[float, bool] | None] = [None] * len(requests)
-    for first in range(0, len(rows), batch_size):
+    results: dict[int, tuple[float, bool]] = {}
+    batches = range(0, len(rows), batch_size)
+    for first in (batches[i] for i in split.mine(len(batches))):
         batch = layout(rows[first : first + batch_size], device)
         hidden = model(batch.tokens, positions=batch.positions, attention_mask=batch.mask, return_hidden=True)
         picked = hidden.flatten(0, 1)[batch.scored]
@@ -200,4 +205,5 @@ def score(
             done += len(owners)
         if progress is not None:
             progress(done)
-    return results  # type: ignore[return-value]
+    results = split.gather(results)
+    return [results[index] for index in range(len(requests))]

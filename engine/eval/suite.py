@@ -24,6 +24,7 @@ from lm_eval.tasks import TaskManager
 
 from engine.errors import UserError
 from engine.eval.evaluate import check_options
+from engine.eval.split import ALONE, WorkSplit
 
 FORGE_TASKS = Path(__file__).with_name("tasks")
 YAML_SUFFIXES = (".yaml", ".yml")
@@ -126,9 +127,12 @@ def run_loaded(
     num_fewshot: int | None,
     limit: int | None,
     log_samples: bool = False,
+    split: WorkSplit = ALONE,
 ) -> TaskRun:
     """Evaluate `lm` on tasks `load_tasks` loaded. The stderr of a mean is the harness's closed form; only
-    other aggregations bootstrap (1000 resamples: the third digit of a stderr, not the second, varies)."""
+    other aggregations bootstrap (1000 resamples: the third digit of a stderr, not the second, varies).
+    Under a `split` (the processes sharing `lm`'s work, engine.eval.split) every process gets rank 0's results:
+    the harness returns them only where LOCAL_RANK is 0; `raw` is rank 0's alone."""
     raw = simple_evaluate(
         model=lm,
         tasks=tasks,
@@ -138,7 +142,8 @@ def run_loaded(
         log_samples=log_samples,
         bootstrap_iters=1000,
     )
-    return TaskRun(metric_results(raw), samples(raw), fewshots(raw), raw)
+    first = split.from_first(None if raw is None else (metric_results(raw), samples(raw), fewshots(raw)))
+    return TaskRun(*first, raw if split.rank == 0 else {})
 
 
 def metric_results(raw: dict[str, Any]) -> list[MetricResult]:

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from engine.config.job import JobConfig
+from engine.eval.in_training import TrainingTasks, open_tasks
 from engine.metrics.trackers import MetricsLogger
 from engine.parallel.launch import leave_process_group
 from engine.parallel.place import process_place
@@ -38,6 +39,7 @@ from engine.train.hooks import ConfigHooks, HookFailed, TrainHooks
 from engine.train.job import Job, build_job, train_state
 from engine.train.lora_merge import merge_adapters
 from engine.train.losses import ModelLoss, build_loss
+from engine.train.optim import eval_mode
 from engine.train.profiling import ProfilerWindow
 from engine.train.reporting import Reporter, SilentReporter
 from engine.train.run_dir import RunOutputs, logging_to, open_run_dir
@@ -65,6 +67,7 @@ def train(
                 "already_complete": True,
                 "run_dir": str(run_dir),
             }
+        tasks = open_tasks(job.cfg, job.train_data.tokenizer_file)  # eval.tasks: found and loaded before writing
         outputs = open_run_dir_on_main(job)
         with logging_to(job.run_dir / "train.log") if job.is_main else contextlib.nullcontext():
             ending: dict[str, Any] = {"reason": "failed"}
@@ -76,6 +79,7 @@ def train(
                     hooks or TrainHooks(),
                     config_hooks,
                     stop,
+                    tasks,
                 )
                 ending = {"reason": "complete", "step": summary["steps"]}
                 return summary
@@ -173,6 +177,7 @@ def run_loop(
     hooks: TrainHooks,
     config_hooks: ConfigHooks,
     stop: StopRequest,
+    tasks: TrainingTasks | None = None,
 ) -> dict[str, Any]:
     cfg, t = job.cfg, job.cfg.train
     loss_fn = build_loss(t)
@@ -212,6 +217,8 @@ def run_loop(
             metrics = log_eval(job, step, loss_fn, progress, trackers, reporter)
             with stop_on_hook_failure(job, step, progress, trackers, reporter):
                 config_hooks.eval(step, metrics, job)
+        if tasks is not None and tasks.due(step, t.max_steps):
+            log_tasks(job, tasks, step, progress, trackers)
         with stop_on_hook_failure(job, step, progress, trackers, reporter):
             config_hooks.step_end(step, result.as_metrics(step), job)
         if t.nccl_health_check_interval and monitor is not None and step % t.nccl_health_check_interval == 0:
@@ -307,6 +314,15 @@ def log_eval(
     log.info("eval step %d loss %.4f", step, metrics["eval_loss"])
     progress.last.update(metrics)
     return metrics
+
+
+def log_tasks(job: Job, tasks: TrainingTasks, step: int, progress: Progress, trackers: MetricsLogger) -> None:
+    """eval.tasks at the weights the optimizer evaluates (engine.eval.in_training), logged as eval/TASK/METRIC."""
+    with progress.window.pause(), eval_mode(job.optimizer):
+        metrics = tasks.evaluate(job.model, job.device)
+    trackers.log(step, metrics)
+    log.info("tasks step %d %s", step, " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+    progress.last.update(metrics)
 
 
 def checkpoint(
