@@ -168,10 +168,12 @@ def memory_table(stages: list[Any], cfg: Any, world_size: int, gpu_memory_gib: f
     table = Table(
         title=f"Estimated memory per rank, GiB ({layout(cfg, world_size)})",
         expand=False,
-        caption=f"analytic; total = estimated peak; compute in {dtype}, weights and optimizer state fp32; "
-        "keep ~10-15 % headroom for the CUDA context, fragmentation and communication buffers",
+        caption=f"analytic; total = estimated peak on the device; compute in {dtype}, weights fp32, optimizer "
+        f"state {cfg.optimizer.state_dtype}; keep ~10-15 % headroom for the CUDA context, fragmentation and "
+        "communication buffers" + ("; host = activations offloaded to host memory" if offloads(stages) else ""),
     )
-    for name in ("pp rank", "blocks", "in flight", "params", "grads", "optimizer", "activations", "buffers", "total"):
+    columns = ["pp rank", "blocks", "in flight", "params", "grads", "optimizer", "activations", "buffers", "total"]
+    for name in columns + (["host"] if offloads(stages) else []):
         table.add_column(name, justify="right")
     if gpu_memory_gib is not None:
         table.add_column(f"fits {gpu_memory_gib:g} GiB")
@@ -182,10 +184,17 @@ def memory_table(stages: list[Any], cfg: Any, world_size: int, gpu_memory_gib: f
             str(s.microbatches_in_flight),
             *(f"{value / GIB:.2f}" for value in (s.params, s.grads, s.optimizer, s.activations, s.buffers, s.total)),
         ]
+        if offloads(stages):
+            row.append(f"{s.host / GIB:.2f}")
         if gpu_memory_gib is not None:
             row.append("[green]yes[/green]" if s.total <= gpu_memory_gib * GIB else "[red]no[/red]")
         table.add_row(*row)
     return table
+
+
+def offloads(stages: list[Any]) -> bool:
+    """Whether any rank keeps something in host memory (the table then has a host column)."""
+    return any(stage.host for stage in stages)
 
 
 def checkpoint_line(size: int, keep_last_n: int | None) -> str:

@@ -415,6 +415,26 @@ RULE_CASES: dict[str, list[str]] = {
         "--checkpoint.exclude_from_loading=['output.']",
     ],
     "preset-missing": ["presets/no_such_preset.toml"],
+    # memory options (issue 38): the estimate with each, and where each is refused
+    "memory-int8-offload-checkpointed": [
+        DEBUG,
+        "--optimizer.state_dtype=int8",
+        "--train.activation_offload=true",
+        "--train.activation_checkpointing=full",
+        "--gpu-memory-gib",
+        "80",
+    ],
+    "memory-options-refused": [
+        DEBUG,
+        "--world-size",
+        "4",
+        "--distributed.pp=2",
+        "--train.grad_accum_steps=2",
+        "--train.loss_fn=cross_entropy",
+        "--optimizer.state_dtype=int8",
+        "--optimizer.fused=true",
+        "--train.activation_offload=true",
+    ],
 }
 
 CASES: dict[str, list[str]] = {**preset_cases(), **RULE_CASES}

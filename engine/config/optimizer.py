@@ -17,6 +17,7 @@ from engine.config.registry import OPTIMIZER_STATES
 
 Beta = Annotated[float, Field(ge=0, lt=1)]
 OptimizerName = Literal["adamw", "lion", "muon", "schedule_free_adamw"]
+StateDtype = Literal["fp32", "int8"]
 
 
 class OptimizerConfig(Section):
@@ -52,6 +53,11 @@ class OptimizerConfig(Section):
     schedule_free_warmup_steps: int = Field(
         0, ge=0, description="schedule_free_adamw only: its own linear warmup, lr · (k+1)/N for step k < N"
     )
+    state_dtype: StateDtype = Field(
+        "fp32",
+        description="adamw only: its moments' storage; int8 = torchao's AdamW8bit (block-wise 8-bit moments "
+        "of tensors ≥ 4096 elements, 2 bytes a parameter instead of 8; the update is computed in fp32)",
+    )
 
     readers: ClassVar[dict[str, str]] = {
         "name": "train/optim/__init__.py",
@@ -64,6 +70,7 @@ class OptimizerConfig(Section):
         "muon_ns_steps": "train/optim/muon.py",
         "muon_adam_lr": "train/optim/muon.py",
         "schedule_free_warmup_steps": "train/optim/schedule_free.py",
+        "state_dtype": "train/optim/adamw.py, parallel/memory.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
@@ -76,6 +83,7 @@ READ_BY: dict[str, tuple[str, ...]] = {
     "muon_ns_steps": ("muon",),
     "muon_adam_lr": ("muon",),
     "schedule_free_warmup_steps": ("schedule_free_adamw",),
+    "state_dtype": ("adamw",),
 }
 """Fields that only some optimizers read, and which ones."""
 
@@ -96,10 +104,36 @@ class OptimizerState:
     by_kind: dict[str, int] = field(default_factory=dict)
     bytes_per_tensor: int = 0
     step_copies: dict[str, int] = field(default_factory=dict)
+    quantized: Quantized | None = None
 
     def bytes(self, kind: str, elements: int) -> int:
         """State bytes of one parameter of `kind` holding `elements` elements on a rank."""
+        if self.quantized is not None and self.quantized.applies(elements):
+            return self.quantized.bytes(elements) + self.bytes_per_tensor
         return self.by_kind.get(kind, self.bytes_per_element) * elements + self.bytes_per_tensor
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """Block-wise quantized state tensors (torchao's `OptimState8bit`): a tensor of at least `min_elements`
+    elements that splits into whole blocks keeps, per state tensor, a code per element (`code_bytes`), an fp32
+    scale per `block_size` elements and its own fp32 lookup table of `table_entries` values; smaller tensors
+    keep the unquantized state."""
+
+    tensors: int
+    code_bytes: int
+    block_size: int
+    min_elements: int
+    table_entries: int
+
+    def applies(self, elements: int) -> bool:
+        """Whether a parameter holding `elements` elements on this rank gets quantized state (torchao decides
+        on the local tensor)."""
+        return elements >= self.min_elements and elements % self.block_size == 0
+
+    def bytes(self, elements: int) -> int:
+        per_tensor = self.code_bytes * elements + FP32 * (elements // self.block_size) + FP32 * self.table_entries
+        return self.tensors * per_tensor
 
 
 FP32 = 4
@@ -115,3 +149,22 @@ OPTIMIZER_STATES.register("muon")(
 )
 # z and exp_avg_sq.
 OPTIMIZER_STATES.register("schedule_free_adamw")(OptimizerState(2 * FP32))
+
+ADAMW_STATES: dict[str, OptimizerState] = {
+    # torchao.optim.AdamW8bit: exp_avg and exp_avg_sq as uint8 codes with an fp32 scale per 256 elements and a
+    # 256-entry fp32 table each, for tensors of ≥ 4096 elements in whole blocks; fp32 moments for the others;
+    # its `step` is an fp32 tensor.
+    "int8": OptimizerState(
+        2 * FP32,
+        bytes_per_tensor=FP32,
+        quantized=Quantized(tensors=2, code_bytes=1, block_size=256, min_elements=4096, table_entries=256),
+    ),
+}
+"""AdamW's state by `optimizer.state_dtype`, where it is not the registered fp32 one."""
+
+
+def optimizer_state(cfg: OptimizerConfig) -> OptimizerState:
+    """The state the configured optimizer keeps: its registered one, or AdamW's of another `state_dtype`."""
+    if cfg.name == "adamw" and cfg.state_dtype in ADAMW_STATES:
+        return ADAMW_STATES[cfg.state_dtype]
+    return OPTIMIZER_STATES.get(cfg.name)

@@ -21,6 +21,7 @@ its position tables; the optimizer through its registered `OptimizerState`.
 - optimizer: the state the chosen optimizer registered (`OptimizerState` in engine/config/optimizer.py:
   bytes per element of each trained parameter, by parameter kind where they differ, and per tensor). With
   `train.ema_decay`, the EMA of the weights adds a copy of the params here (fp32, sharded like them).
+- host: what `train.activation_offload` keeps in host memory instead of the device (`stage_offloaded_bytes`).
 - activations: what autograd keeps from forward to backward (see `layer_activation_bytes`; packed documents'
   masks, `packing_bytes`), for the
   micro-batches a rank has in flight (`forward_chunks`): one without pipelining (accumulation steps run one
@@ -50,7 +51,7 @@ from dataclasses import asdict, dataclass
 
 from engine.config.job import JobConfig
 from engine.config.model import ModelConfig
-from engine.config.registry import OPTIMIZER_STATES
+from engine.config.optimizer import optimizer_state
 from engine.model.packed_kernel import FLEX_BLOCK, packed_attention_backend
 from engine.model.spec import ActivationLayout, ParamSpec, spec_for
 from engine.parallel.lora_memory import trains, weight_bytes, with_adapters
@@ -81,6 +82,9 @@ class StageMemory:
     buffers: int
     grads_persist: bool
     """Whether gradients live through the forward passes (accumulated over micro-batches, or pipelined)."""
+    host: int = 0
+    """Bytes this rank keeps in host memory instead (`train.activation_offload`'s saved activations); not in
+    `total`, which is the device's."""
 
     @property
     def total(self) -> int:
@@ -120,7 +124,7 @@ def grad_numel(cfg: JobConfig, spec: ParamSpec, local: int) -> int:
 
 def optimizer_state_bytes(cfg: JobConfig, spec: ParamSpec, local: int) -> int:
     """Bytes of the optimizer's state for one parameter holding `local` elements on this rank."""
-    return OPTIMIZER_STATES.get(cfg.optimizer.name).bytes(spec.kind, local)
+    return optimizer_state(cfg.optimizer).bytes(spec.kind, local)
 
 
 def checkpoint_bytes(cfg: JobConfig) -> int:
@@ -246,7 +250,7 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
         total += 2 * FP32 * min(t.ce_chunk_size, tokens) * m.vocab_size
     elif has_head:
         total += 2 * FP32 * tokens * math.ceil(m.vocab_size / d.tp)
-    for kind, copies in OPTIMIZER_STATES.get(cfg.optimizer.name).step_copies.items():
+    for kind, copies in optimizer_state(cfg.optimizer).step_copies.items():
         total += copies * FP32 * max((s.numel for s in stage if s.kind == kind), default=0)
     return total
 
@@ -280,6 +284,7 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
         trained = [s for s in owned if trains(s, cfg.lora)]
         chunk = [stage_activation_bytes(cfg, layers[s], tokens, s == 0, s == n_stages - 1) for s in stages]
         chunks = forward_chunks(cfg, rank)
+        offloaded = [stage_offloaded_bytes(cfg, layers[s], tokens, s == 0, s == n_stages - 1) for s in stages]
         blocks = [i for s in stages for i in layers[s]]
         rows.append(
             StageMemory(
@@ -291,11 +296,12 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
                 grads=FP32 * sum(grad_numel(cfg, s, local[s.name]) for s in trained),
                 optimizer=sum(optimizer_state_bytes(cfg, s, local[s.name]) for s in trained)
                 + (params if t.ema_decay else 0),
-                activations=sum(chunk[local] for local in chunks)
+                activations=sum(chunk[local] - offloaded[local] for local in chunks)
                 + recompute_bytes(cfg, blocks, tokens)
                 + packing_bytes(cfg, in_flight=[len(layers[stages[local]]) for local in chunks]),
                 buffers=buffer_bytes(cfg, owned, tokens, has_head=n_stages - 1 in stages),
                 grads_persist=t.grad_accum_steps > 1 or d.pp > 1,
+                host=sum(offloaded[local] for local in chunks),
             )
         )
     return rows
@@ -386,7 +392,24 @@ def stage_activation_bytes(cfg: JobConfig, layers: range, tokens: int, first: bo
 
 def recompute_bytes(cfg: JobConfig, layers: list[int], tokens: int) -> int:
     """With activation checkpointing, backward recomputes one block at a time: the largest block's full
-    activations exist once on top of the checkpoints."""
-    if cfg.train.activation_checkpointing == "none":
+    activations exist once on top of the checkpoints. With `train.activation_offload` and no checkpointing,
+    backward brings a block's saved tensors back from the host as its nodes run: bounded the same way."""
+    t = cfg.train
+    if t.activation_checkpointing == "none" and not t.activation_offload:
         return 0
     return max(layer_activation_bytes(cfg, layer, tokens) for layer in layers)
+
+
+def stage_offloaded_bytes(cfg: JobConfig, layers: range, tokens: int, first: bool, last: bool) -> int:
+    """What `train.activation_offload` moves to host memory of one micro-batch through one stage: every tensor
+    autograd saves through its saved-tensor hooks (torch.autograd.graph.save_on_cpu). Under activation
+    checkpointing that is what lies outside the checkpointed blocks (the token ids, the final norm, head and
+    loss): a checkpointed block keeps its inputs itself for the recomputation, and the recomputation saves
+    through the checkpoint's own hooks, on the device. Packed documents' masks stay counted on the device."""
+    if not cfg.train.activation_offload:
+        return 0
+    total = INT64 * tokens if first else 0
+    total += loss_activation_bytes(cfg, tokens) if last else 0
+    if cfg.train.activation_checkpointing == "none":
+        total += sum(layer_activation_bytes(cfg, layer, tokens) for layer in layers)
+    return total

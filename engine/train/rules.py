@@ -121,3 +121,39 @@ def schedule_warnings(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
             )
         ]
     return []
+
+
+def memory_option_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """The memory options against the layouts they are not built or checked for: 8-bit AdamW state is checked on
+    one process (torchao quantizes each rank's local shard block by block, which Forge does not test yet), and
+    it is torchao's optimizer, not PyTorch's fused kernel; activation offload wraps one micro-batch's forward,
+    which a pipeline schedule does not expose."""
+    o, t, d = cfg.optimizer, cfg.train, cfg.distributed
+    issues = []
+    if o.state_dtype == "int8" and o.fused:
+        issues.append(
+            ConfigIssue(
+                "optimizer.fused",
+                'optimizer.state_dtype = "int8" is torchao\'s AdamW8bit, which has no fused kernel',
+                "leave optimizer.fused unset with int8 state",
+            )
+        )
+    if o.state_dtype == "int8" and world_size > 1:
+        issues.append(
+            ConfigIssue(
+                "optimizer.state_dtype",
+                f'"int8" state is supported on one process only so far, not on a layout of {world_size} '
+                "(distributed.*: each rank would quantize its own shard, which is not tested yet)",
+                'train on one process, or use state_dtype = "fp32" on several',
+            )
+        )
+    if t.activation_offload and d.pp > 1:
+        issues.append(
+            ConfigIssue(
+                "train.activation_offload",
+                f"not supported with pipeline parallelism yet (distributed.pp = {d.pp}): the schedule runs "
+                "the forwards and backwards of its microbatches itself",
+                "set distributed.pp = 1, or leave the activations on the device",
+            )
+        )
+    return issues

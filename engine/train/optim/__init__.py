@@ -29,7 +29,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
     """The lr the next step takes (first param group), as metrics should report it."""
     group = optimizer.param_groups[0]
-    return ScheduleFreeAdamW.step_lr(group) if isinstance(optimizer, ScheduleFreeAdamW) else group["lr"]
+    lr = ScheduleFreeAdamW.step_lr(group) if isinstance(optimizer, ScheduleFreeAdamW) else group["lr"]
+    return float(lr)  # torchao's optimizers keep it as a tensor
 
 
 @contextlib.contextmanager
