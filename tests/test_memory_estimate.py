@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from engine.config.job import JobConfig
 from engine.model.estimate import param_counts
 from engine.model.transformer import Transformer
 from engine.parallel.apply import parallelize
-from engine.parallel.memory import estimate_memory, param_specs
+from engine.parallel.memory import estimate_memory, layer_activation_bytes, param_specs
 from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.parallel.stages import stage_layer_counts, stage_layers
 from engine.parallel.tp import loss_context, uses_loss_parallel
@@ -83,7 +83,7 @@ def saved_activation_bytes(cfg: JobConfig) -> int:
     """Bytes of the distinct tensors autograd saves in one forward + loss, as the saved-tensor hooks see
     them: parameters and buffers, and autocast's low-precision copies of weights, are not activations."""
     torch.manual_seed(0)
-    model = Transformer(cfg.model)
+    model = parallelize(Transformer(cfg.model), cfg)  # activation checkpointing as the trainer applies it
     state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     seen: dict[int, int] = {}
 
@@ -477,3 +477,38 @@ def test_expert_parallelism_with_compile_is_estimated_like_eager():
     assert estimate_memory(compiled, 4) == estimate_memory(job(MOE, distributed=layout), 4)
     (data_parallel,) = estimate_memory(job(MOE, distributed={"dp_shard": 4}), 4)
     assert estimate_memory(compiled, 4)[0].params == data_parallel.params
+
+
+def test_int8_adamw_state_equals_what_torchao_holds(monkeypatch):
+    """optimizer.state_dtype = "int8": the codes, block scales and tables of torchao's AdamW8bit for the tensors
+    of ≥ 4096 elements, fp32 moments for the rest, a step tensor each, byte for byte (its step run eagerly:
+    tests/test_memory_options.py says why)."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    cfg = job(optimizer={"state_dtype": "int8"})
+    real, opt = one_step(cfg)
+    [stage] = estimate_memory(cfg, 1)
+    inner = [
+        getattr(v, name) if is_traceable_wrapper_subclass(v) else v
+        for state in opt.state.values()
+        for v in state.values()
+        for name in (v.__tensor_flatten__()[0] if is_traceable_wrapper_subclass(v) else [None])
+    ]
+    assert any(is_traceable_wrapper_subclass(v) for state in opt.state.values() for v in state.values())
+    assert stage.optimizer == sum(t.nbytes for t in inner)
+    (fp32,) = estimate_memory(job(), 1)
+    assert stage.optimizer < fp32.optimizer / 2
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_offloaded_activations_match_the_saved_tensors(checkpointing):
+    """train.activation_offload: what the saved-tensor hooks receive (save_on_cpu's, which copy each to the
+    host), checkpointed blocks' inputs included, against the estimate's host bytes; the device keeps one
+    block's recomputation."""
+    cfg = job({"sdpa_backend": "flash"}, train={"activation_checkpointing": checkpointing, "activation_offload": True})
+    [stage] = estimate_memory(cfg, 1)
+    [kept] = estimate_memory(job({"sdpa_backend": "flash"}, train={"activation_checkpointing": checkpointing}), 1)
+    measured = saved_activation_bytes(cfg)
+    norms = cpu_rmsnorm_extra(cfg) if checkpointing == "none" else 4 * cfg.model.dim * 64  # the final norm's only
+    assert abs((stage.host + norms) / measured - 1) < ACTIVATION_TOLERANCE, (stage.host, measured)
+    per_block = max(layer_activation_bytes(cfg, layer, 64) for layer in range(cfg.model.n_layers))
+    assert stage.activations == per_block < kept.activations

@@ -87,12 +87,15 @@ def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     return [getattr(t, name) for name in t.__tensor_flatten__()[0]]
 
 
-def test_forge_drives_torchao_adamw8bit_exactly(tmp_path, eager_torchao):
+def test_forge_drives_torchao_adamw8bit_exactly_and_resumes_bitwise(tmp_path, eager_torchao):
     """The trainer's int8 AdamW (param groups, weight decay, schedule) against torchao's AdamW8bit stepped by
-    hand with the same gradients and learning rates: the same weights and the same 8-bit state, bit for bit."""
+    hand with the same gradients and learning rates: the same weights and the same 8-bit state, bit for bit.
+    Then two steps, a checkpoint and two more from it give that run again (the 8-bit codes and scales go
+    through DCP as the wrapper's tensors)."""
     from torchao.optim import AdamW8bit
 
-    recorder, _ = run(tmp_path, "int8", "optimizer.state_dtype=int8", "train.grad_clip_norm=0")
+    common = ("optimizer.state_dtype=int8", "train.grad_clip_norm=0", "checkpoint.interval=2")
+    recorder, whole_losses = run(tmp_path, "int8", *common)
     job = recorder.job
     assert type(job.optimizer) is AdamW8bit
     reference = type(job.model)(job.model.cfg)
@@ -107,17 +110,39 @@ def test_forge_drives_torchao_adamw8bit_exactly(tmp_path, eager_torchao):
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"].fill_(lr)
         optimizer.step()
-    trained = dict(job.model.named_parameters())
-    assert all(torch.equal(trained[n], p) for n, p in params.items()), "weights differ"
-    quantized = 0
-    for name, p in params.items():
-        ours, theirs = job.optimizer.state[trained[name]], optimizer.state[p]
-        assert sorted(ours) == sorted(theirs) == ["exp_avg", "exp_avg_sq", "step"]
-        for key in ours:
-            a, b = inner_tensors(ours[key]), inner_tensors(theirs[key])
-            assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)), (name, key)
-            quantized += len(a) == 3
-    assert quantized >= 2 * 8  # the 8 block matrices (2 blocks × wq, wk, wv, wo, w1, w2, w3 ≥ 4096 ...) at least
+    assert_same_training(job.model, job.optimizer, reference, optimizer)
+    quantized = [n for n, p in params.items() if len(inner_tensors(optimizer.state[p]["exp_avg"])) == 3]
+    # per block wq, wo, w1, w2, w3 (≥ 4096 elements), and the embedding and head; wk, wv (64 × 32) and the
+    # norms keep fp32 moments
+    assert len(quantized) == 2 * 5 + 2
+
+    resumed = resume_in_two(tmp_path, common)
+    assert resumed[1] == whole_losses
+    assert_same_training(job.model, job.optimizer, resumed[0].job.model, resumed[0].job.optimizer)
+
+
+def resume_in_two(tmp_path: Path, common: tuple[str, ...]) -> tuple[Recorder, list[float]]:
+    """Two steps into a run directory, then `forge resume` semantics to four: the second part's recorder and
+    all four losses."""
+    from engine.train.run_dir import run_config
+
+    run(tmp_path, "parts", *common, "train.max_steps=2")
+    parts = Recorder()
+    train(run_config(tmp_path / "parts", ["train.max_steps=4"]), tmp_path / "parts", hooks=parts)
+    lines = (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()
+    return parts, [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def assert_same_training(model_a, optimizer_a, model_b, optimizer_b) -> None:
+    """The same weights and the same optimizer state, tensor for tensor (8-bit state: codes, scales, table)."""
+    a, b = dict(model_a.named_parameters()), dict(model_b.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), "weights differ"
+    for name in a:
+        sa, sb = optimizer_a.state[a[name]], optimizer_b.state[b[name]]
+        assert sorted(sa) == sorted(sb) and sa
+        for key in sa:
+            x, y = inner_tensors(sa[key]), inner_tensors(sb[key])
+            assert len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y)), (name, key)
 
 
 def test_int8_state_trains_close_to_fp32(tmp_path, eager_torchao):
@@ -154,31 +179,13 @@ def test_activation_offload_gives_the_same_gradients(tmp_path, checkpointing):
     assert warnings == ["train.activation_offload"]  # on a CPU it only costs a copy: the user is told
 
 
-@pytest.mark.parametrize(
-    "option",
-    [("optimizer.state_dtype=int8",), ("train.activation_offload=true", "train.activation_checkpointing=full")],
-    ids=["int8", "activation-offload"],
-)
-def test_each_option_resumes_bitwise(tmp_path, eager_torchao, option):
-    """Two steps, a checkpoint, two more from it: the losses and the final weights and optimizer state of four
-    steps at once (the 8-bit codes and scales go through DCP as the wrapper's tensors)."""
-    from engine.train.run_dir import run_config
-
-    common = (*option, "checkpoint.interval=2")
+def test_activation_offload_resumes_bitwise(tmp_path):
+    """With activation checkpointing too: two steps, a checkpoint, two more give the four-step run."""
+    common = ("train.activation_offload=true", "train.activation_checkpointing=full", "checkpoint.interval=2")
     whole, whole_losses = run(tmp_path, "whole", *common)
-    run(tmp_path, "parts", *common, "train.max_steps=2")
-    parts = Recorder()
-    train(run_config(tmp_path / "parts", ["train.max_steps=4"]), tmp_path / "parts", hooks=parts)
-    lines = (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()
-    assert [r["loss"] for r in map(json.loads, lines) if "loss" in r] == whole_losses
-    a, b = dict(whole.job.model.named_parameters()), dict(parts.job.model.named_parameters())
-    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
-    for name in a:
-        sa, sb = whole.job.optimizer.state[a[name]], parts.job.optimizer.state[b[name]]
-        assert sorted(sa) == sorted(sb)
-        for key in sa:
-            x, y = inner_tensors(sa[key]), inner_tensors(sb[key])
-            assert len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y)), (name, key)
+    parts, losses = resume_in_two(tmp_path, common)
+    assert losses == whole_losses and len(losses) == 4
+    assert_same_training(whole.job.model, whole.job.optimizer, parts.job.model, parts.job.optimizer)
 
 
 def test_changing_the_state_dtype_on_resume_is_refused(tmp_path):

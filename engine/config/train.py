@@ -102,7 +102,7 @@ class TrainConfig(Section):
         False,
         description="keep the activations saved for backward in host memory (torch.autograd.graph.save_on_cpu, "
         "pinned on CUDA) and copy them back in backward: the same gradients, less device memory, more "
-        "host traffic; with activation_checkpointing only what lies outside the checkpointed blocks moves",
+        "host traffic; with activation_checkpointing the checkpoints move and one block's recomputation stays",
     )
     loss_fn: Literal["cross_entropy", "chunked_cross_entropy"] = Field(
         "cross_entropy",

@@ -392,8 +392,8 @@ def stage_activation_bytes(cfg: JobConfig, layers: range, tokens: int, first: bo
 
 def recompute_bytes(cfg: JobConfig, layers: list[int], tokens: int) -> int:
     """With activation checkpointing, backward recomputes one block at a time: the largest block's full
-    activations exist once on top of the checkpoints. With `train.activation_offload` and no checkpointing,
-    backward brings a block's saved tensors back from the host as its nodes run: bounded the same way."""
+    activations exist once on top of the checkpoints. With `train.activation_offload`, backward brings a
+    block's saved tensors back from the host as its nodes run: bounded the same way."""
     t = cfg.train
     if t.activation_checkpointing == "none" and not t.activation_offload:
         return 0
@@ -401,15 +401,14 @@ def recompute_bytes(cfg: JobConfig, layers: list[int], tokens: int) -> int:
 
 
 def stage_offloaded_bytes(cfg: JobConfig, layers: range, tokens: int, first: bool, last: bool) -> int:
-    """What `train.activation_offload` moves to host memory of one micro-batch through one stage: every tensor
-    autograd saves through its saved-tensor hooks (torch.autograd.graph.save_on_cpu). Under activation
-    checkpointing that is what lies outside the checkpointed blocks (the token ids, the final norm, head and
-    loss): a checkpointed block keeps its inputs itself for the recomputation, and the recomputation saves
-    through the checkpoint's own hooks, on the device. Packed documents' masks stay counted on the device."""
+    """What `train.activation_offload` moves to host memory of one micro-batch through one stage: every
+    activation autograd saves goes through its saved-tensor hooks (torch.autograd.graph.save_on_cpu), the
+    inputs a checkpointed block keeps for its recomputation included (measured on CPU in
+    tests/test_memory_estimate.py); only the recomputation in backward saves through the checkpoint's own
+    hooks, on the device (`recompute_bytes`). Packed documents' masks stay counted on the device. Not counted:
+    save_on_cpu copies each saved tensor whole, so a second view of a saved storage is a second host copy, and
+    the weights a matmul saves (the fp32 parameters without autocast, their low-precision copies with it) are
+    copied too."""
     if not cfg.train.activation_offload:
         return 0
-    total = INT64 * tokens if first else 0
-    total += loss_activation_bytes(cfg, tokens) if last else 0
-    if cfg.train.activation_checkpointing == "none":
-        total += sum(layer_activation_bytes(cfg, layer, tokens) for layer in layers)
-    return total
+    return stage_activation_bytes(cfg, layers, tokens, first, last)

@@ -2,9 +2,9 @@
 
 torch.autograd.graph.save_on_cpu is a pair of saved-tensor hooks: each tensor autograd saves in forward is
 copied to the host as it is saved, and copied back to its device when backward needs it. The values come
-back bit for bit, so the gradients are those of a run without it; the device keeps only what lies outside
-the hooks (a checkpointed block's inputs, which the checkpoint holds itself, and its recomputation, which
-saves through the checkpoint's own hooks). On CUDA the host copies are pinned, so they overlap compute.
+back bit for bit, so the gradients are those of a run without it. With activation checkpointing the
+checkpoints (each block's inputs) move too; the recomputation in backward saves through the checkpoint's own
+hooks and stays on the device, one block at a time. On CUDA the host copies are pinned, so they overlap compute.
 """
 
 from __future__ import annotations
