@@ -485,7 +485,7 @@ def test_int8_adamw_state_equals_what_torchao_holds(monkeypatch):
     tests/test_memory_options.py says why)."""
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     cfg = job(optimizer={"state_dtype": "int8"})
-    real, opt = one_step(cfg)
+    _, opt = one_step(cfg)
     [stage] = estimate_memory(cfg, 1)
     inner = [
         getattr(v, name) if is_traceable_wrapper_subclass(v) else v
