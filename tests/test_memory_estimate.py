@@ -20,6 +20,7 @@ from engine.config.job import JobConfig
 from engine.model.estimate import param_counts
 from engine.model.transformer import Transformer
 from engine.parallel.apply import parallelize
+from engine.precision import cast_weights
 from engine.parallel.memory import estimate_memory, layer_activation_bytes, param_specs
 from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.parallel.stages import stage_layer_counts, stage_layers
@@ -83,7 +84,10 @@ def saved_activation_bytes(cfg: JobConfig) -> int:
     """Bytes of the distinct tensors autograd saves in one forward + loss, as the saved-tensor hooks see
     them: parameters and buffers, and autocast's low-precision copies of weights, are not activations."""
     torch.manual_seed(0)
-    model = parallelize(Transformer(cfg.model), cfg)  # activation checkpointing as the trainer applies it
+    model = Transformer(cfg.model)
+    if cfg.optimizer.weight_dtype == "bf16":
+        cast_weights(model, torch.bfloat16)
+    model = parallelize(model, cfg)  # activation checkpointing as the trainer applies it
     state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     seen: dict[int, int] = {}
 
@@ -112,9 +116,14 @@ def is_weight_copy(t: torch.Tensor) -> bool:
 
 def cpu_rmsnorm_extra(cfg: JobConfig) -> int:
     """On CPU torch decomposes RMSNorm and also keeps the normalized input (fp32); CUDA's fused kernel, which
-    the estimate counts, does not. Two norms per block and the final one."""
+    the estimate counts, does not. Two norms per block and the final one. With a bf16 residual stream (bf16
+    weights) the decomposition keeps its fp32 upcast of the input where the fused kernel keeps the bf16 input:
+    2 bytes more an element."""
     m, tokens = cfg.model, cfg.train.batch_size * cfg.train.seq_len
-    return 4 * m.dim * tokens * (2 * m.n_layers + 1) if m.norm_type == "rmsnorm" else 0
+    if m.norm_type != "rmsnorm":
+        return 0
+    per_element = 4 + (2 if cfg.optimizer.weight_dtype == "bf16" else 0)
+    return per_element * m.dim * tokens * (2 * m.n_layers + 1)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -512,3 +521,33 @@ def test_offloaded_activations_match_the_saved_tensors(checkpointing):
     assert abs((stage.host + norms) / measured - 1) < ACTIVATION_TOLERANCE, (stage.host, measured)
     per_block = max(layer_activation_bytes(cfg, layer, 64) for layer in range(cfg.model.n_layers))
     assert stage.activations == per_block < kept.activations
+
+
+@pytest.mark.parametrize("state", ["bf16", "int8"])
+def test_bf16_weights_params_grads_and_state_equal_what_the_model_holds(monkeypatch, state):
+    """optimizer.weight_dtype = "bf16": bf16 weights and gradients, torchao's moments in bf16 (or 8-bit codes for
+    the large tensors), an fp32 step each, byte for byte; and the saved activations of a bf16 residual stream
+    with no autocast copies of the weights."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    cfg = job(optimizer={"weight_dtype": "bf16", "state_dtype": state}, train={"mixed_precision": "bf16"})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    cast_weights(model, torch.bfloat16)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len))
+    with torch.autocast("cpu", torch.bfloat16):
+        build_loss(cfg.train)(model, tokens, tokens).backward()
+    optimizer.step()
+    [stage] = estimate_memory(cfg, 1)
+    assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert stage.params == sum(p.nbytes for p in model.parameters())
+    assert stage.grads == sum(p.grad.nbytes for p in model.parameters())
+    inner = [
+        getattr(v, name) if is_traceable_wrapper_subclass(v) else v
+        for values in optimizer.state.values()
+        for v in values.values()
+        for name in (v.__tensor_flatten__()[0] if is_traceable_wrapper_subclass(v) else [None])
+    ]
+    assert stage.optimizer == sum(t.nbytes for t in inner)
+    measured = saved_activation_bytes(cfg)
+    assert abs((stage.activations + cpu_rmsnorm_extra(cfg)) / measured - 1) < ACTIVATION_TOLERANCE, measured

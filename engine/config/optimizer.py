@@ -17,7 +17,8 @@ from engine.config.registry import OPTIMIZER_STATES
 
 Beta = Annotated[float, Field(ge=0, lt=1)]
 OptimizerName = Literal["adamw", "lion", "muon", "schedule_free_adamw"]
-StateDtype = Literal["fp32", "int8"]
+StateDtype = Literal["fp32", "bf16", "int8"]
+WeightDtype = Literal["fp32", "bf16"]
 
 
 class OptimizerConfig(Section):
@@ -56,7 +57,13 @@ class OptimizerConfig(Section):
     state_dtype: StateDtype = Field(
         "fp32",
         description="adamw only: its moments' storage; int8 = torchao's AdamW8bit (block-wise 8-bit moments "
-        "of tensors ≥ 4096 elements, 2 bytes a parameter instead of 8; the update is computed in fp32)",
+        "of tensors ≥ 4096 elements, 2 bytes a parameter instead of 8; the update is computed in fp32); "
+        "bf16 = torchao's AdamW with bf16 moments, only with weight_dtype = bf16 (docs/training.md#memory-options)",
+    )
+    weight_dtype: WeightDtype = Field(
+        "fp32",
+        description="adamw only: the trained weights' dtype; bf16 = weights and gradients in bf16, each "
+        "update computed in fp32 and stochastically rounded to bf16 (torchao), with state_dtype bf16 or int8",
     )
 
     readers: ClassVar[dict[str, str]] = {
@@ -71,6 +78,7 @@ class OptimizerConfig(Section):
         "muon_adam_lr": "train/optim/muon.py",
         "schedule_free_warmup_steps": "train/optim/schedule_free.py",
         "state_dtype": "train/optim/adamw.py, parallel/memory.py",
+        "weight_dtype": "train/job.py, train/optim/adamw.py, parallel/memory.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
@@ -84,6 +92,7 @@ READ_BY: dict[str, tuple[str, ...]] = {
     "muon_adam_lr": ("muon",),
     "schedule_free_warmup_steps": ("schedule_free_adamw",),
     "state_dtype": ("adamw",),
+    "weight_dtype": ("adamw",),
 }
 """Fields that only some optimizers read, and which ones."""
 
@@ -150,21 +159,27 @@ OPTIMIZER_STATES.register("muon")(
 # z and exp_avg_sq.
 OPTIMIZER_STATES.register("schedule_free_adamw")(OptimizerState(2 * FP32))
 
-ADAMW_STATES: dict[str, OptimizerState] = {
-    # torchao.optim.AdamW8bit: exp_avg and exp_avg_sq as uint8 codes with an fp32 scale per 256 elements and a
-    # 256-entry fp32 table each, for tensors of ≥ 4096 elements in whole blocks; fp32 moments for the others;
-    # its `step` is an fp32 tensor.
-    "int8": OptimizerState(
-        2 * FP32,
-        bytes_per_tensor=FP32,
-        quantized=Quantized(tensors=2, code_bytes=1, block_size=256, min_elements=4096, table_entries=256),
-    ),
+BF16 = 2
+EIGHT_BIT = Quantized(tensors=2, code_bytes=1, block_size=256, min_elements=4096, table_entries=256)
+"""torchao's OptimState8bit: uint8 codes, an fp32 scale per 256 elements and a 256-entry fp32 table each, for
+tensors of ≥ 4096 elements in whole blocks."""
+ADAMW_STATES: dict[tuple[str, str], OptimizerState] = {
+    # (weight_dtype, state_dtype) → torchao's AdamW8bit / AdamW: exp_avg and exp_avg_sq, quantized or in the
+    # weights' dtype (torchao makes unquantized moments like the parameter), and an fp32 `step` tensor.
+    ("fp32", "int8"): OptimizerState(2 * FP32, bytes_per_tensor=FP32, quantized=EIGHT_BIT),
+    ("bf16", "int8"): OptimizerState(2 * BF16, bytes_per_tensor=FP32, quantized=EIGHT_BIT),
+    ("bf16", "bf16"): OptimizerState(2 * BF16, bytes_per_tensor=FP32),
 }
-"""AdamW's state by `optimizer.state_dtype`, where it is not the registered fp32 one."""
+"""AdamW's state by `optimizer.weight_dtype` and `state_dtype`, where it is not the registered fp32 one."""
 
 
 def optimizer_state(cfg: OptimizerConfig) -> OptimizerState:
-    """The state the configured optimizer keeps: its registered one, or AdamW's of another `state_dtype`."""
-    if cfg.name == "adamw" and cfg.state_dtype in ADAMW_STATES:
-        return ADAMW_STATES[cfg.state_dtype]
+    """The state the configured optimizer keeps: its registered one, or AdamW's of other dtypes."""
+    if cfg.name == "adamw" and (cfg.weight_dtype, cfg.state_dtype) in ADAMW_STATES:
+        return ADAMW_STATES[cfg.weight_dtype, cfg.state_dtype]
     return OPTIMIZER_STATES.get(cfg.name)
+
+
+def weight_bytes(cfg: OptimizerConfig) -> int:
+    """Bytes per element of the trained weights and of their gradients."""
+    return BF16 if cfg.weight_dtype == "bf16" else FP32

@@ -11,7 +11,7 @@ The model enters only through its family's `ModelSpec` (engine/model/spec.py): i
 (`ParamSpec`: shape, owner, the dimension tensor parallelism shards), what its blocks save for backward and
 its position tables; the optimizer through its registered `OptimizerState`.
 
-- params: fp32 master weights. Each tensor is first divided by tp along the dimension tensor parallelism
+- params: fp32 master weights (bf16 with `optimizer.weight_dtype = "bf16"`, and then so are the gradients). Each tensor is first divided by tp along the dimension tensor parallelism
   shards (as the family's spec says: e.g. attention wq/wk/wv and MLP w1/w3 by rows, wo/w2 by columns, the
   embedding and the output head by vocabulary rows, MoE experts by hidden units; norms and routers stay
   whole), then FSDP2 shards dim 0 over dp_shard × cp ranks, padding it to a multiple (ceil(rows / shards)
@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass
 from engine.config.job import JobConfig
 from engine.config.model import ModelConfig
 from engine.config.optimizer import optimizer_state
+from engine.config.optimizer import weight_bytes as trained_weight_bytes
 from engine.model.packed_kernel import FLEX_BLOCK, packed_attention_backend
 from engine.model.spec import ActivationLayout, ParamSpec, spec_for
 from engine.parallel.lora_memory import trains, weight_bytes, with_adapters
@@ -132,7 +133,8 @@ def checkpoint_bytes(cfg: JobConfig) -> int:
     the optimizer state once (a shard per rank, a replicated tensor by one rank), and the fp32 EMA of the
     weights with `train.ema_decay`. The train state and DCP's metadata add a few tens of kilobytes."""
     weight_copies = 2 if cfg.train.ema_decay else 1
-    return sum(FP32 * weight_copies * s.numel + optimizer_state_bytes(cfg, s, s.numel) for s in param_specs(cfg.model))
+    w = trained_weight_bytes(cfg.optimizer)
+    return sum(w * weight_copies * s.numel + optimizer_state_bytes(cfg, s, s.numel) for s in param_specs(cfg.model))
 
 
 def forward_chunks(cfg: JobConfig, pp_rank: int) -> list[int]:
@@ -162,7 +164,15 @@ def uses_fsdp(cfg: JobConfig) -> bool:
 def residual_bytes(cfg: JobConfig) -> int:
     """Bytes per element of the residual stream: fp32 under autocast (fp32 weights, fp32 embedding), the
     compute dtype under FSDP2 (the weights themselves are gathered in it)."""
-    return COMPUTE_BYTES[cfg.train.mixed_precision] if uses_fsdp(cfg) else FP32
+    if uses_fsdp(cfg) or bf16_weights(cfg):
+        return COMPUTE_BYTES[cfg.train.mixed_precision]
+    return FP32
+
+
+def bf16_weights(cfg: JobConfig) -> bool:
+    """optimizer.weight_dtype = "bf16": the weights themselves are bf16 (the residual stream is too, and autocast
+    makes no low-precision copies of them)."""
+    return trained_weight_bytes(cfg.optimizer) < FP32
 
 
 def activation_layout(cfg: JobConfig) -> ActivationLayout:
@@ -172,7 +182,7 @@ def activation_layout(cfg: JobConfig) -> ActivationLayout:
     return ActivationLayout(
         compute=c,
         residual=residual_bytes(cfg),
-        casts=c < FP32 and not uses_fsdp(cfg),
+        casts=c < FP32 and not uses_fsdp(cfg) and not bf16_weights(cfg),
         tp=d.tp,
         cp=d.cp,
         cp_method=d.cp_method,
@@ -239,7 +249,7 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
         ends = sum(tp_local[s.name] for s in stage if not isinstance(s.owner, int))
         gathered = sum(blocks.values()) if d.pp > 1 else sum(largest)
         total += c * (gathered + ends) + (c + FP32) * largest[0]
-    elif c < FP32:
+    elif c < FP32 and not bf16_weights(cfg):
         head = sum(tp_local[s.name] for s in stage if s.owner == "head")
         if has_head and m.tie_embeddings and not any(s.owner == "head" for s in stage):  # (pipelined: a copy)
             # the head is the embedding, which autocast does not cast for the lookup
@@ -280,7 +290,7 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
         owned = [s for stage in stages for s in stage_specs(specs, layers[stage], stage == 0, stage == n_stages - 1)]
         owned += tied_head_copy(cfg, specs, stages, n_stages)
         local = {s.name: local_numel(s, d.tp, d.dp_shard * d.cp) for s in owned}
-        params = sum(weight_bytes(s, local[s.name], cfg.lora) for s in owned)
+        params = sum(param_bytes(cfg, s, local[s.name]) for s in owned)
         trained = [s for s in owned if trains(s, cfg.lora)]
         chunk = [stage_activation_bytes(cfg, layers[s], tokens, s == 0, s == n_stages - 1) for s in stages]
         chunks = forward_chunks(cfg, rank)
@@ -293,7 +303,7 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
                 blocks=tuple((layers[s].start, layers[s].stop - 1) for s in stages),
                 microbatches_in_flight=len(chunks),
                 params=params,
-                grads=FP32 * sum(grad_numel(cfg, s, local[s.name]) for s in trained),
+                grads=trained_weight_bytes(cfg.optimizer) * sum(grad_numel(cfg, s, local[s.name]) for s in trained),
                 optimizer=sum(optimizer_state_bytes(cfg, s, local[s.name]) for s in trained)
                 + (params if t.ema_decay else 0),
                 activations=sum(chunk[local] - offloaded[local] for local in chunks)
@@ -305,6 +315,14 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
             )
         )
     return rows
+
+
+def param_bytes(cfg: JobConfig, spec: ParamSpec, local: int) -> int:
+    """Bytes of a parameter's `local` elements: as LoRA stores it (fp32, or an NF4 base), or bf16 with
+    optimizer.weight_dtype = "bf16" (which LoRA does not combine with)."""
+    if bf16_weights(cfg):
+        return trained_weight_bytes(cfg.optimizer) * local
+    return weight_bytes(spec, local, cfg.lora)
 
 
 def tied_head_copy(cfg: JobConfig, specs: list[ParamSpec], stages: list[int], n_stages: int) -> list[ParamSpec]:

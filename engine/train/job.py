@@ -265,6 +265,8 @@ def initial_model(cfg: JobConfig, starts_fresh: bool) -> Transformer:
         initialize_from(Path(cfg.checkpoint.load_path), model, cfg.checkpoint.exclude_from_loading)
     if cfg.lora.enabled:
         apply_lora(model, cfg.lora)
+    if cfg.optimizer.weight_dtype == "bf16":  # trained in bf16 with stochastic rounding (engine/train/optim/adamw.py)
+        precision.cast_weights(model, torch.bfloat16)
     return model
 
 
