@@ -20,11 +20,11 @@ from engine.config.job import JobConfig
 from engine.model.estimate import param_counts
 from engine.model.transformer import Transformer
 from engine.parallel.apply import parallelize
-from engine.precision import cast_weights
 from engine.parallel.memory import estimate_memory, layer_activation_bytes, param_specs
 from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.parallel.stages import stage_layer_counts, stage_layers
 from engine.parallel.tp import loss_context, uses_loss_parallel
+from engine.precision import cast_weights
 from engine.train.losses import build_loss
 from engine.train.optim import build_optimizer
 from tests.conftest import REPO
