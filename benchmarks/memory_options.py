@@ -29,11 +29,17 @@ OPTIONS = {
     "fp32": [],
     "int8": ["optimizer.state_dtype=int8"],
     "activation_offload+full_ac": ["train.activation_offload=true", "train.activation_checkpointing=full"],
+    "fp32_bf16_compute": ["train.mixed_precision=bf16"],
+    "bf16_weights": ["optimizer.weight_dtype=bf16", "optimizer.state_dtype=bf16", "train.mixed_precision=bf16"],
+    "bf16_weights_int8": ["optimizer.weight_dtype=bf16", "optimizer.state_dtype=int8", "train.mixed_precision=bf16"],
 }
+BASELINE = {"bf16_weights": "fp32_bf16_compute", "bf16_weights_int8": "fp32_bf16_compute"}
+"""What each option is compared with (default fp32): bf16 weights against fp32 weights with the same bf16 compute."""
 
 
 def run(name: str, overrides: list[str], steps: int, root: Path) -> dict:
     cfg = load_job_config(PRESET, [f"train.max_steps={steps}", "metrics.log_interval=1", *overrides])
+    print(f"{name}: {' '.join(overrides)}", flush=True)
     started = time.perf_counter()
     train(cfg, root / name)
     wall = time.perf_counter() - started
@@ -54,19 +60,30 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--option", action="append", choices=list(OPTIONS), help="default: all")
+    p.add_argument("--set", action="append", default=[], help="an override for every run, e.g. model.dim=64")
     p.add_argument("--out", help="write the result as JSON here")
     args = p.parse_args()
     names = args.option or list(OPTIONS)
-    if "fp32" not in names:
-        names.insert(0, "fp32")
+    for name in list(names):
+        base = BASELINE.get(name, "fp32")
+        if base not in names:
+            names.insert(0, base)
     with tempfile.TemporaryDirectory() as tmp:
-        results = {name: run(name, OPTIONS[name], args.steps, Path(tmp)) for name in names}
-    base = results["fp32"]["losses"]
+        results = {name: run(name, [*args.set, *OPTIONS[name]], args.steps, Path(tmp)) for name in names}
+    for name, r in results.items():
+        base = BASELINE.get(name, "fp32")
+        r["baseline"] = base
+        r["max_gap_to_baseline"] = max(abs(a - b) for a, b in zip(r["losses"], results[base]["losses"]))
+        r["final_gap_to_baseline"] = r["final_train_loss"] - results[base]["final_train_loss"]
     for r in results.values():
-        r["max_gap_to_fp32"] = max(abs(a - b) for a, b in zip(r["losses"], base))
         r["losses"] = [round(x, 5) for x in r["losses"]]
     report = {
-        "setup": {"preset": "presets/debug.toml", "steps": args.steps, "threads": torch.get_num_threads()},
+        "setup": {
+            "preset": "presets/debug.toml",
+            "steps": args.steps,
+            "set": args.set,
+            "threads": torch.get_num_threads(),
+        },
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "machine": platform.processor() or platform.machine(),
         "results": results,

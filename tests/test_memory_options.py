@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from engine.config import load_job_config
+from engine.precision import cast_weights
 from engine.train.hooks import TrainHooks
 from engine.train.optim import param_groups
 from engine.train.trainer import train
@@ -57,6 +58,7 @@ class Recorder(TrainHooks):
         self.lrs: list[list[float]] = []
         self.grads: list[dict[str, torch.Tensor]] = []
         self.offloaded: list[bool] = []
+        self.rng: list[torch.Tensor] = []  # the generator's state before each update (stochastic rounding draws)
 
     def before_step(self, step, job) -> None:
         if self.job is None:
@@ -67,6 +69,7 @@ class Recorder(TrainHooks):
 
     def after_backward(self, step, job) -> None:
         self.grads.append({n: p.grad.clone() for n, p in job.model.named_parameters()})
+        self.rng.append(torch.get_rng_state())
 
     def forward_hooks(self, module, args, out) -> None:
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -115,6 +118,44 @@ def test_forge_drives_torchao_adamw8bit_exactly_and_resumes_bitwise(tmp_path, ea
     # per block wq, wo, w1, w2, w3 (≥ 4096 elements), and the embedding and head; wk, wv (64 × 32) and the
     # norms keep fp32 moments
     assert len(quantized) == 2 * 5 + 2
+
+    resumed = resume_in_two(tmp_path, common)
+    assert resumed[1] == whole_losses
+    assert_same_training(job.model, job.optimizer, resumed[0].job.model, resumed[0].job.optimizer)
+
+
+BF16 = ("optimizer.weight_dtype=bf16", "optimizer.state_dtype=bf16", "train.mixed_precision=bf16")
+
+
+def test_forge_drives_torchao_bf16_adamw_exactly_and_resumes_bitwise(tmp_path, eager_torchao):
+    """bf16 weights and moments: the trainer's optimizer against torchao's AdamW (bf16 stochastic rounding)
+    stepped by hand with the same gradients, learning rates and random draws: the same weights and state, bit
+    for bit; the weights and gradients really are bf16; and a resumed run is the whole one."""
+    from torchao.optim import _AdamW
+
+    common = (*BF16, "train.grad_clip_norm=0", "checkpoint.interval=2")
+    recorder, whole_losses = run(tmp_path, "bf16", *common)
+    job = recorder.job
+    assert type(job.optimizer) is _AdamW and job.optimizer.bf16_stochastic_round
+    assert {p.dtype for p in job.model.parameters()} == {torch.bfloat16}
+    assert {g.dtype for grads in recorder.grads for g in grads.values()} == {torch.bfloat16}
+    reference = type(job.model)(job.model.cfg)
+    cast_weights(reference, torch.bfloat16)
+    reference.load_state_dict(recorder.initial)
+    o = job.cfg.optimizer
+    optimizer = _AdamW(
+        param_groups(reference, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps, bf16_stochastic_round=True
+    )
+    params = dict(reference.named_parameters())
+    assert len(recorder.grads) == len(recorder.lrs) == len(recorder.rng) == 4
+    for grads, lrs, rng in zip(recorder.grads, recorder.lrs, recorder.rng):
+        for name, grad in grads.items():
+            params[name].grad = grad
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"].fill_(lr)
+        torch.set_rng_state(rng)
+        optimizer.step()
+    assert_same_training(job.model, job.optimizer, reference, optimizer)
 
     resumed = resume_in_two(tmp_path, common)
     assert resumed[1] == whole_losses
