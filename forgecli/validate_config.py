@@ -168,7 +168,7 @@ def memory_table(stages: list[Any], cfg: Any, world_size: int, gpu_memory_gib: f
     table = Table(
         title=f"Estimated memory per rank, GiB ({layout(cfg, world_size)})",
         expand=False,
-        caption=f"analytic; total = estimated peak on the device; compute in {dtype}, weights fp32, optimizer "
+        caption=f"analytic; total = estimated peak on the device; compute in {dtype}, weights {cfg.optimizer.weight_dtype}, optimizer "
         f"state {cfg.optimizer.state_dtype}; keep ~10-15 % headroom for the CUDA context, fragmentation and "
         "communication buffers" + ("; host = activations offloaded to host memory" if offloads(stages) else ""),
     )
@@ -199,7 +199,7 @@ def offloads(stages: list[Any]) -> bool:
 
 def checkpoint_line(size: int, keep_last_n: int | None) -> str:
     """The disk one checkpoint takes, and the rotation's (a full disk mid-save stops the run)."""
-    line = f"checkpoint size: {disk_size(size)} each on disk (fp32 weights and optimizer state)"
+    line = f"checkpoint size: {disk_size(size)} each on disk (weights and optimizer state)"
     if keep_last_n is not None:
         line += f"; keep_last_n={keep_last_n} holds {disk_size(keep_last_n * size)}, plus any kept by checkpoint.keep"
     return line

@@ -424,6 +424,22 @@ RULE_CASES: dict[str, list[str]] = {
         "--gpu-memory-gib",
         "80",
     ],
+    "memory-8b-one-gpu-bf16-int8": [
+        "presets/8b.toml",
+        "--optimizer.weight_dtype=bf16",
+        "--optimizer.state_dtype=int8",
+        "--train.activation_checkpointing=full",
+        "--train.loss_fn=chunked_cross_entropy",
+        "--gpu-memory-gib",
+        "80",
+    ],
+    "memory-bf16-refused": [
+        DEBUG,
+        "--optimizer.weight_dtype=bf16",
+        "--train.mixed_precision=fp32",
+        "--train.ema_decay=0.99",
+    ],
+    "memory-bf16-state-needs-bf16-weights": [DEBUG, "--optimizer.state_dtype=bf16"],
     "memory-options-refused": [
         DEBUG,
         "--world-size",
