@@ -424,10 +424,10 @@ RULE_CASES: dict[str, list[str]] = {
         "--gpu-memory-gib",
         "80",
     ],
-    "memory-8b-one-gpu-bf16-int8": [
+    "memory-8b-one-gpu-bf16": [
         "presets/8b.toml",
         "--optimizer.weight_dtype=bf16",
-        "--optimizer.state_dtype=int8",
+        "--optimizer.state_dtype=bf16",
         "--train.activation_checkpointing=full",
         "--train.loss_fn=chunked_cross_entropy",
         "--gpu-memory-gib",
