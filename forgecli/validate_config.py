@@ -168,8 +168,8 @@ def memory_table(stages: list[Any], cfg: Any, world_size: int, gpu_memory_gib: f
     table = Table(
         title=f"Estimated memory per rank, GiB ({layout(cfg, world_size)})",
         expand=False,
-        caption=f"analytic; total = estimated peak on the device; compute in {dtype}, weights {cfg.optimizer.weight_dtype}, optimizer "
-        f"state {cfg.optimizer.state_dtype}; keep ~10-15 % headroom for the CUDA context, fragmentation and "
+        caption=f"analytic; total = estimated peak on the device; compute in {dtype}, weights "
+        f"{cfg.optimizer.weight_dtype}, optimizer state {cfg.optimizer.state_dtype}; keep ~10-15 % headroom for the CUDA context, fragmentation and "
         "communication buffers" + ("; host = activations offloaded to host memory" if offloads(stages) else ""),
     )
     columns = ["pp rank", "blocks", "in flight", "params", "grads", "optimizer", "activations", "buffers", "total"]

@@ -11,14 +11,15 @@ The model enters only through its family's `ModelSpec` (engine/model/spec.py): i
 (`ParamSpec`: shape, owner, the dimension tensor parallelism shards), what its blocks save for backward and
 its position tables; the optimizer through its registered `OptimizerState`.
 
-- params: fp32 master weights (bf16 with `optimizer.weight_dtype = "bf16"`, and then so are the gradients). Each tensor is first divided by tp along the dimension tensor parallelism
-  shards (as the family's spec says: e.g. attention wq/wk/wv and MLP w1/w3 by rows, wo/w2 by columns, the
+- params: fp32 master weights (bf16 with `optimizer.weight_dtype = "bf16"`, and then so are the gradients).
+  Each tensor is first divided by tp along the dimension tensor parallelism shards (as the family's spec says: e.g. attention wq/wk/wv and MLP w1/w3 by rows, wo/w2 by columns, the
   embedding and the output head by vocabulary rows, MoE experts by hidden units; norms and routers stay
   whole), then FSDP2 shards dim 0 over dp_shard × cp ranks, padding it to a multiple (ceil(rows / shards)
   rows per rank). Tied embeddings count once.
 - grads: the same shapes in fp32 (FSDP2 reduce-scatters in fp32, the sharded gradients match the params),
   except the untied embedding's under tensor parallelism without FSDP, which DTensor returns whole (`grad_numel`).
-- optimizer: the state the chosen optimizer registered (`OptimizerState` in engine/config/optimizer.py:
+- optimizer: the state the chosen optimizer registered (`OptimizerState` in engine/config/optimizer.py, or
+  AdamW's of another `state_dtype` / `weight_dtype`, `optimizer_state`:
   bytes per element of each trained parameter, by parameter kind where they differ, and per tensor). With
   `train.ema_decay`, the EMA of the weights adds a copy of the params here (fp32, sharded like them).
 - host: what `train.activation_offload` keeps in host memory instead of the device (`stage_offloaded_bytes`).
