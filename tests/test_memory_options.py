@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from engine.config import load_job_config
 from engine.precision import cast_weights
 from engine.train.hooks import TrainHooks
-from engine.train.optim import param_groups
+from engine.train.optim import hidden_matrices, param_groups
 from engine.train.trainer import train
 
 DEBUG = Path(__file__).parents[1] / "presets" / "debug.toml"
@@ -91,33 +91,41 @@ def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def test_forge_drives_torchao_adamw8bit_exactly_and_resumes_bitwise(tmp_path, eager_torchao):
-    """The trainer's int8 AdamW (param groups, weight decay, schedule) against torchao's AdamW8bit stepped by
-    hand with the same gradients and learning rates: the same weights and the same 8-bit state, bit for bit.
+    """The trainer's int8 AdamW (param groups, weight decay, schedule) against torchao's own optimizers stepped by
+    hand with the same gradients and learning rates, AdamW8bit for the blocks' matrices and its AdamW for the rest
+    (embedding and head keep fp32 moments: engine/train/optim/adamw8bit.py; torchao runs the same step function
+    on the unquantized state of its small tensors): the same weights and the same 8-bit state, bit for bit.
     Then two steps, a checkpoint and two more from it give that run again (the 8-bit codes and scales go
     through DCP as the wrapper's tensors)."""
-    from torchao.optim import AdamW8bit
+    from torchao.optim import AdamW8bit, _AdamW
 
     common = ("optimizer.state_dtype=int8", "train.grad_clip_norm=0", "checkpoint.interval=2")
     recorder, whole_losses = run(tmp_path, "int8", *common)
     job = recorder.job
-    assert type(job.optimizer) is AdamW8bit
+    assert isinstance(job.optimizer, AdamW8bit)
     reference = type(job.model)(job.model.cfg)
     reference.load_state_dict(recorder.initial)
     o = job.cfg.optimizer
-    optimizer = AdamW8bit(param_groups(reference, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+    hidden = {id(p) for p in hidden_matrices(reference)}
+    groups = param_groups(reference, o.weight_decay)
+    kwargs = {"lr": o.lr, "betas": o.betas, "eps": o.eps}
+    eight_bit = AdamW8bit([{**g, "params": [p for p in g["params"] if id(p) in hidden]} for g in groups], **kwargs)
+    full = _AdamW([{**g, "params": [p for p in g["params"] if id(p) not in hidden]} for g in groups], **kwargs)
     params = dict(reference.named_parameters())
     assert len(recorder.grads) == len(recorder.lrs) == 4
     for grads, lrs in zip(recorder.grads, recorder.lrs):
         for name, grad in grads.items():
             params[name].grad = grad
-        for group, lr in zip(optimizer.param_groups, lrs):
-            group["lr"].fill_(lr)
-        optimizer.step()
-    assert_same_training(job.model, job.optimizer, reference, optimizer)
-    quantized = [n for n, p in params.items() if len(inner_tensors(optimizer.state[p]["exp_avg"])) == 3]
-    # per block wq, wo, w1, w2, w3 (≥ 4096 elements), and the embedding and head; wk, wv (64 × 32) and the
-    # norms keep fp32 moments
-    assert len(quantized) == 2 * 5 + 2
+        for optimizer in (eight_bit, full):
+            for group, lr in zip(optimizer.param_groups, lrs):  # the same two groups: decayed, not decayed
+                group["lr"].fill_(lr)
+            optimizer.step()
+    state = {**eight_bit.state, **full.state}
+    assert_same_training(job.model, job.optimizer, reference, Stateful(state))
+    quantized = [n for n, p in params.items() if len(inner_tensors(state[p]["exp_avg"])) == 3]
+    # per block wq, wo, w1, w2, w3 (≥ 4096 elements); wk, wv (64 × 32), the norms, the embedding and head keep
+    # fp32 moments
+    assert len(quantized) == 2 * 5 and not any(n.startswith(("tok_embeddings", "output")) for n in quantized)
 
     resumed = resume_in_two(tmp_path, common)
     assert resumed[1] == whole_losses
@@ -160,6 +168,13 @@ def test_forge_drives_torchao_bf16_adamw_exactly_and_resumes_bitwise(tmp_path, e
     resumed = resume_in_two(tmp_path, common)
     assert resumed[1] == whole_losses
     assert_same_training(job.model, job.optimizer, resumed[0].job.model, resumed[0].job.optimizer)
+
+
+class Stateful:
+    """Two optimizers' state as one, for `assert_same_training`."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
 
 
 def resume_in_two(tmp_path: Path, common: tuple[str, ...]) -> tuple[Recorder, list[float]]:

@@ -57,7 +57,7 @@ class OptimizerConfig(Section):
     state_dtype: StateDtype = Field(
         "fp32",
         description="adamw only: its moments' storage; int8 = torchao's AdamW8bit (block-wise 8-bit moments "
-        "of tensors ≥ 4096 elements, 2 bytes a parameter instead of 8; the update is computed in fp32); "
+        "of the blocks' matrices, ~2 bytes a parameter instead of 8; embedding and head keep fp32; update in fp32); "
         "bf16 = torchao's AdamW with bf16 moments, only with weight_dtype = bf16 (docs/training.md#memory-options)",
     )
     weight_dtype: WeightDtype = Field(
@@ -117,7 +117,7 @@ class OptimizerState:
 
     def bytes(self, kind: str, elements: int) -> int:
         """State bytes of one parameter of `kind` holding `elements` elements on a rank."""
-        if self.quantized is not None and self.quantized.applies(elements):
+        if self.quantized is not None and self.quantized.applies(kind, elements):
             return self.quantized.bytes(elements) + self.bytes_per_tensor
         return self.by_kind.get(kind, self.bytes_per_element) * elements + self.bytes_per_tensor
 
@@ -126,19 +126,20 @@ class OptimizerState:
 class Quantized:
     """Block-wise quantized state tensors (torchao's `OptimState8bit`): a tensor of at least `min_elements`
     elements that splits into whole blocks keeps, per state tensor, a code per element (`code_bytes`), an fp32
-    scale per `block_size` elements and its own fp32 lookup table of `table_entries` values; smaller tensors
-    keep the unquantized state."""
+    scale per `block_size` elements and its own fp32 lookup table of `table_entries` values; smaller tensors,
+    and parameters of other kinds than `kinds`, keep the unquantized state."""
 
     tensors: int
     code_bytes: int
     block_size: int
     min_elements: int
     table_entries: int
+    kinds: tuple[str, ...] = ("hidden_matrix",)
 
-    def applies(self, elements: int) -> bool:
-        """Whether a parameter holding `elements` elements on this rank gets quantized state (torchao decides
-        on the local tensor)."""
-        return elements >= self.min_elements and elements % self.block_size == 0
+    def applies(self, kind: str, elements: int) -> bool:
+        """Whether a parameter of `kind` holding `elements` elements on this rank gets quantized state (torchao
+        decides on the local tensor's size; Forge quantizes `kinds` only: engine/train/optim/adamw8bit.py)."""
+        return kind in self.kinds and elements >= self.min_elements and elements % self.block_size == 0
 
     def bytes(self, elements: int) -> int:
         per_tensor = self.code_bytes * elements + FP32 * (elements // self.block_size) + FP32 * self.table_entries
@@ -162,7 +163,7 @@ OPTIMIZER_STATES.register("schedule_free_adamw")(OptimizerState(2 * FP32))
 BF16 = 2
 EIGHT_BIT = Quantized(tensors=2, code_bytes=1, block_size=256, min_elements=4096, table_entries=256)
 """torchao's OptimState8bit: uint8 codes, an fp32 scale per 256 elements and a 256-entry fp32 table each, for
-tensors of ≥ 4096 elements in whole blocks."""
+the hidden matrices of ≥ 4096 elements in whole blocks (embedding and head keep unquantized moments)."""
 ADAMW_STATES: dict[tuple[str, str], OptimizerState] = {
     # (weight_dtype, state_dtype) → torchao's AdamW8bit / AdamW: exp_avg and exp_avg_sq, quantized or in the
     # weights' dtype (torchao makes unquantized moments like the parameter), and an fp32 `step` tensor.

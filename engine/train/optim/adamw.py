@@ -11,7 +11,7 @@ from torch import nn
 from engine.config.optimizer import OptimizerConfig
 from engine.config.registry import OPTIMIZERS
 from engine.parallel.float8 import quiet_torchao_import
-from engine.train.optim.groups import param_groups
+from engine.train.optim.groups import hidden_matrices, param_groups
 
 
 def fused_supported(model: nn.Module) -> bool:
@@ -23,19 +23,24 @@ def fused_supported(model: nn.Module) -> bool:
 def adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay)
     if cfg.state_dtype != "fp32" or cfg.weight_dtype != "fp32":
-        return torchao_adamw(groups, cfg)
+        return torchao_adamw(model, groups, cfg)
     fused = fused_supported(model) if cfg.fused is None else cfg.fused
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
 
 
-def torchao_adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """torchao's AdamW8bit (int8 moments), or its AdamW for bf16 weights with bf16 moments (`_AdamW`, the
-    class torchao documents for bf16 stochastic rounding); with bf16 weights, each update is computed in fp32
-    and stochastically rounded to bf16 (unbiased: small updates are not lost to rounding). torchao keeps each
-    group's lr as a tensor (its step is compiled); LambdaLR fills it in place."""
-    with quiet_torchao_import():
-        from torchao.optim import AdamW8bit, _AdamW
-
+def torchao_adamw(model: nn.Module, groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """torchao's AdamW8bit (int8 moments for the hidden matrices: engine/train/optim/adamw8bit.py), or its AdamW
+    for bf16 weights with bf16 moments (`_AdamW`, the class torchao documents for bf16 stochastic rounding);
+    with bf16 weights, each update is computed in fp32 and stochastically rounded to bf16 (unbiased: small
+    updates are not lost to rounding). torchao keeps each group's lr as a tensor (its step is compiled);
+    LambdaLR fills it in place."""
     rounding = cfg.weight_dtype == "bf16"
-    kind = AdamW8bit if cfg.state_dtype == "int8" else _AdamW
-    return kind(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, bf16_stochastic_round=rounding)
+    kwargs = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "bf16_stochastic_round": rounding}
+    with quiet_torchao_import():
+        from torchao.optim import _AdamW
+
+        if cfg.state_dtype == "int8":
+            from engine.train.optim.adamw8bit import HiddenAdamW8bit
+
+            return HiddenAdamW8bit(groups, quantized=frozenset(map(id, hidden_matrices(model))), **kwargs)
+    return _AdamW(groups, **kwargs)
