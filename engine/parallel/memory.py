@@ -19,7 +19,7 @@ its position tables; the optimizer through its registered `OptimizerState`.
 - grads: the same shapes in fp32 (FSDP2 reduce-scatters in fp32, the sharded gradients match the params),
   except the untied embedding's under tensor parallelism without FSDP, which DTensor returns whole (`grad_numel`).
 - optimizer: the state the chosen optimizer registered (`OptimizerState` in engine/config/optimizer.py, or
-  AdamW's of another `state_dtype` / `weight_dtype`, `optimizer_state`:
+  the one `optimizer.state_dtype` / `weight_dtype` select, `optimizer_state`:
   bytes per element of each trained parameter, by parameter kind where they differ, and per tensor). With
   `train.ema_decay`, the EMA of the weights adds a copy of the params here (fp32, sharded like them).
 - host: what `train.activation_offload` keeps in host memory instead of the device (`stage_offloaded_bytes`).
