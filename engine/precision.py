@@ -33,3 +33,17 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
 def grad_scaler(device: torch.device, dtype: torch.dtype) -> torch.amp.GradScaler:
     """fp16 gradients underflow without loss scaling; for other dtypes the scaler is a pass-through."""
     return torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+
+def cast_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Store the model's trainable parameters in `dtype` (optimizer.weight_dtype), in place of fp32; buffers (RoPE
+    tables) keep theirs. A parameter shared by several modules (tied embeddings) stays one parameter."""
+    cast: dict[int, torch.nn.Parameter] = {}
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if not param.requires_grad or param.dtype == dtype:
+                    continue
+                if id(param) not in cast:
+                    cast[id(param)] = torch.nn.Parameter(param.to(dtype))
+                setattr(module, name, cast[id(param)])

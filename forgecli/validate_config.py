@@ -182,10 +182,12 @@ def memory_table(stages: list[Any], cfg: Any, world_size: int, gpu_memory_gib: f
     table = Table(
         title=f"Estimated memory per rank, GiB ({layout(cfg, world_size)})",
         expand=False,
-        caption=f"analytic; total = estimated peak; compute in {dtype}, weights and optimizer state fp32; "
-        "keep ~10-15 % headroom for the CUDA context, fragmentation and communication buffers",
+        caption=f"analytic; total = estimated peak on the device; compute in {dtype}, weights "
+        f"{cfg.optimizer.weight_dtype}, optimizer state {cfg.optimizer.state_dtype}; keep ~10-15 % headroom for the CUDA context, fragmentation and "
+        "communication buffers" + ("; host = activations offloaded to host memory" if offloads(stages) else ""),
     )
-    for name in ("pp rank", "blocks", "in flight", "params", "grads", "optimizer", "activations", "buffers", "total"):
+    columns = ["pp rank", "blocks", "in flight", "params", "grads", "optimizer", "activations", "buffers", "total"]
+    for name in columns + (["host"] if offloads(stages) else []):
         table.add_column(name, justify="right")
     if gpu_memory_gib is not None:
         table.add_column(f"fits {gpu_memory_gib:g} GiB")
@@ -196,15 +198,22 @@ def memory_table(stages: list[Any], cfg: Any, world_size: int, gpu_memory_gib: f
             str(s.microbatches_in_flight),
             *(f"{value / GIB:.2f}" for value in (s.params, s.grads, s.optimizer, s.activations, s.buffers, s.total)),
         ]
+        if offloads(stages):
+            row.append(f"{s.host / GIB:.2f}")
         if gpu_memory_gib is not None:
             row.append("[green]yes[/green]" if s.total <= gpu_memory_gib * GIB else "[red]no[/red]")
         table.add_row(*row)
     return table
 
 
+def offloads(stages: list[Any]) -> bool:
+    """Whether any rank keeps something in host memory (the table then has a host column)."""
+    return any(stage.host for stage in stages)
+
+
 def checkpoint_line(size: int, keep_last_n: int | None) -> str:
     """The disk one checkpoint takes, and the rotation's (a full disk mid-save stops the run)."""
-    line = f"checkpoint size: {disk_size(size)} each on disk (fp32 weights and optimizer state)"
+    line = f"checkpoint size: {disk_size(size)} each on disk (weights and optimizer state)"
     if keep_last_n is not None:
         line += f"; keep_last_n={keep_last_n} holds {disk_size(keep_last_n * size)}, plus any kept by checkpoint.keep"
     return line

@@ -14,17 +14,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from engine.config.job import JobConfig
 from engine.model import build_model
 from engine.model.estimate import param_counts
 from engine.model.transformer import Transformer
 from engine.parallel.apply import parallelize
-from engine.parallel.memory import estimate_memory, param_specs
+from engine.parallel.memory import estimate_memory, layer_activation_bytes, param_specs
 from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.parallel.stages import stage_layer_counts, stage_layers
 from engine.parallel.tp import loss_context, uses_loss_parallel
+from engine.precision import cast_weights
 from engine.train.losses import build_loss
 from engine.train.optim import build_optimizer
 from tests.conftest import REPO
@@ -89,6 +90,9 @@ def saved_activation_bytes(cfg: JobConfig) -> int:
     them: parameters and buffers, and autocast's low-precision copies of weights, are not activations."""
     torch.manual_seed(0)
     model = build_model(cfg.model)
+    if cfg.optimizer.weight_dtype == "bf16":
+        cast_weights(model, torch.bfloat16)
+    model = parallelize(model, cfg)  # activation checkpointing as the trainer applies it
     state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     seen: dict[int, int] = {}
 
@@ -117,11 +121,16 @@ def is_weight_copy(t: torch.Tensor) -> bool:
 
 def cpu_rmsnorm_extra(cfg: JobConfig) -> int:
     """On CPU torch decomposes RMSNorm and also keeps the normalized input (fp32); CUDA's fused kernel, which
-    the estimate counts, does not. Two norms per block and the final one."""
+    the estimate counts, does not. Two norms per block and the final one. With a bf16 residual stream (bf16
+    weights) the decomposition keeps its fp32 upcast of the input where the fused kernel keeps the bf16 input:
+    2 bytes more an element."""
     m, tokens = cfg.model, cfg.train.batch_size * cfg.train.seq_len
     # GPT-2's norms are LayerNorm whatever norm_type says (a gpt2 config leaves the field at its default)
     rmsnorm = m.norm_type == "rmsnorm" and m.model_type == "transformer"
-    return 4 * m.dim * tokens * (2 * m.n_layers + 1) if rmsnorm else 0
+    if not rmsnorm:
+        return 0
+    per_element = 4 + (2 if cfg.optimizer.weight_dtype == "bf16" else 0)
+    return per_element * m.dim * tokens * (2 * m.n_layers + 1)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -497,3 +506,68 @@ def test_expert_parallelism_with_compile_is_estimated_like_eager():
     assert estimate_memory(compiled, 4) == estimate_memory(job(MOE, distributed=layout), 4)
     (data_parallel,) = estimate_memory(job(MOE, distributed={"dp_shard": 4}), 4)
     assert estimate_memory(compiled, 4)[0].params == data_parallel.params
+
+
+def test_int8_adamw_state_equals_what_torchao_holds(monkeypatch):
+    """optimizer.state_dtype = "int8": the codes, block scales and tables of torchao's AdamW8bit for the tensors
+    of ≥ 4096 elements, fp32 moments for the rest, a step tensor each, byte for byte (its step run eagerly:
+    tests/test_memory_options.py says why)."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    cfg = job(optimizer={"state_dtype": "int8"})
+    _, opt = one_step(cfg)
+    [stage] = estimate_memory(cfg, 1)
+    inner = [
+        getattr(v, name) if is_traceable_wrapper_subclass(v) else v
+        for state in opt.state.values()
+        for v in state.values()
+        for name in (v.__tensor_flatten__()[0] if is_traceable_wrapper_subclass(v) else [None])
+    ]
+    assert any(is_traceable_wrapper_subclass(v) for state in opt.state.values() for v in state.values())
+    assert stage.optimizer == sum(t.nbytes for t in inner)
+    (fp32,) = estimate_memory(job(), 1)
+    assert stage.optimizer < fp32.optimizer / 2
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_offloaded_activations_match_the_saved_tensors(checkpointing):
+    """train.activation_offload: what the saved-tensor hooks receive (save_on_cpu's, which copy each to the
+    host), checkpointed blocks' inputs included, against the estimate's host bytes; the device keeps one
+    block's recomputation."""
+    cfg = job({"sdpa_backend": "flash"}, train={"activation_checkpointing": checkpointing, "activation_offload": True})
+    [stage] = estimate_memory(cfg, 1)
+    [kept] = estimate_memory(job({"sdpa_backend": "flash"}, train={"activation_checkpointing": checkpointing}), 1)
+    measured = saved_activation_bytes(cfg)
+    norms = cpu_rmsnorm_extra(cfg) if checkpointing == "none" else 4 * cfg.model.dim * 64  # the final norm's only
+    assert abs((stage.host + norms) / measured - 1) < ACTIVATION_TOLERANCE, (stage.host, measured)
+    per_block = max(layer_activation_bytes(cfg, layer, 64) for layer in range(cfg.model.n_layers))
+    assert stage.activations == per_block < kept.activations
+
+
+@pytest.mark.parametrize("state", ["bf16", "int8"])
+def test_bf16_weights_params_grads_and_state_equal_what_the_model_holds(monkeypatch, state):
+    """optimizer.weight_dtype = "bf16": bf16 weights and gradients, torchao's moments in bf16 (or 8-bit codes for
+    the large tensors), an fp32 step each, byte for byte; and the saved activations of a bf16 residual stream
+    with no autocast copies of the weights."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    cfg = job(optimizer={"weight_dtype": "bf16", "state_dtype": state}, train={"mixed_precision": "bf16"})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    cast_weights(model, torch.bfloat16)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len))
+    with torch.autocast("cpu", torch.bfloat16):
+        build_loss(cfg.train)(model, tokens, tokens).backward()
+    optimizer.step()
+    [stage] = estimate_memory(cfg, 1)
+    assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert stage.params == sum(p.nbytes for p in model.parameters())
+    assert stage.grads == sum(p.grad.nbytes for p in model.parameters())
+    inner = [
+        getattr(v, name) if is_traceable_wrapper_subclass(v) else v
+        for values in optimizer.state.values()
+        for v in values.values()
+        for name in (v.__tensor_flatten__()[0] if is_traceable_wrapper_subclass(v) else [None])
+    ]
+    assert stage.optimizer == sum(t.nbytes for t in inner)
+    measured = saved_activation_bytes(cfg)
+    assert abs((stage.activations + cpu_rmsnorm_extra(cfg)) / measured - 1) < ACTIVATION_TOLERANCE, measured

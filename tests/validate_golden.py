@@ -445,6 +445,42 @@ RULE_CASES: dict[str, list[str]] = {
     ],
     "mup-base-dim-without-mup": [DEBUG, "--model.mup_base_dim=96"],
     "mup-muon": [DEBUG, "--model.parametrization=mup", "--model.mup_base_dim=96", "--optimizer.name=muon"],
+    # memory options (issue 38): the estimate with each, and where each is refused
+    "memory-int8-offload-checkpointed": [
+        DEBUG,
+        "--optimizer.state_dtype=int8",
+        "--train.activation_offload=true",
+        "--train.activation_checkpointing=full",
+        "--gpu-memory-gib",
+        "80",
+    ],
+    "memory-8b-one-gpu-bf16": [
+        "presets/8b.toml",
+        "--optimizer.weight_dtype=bf16",
+        "--optimizer.state_dtype=bf16",
+        "--train.activation_checkpointing=full",
+        "--train.loss_fn=chunked_cross_entropy",
+        "--gpu-memory-gib",
+        "80",
+    ],
+    "memory-bf16-refused": [
+        DEBUG,
+        "--optimizer.weight_dtype=bf16",
+        "--train.mixed_precision=fp32",
+        "--train.ema_decay=0.99",
+    ],
+    "memory-bf16-state-needs-bf16-weights": [DEBUG, "--optimizer.state_dtype=bf16"],
+    "memory-options-refused": [
+        DEBUG,
+        "--world-size",
+        "4",
+        "--distributed.pp=2",
+        "--train.grad_accum_steps=2",
+        "--train.loss_fn=cross_entropy",
+        "--optimizer.state_dtype=int8",
+        "--optimizer.fused=true",
+        "--train.activation_offload=true",
+    ],
 }
 
 CASES: dict[str, list[str]] = {**preset_cases(), **RULE_CASES}

@@ -102,6 +102,7 @@ def error_rules() -> tuple[Rule, ...]:
         data.mixture_issues,  # [[data.datasets]] and their phases
         model.family_issues,  # [model] fields the model family has no use for
         evaluation.task_issues,  # eval.tasks: lm-eval installed, a layout that holds the whole model
+        train.memory_option_issues,  # 8-bit optimizer state, activation offload: where they work
     )
 
 

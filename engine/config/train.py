@@ -98,6 +98,12 @@ class TrainConfig(Section):
         description="recompute activations in backward: full = each whole block, selective = keep matmul "
         "and attention outputs, recompute the pointwise ops (norms, activations, RoPE)",
     )
+    activation_offload: bool = Field(
+        False,
+        description="keep the activations saved for backward in host memory (torch.autograd.graph.save_on_cpu, "
+        "pinned on CUDA) and copy them back in backward: the same gradients, less device memory, more "
+        "host traffic; with activation_checkpointing the checkpoints move and one block's recomputation stays",
+    )
     loss_fn: Literal["cross_entropy", "chunked_cross_entropy"] = Field(
         "cross_entropy",
         description="the training loss; chunked_cross_entropy gives the same loss without ever "
@@ -185,6 +191,7 @@ class TrainConfig(Section):
         "mixed_precision": "train/job.py, parallel/apply.py",
         "fp8_recipe": "parallel/float8.py",
         "activation_checkpointing": "parallel/activation_checkpoint.py",
+        "activation_offload": "train/job.py, parallel/memory.py",
         "loss_fn": "train/losses.py",
         "z_loss_weight": "train/losses.py",
         "ce_chunk_size": "train/losses.py",

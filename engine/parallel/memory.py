@@ -11,16 +11,18 @@ The model enters only through its family's `ModelSpec` (engine/model/spec.py): i
 (`ParamSpec`: shape, owner, the dimension tensor parallelism shards), what its blocks save for backward and
 its position tables; the optimizer through its registered `OptimizerState`.
 
-- params: fp32 master weights. Each tensor is first divided by tp along the dimension tensor parallelism
-  shards (as the family's spec says: e.g. attention wq/wk/wv and MLP w1/w3 by rows, wo/w2 by columns, the
+- params: fp32 master weights (bf16 with `optimizer.weight_dtype = "bf16"`, and then so are the gradients).
+  Each tensor is first divided by tp along the dimension tensor parallelism shards (as the family's spec says: e.g. attention wq/wk/wv and MLP w1/w3 by rows, wo/w2 by columns, the
   embedding and the output head by vocabulary rows, MoE experts by hidden units; norms and routers stay
   whole), then FSDP2 shards dim 0 over dp_shard × cp ranks, padding it to a multiple (ceil(rows / shards)
   rows per rank). Tied embeddings count once.
 - grads: the same shapes in fp32 (FSDP2 reduce-scatters in fp32, the sharded gradients match the params),
   except the untied embedding's under tensor parallelism without FSDP, which DTensor returns whole (`grad_numel`).
-- optimizer: the state the chosen optimizer registered (`OptimizerState` in engine/config/optimizer.py:
+- optimizer: the state the chosen optimizer registered (`OptimizerState` in engine/config/optimizer.py, or
+  the one `optimizer.state_dtype` / `weight_dtype` select, `optimizer_state`:
   bytes per element of each trained parameter, by parameter kind where they differ, and per tensor). With
   `train.ema_decay`, the EMA of the weights adds a copy of the params here (fp32, sharded like them).
+- host: what `train.activation_offload` keeps in host memory instead of the device (`stage_offloaded_bytes`).
 - activations: what autograd keeps from forward to backward (see `layer_activation_bytes`; packed documents'
   masks, `packing_bytes`), for the
   micro-batches a rank has in flight (`forward_chunks`): one without pipelining (accumulation steps run one
@@ -50,7 +52,8 @@ from dataclasses import asdict, dataclass
 
 from engine.config.job import JobConfig
 from engine.config.model import ModelConfig
-from engine.config.registry import OPTIMIZER_STATES
+from engine.config.optimizer import optimizer_state
+from engine.config.optimizer import weight_bytes as trained_weight_bytes
 from engine.model.packed_kernel import FLEX_BLOCK, packed_attention_backend
 from engine.model.spec import ActivationLayout, ParamSpec, spec_for
 from engine.parallel.lora_memory import trains, weight_bytes, with_adapters
@@ -81,6 +84,9 @@ class StageMemory:
     buffers: int
     grads_persist: bool
     """Whether gradients live through the forward passes (accumulated over micro-batches, or pipelined)."""
+    host: int = 0
+    """Bytes this rank keeps in host memory instead (`train.activation_offload`'s saved activations); not in
+    `total`, which is the device's."""
 
     @property
     def total(self) -> int:
@@ -120,7 +126,7 @@ def grad_numel(cfg: JobConfig, spec: ParamSpec, local: int) -> int:
 
 def optimizer_state_bytes(cfg: JobConfig, spec: ParamSpec, local: int) -> int:
     """Bytes of the optimizer's state for one parameter holding `local` elements on this rank."""
-    return OPTIMIZER_STATES.get(cfg.optimizer.name).bytes(spec.kind, local)
+    return optimizer_state(cfg.optimizer).bytes(spec.kind, local)
 
 
 def checkpoint_bytes(cfg: JobConfig) -> int:
@@ -128,7 +134,8 @@ def checkpoint_bytes(cfg: JobConfig) -> int:
     the optimizer state once (a shard per rank, a replicated tensor by one rank), and the fp32 EMA of the
     weights with `train.ema_decay`. The train state and DCP's metadata add a few tens of kilobytes."""
     weight_copies = 2 if cfg.train.ema_decay else 1
-    return sum(FP32 * weight_copies * s.numel + optimizer_state_bytes(cfg, s, s.numel) for s in param_specs(cfg.model))
+    w = trained_weight_bytes(cfg.optimizer)
+    return sum(w * weight_copies * s.numel + optimizer_state_bytes(cfg, s, s.numel) for s in param_specs(cfg.model))
 
 
 def forward_chunks(cfg: JobConfig, pp_rank: int) -> list[int]:
@@ -158,7 +165,15 @@ def uses_fsdp(cfg: JobConfig) -> bool:
 def residual_bytes(cfg: JobConfig) -> int:
     """Bytes per element of the residual stream: fp32 under autocast (fp32 weights, fp32 embedding), the
     compute dtype under FSDP2 (the weights themselves are gathered in it)."""
-    return COMPUTE_BYTES[cfg.train.mixed_precision] if uses_fsdp(cfg) else FP32
+    if uses_fsdp(cfg) or bf16_weights(cfg):
+        return COMPUTE_BYTES[cfg.train.mixed_precision]
+    return FP32
+
+
+def bf16_weights(cfg: JobConfig) -> bool:
+    """optimizer.weight_dtype = "bf16": the weights themselves are bf16 (the residual stream is too, and autocast
+    makes no low-precision copies of them)."""
+    return trained_weight_bytes(cfg.optimizer) < FP32
 
 
 def activation_layout(cfg: JobConfig) -> ActivationLayout:
@@ -168,7 +183,7 @@ def activation_layout(cfg: JobConfig) -> ActivationLayout:
     return ActivationLayout(
         compute=c,
         residual=residual_bytes(cfg),
-        casts=c < FP32 and not uses_fsdp(cfg),
+        casts=c < FP32 and not uses_fsdp(cfg) and not bf16_weights(cfg),
         tp=d.tp,
         cp=d.cp,
         cp_method=d.cp_method,
@@ -235,7 +250,7 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
         ends = sum(tp_local[s.name] for s in stage if not isinstance(s.owner, int))
         gathered = sum(blocks.values()) if d.pp > 1 else sum(largest)
         total += c * (gathered + ends) + (c + FP32) * largest[0]
-    elif c < FP32:
+    elif c < FP32 and not bf16_weights(cfg):
         head = sum(tp_local[s.name] for s in stage if s.owner == "head")
         if has_head and m.tie_embeddings and not any(s.owner == "head" for s in stage):  # (pipelined: a copy)
             # the head is the embedding, which autocast does not cast for the lookup
@@ -246,7 +261,7 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
         total += 2 * FP32 * min(t.ce_chunk_size, tokens) * m.vocab_size
     elif has_head:
         total += 2 * FP32 * tokens * math.ceil(m.vocab_size / d.tp)
-    for kind, copies in OPTIMIZER_STATES.get(cfg.optimizer.name).step_copies.items():
+    for kind, copies in optimizer_state(cfg.optimizer).step_copies.items():
         total += copies * FP32 * max((s.numel for s in stage if s.kind == kind), default=0)
     return total
 
@@ -276,10 +291,11 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
         owned = [s for stage in stages for s in stage_specs(specs, layers[stage], stage == 0, stage == n_stages - 1)]
         owned += tied_head_copy(cfg, specs, stages, n_stages)
         local = {s.name: local_numel(s, d.tp, d.dp_shard * d.cp) for s in owned}
-        params = sum(weight_bytes(s, local[s.name], cfg.lora) for s in owned)
+        params = sum(param_bytes(cfg, s, local[s.name]) for s in owned)
         trained = [s for s in owned if trains(s, cfg.lora)]
         chunk = [stage_activation_bytes(cfg, layers[s], tokens, s == 0, s == n_stages - 1) for s in stages]
         chunks = forward_chunks(cfg, rank)
+        offloaded = [stage_offloaded_bytes(cfg, layers[s], tokens, s == 0, s == n_stages - 1) for s in stages]
         blocks = [i for s in stages for i in layers[s]]
         rows.append(
             StageMemory(
@@ -288,17 +304,26 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
                 blocks=tuple((layers[s].start, layers[s].stop - 1) for s in stages),
                 microbatches_in_flight=len(chunks),
                 params=params,
-                grads=FP32 * sum(grad_numel(cfg, s, local[s.name]) for s in trained),
+                grads=trained_weight_bytes(cfg.optimizer) * sum(grad_numel(cfg, s, local[s.name]) for s in trained),
                 optimizer=sum(optimizer_state_bytes(cfg, s, local[s.name]) for s in trained)
                 + (params if t.ema_decay else 0),
-                activations=sum(chunk[local] for local in chunks)
+                activations=sum(chunk[local] - offloaded[local] for local in chunks)
                 + recompute_bytes(cfg, blocks, tokens)
                 + packing_bytes(cfg, in_flight=[len(layers[stages[local]]) for local in chunks]),
                 buffers=buffer_bytes(cfg, owned, tokens, has_head=n_stages - 1 in stages),
                 grads_persist=t.grad_accum_steps > 1 or d.pp > 1,
+                host=sum(offloaded[local] for local in chunks),
             )
         )
     return rows
+
+
+def param_bytes(cfg: JobConfig, spec: ParamSpec, local: int) -> int:
+    """Bytes of a parameter's `local` elements: as LoRA stores it (fp32, or an NF4 base), or bf16 with
+    optimizer.weight_dtype = "bf16" (which LoRA does not combine with)."""
+    if bf16_weights(cfg):
+        return trained_weight_bytes(cfg.optimizer) * local
+    return weight_bytes(spec, local, cfg.lora)
 
 
 def tied_head_copy(cfg: JobConfig, specs: list[ParamSpec], stages: list[int], n_stages: int) -> list[ParamSpec]:
@@ -386,7 +411,23 @@ def stage_activation_bytes(cfg: JobConfig, layers: range, tokens: int, first: bo
 
 def recompute_bytes(cfg: JobConfig, layers: list[int], tokens: int) -> int:
     """With activation checkpointing, backward recomputes one block at a time: the largest block's full
-    activations exist once on top of the checkpoints."""
-    if cfg.train.activation_checkpointing == "none":
+    activations exist once on top of the checkpoints. With `train.activation_offload`, backward brings a
+    block's saved tensors back from the host as its nodes run: bounded the same way."""
+    t = cfg.train
+    if t.activation_checkpointing == "none" and not t.activation_offload:
         return 0
     return max(layer_activation_bytes(cfg, layer, tokens) for layer in layers)
+
+
+def stage_offloaded_bytes(cfg: JobConfig, layers: range, tokens: int, first: bool, last: bool) -> int:
+    """What `train.activation_offload` moves to host memory of one micro-batch through one stage: every
+    activation autograd saves goes through its saved-tensor hooks (torch.autograd.graph.save_on_cpu), the
+    inputs a checkpointed block keeps for its recomputation included (measured on CPU in
+    tests/test_memory_estimate.py); only the recomputation in backward saves through the checkpoint's own
+    hooks, on the device (`recompute_bytes`). Packed documents' masks stay counted on the device. Not counted:
+    save_on_cpu copies each saved tensor whole, so a second view of a saved storage is a second host copy, and
+    the weights a matmul saves (the fp32 parameters without autocast, their low-precision copies with it) are
+    copied too."""
+    if not cfg.train.activation_offload:
+        return 0
+    return stage_activation_bytes(cfg, layers, tokens, first, last)

@@ -51,9 +51,10 @@ from engine.train.ema import WeightAverage
 from engine.train.length import as_given, with_derived_length
 from engine.train.losses import StageCrossEntropy
 from engine.train.moe_load import ExpertLoadWindow
+from engine.train.offload import activation_offload, offload_device_warnings
 from engine.train.optim import build_optimizer
 from engine.train.run_dir import check_run_dir
-from engine.train.schedules import job_scheduler, with_pinned_schedule
+from engine.train.schedules import job_scheduler, schedule_state, with_pinned_schedule
 from engine.train.summary import job_summary
 
 log = logging.getLogger("forge.train")
@@ -103,6 +104,10 @@ class Job:
         if fsdp_casts(self.mesh):
             return contextlib.nullcontext()  # FSDP gathers the weights in the compute dtype itself
         return precision.autocast(self.device, self.dtype)
+
+    def activation_offload(self) -> contextlib.AbstractContextManager:
+        """Around forward and loss: the saved activations in host memory (train.activation_offload)."""
+        return activation_offload(self.cfg, self.device)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Around forward, loss and backward: cross-entropy on vocabulary-sharded logits under loss parallel."""
@@ -218,7 +223,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn, dims.pp),
         context=ContextParallel(mesh.get("cp")) if mesh is not None and dims.cp > 1 else None,
         model_metrics=moe_training(model, cfg, mesh, pipeline),
-        warnings=tuple(float8_device_warnings(cfg.train.mixed_precision, device)),
+        warnings=(*float8_device_warnings(cfg.train.mixed_precision, device), *offload_device_warnings(cfg, device)),
         record=record,
         batch_plan=batch_plan(cfg, dp=dims.dp),
     )
@@ -260,6 +265,8 @@ def initial_model(cfg: JobConfig, starts_fresh: bool) -> Transformer:
         initialize_from(Path(cfg.checkpoint.load_path), model, cfg.checkpoint.exclude_from_loading)
     if cfg.lora.enabled:
         apply_lora(model, cfg.lora)
+    if cfg.optimizer.weight_dtype == "bf16":  # trained in bf16 with stochastic rounding (engine/train/optim/adamw.py)
+        precision.cast_weights(model, torch.bfloat16)
     return model
 
 
@@ -380,7 +387,7 @@ def train_state(job: Job, step: int, tokens_seen: int, elapsed_sec: float, wandb
         "elapsed_sec": elapsed_sec,
         "tokens_per_step": job.summary["tokens_per_step"],
         "data": job.data_identity,
-        "scheduler": job.scheduler.state_dict(),
+        "scheduler": schedule_state(job.scheduler),
         "grad_scaler": job.scaler.state_dict(),
         "rng": every_rank_rng_state(),
         "wandb_run_id": wandb_run_id,

@@ -131,3 +131,77 @@ def schedule_warnings(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
             )
         ]
     return []
+
+
+def memory_option_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """The memory options against what they are built and checked for. torchao's AdamW keeps unquantized moments
+    in the weights' dtype, so bf16 moments need bf16 weights and bf16 weights fp32-free moments; bf16 weights
+    compute in bf16. The torchao states are checked on one process (each rank would quantize or round its own
+    shard, which Forge does not test yet), without LoRA and the EMA; they are torchao's optimizers, not
+    PyTorch's fused kernel. Activation offload wraps one micro-batch's forward, which a pipeline schedule does
+    not expose."""
+    o, t, d = cfg.optimizer, cfg.train, cfg.distributed
+    torchao = o.state_dtype != "fp32" or o.weight_dtype != "fp32"
+    issues = []
+    if o.state_dtype == "bf16" and o.weight_dtype != "bf16":
+        issues.append(
+            ConfigIssue(
+                "optimizer.state_dtype",
+                '"bf16" moments need optimizer.weight_dtype = "bf16" (torchao keeps them in the weights\' dtype)',
+                'set optimizer.weight_dtype = "bf16", or state_dtype = "int8" to shrink the state of fp32 weights',
+            )
+        )
+    if o.weight_dtype == "bf16" and o.state_dtype == "fp32":
+        issues.append(
+            ConfigIssue(
+                "optimizer.weight_dtype",
+                '"bf16" weights keep their moments in bf16 or int8, not fp32 (torchao makes them like the weights)',
+                'set optimizer.state_dtype = "bf16" or "int8"',
+            )
+        )
+    if o.weight_dtype == "bf16" and t.mixed_precision != "bf16":
+        issues.append(
+            ConfigIssue(
+                "optimizer.weight_dtype",
+                f'"bf16" weights compute in bf16, not with train.mixed_precision = {t.mixed_precision!r}',
+                'set train.mixed_precision = "bf16"',
+            )
+        )
+    if torchao and o.fused:
+        issues.append(
+            ConfigIssue(
+                "optimizer.fused",
+                "optimizer.state_dtype / weight_dtype other than fp32 are torchao's AdamW, which has no fused kernel",
+                "leave optimizer.fused unset",
+            )
+        )
+    if torchao and world_size > 1:
+        issues.append(
+            ConfigIssue(
+                "optimizer.state_dtype" if o.state_dtype != "fp32" else "optimizer.weight_dtype",
+                f"torchao's {o.state_dtype} state / {o.weight_dtype} weights are supported on one process only so "
+                f"far, not on a layout of {world_size} (distributed.*: each rank would quantize or round its own "
+                "shard, which is not tested yet)",
+                'train on one process, or keep state_dtype and weight_dtype "fp32" on several',
+            )
+        )
+    for field, on in (("lora.enabled", cfg.lora.enabled), ("train.ema_decay", bool(t.ema_decay))):
+        if torchao and on:
+            issues.append(
+                ConfigIssue(
+                    field,
+                    f"not supported with optimizer.state_dtype = {o.state_dtype!r}, weight_dtype = "
+                    f"{o.weight_dtype!r} yet (not tested together)",
+                    f"turn {field} off, or keep the optimizer's dtypes fp32",
+                )
+            )
+    if t.activation_offload and d.pp > 1:
+        issues.append(
+            ConfigIssue(
+                "train.activation_offload",
+                f"not supported with pipeline parallelism yet (distributed.pp = {d.pp}): the schedule runs "
+                "the forwards and backwards of its microbatches itself",
+                "set distributed.pp = 1, or leave the activations on the device",
+            )
+        )
+    return issues

@@ -199,6 +199,10 @@ def build_scheduler(
     multiplier = lr_multiplier(cfg, max_steps)
     if position is not None:
         multiplier = read_at(multiplier, position)
+    for group in optimizer.param_groups:
+        # torchao's optimizers keep lr as a tensor, which LambdaLR fills in place; its base lr as a Python
+        # float keeps the schedule's state JSON (a checkpoint's train state) and its arithmetic the same on resume.
+        group.setdefault("initial_lr", float(group["lr"]))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, with_phase_scale(multiplier, phase_scale))
 
 
@@ -293,3 +297,15 @@ def with_pinned_schedule(cfg: JobConfig, world_size: int = 1) -> JobConfig:
         return cfg
     decay = default_decay_steps(cfg.scheduler, schedule_axis(cfg, world_size)[1])
     return cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"decay_steps": decay})})
+
+
+def schedule_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict:
+    """The scheduler's state as JSON (a checkpoint's train state): the lrs it last set are tensors under
+    torchao's optimizers (their param groups' lr is one), reported only, never read back to compute."""
+    import torch
+
+    state = scheduler.state_dict()
+    return {
+        k: [float(x) if isinstance(x, torch.Tensor) else x for x in v] if isinstance(v, list) else v
+        for k, v in state.items()
+    }

@@ -97,7 +97,7 @@ def forward_backward(
         inputs, labels = job.local_batch(inputs, labels)
         record = tally.recorder(sources[0]) if tally is not None else None
         with job.loss_context():
-            with job.autocast():
+            with job.autocast(), job.activation_offload():
                 loss = loss_fn(job.model, inputs, labels, doc_ids=doc_ids, on_token_losses=record)
                 loss = loss / accum
             job.scaler.scale(loss).backward()

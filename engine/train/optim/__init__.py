@@ -40,7 +40,7 @@ def current_lr(optimizer: torch.optim.Optimizer) -> float:
     should report it."""
     group = optimizer.param_groups[0]
     lr = ScheduleFreeAdamW.step_lr(group) if isinstance(optimizer, ScheduleFreeAdamW) else group["lr"]
-    return lr / group.get("lr_multiplier", 1.0)
+    return float(lr) / group.get("lr_multiplier", 1.0)  # torchao's optimizers keep lr as a tensor
 
 
 @contextlib.contextmanager

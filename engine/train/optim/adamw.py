@@ -1,4 +1,7 @@
-"""AdamW (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization"), PyTorch's implementation."""
+"""AdamW (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization"): PyTorch's implementation, or with
+`optimizer.state_dtype = "int8"` torchao's `AdamW8bit` (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
+Quantization"), whose moments are stored as block-wise 8-bit codes and whose update is computed in fp32, and
+with `optimizer.weight_dtype = "bf16"` torchao's AdamW on bf16 weights with stochastic rounding."""
 
 from __future__ import annotations
 
@@ -7,7 +10,8 @@ from torch import nn
 
 from engine.config.optimizer import OptimizerConfig
 from engine.config.registry import OPTIMIZERS
-from engine.train.optim.groups import param_groups
+from engine.parallel.float8 import quiet_torchao_import
+from engine.train.optim.groups import hidden_matrices, param_groups
 
 
 def fused_supported(model: nn.Module) -> bool:
@@ -17,7 +21,26 @@ def fused_supported(model: nn.Module) -> bool:
 
 @OPTIMIZERS.register("adamw")
 def adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.state_dtype != "fp32" or cfg.weight_dtype != "fp32":
+        return torchao_adamw(model, groups, cfg)
     fused = fused_supported(model) if cfg.fused is None else cfg.fused
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused
-    )
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
+
+
+def torchao_adamw(model: nn.Module, groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """torchao's AdamW8bit (int8 moments for the hidden matrices: engine/train/optim/adamw8bit.py), or its AdamW
+    for bf16 weights with bf16 moments (`_AdamW`, the class torchao documents for bf16 stochastic rounding);
+    with bf16 weights, each update is computed in fp32 and stochastically rounded to bf16 (unbiased: small
+    updates are not lost to rounding). torchao keeps each group's lr as a tensor (its step is compiled);
+    LambdaLR fills it in place."""
+    rounding = cfg.weight_dtype == "bf16"
+    kwargs = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "bf16_stochastic_round": rounding}
+    with quiet_torchao_import():
+        from torchao.optim import _AdamW
+
+        if cfg.state_dtype == "int8":
+            from engine.train.optim.adamw8bit import HiddenAdamW8bit
+
+            return HiddenAdamW8bit(groups, quantized=frozenset(map(id, hidden_matrices(model))), **kwargs)
+    return _AdamW(groups, **kwargs)
