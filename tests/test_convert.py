@@ -394,7 +394,7 @@ def test_from_hf_bad_input_exits_2_and_writes_nothing(tmp_path):
     no_weights = hf_folder(tmp_path / "no-weights", llama_config())
     pickled = hf_folder(tmp_path / "pickled", llama_config())
     (pickled / "pytorch_model.bin").write_bytes(b"\x80")
-    scaled = hf_folder(tmp_path / "scaled", llama_config(rope_scaling={"rope_type": "llama3", "factor": 8.0}))
+    scaled = hf_folder(tmp_path / "scaled", llama_config(rope_scaling={"rope_type": "yarn", "factor": 8.0}))
     biased = hf_folder(tmp_path / "biased", llama_config(attention_bias=True))
     sharded = hf_folder(tmp_path / "sharded", llama_config())
     (sharded / "model.safetensors.index.json").write_text(
@@ -411,7 +411,7 @@ def test_from_hf_bad_input_exits_2_and_writes_nothing(tmp_path):
         (gpt2, "'gpt2' (GPT2LMHeadModel)"),
         (no_weights, "no model.safetensors"),
         (pickled, "pickled"),
-        (scaled, "RoPE scaling 'llama3'"),
+        (scaled, "RoPE scaling 'yarn'"),
         (biased, "attention_bias"),
         (sharded, "model-00001-of-00002.safetensors"),
         (corrupt, "not a readable safetensors file"),

@@ -1,5 +1,5 @@
-"""Causal self-attention with grouped-query heads, optional QK-norm, RoPE, and PyTorch's SDPA kernels (packed
-documents on CUDA: FlexAttention)."""
+"""Causal self-attention with grouped-query heads, optional QK-norm, q/k/v biases and sliding window, RoPE,
+and PyTorch's SDPA kernels (packed documents on CUDA: FlexAttention)."""
 
 from __future__ import annotations
 
@@ -30,11 +30,17 @@ class AttentionCore(nn.Module):
 
     A module of its own, without parameters, so that what needs attention's inner tensors reaches them from
     outside the model: a forward hook sees the queries, keys and values after RoPE (activation extraction),
-    and a layout can replace the kernel for the whole model at once (context parallelism)."""
+    and a layout can replace the kernel for the whole model at once (context parallelism).
 
-    def __init__(self, sdpa_backend: str = "auto") -> None:
+    With a sliding `window` (model.sliding_window) a query sees only the `window` latest keys up to its own
+    position: the core adds that band to whatever mask it gets (none: causal attention; the cache's; packed
+    documents' dense one), the queries being the last of the keys' positions. A FlexAttention BlockMask
+    already holds the band (engine.model.documents builds it with the window)."""
+
+    def __init__(self, sdpa_backend: str = "auto", window: int | None = None) -> None:
         super().__init__()
         self.sdpa_backend = sdpa_backend
+        self.window = window
 
     def forward(
         self,
@@ -46,6 +52,9 @@ class AttentionCore(nn.Module):
     ) -> torch.Tensor:
         if isinstance(mask, BlockMask):  # packed documents on CUDA (engine.model.documents)
             return flex_document_attention(q, k, v, mask)
+        if self.window is not None:
+            band = sliding_window_mask(q.shape[-2], k.shape[-2], self.window, q.device)
+            mask, causal = band if mask is None else mask & band, False
         with self._kernel():
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
@@ -57,18 +66,30 @@ class AttentionCore(nn.Module):
         return sdpa_kernel(SDPA_BACKENDS[self.sdpa_backend])
 
 
+def sliding_window_mask(queries: int, keys: int, window: int, device: torch.device) -> torch.Tensor:
+    """bool [queries, keys], True where query i (at position keys - queries + i) may see key j: j at most
+    its position and fewer than `window` positions before it."""
+    offset = torch.arange(queries, device=device)[:, None] + (keys - queries) - torch.arange(keys, device=device)
+    return (offset >= 0) & (offset < window)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        bias = cfg.attention_qkv_bias
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         # QK-norm is always RMSNorm over the head dimension, whatever norm_type the residual stream uses.
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.core = AttentionCore(cfg.sdpa_backend)
+        self.core = AttentionCore(cfg.sdpa_backend, cfg.sliding_window)
+
+    def biases(self) -> list[nn.Parameter]:
+        """The q/k/v projections' biases (model.attention_qkv_bias), none without."""
+        return [proj.bias for proj in (self.wq, self.wk, self.wv) if proj.bias is not None]
 
     def forward(
         self,
