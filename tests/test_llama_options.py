@@ -15,12 +15,12 @@ import torch
 
 from engine.checkpoint.dcp import load_checkpoint
 from engine.checkpoint.hf import export_to_hf, import_from_hf
-from engine.config import JobConfig, load_job_config
+from engine.config import load_job_config
 from engine.config.model import ModelConfig
 from engine.model.attention import sliding_window_mask
 from engine.model.rope import SCALINGS
 from engine.model.transformer import Transformer
-from tests.parity import FP64_TOL, Parity, model_bound
+from tests.parity import FP64_TOL, model_bound
 from tests.test_convert import (
     VOCAB,
     assert_same_as_transformers,
@@ -311,3 +311,78 @@ def test_fsdp_tp_and_pp_train_the_options_like_one_process(tmp_path, parity):
         assert len(row["losses"]) == len(row["ref_losses"]) == 3 and row["same_names"], name
         parity.within(f"{name} losses", max(abs(a - b) for a, b in zip(row["losses"], row["ref_losses"])), FP64_TOL)
         parity.within(f"{name} weights (worst: {row['worst']})", row["weights"], FP64_TOL)
+
+
+@pytest.mark.parametrize("name", ["head_dim", "sliding_qkv_bias_head_dim"])
+def test_parameter_shapes_and_counts_are_the_models(name):
+    """The torch-free shapes (memory estimate, FLOPs, pipeline split) of q/k/v n_heads·head_dim wide, and
+    their biases, are the model's own."""
+    from engine.model.estimate import param_counts
+    from engine.parallel.memory import param_specs
+
+    cfg = model_config(**OPTIONS[name][0])
+    model = Transformer(cfg)
+    assert {s.name: s.shape for s in param_specs(cfg)} == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert [s.name for s in param_specs(cfg)] == [n for n, _ in model.named_parameters()]
+    assert param_counts(cfg)["total"] == model.num_parameters()
+
+
+BAD_CONFIGS = [
+    (
+        ["--model.rope_scaling=llama3", "--model.rope_original_max_seq_len=64", "--model.rope_high_freq_factor=1"],
+        ["model.rope_high_freq_factor", "must exceed model.rope_low_freq_factor (1.0)"],
+    ),
+    (["--model.rope_scaling=llama3"], ["model.rope_original_max_seq_len", "model.rope_scaling = 'llama3'"]),
+    (
+        ["--model.rope_scaling=linear", "--model.rope_low_freq_factor=2"],
+        ["model.rope_low_freq_factor", "model.rope_scaling = 'linear' does not read it"],
+    ),
+    (["--model.rope_scaling_factor=4"], ["model.rope_scaling_factor", "model.rope_scaling = 'none'"]),
+    (
+        ["--model.sliding_window=8", "--distributed.cp=2", "--distributed.dp_shard=1", "--world-size=2"],
+        ["model.sliding_window", "context parallelism (distributed.cp = 2) does not support sliding-window"],
+    ),
+    (
+        ["--model.sliding_window=8", "--model.sdpa_backend=flash"],
+        ["model.sliding_window", "model.sdpa_backend = 'flash'"],
+    ),
+    (
+        ["--model.attention_qkv_bias=true", "--lora.enabled=true"],
+        ["lora.target_modules", "layers.0.attention.wq", "model.attention_qkv_bias"],
+    ),
+    (["--model.attention_head_dim=15"], ["attention_head_dim = 15 must be even"]),
+]
+
+
+@pytest.mark.parametrize("args, needles", BAD_CONFIGS)
+def test_bad_option_combinations_exit_2_naming_both(args, needles):
+    result = forge("validate-config", "presets/debug.toml", *args)
+    assert result.exit_code == 2, result.output
+    assert all(needle in said(result) for needle in needles), said(result)
+
+
+def test_what_transformers_cannot_compute_is_refused_both_ways(tmp_path):
+    """to-hf: QK-norm with q/k/v biases (no class has both), a sliding window in an MoE model; from-hf: a
+    Qwen2 whose window slides on some layers only. Each exits 2 naming the fields and writes nothing."""
+    for fields, needles in [
+        (dict(GQA, qk_norm=True, attention_qkv_bias=True), ["model.qk_norm", "model.attention_qkv_bias"]),
+        (dict(GQA, num_experts=2, moe_top_k=1, sliding_window=4), ["model.sliding_window", "model.num_experts"]),
+    ]:
+        run = make_run(tmp_path / f"run{len(fields)}", random_model(model_config(**fields)))
+        result = forge("convert", "to-hf", str(run), "--out", str(tmp_path / "hf"))
+        assert result.exit_code == 2 and all(n in said(result) for n in needles), said(result)
+        assert no_leftovers(tmp_path / "hf")
+    partly = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+    )
+    transformers.Qwen2ForCausalLM(partly).save_pretrained(tmp_path / "qwen2")
+    result = forge("convert", "from-hf", str(tmp_path / "qwen2"), "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2 and "some layers only (1 of 2" in said(result), said(result)
+    assert no_leftovers(tmp_path / "out")

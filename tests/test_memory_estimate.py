@@ -127,8 +127,10 @@ def cpu_rmsnorm_extra(cfg: JobConfig) -> int:
         ({"qk_norm": True}, "cross_entropy"),
         (MOE, "cross_entropy"),
         ({"sdpa_backend": "math"}, "cross_entropy"),
+        ({"attention_head_dim": 24, "attention_qkv_bias": True, "qk_norm": True}, "cross_entropy"),
+        ({"sliding_window": 8, "n_kv_heads": 4, "sdpa_backend": "auto"}, "cross_entropy"),
     ],
-    ids=["dense", "dense-chunked", "layernorm-tied", "qknorm", "moe", "math-sdpa"],
+    ids=["dense", "dense-chunked", "layernorm-tied", "qknorm", "moe", "math-sdpa", "head_dim-bias", "window"],
 )
 def test_activations_match_the_saved_tensors(model, loss, precision):
     cfg = job({"sdpa_backend": "flash", **model}, train={"mixed_precision": precision, "loss_fn": loss})

@@ -9,6 +9,7 @@ for its types alone), and engine/config/job.py calls these functions in the orde
 
 from __future__ import annotations
 
+import fnmatch
 from typing import TYPE_CHECKING
 
 from engine.config.fields import changed_fields, unread_field_issues
@@ -189,6 +190,16 @@ def attention_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                     "use e.g. rope_low_freq_factor = 1 and rope_high_freq_factor = 4 (Llama 3.1)",
                 )
             )
+    if m.attention_qkv_bias and (biased := lora_biased_targets(cfg)):
+        issues.append(
+            ConfigIssue(
+                "lora.target_modules",
+                f"selects {', '.join(biased)}, which have biases (model.attention_qkv_bias), and an adapted "
+                "linear has none (engine/model/lora.py)",
+                "target other linears (e.g. 'layers.*.attention.wo', 'layers.*.feed_forward.*'), or unset "
+                "model.attention_qkv_bias",
+            )
+        )
     if m.sliding_window is not None and m.sdpa_backend == "flash":
         issues.append(
             ConfigIssue(
@@ -199,3 +210,18 @@ def attention_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
             )
         )
     return issues
+
+
+def lora_biased_targets(cfg: JobConfig) -> list[str]:
+    """The q/k/v projections LoRA would adapt (enabled, matched by a target glob and by no exclude glob), the
+    first three to name them: with model.attention_qkv_bias they have biases, which an adapted linear drops."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return []
+    names = [f"layers.{i}.attention.{w}" for i in range(cfg.model.n_layers) for w in ("wq", "wk", "wv")]
+
+    def matches(name: str, globs: list[str]) -> bool:
+        return any(fnmatch.fnmatchcase(name, glob) for glob in globs)
+
+    chosen = [n for n in names if matches(n, lora.target_modules) and not matches(n, lora.exclude_modules)]
+    return chosen[:3]
