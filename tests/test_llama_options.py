@@ -386,3 +386,34 @@ def test_what_transformers_cannot_compute_is_refused_both_ways(tmp_path):
     result = forge("convert", "from-hf", str(tmp_path / "qwen2"), "--out", str(tmp_path / "out"))
     assert result.exit_code == 2 and "some layers only (1 of 2" in said(result), said(result)
     assert no_leftovers(tmp_path / "out")
+
+
+def test_the_flex_attention_block_mask_holds_the_window(monkeypatch, parity):
+    """Packed documents on CUDA take FlexAttention with a block mask that holds the window itself (the core
+    adds the band only to dense masks): forced onto the CPU (forward only: no FlexAttention backward there),
+    its logits equal the dense path's (fp32, parity.model_bound) on a window of 384 tokens, with a window of
+    40 that cuts into every document and makes a difference."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from engine.model import packed_kernel
+    from engine.model.documents import document_ids
+    from tests.test_packing import CFG, EOS, documents_of
+
+    cfg = ModelConfig(**{**CFG, "dim": 64, "n_layers": 1, "max_seq_len": 384, "sliding_window": 40})
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    windows = torch.cat(documents_of([100, 28, 150, 106], seed=0))[None]
+    ids = document_ids(windows, EOS)
+    with torch.no_grad():
+        dense = model(windows, doc_ids=ids)
+        seen = []
+        hook = model.layers["0"].attention.core.register_forward_hook(lambda mod, args, out: seen.append(args[3]))
+        monkeypatch.setitem(packed_kernel.PACKED_ATTENTION, "cpu", "flex")
+        flex = model(windows, doc_ids=ids)
+        hook.remove()
+        unwindowed = Transformer(cfg.model_copy(update={"sliding_window": None}))
+        unwindowed.load_state_dict(model.state_dict())
+        whole = unwindowed(windows, doc_ids=ids)
+    assert len(seen) == 1 and isinstance(seen[0], BlockMask), "the flex path ran"
+    parity.close(flex, dense, atol=model_bound(cfg, dense.abs().max().item()), what="flex against dense logits")
+    assert (whole - dense).abs().max() > 1e-2, "the window matters on these documents"
