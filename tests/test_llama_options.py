@@ -164,7 +164,7 @@ def test_transformers_random_models_import_with_the_same_logits(tmp_path, name, 
 def test_llama3_scaling_keeps_blends_and_divides_and_the_window_is_a_band():
     """The llama3 case above reaches all three regimes (so the comparisons test each), and the band a sliding
     window of 3 leaves: each query sees itself and the 2 keys before it, also for queries at the end of a
-    cache (4 queries over 6 keys: positions 2 … 5)."""
+    cache (4 queries over 6 keys: positions 2 … 5); it is the mask the attention core receives."""
     cfg = ModelConfig(**OPTIONS["rope_llama3"][0])
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
     ratio = (SCALINGS["llama3"](cfg, inv_freq) / inv_freq).tolist()
@@ -172,6 +172,13 @@ def test_llama3_scaling_keeps_blends_and_divides_and_the_window_is_a_band():
     assert ratio[:3] == [1.0] * 3 and ratio[4:] == pytest.approx([1 / 8] * 4) and 1 / 8 < ratio[3] < 1
     expected = torch.tensor([[1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1]]).bool()
     assert torch.equal(sliding_window_mask(4, 6, 3, torch.device("cpu")), expected)
+    # The attention core gets the band as its mask (what hooks on it see: engine/interp/attention.py).
+    model = Transformer(model_config(**GQA, sliding_window=3))
+    seen = []
+    model.layers["0"].attention.core.register_forward_hook(lambda mod, args, out: seen.append(args[3:]))
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (1, 6)))
+    assert len(seen) == 1 and seen[0][1] is False and torch.equal(seen[0][0], sliding_window_mask(6, 6, 3, "cpu"))
 
 
 LAYOUT_SCRIPT = """
@@ -389,7 +396,7 @@ def test_what_transformers_cannot_compute_is_refused_both_ways(tmp_path):
 
 
 def test_the_flex_attention_block_mask_holds_the_window(monkeypatch, parity):
-    """Packed documents on CUDA take FlexAttention with a block mask that holds the window itself (the core
+    """Packed documents on CUDA take FlexAttention with a block mask that holds the window itself (attention
     adds the band only to dense masks): forced onto the CPU (forward only: no FlexAttention backward there),
     its logits equal the dense path's (fp32, parity.model_bound) on a window of 384 tokens, with a window of
     40 that cuts into every document and makes a difference."""

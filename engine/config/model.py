@@ -43,7 +43,7 @@ class ModelConfig(Section):
         None,
         gt=0,
         description="width of each attention head (even, for RoPE); unset = dim / n_heads. Set, q/k/v are "
-        "n_heads × it wide whatever dim is (Hugging Face's head_dim: Llama 3, Qwen3, Mistral)",
+        "n_heads × it wide whatever dim is (Hugging Face's head_dim; Qwen3 and Mistral NeMo decouple it)",
     )
     attention_qkv_bias: bool = Field(
         False, description="biases on the query, key and value projections, none on the output one (Qwen2)"

@@ -30,17 +30,11 @@ class AttentionCore(nn.Module):
 
     A module of its own, without parameters, so that what needs attention's inner tensors reaches them from
     outside the model: a forward hook sees the queries, keys and values after RoPE (activation extraction),
-    and a layout can replace the kernel for the whole model at once (context parallelism).
+    and a layout can replace the kernel for the whole model at once (context parallelism)."""
 
-    With a sliding `window` (model.sliding_window) a query sees only the `window` latest keys up to its own
-    position: the core adds that band to whatever mask it gets (none: causal attention; the cache's; packed
-    documents' dense one), the queries being the last of the keys' positions. A FlexAttention BlockMask
-    already holds the band (engine.model.documents builds it with the window)."""
-
-    def __init__(self, sdpa_backend: str = "auto", window: int | None = None) -> None:
+    def __init__(self, sdpa_backend: str = "auto") -> None:
         super().__init__()
         self.sdpa_backend = sdpa_backend
-        self.window = window
 
     def forward(
         self,
@@ -52,9 +46,6 @@ class AttentionCore(nn.Module):
     ) -> torch.Tensor:
         if isinstance(mask, BlockMask):  # packed documents on CUDA (engine.model.documents)
             return flex_document_attention(q, k, v, mask)
-        if self.window is not None:
-            band = sliding_window_mask(q.shape[-2], k.shape[-2], self.window, q.device)
-            mask, causal = band if mask is None else mask & band, False
         with self._kernel():
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
@@ -85,7 +76,8 @@ class Attention(nn.Module):
         # QK-norm is always RMSNorm over the head dimension, whatever norm_type the residual stream uses.
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.core = AttentionCore(cfg.sdpa_backend, cfg.sliding_window)
+        self.window = cfg.sliding_window
+        self.core = AttentionCore(cfg.sdpa_backend)
 
     def biases(self) -> list[nn.Parameter]:
         """The q/k/v projections' biases (model.attention_qkv_bias), none without."""
@@ -103,7 +95,11 @@ class Attention(nn.Module):
         sequence has its own positions). With a cache (inference), x's keys and values are appended to it and
         x's queries attend over every cached position. `mask` (packed documents, engine.model.documents) is a
         boolean [batch, 1, seq, seq], or on CUDA a FlexAttention BlockMask, that already holds causality: it
-        replaces the causal flag."""
+        replaces the causal flag. With a sliding window (model.sliding_window) a query sees only the `window`
+        latest keys up to its own position: the band is added to whatever mask there is (none: causal
+        attention; the cache's; packed documents' dense one), the queries being the last of the keys'
+        positions, and handed to the core as its mask (so that hooks on the core see it); a FlexAttention
+        BlockMask already holds it (engine.model.documents builds it with the window)."""
         batch, seq, _ = x.shape
         # Head counts come from the projections' outputs, not the config: under tensor parallelism each rank
         # holds n_heads/tp query and n_kv_heads/tp key/value heads (engine.parallel.tp).
@@ -119,5 +115,8 @@ class Attention(nn.Module):
             assert mask is None, "packed documents are a training-time layout; generation uses the cache's mask"
             k, v = cache.append(k, v)
             causal, mask = cache.start == 0, cache.mask(seq)
+        if self.window is not None and not isinstance(mask, BlockMask):
+            band = sliding_window_mask(q.shape[-2], k.shape[-2], self.window, q.device)
+            mask, causal = band if mask is None else mask & band, False
         out = self.core(q, k, v, mask, causal)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))

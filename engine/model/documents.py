@@ -55,8 +55,8 @@ def packed_attention_mask(
     doc_ids: torch.Tensor, head_dim: int, sliding_window: int | None = None
 ) -> torch.Tensor | BlockMask:
     """The mask of packed windows for the attention kernel chosen for `doc_ids`' device and this head size.
-    With a sliding window (model.sliding_window) the BlockMask holds it too; the attention core adds it to
-    the dense mask (engine.model.attention.AttentionCore)."""
+    With a sliding window (model.sliding_window) the BlockMask holds it too; attention adds it to the
+    dense mask (engine.model.attention.Attention)."""
     if packed_attention_backend(doc_ids.device.type, head_dim, doc_ids.shape[1]) == "flex":
         return document_block_mask(doc_ids, sliding_window)
     return document_mask(doc_ids)
