@@ -653,7 +653,7 @@ def test_from_hf_refuses_moe_routing_forge_does_not_compute(tmp_path):
     cases = [
         (moe_config("qwen3_moe", norm_topk_prob=True), "norm_topk_prob = true"),
         (moe_config("qwen2_moe", shared_expert_intermediate_size=64), "shared_expert_intermediate_size = 64"),
-        (moe_config("qwen2_moe", qkv_bias=True), "qkv_bias = true"),
+        (moe_config("qwen2_moe", use_sliding_window=True), "use_sliding_window = true in an MoE model"),
         (moe_config("qwen3_moe", mlp_only_layers=[0]), "mlp_only_layers = [0]"),
         (moe_config("glm4_moe", n_group=2), "n_group = 2"),
         (moe_config("glm4_moe", routed_scaling_factor=2.5), "routed_scaling_factor = 2.5"),

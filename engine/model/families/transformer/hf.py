@@ -348,7 +348,7 @@ def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
             or rope.get("rope_theta")
             or (config.get("rope_parameters") or {}).get("rope_theta")
             or 10000.0,
-            **rope_fields_from_hf(rope, config.get("max_position_embeddings", 2048)),
+            **rope_fields_from_hf(rope, config.get("max_position_embeddings", 2048), source),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             qk_norm=qk_norm,
             init_std=config.get("initializer_range", 0.02),
@@ -368,18 +368,18 @@ def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
     return cfg
 
 
-def rope_fields_from_hf(rope: dict[str, Any], max_positions: int) -> dict[str, Any]:
+def rope_fields_from_hf(rope: dict[str, Any], max_positions: int, source: str) -> dict[str, Any]:
     """The [model] RoPE scaling fields for transformers' rope parameters (whose type refuse_unsupported
     checked); llama3 without original_max_position_embeddings uses max_position_embeddings, as transformers
     does."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return {}
-    fields = {"rope_scaling": kind, "rope_scaling_factor": rope["factor"]}
+    fields = {"rope_scaling": kind, "rope_scaling_factor": required(rope, "factor", source)}
     if kind == "llama3":
         fields.update(
-            rope_low_freq_factor=rope["low_freq_factor"],
-            rope_high_freq_factor=rope["high_freq_factor"],
+            rope_low_freq_factor=required(rope, "low_freq_factor", source),
+            rope_high_freq_factor=required(rope, "high_freq_factor", source),
             rope_original_max_seq_len=rope.get("original_max_position_embeddings") or max_positions,
         )
     return fields
