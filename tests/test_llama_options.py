@@ -44,7 +44,6 @@ LLAMA3 = dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_
 OPTIONS = {
     "head_dim": (dict(GQA, dim=48, attention_head_dim=16), "LlamaForCausalLM"),
     "rope_llama3": (dict(dim=32, n_layers=2, n_heads=2, **LLAMA3), "LlamaForCausalLM"),
-    "rope_linear": (dict(GQA, rope_scaling="linear", rope_scaling_factor=4.0), "LlamaForCausalLM"),
     "sliding_window": (dict(GQA, sliding_window=6), "MistralForCausalLM"),
     "sliding_qkv_bias_head_dim": (
         dict(GQA, sliding_window=6, attention_qkv_bias=True, attention_head_dim=12),
@@ -400,32 +399,18 @@ def test_what_transformers_cannot_compute_is_refused_both_ways(tmp_path):
     assert no_leftovers(tmp_path / "out")
 
 
-def test_the_flex_attention_block_mask_holds_the_window(monkeypatch, parity):
-    """Packed documents on CUDA take FlexAttention with a block mask that holds the window itself (attention
-    adds the band only to dense masks): forced onto the CPU (forward only: no FlexAttention backward there),
-    its logits equal the dense path's (fp32, parity.model_bound) on a window of 384 tokens, with a window of
-    40 that cuts into every document and makes a difference."""
-    from torch.nn.attention.flex_attention import BlockMask
+def test_the_flex_attention_mask_holds_the_window():
+    """Packed documents on CUDA take FlexAttention with a block mask whose mask function holds the window
+    itself (attention adds the band only to dense masks): evaluated at every (query, key) pair of two packed
+    windows, it allows exactly the dense path's pairs, document mask and band together, and the window
+    removes pairs the documents allowed. (The FlexAttention kernel against the dense path: tests/test_packing.py.)"""
+    from engine.model.documents import document_mask, document_mask_mod
 
-    from engine.model import packed_kernel
-    from engine.model.documents import document_ids
-    from tests.test_packing import CFG, EOS, documents_of
-
-    cfg = ModelConfig(**{**CFG, "dim": 64, "n_layers": 1, "max_seq_len": 384, "sliding_window": 40})
-    torch.manual_seed(0)
-    model = Transformer(cfg)
-    windows = torch.cat(documents_of([100, 28, 150, 106], seed=0))[None]
-    ids = document_ids(windows, EOS)
-    with torch.no_grad():
-        dense = model(windows, doc_ids=ids)
-        seen = []
-        hook = model.layers["0"].attention.core.register_forward_hook(lambda mod, args, out: seen.append(args[3]))
-        monkeypatch.setitem(packed_kernel.PACKED_ATTENTION, "cpu", "flex")
-        flex = model(windows, doc_ids=ids)
-        hook.remove()
-        unwindowed = Transformer(cfg.model_copy(update={"sliding_window": None}))
-        unwindowed.load_state_dict(model.state_dict())
-        whole = unwindowed(windows, doc_ids=ids)
-    assert len(seen) == 1 and isinstance(seen[0], BlockMask), "the flex path ran"
-    parity.close(flex, dense, atol=model_bound(cfg, dense.abs().max().item()), what="flex against dense logits")
-    assert (whole - dense).abs().max() > 1e-2, "the window matters on these documents"
+    doc_ids = torch.tensor([[0] * 9 + [1] * 3 + [2] * 8, [0] * 20])
+    batch, seq = doc_ids.shape
+    b, q, kv = torch.arange(batch)[:, None, None], torch.arange(seq)[None, :, None], torch.arange(seq)[None, None, :]
+    flex = document_mask_mod(doc_ids, 4)(b, 0, q, kv)
+    dense = document_mask(doc_ids)[:, 0] & sliding_window_mask(seq, seq, 4, "cpu")
+    assert flex.shape == dense.shape == (2, 20, 20) and torch.equal(flex, dense)
+    unwindowed = document_mask_mod(doc_ids)(b, 0, q, kv)
+    assert torch.equal(unwindowed, document_mask(doc_ids)[:, 0]) and (unwindowed & ~flex).any()

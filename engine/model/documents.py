@@ -16,6 +16,7 @@ FlexAttention `BlockMask` (`document_block_mask`), elsewhere a dense boolean mas
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -69,6 +70,14 @@ def document_block_mask(doc_ids: torch.Tensor, sliding_window: int | None = None
     mask at every one of the seq × seq pairs at once); its [batch, 1, seq/128, seq/128] block indices are all
     it keeps (FLEX_BLOCK = 128). With a sliding window, j must also be fewer than `sliding_window` before i."""
     batch, seq = doc_ids.shape
+    build = compiled_create_block_mask() if doc_ids.is_cuda else create_block_mask
+    mask_mod = document_mask_mod(doc_ids, sliding_window)
+    return build(mask_mod, batch, None, seq, seq, device=doc_ids.device, BLOCK_SIZE=FLEX_BLOCK)
+
+
+def document_mask_mod(doc_ids: torch.Tensor, sliding_window: int | None = None) -> Callable:
+    """FlexAttention's mask function (batch, head, query, key index tensors → bool) of `document_mask`'s pairs,
+    and with a sliding window only keys fewer than `sliding_window` before the query."""
 
     def same_document_causal(b, h, q, kv):
         return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
@@ -76,9 +85,7 @@ def document_block_mask(doc_ids: torch.Tensor, sliding_window: int | None = None
     def same_document_in_window(b, h, q, kv):
         return same_document_causal(b, h, q, kv) & (q - kv < sliding_window)
 
-    mask_mod = same_document_causal if sliding_window is None else same_document_in_window
-    build = compiled_create_block_mask() if doc_ids.is_cuda else create_block_mask
-    return build(mask_mod, batch, None, seq, seq, device=doc_ids.device, BLOCK_SIZE=FLEX_BLOCK)
+    return same_document_causal if sliding_window is None else same_document_in_window
 
 
 @functools.cache
