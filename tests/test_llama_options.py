@@ -414,3 +414,21 @@ def test_the_flex_attention_mask_holds_the_window():
     assert flex.shape == dense.shape == (2, 20, 20) and torch.equal(flex, dense)
     unwindowed = document_mask_mod(doc_ids)(b, 0, q, kv)
     assert torch.equal(unwindowed, document_mask(doc_ids)[:, 0]) and (unwindowed & ~flex).any()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_memory_estimate_counts_the_windows_mask_exactly(precision):
+    """What a sliding window adds to the estimate (each block's SDPA keeps the additive [seq, seq] mask it
+    makes of the band, in the compute dtype) is what it adds to the tensors autograd saves, byte for byte
+    (the whole comparison, within 5 %: tests/test_memory_estimate.py)."""
+    from engine.parallel.memory import estimate_memory
+    from tests.test_memory_estimate import job, saved_activation_bytes
+
+    plain, windowed = (
+        job({"n_kv_heads": 4, "sdpa_backend": "auto", **extra}, train={"mixed_precision": precision})
+        for extra in ({}, {"sliding_window": 8})
+    )
+    estimated = estimate_memory(windowed, 1)[0].activations - estimate_memory(plain, 1)[0].activations
+    measured = saved_activation_bytes(windowed) - saved_activation_bytes(plain)
+    seq, blocks, compute = plain.train.seq_len, plain.model.n_layers, 4 if precision == "fp32" else 2
+    assert estimated == measured == blocks * compute * seq**2
