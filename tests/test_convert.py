@@ -395,7 +395,7 @@ def test_from_hf_bad_input_exits_2_and_writes_nothing(tmp_path):
     no_weights = hf_folder(tmp_path / "no-weights", llama_config())
     pickled = hf_folder(tmp_path / "pickled", llama_config())
     (pickled / "pytorch_model.bin").write_bytes(b"\x80")
-    scaled = hf_folder(tmp_path / "scaled", llama_config(rope_scaling={"rope_type": "llama3", "factor": 8.0}))
+    scaled = hf_folder(tmp_path / "scaled", llama_config(rope_scaling={"rope_type": "yarn", "factor": 8.0}))
     biased = hf_folder(tmp_path / "biased", llama_config(attention_bias=True))
     sharded = hf_folder(tmp_path / "sharded", llama_config())
     (sharded / "model.safetensors.index.json").write_text(
@@ -413,7 +413,7 @@ def test_from_hf_bad_input_exits_2_and_writes_nothing(tmp_path):
         (gpt2, "config.json has no 'n_layer'"),
         (no_weights, "no model.safetensors"),
         (pickled, "pickled"),
-        (scaled, "RoPE scaling 'llama3'"),
+        (scaled, "RoPE scaling 'yarn'"),
         (biased, "attention_bias"),
         (sharded, "model-00001-of-00002.safetensors"),
         (corrupt, "not a readable safetensors file"),
@@ -655,7 +655,7 @@ def test_from_hf_refuses_moe_routing_forge_does_not_compute(tmp_path):
     cases = [
         (moe_config("qwen3_moe", norm_topk_prob=True), "norm_topk_prob = true"),
         (moe_config("qwen2_moe", shared_expert_intermediate_size=64), "shared_expert_intermediate_size = 64"),
-        (moe_config("qwen2_moe", qkv_bias=True), "qkv_bias = true"),
+        (moe_config("qwen2_moe", use_sliding_window=True), "use_sliding_window = true in an MoE model"),
         (moe_config("qwen3_moe", mlp_only_layers=[0]), "mlp_only_layers = [0]"),
         (moe_config("glm4_moe", n_group=2), "n_group = 2"),
         (moe_config("glm4_moe", routed_scaling_factor=2.5), "routed_scaling_factor = 2.5"),

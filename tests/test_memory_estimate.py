@@ -146,6 +146,8 @@ def cpu_rmsnorm_extra(cfg: JobConfig) -> int:
         (GPT2, "cross_entropy"),
         ({**GPT2, "tie_embeddings": False}, "chunked_cross_entropy"),
         ({**GPT2, "sdpa_backend": "math"}, "cross_entropy"),
+        ({"attention_head_dim": 24, "attention_qkv_bias": True, "qk_norm": True}, "cross_entropy"),
+        ({"sliding_window": 8, "n_kv_heads": 4, "sdpa_backend": "auto"}, "cross_entropy"),
     ],
     ids=[
         "dense",
@@ -157,6 +159,8 @@ def cpu_rmsnorm_extra(cfg: JobConfig) -> int:
         "gpt2",
         "gpt2-untied-chunked",
         "gpt2-math-sdpa",
+        "head_dim-bias",
+        "window",
     ],
 )
 def test_activations_match_the_saved_tensors(model, loss, precision):

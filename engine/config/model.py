@@ -57,6 +57,42 @@ class ModelConfig(Section):
         description="mup only (required there): the dim the hyper-parameters were tuned at; multipliers are "
         "measured against this base model (<= dim; an explicit ffn_hidden_dim must scale to a whole width)",
     )
+    attention_head_dim: int | None = Field(
+        None,
+        gt=0,
+        description="width of each attention head (even, for RoPE); unset = dim / n_heads. Set, q/k/v are "
+        "n_heads × it wide whatever dim is (Hugging Face's head_dim; Qwen3 and Mistral NeMo decouple it)",
+    )
+    attention_qkv_bias: bool = Field(
+        False, description="biases on the query, key and value projections, none on the output one (Qwen2)"
+    )
+    rope_scaling: Literal["none", "linear", "llama3"] = Field(
+        "none",
+        description="stretch RoPE to longer contexts: linear divides every frequency by rope_scaling_factor; "
+        "llama3 (Llama 3.1) divides the low frequencies only, keeps the high ones and blends between",
+    )
+    rope_scaling_factor: float = Field(
+        1.0, gt=0, description="linear / llama3: how much longer the contexts are than those trained on"
+    )
+    rope_low_freq_factor: float = Field(
+        1.0,
+        gt=0,
+        description="llama3: wavelengths above rope_original_max_seq_len / this are divided by the factor",
+    )
+    rope_high_freq_factor: float = Field(
+        4.0,
+        gt=0,
+        description="llama3: wavelengths below rope_original_max_seq_len / this are kept (> rope_low_freq_factor)",
+    )
+    rope_original_max_seq_len: int | None = Field(
+        None, gt=0, description="llama3: the context length the model was first trained at (required by llama3)"
+    )
+    sliding_window: int | None = Field(
+        None,
+        gt=0,
+        description="each token attends to itself and the sliding_window - 1 tokens before it (Mistral); "
+        "unset = the whole causal context",
+    )
 
     # Mixture of experts (engine/model/moe.py). The defaults give a dense model; every other MoE field is
     # read only when num_experts > 0 (config validation rejects them otherwise).
@@ -135,6 +171,17 @@ class ModelConfig(Section):
         "sdpa_backend": "model/attention.py, model/families/gpt2/model.py",
         "parametrization": "model/mup.py, model/transformer.py, model/attention.py, train/optim/groups.py",
         "mup_base_dim": "model/mup.py",
+        "init_std": "model/transformer.py",
+        "model_type": "model/__init__.py",
+        "sdpa_backend": "model/attention.py",
+        "attention_head_dim": "model/attention.py, model/transformer.py",
+        "attention_qkv_bias": "model/attention.py",
+        "rope_scaling": "model/rope.py",
+        "rope_scaling_factor": "model/rope.py",
+        "rope_low_freq_factor": "model/rope.py",
+        "rope_high_freq_factor": "model/rope.py",
+        "rope_original_max_seq_len": "model/rope.py",
+        "sliding_window": "model/attention.py, model/documents.py",
         "num_experts": "model/transformer.py, model/moe.py",
         "moe_top_k": "model/routers.py",
         "moe_frequency": "model/transformer.py",
@@ -154,12 +201,15 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelConfig:
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.attention_head_dim is None and self.dim % self.n_heads:
+            raise ValueError(
+                f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}), or attention_head_dim set"
+            )
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})")
         if self.head_dim % 2 and self.model_type != "gpt2":  # (GPT-2's positions are learned, not rotated)
-            raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
+            what = "attention_head_dim" if self.attention_head_dim else "head_dim = dim / n_heads"
+            raise ValueError(f"{what} = {self.head_dim} must be even for RoPE")
         steps = [start for start, _ in self.moe_bias_schedule]
         if not steps or steps[0] != 0 or any(b <= a for a, b in itertools.pairwise(steps)):
             raise ValueError(f"moe_bias_schedule must start at update 0 with strictly increasing updates, got {steps}")
@@ -222,7 +272,13 @@ class ModelConfig(Section):
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        """Width of one attention head: attention_head_dim, else dim / n_heads."""
+        return self.attention_head_dim or self.dim // self.n_heads
+
+    @property
+    def attention_dim(self) -> int:
+        """Width of the query heads together (wq's output, wo's input): dim unless attention_head_dim is set."""
+        return self.n_heads * self.head_dim
 
     @property
     def ffn_dim(self) -> int:
@@ -252,3 +308,12 @@ MOE_FIELDS = (
 )
 """The fields only a mixture of experts reads (num_experts > 0): a dense model refuses them
 (engine/model/rules.py), and `forge init` drops them when it makes a model dense."""
+
+ROPE_SCALING_FIELDS = {
+    "rope_scaling_factor": ("linear", "llama3"),
+    "rope_low_freq_factor": ("llama3",),
+    "rope_high_freq_factor": ("llama3",),
+    "rope_original_max_seq_len": ("llama3",),
+}
+"""The RoPE scaling fields and the `rope_scaling` types that read them (engine/model/rope.py); the others
+refuse them (engine/model/rules.py)."""

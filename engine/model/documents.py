@@ -16,6 +16,7 @@ FlexAttention `BlockMask` (`document_block_mask`), elsewhere a dense boolean mas
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -51,26 +52,40 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
-def packed_attention_mask(doc_ids: torch.Tensor, head_dim: int) -> torch.Tensor | BlockMask:
-    """The mask of packed windows for the attention kernel chosen for `doc_ids`' device and this head size."""
+def packed_attention_mask(
+    doc_ids: torch.Tensor, head_dim: int, sliding_window: int | None = None
+) -> torch.Tensor | BlockMask:
+    """The mask of packed windows for the attention kernel chosen for `doc_ids`' device and this head size.
+    With a sliding window (model.sliding_window) the BlockMask holds it too; attention adds it to the
+    dense mask (engine.model.attention.Attention)."""
     if packed_attention_backend(doc_ids.device.type, head_dim, doc_ids.shape[1]) == "flex":
-        return document_block_mask(doc_ids)
+        return document_block_mask(doc_ids, sliding_window)
     return document_mask(doc_ids)
 
 
-def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
+def document_block_mask(doc_ids: torch.Tensor, sliding_window: int | None = None) -> BlockMask:
     """doc_ids [batch, seq] → FlexAttention's BlockMask of `document_mask`'s pairs (query i sees key j when
     j ≤ i and both are in the same document), one for every head. On CUDA the builder runs compiled
     (`torch.compile(create_block_mask)`, as FlexAttention's documentation recommends: eager it evaluates the
     mask at every one of the seq × seq pairs at once); its [batch, 1, seq/128, seq/128] block indices are all
-    it keeps (FLEX_BLOCK = 128)."""
+    it keeps (FLEX_BLOCK = 128). With a sliding window, j must also be fewer than `sliding_window` before i."""
     batch, seq = doc_ids.shape
+    build = compiled_create_block_mask() if doc_ids.is_cuda else create_block_mask
+    mask_mod = document_mask_mod(doc_ids, sliding_window)
+    return build(mask_mod, batch, None, seq, seq, device=doc_ids.device, BLOCK_SIZE=FLEX_BLOCK)
+
+
+def document_mask_mod(doc_ids: torch.Tensor, sliding_window: int | None = None) -> Callable:
+    """FlexAttention's mask function (batch, head, query, key index tensors → bool) of `document_mask`'s pairs,
+    and with a sliding window only keys fewer than `sliding_window` before the query."""
 
     def same_document_causal(b, h, q, kv):
         return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
 
-    build = compiled_create_block_mask() if doc_ids.is_cuda else create_block_mask
-    return build(same_document_causal, batch, None, seq, seq, device=doc_ids.device, BLOCK_SIZE=FLEX_BLOCK)
+    def same_document_in_window(b, h, q, kv):
+        return same_document_causal(b, h, q, kv) & (q - kv < sliding_window)
+
+    return same_document_causal if sliding_window is None else same_document_in_window
 
 
 @functools.cache

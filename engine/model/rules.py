@@ -1,6 +1,7 @@
 """The cross-section rules of the model (engine/model/): sequences within its RoPE table, MoE fields only
 for a model with experts and routing that can work, what LoRA adapters (model/lora.py) cannot be combined
-with yet, and no field the model's family has no use for; and the warning for a capacity factor of 0.
+with yet, RoPE scaling fields that agree, a sliding window on a kernel that takes its mask and no field
+the model's family has no use for; and the warning for a capacity factor of 0.
 
 Torch-free, like every room's rules module: it imports engine.config's sections and helpers only (`JobConfig`
 for its types alone), and engine/config/job.py calls these functions in the order it lists.
@@ -8,11 +9,12 @@ for its types alone), and engine/config/job.py calls these functions in the orde
 
 from __future__ import annotations
 
+import fnmatch
 from typing import TYPE_CHECKING
 
 from engine.config.fields import changed_fields, unread_field_issues
 from engine.config.lora import LoraConfig
-from engine.config.model import MOE_FIELDS
+from engine.config.model import MOE_FIELDS, ROPE_SCALING_FIELDS
 from engine.errors import ConfigIssue
 from engine.model.spec import spec_for
 
@@ -178,3 +180,74 @@ def family_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
         )
         for field in changed_fields(m, spec_for(m).refused_fields)
     ]
+
+
+def attention_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """RoPE scaling fields only for the scaling that reads them (engine/model/rope.py), consistent with each
+    other; a sliding window only with a kernel that takes its mask. (Context parallelism refuses a sliding
+    window: engine/parallel/rules.py.)"""
+    m = cfg.model
+    issues = [
+        ConfigIssue(
+            f"model.{field}",
+            f"is set, but model.rope_scaling = {m.rope_scaling!r} does not read it "
+            f"(only {' and '.join(ROPE_SCALING_FIELDS[field])} do)",
+            f"remove it, or set model.rope_scaling to {' or '.join(map(repr, ROPE_SCALING_FIELDS[field]))}",
+        )
+        for field in changed_fields(m, ROPE_SCALING_FIELDS)
+        if m.rope_scaling not in ROPE_SCALING_FIELDS[field]
+    ]
+    if m.rope_scaling == "llama3":
+        if m.rope_original_max_seq_len is None:
+            issues.append(
+                ConfigIssue(
+                    "model.rope_original_max_seq_len",
+                    "is unset, but model.rope_scaling = 'llama3' scales by wavelength against it",
+                    "set it to the context length the model was first trained at (8192 for Llama 3.1)",
+                )
+            )
+        if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+            issues.append(
+                ConfigIssue(
+                    "model.rope_high_freq_factor",
+                    f"{m.rope_high_freq_factor} must exceed model.rope_low_freq_factor ({m.rope_low_freq_factor}): "
+                    "llama3 keeps wavelengths below original / high, divides those above original / low, and "
+                    "blends in between",
+                    "use e.g. rope_low_freq_factor = 1 and rope_high_freq_factor = 4 (Llama 3.1)",
+                )
+            )
+    if m.attention_qkv_bias and (biased := lora_biased_targets(cfg)):
+        issues.append(
+            ConfigIssue(
+                "lora.target_modules",
+                f"selects {', '.join(biased)}, which have biases (model.attention_qkv_bias), and an adapted "
+                "linear has none (engine/model/lora.py)",
+                "target other linears (e.g. 'layers.*.attention.wo', 'layers.*.feed_forward.*'), or unset "
+                "model.attention_qkv_bias",
+            )
+        )
+    if m.sliding_window is not None and m.sdpa_backend == "flash":
+        issues.append(
+            ConfigIssue(
+                "model.sliding_window",
+                f"= {m.sliding_window} with model.sdpa_backend = 'flash': the flash kernel takes no mask, and a "
+                "sliding window is one",
+                "set model.sdpa_backend to 'auto', 'efficient' or 'math', or unset model.sliding_window",
+            )
+        )
+    return issues
+
+
+def lora_biased_targets(cfg: JobConfig) -> list[str]:
+    """The q/k/v projections LoRA would adapt (enabled, matched by a target glob and by no exclude glob), the
+    first three to name them: with model.attention_qkv_bias they have biases, which an adapted linear drops."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return []
+    names = [f"layers.{i}.attention.{w}" for i in range(cfg.model.n_layers) for w in ("wq", "wk", "wv")]
+
+    def matches(name: str, globs: list[str]) -> bool:
+        return any(fnmatch.fnmatchcase(name, glob) for glob in globs)
+
+    chosen = [n for n in names if matches(n, lora.target_modules) and not matches(n, lora.exclude_modules)]
+    return chosen[:3]

@@ -62,7 +62,8 @@ class ActivationLayout:
     out from the job (engine/parallel/memory.py): bytes per element of matmul inputs/outputs (`compute`) and
     of the residual stream (`residual`: fp32 under autocast, the compute dtype under FSDP), whether autocast
     casts each projection's input separately (`casts`), the tensor and context parallel degrees, the
-    context-parallel method and the sequence length of a micro-batch."""
+    context-parallel method, the sequence length of a micro-batch, and whether windows are packed with
+    documents (whose masks engine/parallel/memory.py counts)."""
 
     compute: int
     residual: int
@@ -71,6 +72,7 @@ class ActivationLayout:
     cp: int
     cp_method: str
     seq_len: int
+    packed: bool = False
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg)
         # Not persistent: derived from the config, so checkpoints hold only learned weights.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -106,7 +106,10 @@ class Transformer(nn.Module):
         mask = attention_mask
         if doc_ids is not None:
             assert cache is None, "doc_ids are for packed training windows, not generation"
-            positions, mask = document_positions(doc_ids), packed_attention_mask(doc_ids, self.cfg.head_dim)
+            positions, mask = (
+                document_positions(doc_ids),
+                packed_attention_mask(doc_ids, self.cfg.head_dim, self.cfg.sliding_window),
+            )
         if positions is not None:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         else:
@@ -135,7 +138,7 @@ class Transformer(nn.Module):
     def reset_rope_tables(self) -> None:
         """Recompute the RoPE tables in place. They are derived, not saved: a model built on the meta device
         and materialized with `to_empty` (large multi-process runs) gets them back this way."""
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        cos, sin = rope_tables(self.cfg)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -160,7 +163,7 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Normal(0, init_std) everywhere; the projections that write into the residual stream (attention
+        """Normal(0, init_std) everywhere (biases 0); the projections that write into the residual stream (attention
         wo, MLP w2) get init_std / sqrt(2 · n_layers) so the residual's variance does not grow with depth."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
@@ -176,6 +179,8 @@ class Transformer(nn.Module):
             ):
                 nn.init.normal_(weight, std=std)
             nn.init.normal_(attention.wo.weight, std=out_std)
+            for bias in attention.biases():  # q/k/v biases (model.attention_qkv_bias) start at 0
+                nn.init.zeros_(bias)
             for weight in feed_forward.output_weights():
                 nn.init.normal_(weight, std=out_std)
         if self.output is not None and not self.cfg.tie_embeddings:

@@ -188,6 +188,7 @@ def activation_layout(cfg: JobConfig) -> ActivationLayout:
         cp=d.cp,
         cp_method=d.cp_method,
         seq_len=cfg.train.seq_len,
+        packed=cfg.data.pack_sequences,
     )
 
 

@@ -79,7 +79,8 @@ def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
 
 def context_parallel_issues(cfg: JobConfig) -> list[ConfigIssue]:
     """Context parallelism splits every sequence into 2·cp chunks (head-tail), whose halves tensor
-    parallelism splits again, and does not compose with pipelines or mixture-of-experts routing yet."""
+    parallelism splits again, and does not compose with pipelines, mixture-of-experts routing or a sliding
+    window yet."""
     m, t, d = cfg.model, cfg.train, cfg.distributed
     if d.cp == 1:
         if "cp_method" in changed_fields(d, ["cp_method"]):
@@ -109,6 +110,12 @@ def context_parallel_issues(cfg: JobConfig) -> list[ConfigIssue]:
     for applies, field, what in [
         (d.pp > 1, "distributed.pp", "pipeline parallelism (the stages would pass sequence-sharded activations)"),
         (m.is_moe, "model.num_experts", "MoE models (the routers' sequence statistics would see part of a sequence)"),
+        (
+            m.sliding_window is not None,
+            "model.sliding_window",
+            f"sliding-window attention (model.sliding_window = {m.sliding_window}: its cores attend over whole "
+            "chunks of keys)",
+        ),
     ]:
         if applies:
             issues.append(

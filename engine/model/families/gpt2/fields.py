@@ -14,6 +14,14 @@ REFUSED_FIELDS = (
     "activation",
     "rope_theta",
     "qk_norm",
+    "attention_head_dim",
+    "attention_qkv_bias",  # every GPT-2 linear has a bias already
+    "rope_scaling",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_seq_len",
+    "sliding_window",
     "parametrization",  # μP (engine/model/mup.py) is wired into the transformer family only
     "mup_base_dim",
     "num_experts",

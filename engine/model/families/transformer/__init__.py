@@ -1,6 +1,7 @@
 """The decoder-only transformer family (`model_type = "transformer"`): Llama-style blocks (RMSNorm or
-LayerNorm, RoPE, grouped-query attention, optional QK-norm, a gated MLP or a mixture of experts), with its
-Hugging Face counterparts Llama, Qwen3, Qwen2-MoE, Qwen3-MoE and GLM-4-MoE.
+LayerNorm, RoPE with optional linear or llama3 scaling, grouped-query attention with optional QK-norm, q/k/v
+biases, its own head width and a sliding window, a gated MLP or a mixture of experts), with its Hugging Face
+counterparts Llama, Qwen3, Qwen2, Mistral, Qwen2-MoE, Qwen3-MoE and GLM-4-MoE.
 
 The module itself is engine/model/transformer.py (its attention, MLP, MoE and norms are the shared
 components in engine/model/); this folder holds what the rest of Forge needs to know of it: parameter

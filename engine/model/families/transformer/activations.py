@@ -20,31 +20,43 @@ def norm_bytes(m: ModelConfig, lay: ActivationLayout) -> int:
 def math_attention(m: ModelConfig, lay: ActivationLayout) -> bool:
     """Whether SDPA runs its math kernel, which keeps the [heads, seq, seq] attention weights: when pinned to
     it, or on auto in fp32 with GQA (CUDA's flash kernel has no fp32, its memory-efficient one no GQA; seen on
-    an H100 with torch 2.11)."""
+    an H100 with torch 2.11), or with GQA and a sliding window (whose mask the flash kernel does not take)."""
     if m.sdpa_backend != "auto":
         return m.sdpa_backend == "math"
-    return lay.compute == FP32 and m.kv_heads < m.n_heads
+    return (lay.compute == FP32 or m.sliding_window is not None) and m.kv_heads < m.n_heads
+
+
+def window_bytes(m: ModelConfig, lay: ActivationLayout) -> int:
+    """What a sliding window adds to one block: SDPA keeps the additive [seq, seq] mask it makes of the band
+    (compute dtype; measured on CPU in tests/test_memory_estimate.py), except that the math kernel's saved
+    weights already hold it, and packed windows' masks (engine/parallel/memory.py) already have the band.
+    Attention runs on the whole sequence on every tp rank."""
+    if m.sliding_window is None or lay.packed or math_attention(m, lay):
+        return 0
+    return lay.compute * lay.seq_len**2
 
 
 def block_activation_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, tokens: int) -> int:
     """Bytes autograd saves for one block over `tokens` tokens on one rank, without activation checkpointing.
 
-    Counted per token, with h = dim, kv = kv_heads·head_dim, f = ffn width, c = compute bytes (matmul
+    Counted per token, with h = dim, q = heads·head_dim (= h unless model.attention_head_dim is set),
+    kv = kv_heads·head_dim, f = ffn width, c = compute bytes (matmul
     inputs/outputs), ρ = residual-stream bytes (fp32 under autocast); this is what the saved-tensor hooks of
     the real block record (tests/test_memory_estimate.py), and on an H100 what the allocator holds after
     forward (dense blocks within 1 %, QK-norm and MoE within 4 %), i.e. the Korthikanti et al. (2022) count
     sbh(34 + 5as/h) redone for this block: no dropout, SwiGLU, GQA, and flash-style SDPA, which keeps its
     output and logsumexp instead of the s² attention matrix:
       norms ×2:        ρ·h + 4 each for RMSNorm (input, 1/rms), ρ·h + 8 for LayerNorm (`norm_bytes`)
-      attention:       c·r·h (the normed input as the projections read it) + c·(h + 2kv + h) (q, k, v after
+      attention:       c·r·h (the normed input as the projections read it) + c·(q + 2kv + q) (q, k, v after
                        RoPE, SDPA's output, which wo reads without a copy) + 4·heads (logsumexp); when SDPA
-                       runs its math kernel (`math_attention`) c·(r·h + h) + 4·(3h + heads·seq_len)
-                       (q, k and v repeated to all heads, and the attention weights, in fp32)
+                       runs its math kernel (`math_attention`) c·(r·h + q) + 4·(3q + heads·seq_len)
+                       (q, k and v repeated to all heads, and the attention weights, in fp32); a sliding
+                       window adds the additive [seq, seq] mask SDPA makes of its band (`window_bytes`)
       dense MLP:       c·r'·h (normed input) + c·4f (w1 out, act(w1 out), w3 out, their product)
       MoE MLP:         4·(h + 2E) (router input, logits/probs) + c·k·(2h + 4f_e + 1) (each of the top-k
                        assignments: gathered input, the expert's SwiGLU, its weighted output) + 16k
                        (indices) + shared experts c·(r'·h + 4f_s)
-      QK-norm:         (c + 4)·(h + kv) + 4·(heads + kv_heads)
+      QK-norm:         (c + 4)·(q + kv) + 4·(heads + kv_heads)
     r = r' = 1, except under autocast (compute below fp32 and no FSDP): r = 3, r' = 2, as autocast casts the
     fp32 norm output separately for each projection that reads it (wq, wk, wv; w1, w3) and each keeps its
     own copy. Tensor parallelism (with sequence parallelism) divides everything by tp except the
@@ -52,14 +64,14 @@ def block_activation_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, to
     keeps the gathered tensor; MoE blocks are not tensor parallel.
     """
     tp, c = lay.tp, lay.compute
-    h, kv = m.dim, m.kv_heads * m.head_dim
+    h, q, kv = m.dim, m.attention_dim, m.kv_heads * m.head_dim
     casts = lay.casts  # autocast: one cast of the norm's output per projection reading it
     if math_attention(m, lay):  # q and k, v repeated to every head, the weights, in fp32; wo reads a copy of the output
-        gathered, split = c * (3 if casts else 1) * h, c * h + FP32 * (3 * h + m.n_heads * lay.seq_len)
+        gathered, split = c * (3 if casts else 1) * h, c * q + FP32 * (3 * q + m.n_heads * lay.seq_len)
     else:
-        gathered, split = c * (3 if casts else 1) * h, c * (2 * h + 2 * kv) + FP32 * m.n_heads
+        gathered, split = c * (3 if casts else 1) * h, c * (2 * q + 2 * kv) + FP32 * m.n_heads
     if m.qk_norm:
-        split += (c + FP32) * (h + kv) + FP32 * (m.n_heads + m.kv_heads)
+        split += (c + FP32) * (q + kv) + FP32 * (m.n_heads + m.kv_heads)
     split += 2 * norm_bytes(m, lay)
     gated = 2 if casts else 1
     if m.is_moe_layer(layer):
@@ -68,10 +80,10 @@ def block_activation_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, to
         # hidden units (routed and shared) are split.
         moe = FP32 * (h + 2 * m.num_experts) + c * k * (2 * h + 1) + c * k * 4 * m.expert_ffn_dim // tp
         moe += 2 * INT64 * k + (c * gated * h + c * 4 * shared // tp if shared else 0)
-        return tokens * (gathered + split // tp) + tokens * moe
+        return tokens * (gathered + split // tp) + tokens * moe + window_bytes(m, lay)
     gathered += c * gated * h
     split += c * 4 * m.ffn_dim + context_parallel_bytes(m, lay)
-    return tokens * gathered + tokens * split // tp
+    return tokens * gathered + tokens * split // tp + window_bytes(m, lay)
 
 
 def context_parallel_bytes(m: ModelConfig, lay: ActivationLayout) -> int:
@@ -87,7 +99,7 @@ def context_parallel_bytes(m: ModelConfig, lay: ActivationLayout) -> int:
     received = c * 2 * kv * (cp - 1)
     if lay.cp_method == "allgather":
         return received
-    return received + FP32 * (m.dim + m.n_heads) * cp
+    return received + FP32 * (m.attention_dim + m.n_heads) * cp
 
 
 def checkpointed_block_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, tokens: int, mode: str) -> int:
@@ -99,4 +111,4 @@ def checkpointed_block_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, 
     if mode == "full":
         return tokens * r * h // tp
     kv, f = m.kv_heads * m.head_dim, m.ffn_dim if not m.is_moe_layer(layer) else m.moe_top_k * m.expert_ffn_dim
-    return tokens * (r * h + c * (4 * h + 2 * kv + 2 * f) + FP32 * m.n_heads) // tp
+    return tokens * (r * h + c * (2 * m.attention_dim + 2 * h + 2 * kv + 2 * f) + FP32 * m.n_heads) // tp

@@ -4,8 +4,12 @@ engine/checkpoint/hf_mapping.py and hf.py move the tensors).
 Forge's block is the Llama block: RMSNorm, RoPE in the rotate-half layout (so q/k weights need no
 permutation), grouped-query attention without biases, and a SwiGLU MLP. With `qk_norm` it is the Qwen3
 block instead (the same, plus an RMSNorm over each head's queries and keys before RoPE, with the model's
-norm eps). Anything else (LayerNorm, GeGLU/ReGLU) has no equivalent there and is refused, never exported
-under a name that would compute something different.
+norm eps); with `attention_qkv_bias` the Qwen2 block (biases on q, k and v, not o); with a
+`sliding_window` and neither, the Mistral block (Qwen2 and Qwen3 take the window too, on every layer:
+max_window_layers = 0). `attention_head_dim` is every class's head_dim, and `rope_scaling` their
+rope_parameters (rope_type "linear" or "llama3"). Anything else (LayerNorm, GeGLU/ReGLU, QK-norm with q/k/v
+biases) has no equivalent there and is refused, never exported under a name that would compute something
+different.
 
 Mixture-of-experts models map to the transformers MoE class whose routing is exactly Forge's (the logits
 tests prove each one):
@@ -22,7 +26,8 @@ tests prove each one):
   GLM-4-MoE's dense blocks come first (first_k_dense_replace), so the MoE blocks must be the last ones.
 - `softmax_topk` with shared experts has no equivalent (Qwen2-MoE gates its shared expert by a learned
   sigmoid; Forge adds it ungated) and is refused, as is a capacity limit that can drop tokens
-  (transformers never drops).
+  (transformers never drops). q/k/v biases export with Qwen2-MoE only (its qkv_bias); a sliding window
+  with no MoE class (Qwen2-MoE and Qwen3-MoE slide on alternate layers only, GLM-4-MoE not at all).
 
 Experts are written one tensor per expert and projection (`mlp.experts.{e}.gate_proj.weight`, …), the
 layout the Hub checkpoints of these models use and transformers' save_pretrained writes.
@@ -41,16 +46,30 @@ from engine.model.mup import output_multiplier, query_scale
 from engine.model.spec import HFMapping, Piece
 
 LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
+QWEN2, MISTRAL = "Qwen2ForCausalLM", "MistralForCausalLM"
 QWEN2_MOE, QWEN3_MOE, GLM4_MOE = "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"
-MODEL_TYPES = {LLAMA: "llama", QWEN3: "qwen3", QWEN2_MOE: "qwen2_moe", QWEN3_MOE: "qwen3_moe", GLM4_MOE: "glm4_moe"}
+MODEL_TYPES = {
+    LLAMA: "llama",
+    QWEN3: "qwen3",
+    QWEN2: "qwen2",
+    MISTRAL: "mistral",
+    QWEN2_MOE: "qwen2_moe",
+    QWEN3_MOE: "qwen3_moe",
+    GLM4_MOE: "glm4_moe",
+}
 MOE_ARCHITECTURES = (QWEN2_MOE, QWEN3_MOE, GLM4_MOE)
+QWEN_WINDOWED = (QWEN2, QWEN3)  # their sliding window: use_sliding_window, on layers from max_window_layers on
+MISTRAL_DEFAULT_WINDOW = 4096  # what MistralConfig assumes when config.json has no sliding_window
 
 # Inside block i: Forge "layers.{i}.<key>" ↔ HF "model.layers.{i}.<value>".
 LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
     "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wk.bias": "self_attn.k_proj.bias",
     "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wv.bias": "self_attn.v_proj.bias",
     "attention.wo.weight": "self_attn.o_proj.weight",
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
@@ -60,6 +79,7 @@ LAYER_NAMES = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
 QK_NORM_NAMES = ("attention.q_norm.weight", "attention.k_norm.weight")
+QKV_BIAS_NAMES = ("attention.wq.bias", "attention.wk.bias", "attention.wv.bias")
 DENSE_FFN_NAMES = ("feed_forward.w1.weight", "feed_forward.w3.weight", "feed_forward.w2.weight")
 # Forge expert / shared-expert projection ↔ HF projection.
 PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -76,12 +96,20 @@ ARCHITECTURE_FIELDS = (
     "n_layers",
     "n_heads",
     "kv_heads",
+    "head_dim",
+    "attention_qkv_bias",
     "vocab_size",
     "ffn_dim",
     "norm_type",
     "norm_eps",
     "activation",
     "rope_theta",
+    "rope_scaling",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_seq_len",
+    "sliding_window",
     "tie_embeddings",
     "qk_norm",
     "num_experts",
@@ -110,11 +138,28 @@ def hf_architecture(cfg: ModelConfig) -> str:
         )
     if cfg.is_moe:
         return moe_architecture(cfg)
-    return QWEN3 if cfg.qk_norm else LLAMA
+    if cfg.qk_norm and cfg.attention_qkv_bias:
+        raise UserError(
+            "model.qk_norm with model.attention_qkv_bias has no equivalent in transformers (Qwen3 has QK-norm "
+            "and no q/k/v biases, Qwen2 the biases and no QK-norm)",
+            "models with one of the two export (Qwen3, Qwen2); both together do not",
+        )
+    if cfg.qk_norm:
+        return QWEN3
+    if cfg.attention_qkv_bias:
+        return QWEN2
+    return MISTRAL if cfg.sliding_window is not None else LLAMA
 
 
 def moe_architecture(cfg: ModelConfig) -> str:
     """The MoE class whose routing is exactly `cfg`'s (see the module docstring), or a UserError naming the field."""
+    if cfg.sliding_window is not None:
+        raise UserError(
+            f"model.sliding_window = {cfg.sliding_window} with model.num_experts = {cfg.num_experts} has no "
+            "equivalent in transformers' MoE models (Qwen2-MoE and Qwen3-MoE slide on alternate layers only, "
+            "GLM-4-MoE not at all)",
+            "only dense models with a sliding window export (Mistral, Qwen2, Qwen3)",
+        )
     capacity = cfg.moe_capacity
     if capacity is not None and capacity * cfg.moe_top_k < cfg.num_experts:
         raise UserError(
@@ -132,7 +177,20 @@ def moe_architecture(cfg: ModelConfig) -> str:
                 "sigmoid gate, Forge adds it ungated",
                 "softmax_topk models export without shared experts; sigmoid_topk models (GLM-4-MoE) export with them",
             )
-        return QWEN3_MOE if cfg.qk_norm else QWEN2_MOE
+        architecture = QWEN3_MOE if cfg.qk_norm else QWEN2_MOE
+        if cfg.attention_qkv_bias and architecture != QWEN2_MOE:
+            raise UserError(
+                "model.attention_qkv_bias with model.qk_norm in an MoE model has no equivalent in transformers "
+                "(Qwen3-MoE has no q/k/v biases; Qwen2-MoE has them, without QK-norm)",
+                "softmax_topk models with q/k/v biases export without qk_norm (Qwen2-MoE)",
+            )
+        return architecture
+    if cfg.attention_qkv_bias:
+        raise UserError(
+            'model.attention_qkv_bias with model.moe_router = "sigmoid_topk" has no equivalent in transformers '
+            "(GLM-4-MoE has no q/k/v-only biases)",
+            "sigmoid_topk models export without attention_qkv_bias",
+        )
     if cfg.num_experts < 2:
         raise UserError(
             f"model.num_experts = {cfg.num_experts}: GLM-4-MoE's sigmoid router needs at least 2 experts",
@@ -155,9 +213,10 @@ def first_dense_layers(cfg: ModelConfig) -> int | None:
 
 
 def hf_config(cfg: ModelConfig, dtype_name: str, eos_id: int | None, bos_id: int | None) -> dict[str, Any]:
-    """config.json for `cfg` with weights in `dtype_name` ("bfloat16", …), whose tokenizer ends documents with `eos_id` and starts texts with `bos_id`. RoPE's
-    base is written both the transformers 4 way (rope_theta) and the transformers 5 way (rope_parameters), so
-    either version reads the same model."""
+    """config.json for `cfg` with weights in `dtype_name` ("bfloat16", …), whose tokenizer ends documents with
+    `eos_id` and starts texts with `bos_id`. RoPE's base and scaling are written both the transformers 4 way
+    (rope_theta, rope_scaling) and the transformers 5 way (rope_parameters), so either version reads the same
+    model."""
     architecture = hf_architecture(cfg)
     config: dict[str, Any] = {
         "architectures": [architecture],
@@ -173,8 +232,8 @@ def hf_config(cfg: ModelConfig, dtype_name: str, eos_id: int | None, bos_id: int
         "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None,
+        "rope_parameters": rope_parameters(cfg),
+        "rope_scaling": rope_scaling(cfg),
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": cfg.tie_embeddings,
@@ -184,10 +243,17 @@ def hf_config(cfg: ModelConfig, dtype_name: str, eos_id: int | None, bos_id: int
     }
     if architecture == LLAMA:
         config["mlp_bias"] = False
+    elif architecture == MISTRAL:
+        config["sliding_window"] = cfg.sliding_window
     elif architecture == GLM4_MOE:
         config.update(moe_config(cfg, architecture))
     else:
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+        windowed = cfg.sliding_window is not None
+        config.update(
+            use_sliding_window=windowed,
+            sliding_window=cfg.sliding_window,
+            max_window_layers=0 if windowed else cfg.n_layers,  # every layer slides from layer 0 on
+        )
         if architecture in MOE_ARCHITECTURES:
             config.update(moe_config(cfg, architecture))
     # The token the exported tokenizer starts a text with (the end-of-text token Forge trains each document
@@ -218,7 +284,7 @@ def moe_config(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
             "use_qk_norm": cfg.qk_norm,
             "partial_rotary_factor": 1.0,
             "num_nextn_predict_layers": 0,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0},
+            "rope_parameters": {**rope_parameters(cfg), "partial_rotary_factor": 1.0},
         }
     config = {
         **common,
@@ -229,25 +295,39 @@ def moe_config(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
         "router_aux_loss_coef": cfg.moe_aux_loss_weight,
     }  # what their training would use; not inference
     if architecture == QWEN2_MOE:
-        config.update(shared_expert_intermediate_size=0, qkv_bias=False)
+        config.update(shared_expert_intermediate_size=0, qkv_bias=cfg.attention_qkv_bias)
     return config
+
+
+def rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
+    """transformers' RoPE scaling parameters for cfg's `rope_scaling` (None for plain RoPE)."""
+    if cfg.rope_scaling == "none":
+        return None
+    scaling: dict[str, Any] = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_scaling_factor}
+    if cfg.rope_scaling == "llama3":
+        scaling.update(
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_seq_len,
+        )
+    return scaling
+
+
+def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """transformers 5's rope_parameters: the base and the scaling together."""
+    return {"rope_type": "default", "rope_theta": cfg.rope_theta, **(rope_scaling(cfg) or {})}
 
 
 def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
     """The `[model]` section that computes what an HF config.json of one of the architectures above
-    describes; anything Forge's model cannot reproduce exactly (other architectures, biases, RoPE scaling,
-    other routing, ...) is a UserError."""
+    describes; anything Forge's model cannot reproduce exactly (other architectures, biases on the output
+    projection or the MLP, other RoPE scalings, other routing, ...) is a UserError."""
     architecture = read_architecture(config, source)
     refuse_unsupported(config, architecture, source)
     heads = required(config, "num_attention_heads", source)
     dim = required(config, "hidden_size", source)
     head_dim = config.get("head_dim") or dim // heads
-    if head_dim * heads != dim:
-        raise UserError(
-            f"{source}: head_dim ({head_dim}) × num_attention_heads ({heads}) != hidden_size ({dim})",
-            "Forge's attention uses head_dim = hidden_size / num_attention_heads",
-        )
-    rope = config.get("rope_parameters") or {}
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # transformers 5 reads them so
     ffn_dim = required(config, "intermediate_size", source)
     qk_norm = architecture in (QWEN3, QWEN3_MOE) or (architecture == GLM4_MOE and bool(config.get("use_qk_norm")))
     moe = moe_fields_from_hf(config, architecture, ffn_dim, source) if architecture in MOE_ARCHITECTURES else {}
@@ -257,13 +337,21 @@ def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
             n_layers=required(config, "num_hidden_layers", source),
             n_heads=heads,
             n_kv_heads=config.get("num_key_value_heads") or heads,
+            attention_head_dim=None if head_dim * heads == dim else head_dim,
+            attention_qkv_bias=architecture == QWEN2
+            or (architecture == QWEN2_MOE and bool(config.get("qkv_bias", True))),
+            sliding_window=sliding_window_from_hf(config, architecture, source),
             vocab_size=required(config, "vocab_size", source),
             ffn_hidden_dim=ffn_dim,
             norm_type="rmsnorm",
             norm_eps=config.get("rms_norm_eps", 1e-6),
             activation="silu",
             max_seq_len=config.get("max_position_embeddings", 2048),
-            rope_theta=config.get("rope_theta") or rope.get("rope_theta") or 10000.0,
+            rope_theta=config.get("rope_theta")
+            or rope.get("rope_theta")
+            or (config.get("rope_parameters") or {}).get("rope_theta")
+            or 10000.0,
+            **rope_fields_from_hf(rope, config.get("max_position_embeddings", 2048), source),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             qk_norm=qk_norm,
             init_std=config.get("initializer_range", 0.02),
@@ -281,6 +369,46 @@ def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
             "this expert width cannot be expressed in Forge's [model] section",
         )
     return cfg
+
+
+def rope_fields_from_hf(rope: dict[str, Any], max_positions: int, source: str) -> dict[str, Any]:
+    """The [model] RoPE scaling fields for transformers' rope parameters (whose type refuse_unsupported
+    checked); llama3 without original_max_position_embeddings uses max_position_embeddings, as transformers
+    does."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return {}
+    fields = {"rope_scaling": kind, "rope_scaling_factor": required(rope, "factor", source)}
+    if kind == "llama3":
+        fields.update(
+            rope_low_freq_factor=required(rope, "low_freq_factor", source),
+            rope_high_freq_factor=required(rope, "high_freq_factor", source),
+            rope_original_max_seq_len=rope.get("original_max_position_embeddings") or max_positions,
+        )
+    return fields
+
+
+def sliding_window_from_hf(config: dict[str, Any], architecture: str, source: str) -> int | None:
+    """Mistral's sliding_window (4096 when absent, as MistralConfig assumes), or Qwen2's and Qwen3's with
+    use_sliding_window when every layer slides; a window on some layers only is refused."""
+    if architecture == MISTRAL:
+        return config.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
+    if architecture not in QWEN_WINDOWED or not config.get("use_sliding_window"):
+        return None
+    window, layers = config.get("sliding_window", MISTRAL_DEFAULT_WINDOW), required(config, "num_hidden_layers", source)
+    kinds = config.get("layer_types") or [
+        "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention" for i in range(layers)
+    ]
+    if window is None or set(kinds) == {"full_attention"}:
+        return None
+    if set(kinds) != {"sliding_attention"}:
+        raise UserError(
+            f"{source}: config.json slides its attention window on some layers only ({kinds.count('sliding_attention')} "
+            f"of {layers}: max_window_layers / layer_types), which Forge's model.sliding_window (every layer) "
+            "cannot express",
+            "only models whose layers all slide, or none, convert",
+        )
+    return window
 
 
 def moe_fields_from_hf(config: dict[str, Any], architecture: str, ffn_dim: int, source: str) -> dict[str, Any]:
@@ -332,14 +460,14 @@ def refuse_unsupported(config: dict[str, Any], architecture: str, source: str) -
     problems = []
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act = {config['hidden_act']!r} (Forge's gated MLP here needs silu)")
-    for bias in ("attention_bias", "mlp_bias", "qkv_bias"):
-        if config.get(bias, architecture == QWEN2_MOE and bias == "qkv_bias"):  # Qwen2-MoE has q/k/v biases by default
-            problems.append(f"{bias} = true (Forge's projections have no bias)")
+    for bias in ("attention_bias", "mlp_bias"):
+        if config.get(bias):
+            problems.append(f"{bias} = true (Forge's output projection and MLP have no bias)")
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        problems.append(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} (Forge implements plain RoPE)")
-    if architecture != LLAMA and config.get("use_sliding_window"):
-        problems.append("use_sliding_window = true (Forge attends over the whole context)")
+    if (kind := rope.get("rope_type", rope.get("type", "default"))) not in ("default", "linear", "llama3"):
+        problems.append(f"RoPE scaling {kind!r} (Forge implements plain RoPE, linear and llama3)")
+    if architecture in MOE_ARCHITECTURES and config.get("use_sliding_window"):
+        problems.append("use_sliding_window = true in an MoE model (Forge's MoE models attend over the whole context)")
     if architecture in MOE_ARCHITECTURES:
         problems += moe_problems(config, architecture)
     if problems:
@@ -396,7 +524,11 @@ def hf_layout(cfg: ModelConfig) -> dict[str, Piece]:
     layout = {OUTER_NAMES["tok_embeddings.weight"]: Piece("tok_embeddings.weight")}
     for i in range(cfg.n_layers):
         for ours, theirs in LAYER_NAMES.items():
-            if (ours in QK_NORM_NAMES and not cfg.qk_norm) or (ours in DENSE_FFN_NAMES and cfg.is_moe_layer(i)):
+            if (
+                (ours in QK_NORM_NAMES and not cfg.qk_norm)
+                or (ours in QKV_BIAS_NAMES and not cfg.attention_qkv_bias)
+                or (ours in DENSE_FFN_NAMES and cfg.is_moe_layer(i))
+            ):
                 continue
             layout[f"model.layers.{i}.{theirs}"] = Piece(f"layers.{i}.{ours}")
         if cfg.is_moe_layer(i):

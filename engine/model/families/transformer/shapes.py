@@ -15,8 +15,9 @@ def norm_params(cfg: ModelConfig, width: int) -> int:
 
 
 def attention_params(cfg: ModelConfig) -> int:
-    d = cfg.dim
-    return d * d + 2 * d * cfg.kv_heads * cfg.head_dim + d * d
+    """wq, wk, wv, wo, and the q/k/v biases (model.attention_qkv_bias)."""
+    d, q, kv = cfg.dim, cfg.attention_dim, cfg.kv_heads * cfg.head_dim
+    return 2 * d * q + 2 * d * kv + (q + 2 * kv if cfg.attention_qkv_bias else 0)
 
 
 def feed_forward_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
@@ -55,7 +56,8 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
-    """Forward + backward FLOPs per token: 6 × (active matmul parameters) + 12 × layers × dim × seq_len.
+    """Forward + backward FLOPs per token: 6 × (active matmul parameters) + 12 × layers × heads·head_dim ×
+    keys, where keys = seq_len, or the sliding window when that is shorter (the keys a query attends to).
 
     Matmul parameters are the blocks' and the output head's (tied or not: the head matmul always runs);
     the embedding lookup and norms are not matmuls. For MoE only the active ones count (router, top_k
@@ -64,7 +66,8 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """
     d = cfg.dim
     blocks = sum(attention_params(cfg) + feed_forward_params(cfg, i, active=True) for i in range(cfg.n_layers))
-    return 6 * (blocks + cfg.vocab_size * d) + 12 * cfg.n_layers * d * seq_len
+    keys = min(seq_len, cfg.sliding_window or seq_len)
+    return 6 * (blocks + cfg.vocab_size * d) + 12 * cfg.n_layers * cfg.attention_dim * keys
 
 
 def norm_specs(cfg: ModelConfig, prefix: str, width: int, owner: str | int) -> list[ParamSpec]:
@@ -108,14 +111,13 @@ def moe_specs(cfg: ModelConfig, prefix: str, layer: int) -> list[ParamSpec]:
 
 
 def block_specs(cfg: ModelConfig, layer: int) -> list[ParamSpec]:
-    p, d, q, kv = f"layers.{layer}", cfg.dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    p, d, q, kv = f"layers.{layer}", cfg.dim, cfg.attention_dim, cfg.kv_heads * cfg.head_dim
     specs = norm_specs(cfg, f"{p}.attention_norm", d, layer)
-    specs += [
-        ParamSpec(f"{p}.attention.wq.weight", (q, d), layer, 0),
-        ParamSpec(f"{p}.attention.wk.weight", (kv, d), layer, 0),
-        ParamSpec(f"{p}.attention.wv.weight", (kv, d), layer, 0),
-        ParamSpec(f"{p}.attention.wo.weight", (d, q), layer, 1),
-    ]
+    for name, width in (("wq", q), ("wk", kv), ("wv", kv)):
+        specs.append(ParamSpec(f"{p}.attention.{name}.weight", (width, d), layer, 0))
+        if cfg.attention_qkv_bias:  # column parallel like its weight's rows
+            specs.append(ParamSpec(f"{p}.attention.{name}.bias", (width,), layer, 0))
+    specs.append(ParamSpec(f"{p}.attention.wo.weight", (d, q), layer, 1))
     if cfg.qk_norm:
         specs += [
             ParamSpec(f"{p}.attention.q_norm.weight", (cfg.head_dim,), layer),
