@@ -16,8 +16,10 @@ PACKAGES=(
     torchtitan spmd_types tyro docstring_parser typeguard dill torch_checkpointing  # the race
 )
 mkdir -p benchmarks/wheels
-# torchtitan 0.3.0 is the version the race was measured against; the others as pip resolves them for 3.12.
+# The versions of the project's lock (requirements/dev-constraints.txt: torchtitan 0.3.0, torchao 0.18, the
+# pydantic_core that this pydantic pins), which the suite runs with here.
+rm -f benchmarks/wheels/*.whl
 $PIP download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi none --abi abi3 \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-    --platform any --dest benchmarks/wheels "${PACKAGES[@]/torchtitan/torchtitan==0.3.0}"
+    --platform any -c requirements/dev-constraints.txt --dest benchmarks/wheels "${PACKAGES[@]}"
 ls -la benchmarks/wheels

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from engine.data.device_batches import DeviceBatches
 from engine.metrics.memory import memory_stats
 from engine.metrics.mfu import mfu
 from engine.parallel.grad_norm import clip_grad_norm
@@ -43,7 +44,7 @@ class StepResult:
 
 
 def train_step(
-    job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHooks, stop_requested: Callable[[], bool] = bool
+    job: Job, step: int, batches: DeviceBatches, loss_fn, hooks: TrainHooks, stop_requested: Callable[[], bool] = bool
 ) -> StepResult:
     """One optimizer step over grad_accum_steps micro-batches, or none when the step is bad (non-finite,
     or a loss spike): its batches are then consumed without an update, on every rank alike.
@@ -70,6 +71,7 @@ def train_step(
         pipeline.norm_duplicates if pipeline else frozenset(),
     )
     lr = current_lr(job.optimizer)
+    batches.prefetch()  # the next step's first micro-batch, fetched and copied while the device computes this one
     loss_value, norm_value, stopping = step_totals(loss_sum, grad_norm, stop_requested())
     problem = job.guard.problem(loss_value, norm_value, scaler_handles_overflow=job.scaler.is_enabled())
     if problem is not None:

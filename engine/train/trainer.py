@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from engine.config.job import JobConfig
+from engine.data.device_batches import DeviceBatches
 from engine.metrics.trackers import MetricsLogger
 from engine.parallel.launch import leave_process_group
 from engine.parallel.place import process_place
@@ -193,7 +194,7 @@ def run_loop(
         log.warning("%s: %s (%s)", issue.path, issue.problem, issue.hint)
     monitor = torch.distributed.new_group(backend="gloo") if t.nccl_health_check_interval and distributed() else None
 
-    batches = job.train_data.batches(start_step=job.start_step)
+    batches = DeviceBatches(job.train_data.batches(start_step=job.start_step), job.device)
     job.model.train()
     progress = Progress(job.tokens_seen, time.perf_counter() - job.elapsed_sec)
     for step in range(job.start_step + 1, t.max_steps + 1):
