@@ -184,7 +184,7 @@ def head_cross_entropy(
         if isinstance(hidden, DTensor):
             hidden = hidden.redistribute(hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim).to_local()
         weight = weight.to_local()
-    else:  # another layout of the head (none the tensor-parallel plans make): the whole matrix, as on one device
+    else:  # plain, or sharded other than by rows over one mesh dimension: the whole matrix, as on one device
         hidden, weight = (t.full_tensor() if isinstance(t, DTensor) else t for t in (hidden, weight))
     return chunked_cross_entropy(hidden, weight, labels, chunk_size, z_loss_weight, on_token_losses, shard)
 
