@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = p.parse_args(argv)
     in_process = args.toy if args.in_process is None else args.in_process
+    where = machine()  # before this run writes anything (the commit's "uncommitted changes" flag)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     log = Path(f"{args.out}.log")
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
         "in_process": in_process,
         "command": " ".join(["benchmarks/gpu_suite.sh", *(argv if argv is not None else sys.argv[1:])]),
         "seconds": time.perf_counter() - start,
-        "machine": machine(),
+        "machine": where,
         "train": {i.name: i.result for i in items if i.kind == "train"},
         "race": next(i.result for i in items if i.kind == "race"),
     }
