@@ -26,6 +26,7 @@ per item would cost the toy run more than its work. The commands and the reading
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -223,18 +224,20 @@ def machine() -> dict:
     import torch
 
     def version(name: str) -> str:
+        """From the package's metadata, without importing it (torchtitan needs gpu_race's shim on torch 2.11)."""
         try:
-            return __import__(name).__version__
-        except Exception:  # missing, or broken on this machine: recorded as such
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             return "not installed"
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True)
-    cuda = torch.cuda.is_available()
+    gpu = nvidia_smi()
     return {
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "device": torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
-        "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / GIB if cuda else None,
+        "device": gpu.get("name") or platform.processor() or "cpu",
+        "gpu_memory": gpu.get("memory.total"),
+        "gpu_driver": gpu.get("driver_version"),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -246,6 +249,23 @@ def machine() -> dict:
     }
 
 
+def nvidia_smi() -> dict[str, str]:
+    """The first GPU's name, memory and driver from nvidia-smi, without starting CUDA in this process (its
+    context would take GPU memory from the runs); empty where there is none."""
+    fields = ("name", "memory.total", "driver_version")
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    lines = out.stdout.strip().splitlines()
+    return dict(zip(fields, (v.strip() for v in lines[0].split(",")))) if out.returncode == 0 and lines else {}
+
+
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [
@@ -253,7 +273,8 @@ def markdown(report: dict) -> str:
         "",
         f"- Recorded {m['date_utc']} UTC by `{report['command']}` in {report['seconds']:.0f} s.",
         f"- Python {m['python']}, torch {m['torch']} (CUDA {m['cuda']}), torchao {m['torchao']}, "
-        f"torchtitan {m['torchtitan']}; {m['cpus']} CPUs.",
+        f"torchtitan {m['torchtitan']}; {m['cpus']} CPUs"
+        + (f"; GPU memory {m['gpu_memory']}, driver {m['gpu_driver']}." if m["gpu_memory"] else "."),
         f"- Commit {m['commit']}{' with uncommitted changes' if m['uncommitted_changes'] else ''}.",
         "",
         "## forge train",
