@@ -1,7 +1,8 @@
 """The training loop's micro-batches on the training device, fetched one ahead of their use.
 
-`prefetch()`, which the step calls just before the host waits for the device (engine/train/step.py), takes
-the next micro-batch from the loader and starts its copy to the device: the loader's work and, on a GPU, the
+`prefetch()`, which the step calls just before the host waits for the device (engine/train/step.py; not on
+the run's last step, so that no window is read past the run's end), takes the next micro-batch from the loader
+and starts its copy to the device: the loader's work and, on a GPU, the
 host-to-device copy then run while the device still computes the step, not after it. Within a step the next
 micro-batch is taken when the current one is handed out, after the previous one's work was queued.
 

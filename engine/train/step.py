@@ -71,7 +71,8 @@ def train_step(
         pipeline.norm_duplicates if pipeline else frozenset(),
     )
     lr = current_lr(job.optimizer)
-    batches.prefetch()  # the next step's first micro-batch, fetched and copied while the device computes this one
+    if step < job.cfg.train.max_steps:  # the next step's first micro-batch, moved while the device computes
+        batches.prefetch()
     loss_value, norm_value, stopping = step_totals(loss_sum, grad_norm, stop_requested())
     problem = job.guard.problem(loss_value, norm_value, scaler_handles_overflow=job.scaler.is_enabled())
     if problem is not None:
