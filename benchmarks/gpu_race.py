@@ -101,8 +101,19 @@ def forge_side(cfg: JobConfig, device: torch.device, batch: tuple[torch.Tensor, 
     return Side("forge", model, train_step(model, optimizer, lambda: loss_of(model, *batch), device))
 
 
+def torchtitan_importable() -> None:
+    """torchtitan 0.3.0 imports `torch.distributed.fsdp.DataParallelMeshDims` at package import, which torch
+    2.11 (the lent GPU machine's) lacks. This one-device race never calls the FSDP helpers that use it, so a
+    placeholder class there lets the model package load, its model code untouched; newer torch has the name."""
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+
+
 def titan_model(cfg: JobConfig) -> nn.Module:
     """torchtitan's Llama 3 at Forge's shape, SDPA inside (see the module docstring)."""
+    torchtitan_importable()
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import (
@@ -248,6 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         p.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
+    torchtitan_importable()
     import torchtitan
 
     report = {

@@ -224,3 +224,28 @@ def test_eval_data_must_share_the_training_tokenizer(data: Path, tmp_path: Path)
     cfg = job_config(data, "eval.enabled=true", f"eval.dataset_path={other}")
     with pytest.raises(DataError, match="different tokenizer"):
         open_eval_data(cfg)
+
+
+def test_device_batches_take_the_next_micro_batch_one_ahead_in_the_loaders_order():
+    """engine.data.device_batches: `prefetch()` takes exactly one batch ahead (the step calls it before its
+    sync), `next()` hands that one out, and the order and the end are the loader's. (On CPU the tensors are
+    used where they are; the CUDA side stream is for GPUs.)"""
+    from engine.data.device_batches import DeviceBatches
+
+    taken: list[int] = []
+
+    def loader():
+        for i in range(3):
+            taken.append(i)
+            yield torch.tensor([i]), torch.tensor([i + 1]), torch.tensor([7])
+
+    batches = DeviceBatches(loader(), torch.device("cpu"))
+    assert [t.tolist() for t in next(batches)] == [[0], [1], [7]] and taken == [0]
+    batches.prefetch()
+    batches.prefetch()  # one ahead at most
+    assert taken == [0, 1]
+    assert next(batches)[0].tolist() == [1] and taken == [0, 1]
+    assert next(batches)[0].tolist() == [2] and taken == [0, 1, 2]
+    batches.prefetch()  # the loader is done: nothing ahead, and the next next() ends as the loader does
+    with pytest.raises(StopIteration):
+        next(batches)

@@ -152,14 +152,10 @@ def one_process(tmp_path_factory) -> Path:
 # The pipeline's micro-batches are the step's grad_accum_steps: 2 of half the batch, the same global batch.
 # Evaluation runs through the schedule too, 2 micro-batches a pass: 4 batches of 2 are the one-process run's
 # 2 batches of 4 held-out sequences.
-# The pipeline takes the loss from the logits: the plain cross-entropy (the preset trains with the chunked one).
-PIPELINE = [
-    "--distributed.pp=2",
-    "--distributed.dp_shard=1",
-    "--train.grad_accum_steps=2",
-    "--eval.steps=4",
-    "--train.loss_fn=cross_entropy",
-]
+# gpipe and interleaved_1f1b take the loss from the logits (the plain cross-entropy); 1f1b keeps the preset's
+# chunked one, which the last stage computes from its final hidden states through its head.
+PIPELINE_LAYOUT = ["--distributed.pp=2", "--distributed.dp_shard=1", "--train.grad_accum_steps=2", "--eval.steps=4"]
+PIPELINE = [*PIPELINE_LAYOUT, "--train.loss_fn=cross_entropy"]
 CONTEXT_PARALLEL = ["--distributed.cp=2", "--distributed.dp_shard=1"]
 # presets/debug.toml trains with the chunked cross-entropy, which reads the head's weight after the forward:
 # "fsdp" checks that FSDP still averages that weight's gradient; "fsdp_cross_entropy" the plain loss. "tp" takes
@@ -171,7 +167,7 @@ LAYOUTS = {
     "hsdp": (["--distributed.dp_replicate=2", "--distributed.dp_shard=1"], 2),
     "tp": (["--distributed.tp=2", "--distributed.dp_shard=1", "--train.loss_fn=cross_entropy"], 4),
     "pp_gpipe": ([*PIPELINE, "--distributed.pp_schedule=gpipe"], 2),
-    "pp_1f1b": ([*PIPELINE, "--distributed.pp_schedule=1f1b"], 2),
+    "pp_1f1b_chunked_ce": ([*PIPELINE_LAYOUT, "--distributed.pp_schedule=1f1b"], 2),
     "pp_interleaved_selective_ac": (
         [*PIPELINE, "--distributed.pp_schedule=interleaved_1f1b", "--train.activation_checkpointing=selective"],
         2,

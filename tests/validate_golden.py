@@ -231,7 +231,8 @@ RULE_CASES: dict[str, list[str]] = {
     "pp-chunked-loss-and-fp16": [
         DEBUG,
         "--world-size",
-        "2",
+        "4",
+        "--distributed.tp=2",
         "--distributed.pp=2",
         "--train.grad_accum_steps=2",
         "--train.mixed_precision=fp16",

@@ -208,12 +208,12 @@ def loss_activation_bytes(cfg: JobConfig, tokens: int) -> int:
     """Saved by the final norm, the head and the loss on one rank. The final norm is sequence parallel
     (÷ tp); the head reads the whole sequence. cross_entropy keeps the fp32 log-probabilities
     [tokens, vocab/tp] (vocabulary-parallel head), and the fp32 logits too with z-loss;
-    chunked_cross_entropy keeps the gradients it computes in forward: the hidden states' (their dtype) and
-    the whole head's (fp32)."""
+    chunked_cross_entropy keeps the gradients it computes in forward: the hidden states' (their dtype, all the
+    tokens: under tp every rank projects the gathered sequence) and its head rows' (fp32, vocab/tp of them)."""
     m, t, tp = cfg.model, cfg.train, cfg.distributed.tp
     saved = tokens * spec_for(m).norm_bytes(m, activation_layout(cfg)) // tp
     if t.loss_fn == "chunked_cross_entropy":
-        return saved + tokens * residual_bytes(cfg) * m.dim + FP32 * m.vocab_size * m.dim
+        return saved + tokens * residual_bytes(cfg) * m.dim + FP32 * math.ceil(m.vocab_size / tp) * m.dim
     saved += INT64 * tokens  # the labels
     logits = FP32 * tokens * math.ceil(m.vocab_size / tp) * (2 if t.z_loss_weight else 1)
     return saved + COMPUTE_BYTES[t.mixed_precision] * tokens * m.dim + logits
@@ -230,7 +230,7 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
     - no FSDP, compute dtype below fp32: autocast's low-precision copies of the matmul weights, which
       autograd keeps until backward (with activation checkpointing, only the recomputed block's and the head's).
     - the loss's gradients: two fp32 [tokens, vocab/tp] tensors in backward for cross_entropy, two
-      [ce_chunk_size, vocab] chunks in forward for chunked_cross_entropy (its head gradient is an activation).
+      [ce_chunk_size, vocab/tp] chunks in forward for chunked_cross_entropy (its head gradient is an activation).
     - the optimizer's step: `OptimizerState.step_copies` fp32 copies of the largest whole parameter of a
       kind (a matrix orthogonalized after gathering it from its shards, its iterate and the result).
     """
@@ -259,7 +259,7 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
         kept = sum(matrices.values()) if t.activation_checkpointing == "none" else max(matrices.values(), default=0)
         total += c * (kept + head)
     if has_head and t.loss_fn == "chunked_cross_entropy":
-        total += 2 * FP32 * min(t.ce_chunk_size, tokens) * m.vocab_size
+        total += 2 * FP32 * min(t.ce_chunk_size, tokens) * math.ceil(m.vocab_size / d.tp)
     elif has_head:
         total += 2 * FP32 * tokens * math.ceil(m.vocab_size / d.tp)
     for kind, copies in optimizer_state(cfg.optimizer).step_copies.items():

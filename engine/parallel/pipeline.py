@@ -30,6 +30,11 @@ inference). That pass is a training forward and backward: it would move the MoE 
 (engine/train/balancing.py) and, on a later stage, route uninitialised memory. A forward hook checks every
 stage's output against what was declared.
 
+Chunked cross-entropy (`StageShapes.last_hidden`): the last stage returns its final-normed hidden states
+[batch, seq, dim] instead of logits, and the loss projects them through that stage's head chunk by chunk
+(engine/train/losses.py, `StageCrossEntropy`). Every stage's forward is then called with `return_hidden=True`
+(the schedule hands keyword arguments to every stage; the others return their blocks' output either way).
+
 Mixture of experts: each stage's routers' auxiliary losses ride on its output to the schedule's backward,
 and the logged loss and routing metrics cover every stage (engine/parallel/pipeline_moe.py).
 
@@ -81,7 +86,8 @@ StageLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class StageShapes:
     """What the stages pass for one micro-batch: token ids [batch, seq] into the first stage, hidden states
     [batch, hidden_seq, dim] between stages (hidden_seq = seq / tp: the residual stream is sequence-sharded
-    under tensor parallelism), full logits [batch, seq, vocab] out of the last."""
+    under tensor parallelism), full logits [batch, seq, vocab] out of the last, or with `last_hidden` (a loss
+    that projects them itself) its final-normed hidden states [batch, seq, dim], in the residual's dtype."""
 
     batch: int
     seq: int
@@ -90,6 +96,7 @@ class StageShapes:
     vocab: int
     hidden_dtype: torch.dtype  # the residual stream's: fp32 under autocast, the compute dtype under FSDP
     logits_dtype: torch.dtype
+    last_hidden: bool = False
 
     def inputs(self, stage: int) -> torch.Tensor:
         """The example input of `stage` (on the meta device: only its shape, dtype and requires_grad count)."""
@@ -98,6 +105,9 @@ class StageShapes:
         return self.hidden().requires_grad_()
 
     def outputs(self, stage: int, n_stages: int) -> torch.Tensor:
+        if stage == n_stages - 1 and self.last_hidden:
+            shape = (self.batch, self.seq, self.dim)
+            return torch.empty(shape, dtype=self.hidden_dtype, device="meta").requires_grad_()
         if stage == n_stages - 1:
             shape = (self.batch, self.seq, self.vocab)
             return torch.empty(shape, dtype=self.logits_dtype, device="meta").requires_grad_()
@@ -215,6 +225,12 @@ class Pipeline:
     n_microbatches: int
     tied: TiedWeight | None = None  # with tied embeddings: this rank's copy of the shared matrix
     aux_losses: StageAuxLosses | None = None  # MoE: the routers' auxiliary losses of this rank's stages
+    last_hidden: bool = False  # the last stage returns hidden states, not logits (StageShapes.last_hidden)
+
+    def stage_kwargs(self, doc_ids: torch.Tensor | None) -> dict[str, object]:
+        """What every stage's forward receives besides its input: packed windows' document ids, and
+        `return_hidden` when the loss projects the last stage's hidden states itself."""
+        return {**documents(doc_ids), **({"return_hidden": True} if self.last_hidden else {})}
 
     @property
     def norm_duplicates(self) -> set[nn.Parameter]:
@@ -234,7 +250,7 @@ class Pipeline:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         target = labels if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **documents(doc_ids))
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **self.stage_kwargs(doc_ids))
         if self.tied is not None:
             self.tied.sync()
         share = None if losses is None else torch.stack([loss.detach() for loss in losses]).mean()
@@ -253,7 +269,7 @@ class Pipeline:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
-        self.schedule.eval(*args, target=target, losses=losses, return_outputs=False, **documents(doc_ids))
+        self.schedule.eval(*args, target=target, losses=losses, return_outputs=False, **self.stage_kwargs(doc_ids))
         return None if losses is None else torch.stack(losses).mean()
 
     def step_loss(self, share: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -318,6 +334,7 @@ def build_pipeline(
         n_microbatches=n_microbatches,
         tied=tied,
         aux_losses=aux_losses,
+        last_hidden=shapes.last_hidden,
     )
 
 

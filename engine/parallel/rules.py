@@ -236,10 +236,11 @@ def pipeline_issues(cfg: JobConfig) -> list[ConfigIssue]:
         )
     unsupported = [
         (
-            t.loss_fn == "chunked_cross_entropy",
+            t.loss_fn == "chunked_cross_entropy" and d.tp > 1,
             "train.loss_fn",
-            "chunked cross-entropy: the last stage computes the loss from its logits",
-            'set train.loss_fn = "cross_entropy" (the same loss, computed from the logits), or distributed.pp = 1',
+            f"chunked cross-entropy with distributed.tp = {d.tp}: the last stage would hand the loss its "
+            "sequence-sharded hidden states",
+            'set train.loss_fn = "cross_entropy" (the same loss, computed from the logits), or distributed.tp = 1',
         ),
         (
             t.mixed_precision == "fp16",

@@ -55,8 +55,8 @@ from torch.distributed.tensor.parallel import (
 from engine.model.spec import TPStyle, spec_for
 
 # Losses that work on vocabulary-sharded logits (they call F.cross_entropy on the model's output). The chunked
-# loss projects the hidden states itself through `output.weight`: it gathers the head's full weight and the
-# full hidden states, so it runs without loss parallel.
+# loss projects the hidden states itself, through this rank's rows of `output.weight`: it is vocabulary-parallel
+# on its own (engine/train/losses.py, `VocabShard`) and never calls the head module, whose layout is moot to it.
 LOSS_PARALLEL_LOSSES = ("cross_entropy",)
 
 

@@ -324,9 +324,11 @@ def initial_state_on_main(cfg: JobConfig, device: torch.device) -> dict[str, Any
 
 def pipelined(model: Transformer, cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> Pipeline:
     """This rank's pipeline stages, each parallelized like a whole model would be. The pipeline's
-    micro-batches are the step's `train.grad_accum_steps` micro-batches."""
-    loss = StageCrossEntropy(cfg.train.z_loss_weight)
-    return build_pipeline(
+    micro-batches are the step's `train.grad_accum_steps` micro-batches. The chunked loss projects the last
+    stage's hidden states through that stage's head."""
+    chunked = cfg.train.loss_fn == "chunked_cross_entropy"
+    loss = StageCrossEntropy(cfg.train.z_loss_weight, cfg.train.ce_chunk_size if chunked else None)
+    pipeline = build_pipeline(
         model,
         mesh.get("pp"),
         cfg.distributed.pp_schedule,
@@ -336,6 +338,9 @@ def pipelined(model: Transformer, cfg: JobConfig, mesh: ParallelMesh, device: to
         stage_shapes(cfg, mesh, device),
         parallelize_stage=lambda part: parallelize(part, cfg, mesh, device=device, pipelined=True),
     )
+    if loss.takes_hidden and pipeline.has_last_stage:
+        loss.bind_head(next(part.output for part in pipeline.model_parts if part.output is not None))
+    return pipeline
 
 
 def fsdp_casts(mesh: ParallelMesh | None) -> bool:
@@ -359,6 +364,7 @@ def stage_shapes(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> St
         vocab=m.vocab_size,
         hidden_dtype=compute if fsdp_casts(mesh) else torch.float32,
         logits_dtype=compute,
+        last_hidden=cfg.train.loss_fn == "chunked_cross_entropy",
     )
 
 

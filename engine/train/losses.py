@@ -13,6 +13,13 @@ Given `on_token_losses`, a loss also hands it each token's cross-entropy ([batch
 by-product of the loss it computes anyway (the log-probabilities' gather, the chunks' per-token values): a
 mixture's step sums them per source (engine/train/source_losses.py). The returned loss is bitwise the same
 with or without it.
+
+Loss parallelism: under tensor parallelism `cross_entropy` reduces vocabulary-sharded DTensor logits inside
+`loss_parallel()` (engine/parallel/tp.py), and `chunked_cross_entropy` takes the head's own vocabulary shard
+(`VocabShard`): each rank computes its shard's logits chunk by chunk, and only per-token values (the max, the
+sum of exponentials, the target logit) and, once, the hidden states' gradient cross the tensor-parallel group.
+Under pipeline parallelism the last stage computes either loss (`StageCrossEntropy`); for the chunked one it
+returns the final-normed hidden states instead of logits.
 """
 
 from __future__ import annotations
@@ -22,8 +29,10 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from engine.config.registry import LOSSES
 from engine.config.train import TrainConfig
@@ -64,16 +73,32 @@ def cross_entropy(
 
 
 class StageCrossEntropy:
-    """`cross_entropy` as a pipeline schedule calls it on the last stage (logits and labels, not the model).
-    Evaluation runs through the same schedule and reports plain CE, so it turns z-loss off for its pass."""
+    """The loss as a pipeline schedule calls it on the last stage (the stage's output and the labels, not the
+    model): `cross_entropy` of the logits, or with `chunk_size` set, `chunked_cross_entropy` of the final-normed
+    hidden states (`takes_hidden`: the pipeline then asks its stages for them) through the head of the module
+    `bind_head` gave, the last stage's copy of `output`. Evaluation runs through the same schedule and reports
+    plain CE, so it turns z-loss off for its pass."""
 
-    def __init__(self, z_loss_weight: float) -> None:
-        self.z_loss_weight, self.z_loss = z_loss_weight, True
+    def __init__(self, z_loss_weight: float, chunk_size: int | None = None) -> None:
+        self.z_loss_weight, self.z_loss, self.chunk_size = z_loss_weight, True, chunk_size
+        self.head: torch.nn.Module | None = None  # chunked: the last stage's output module (weight looked up per call)
         self.token_losses: list[torch.Tensor] | None = None  # while `recording`: each microbatch's, in call order
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_hidden(self) -> bool:
+        return self.chunk_size is not None
+
+    def bind_head(self, head: torch.nn.Module) -> None:
+        """The output module whose weight the chunked loss projects through (on the rank of the last stage)."""
+        self.head = head
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         keep = self.token_losses.append if self.token_losses is not None else None
-        return cross_entropy(logits, labels, self.z_loss_weight if self.z_loss else 0.0, keep)
+        z_weight = self.z_loss_weight if self.z_loss else 0.0
+        if self.chunk_size is None:
+            return cross_entropy(output, labels, z_weight, keep)
+        assert self.head is not None, "the chunked stage loss needs bind_head() on the last stage's rank"
+        return head_cross_entropy(output, self.head.weight, labels, self.chunk_size, z_weight, keep)
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[list[torch.Tensor]]:
@@ -115,6 +140,7 @@ def chunked_cross_entropy(
     chunk_size: int,
     z_loss_weight: float = 0.0,
     on_token_losses: TokenLosses | None = None,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """`cross_entropy(hidden @ weightᵀ, labels, z_loss_weight)` without ever holding all the logits.
 
@@ -125,17 +151,67 @@ def chunked_cross_entropy(
     [tokens, vocab] ones, and the FLOPs are those of the plain loss (no recomputation); the separate
     log-softmax, its backward and their zero-fills over [tokens, vocab] never run. Under autocast the
     matmuls run in the autocast dtype, as the output Linear's would.
-    """
+
+    With `shard` (loss parallelism), `weight` is this rank's rows of the head (`shard.start` on) and the
+    chunks' logits those of its vocabulary; every rank of `shard.group` passes the same hidden states and
+    labels and gets the same loss, and its gradient of its own rows."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     keep = on_token_losses is not None
     loss, token_losses = ChunkedCrossEntropy.apply(
-        hidden.flatten(0, 1), weight, labels.flatten(), chunk_size, z_loss_weight, dtype, with_grads, keep
+        hidden.flatten(0, 1), weight, labels.flatten(), chunk_size, z_loss_weight, dtype, with_grads, keep, shard
     )
     if keep:
         on_token_losses(token_losses.reshape(labels.shape))
     return loss
+
+
+def head_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int,
+    z_loss_weight: float = 0.0,
+    on_token_losses: TokenLosses | None = None,
+) -> torch.Tensor:
+    """`chunked_cross_entropy` of a model's final hidden states through its head, as they come: plain tensors,
+    or under tensor parallelism a sequence-sharded DTensor and the vocabulary-sharded head. Then the hidden
+    states are all-gathered over the sequence (every rank projects all tokens through its own rows; their
+    gradient flows back as this rank's slice of the summed, replicated whole) and the head is never gathered."""
+    shard = VocabShard.of(weight)
+    if shard is not None:
+        if isinstance(hidden, DTensor):
+            hidden = hidden.redistribute(hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim).to_local()
+        weight = weight.to_local()
+    else:  # plain, or sharded other than by rows over one mesh dimension: the whole matrix, as on one device
+        hidden, weight = (t.full_tensor() if isinstance(t, DTensor) else t for t in (hidden, weight))
+    return chunked_cross_entropy(hidden, weight, labels, chunk_size, z_loss_weight, on_token_losses, shard)
+
+
+class VocabShard:
+    """Where this rank's rows of a vocabulary-sharded head lie, and the reductions over the group that holds
+    the others: every per-token value of the softmax (its max, its sum, the target's logit) is the reduction
+    of the ranks' values over their own columns."""
+
+    def __init__(self, group: dist.ProcessGroup, start: int, rows: int) -> None:
+        self.group, self.start, self.rows = group, start, rows
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> VocabShard | None:
+        """The shard of a head sharded by rows over a 1-D mesh (tensor parallelism's "vocab_head"), else None."""
+        if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1 or weight.placements != (Shard(0),):
+            return None
+        shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+        return cls(weight.device_mesh.get_group(), offset[0], shape[0])
+
+    def max(self, value: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return value
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(value, group=self.group)
+        return value
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -144,7 +220,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     and of the head; backward only scales those by the incoming gradient (a scalar: the loss is a mean).
     The gradients are computed before backward asks for them, which is what lets each chunk's logits be
     dropped as soon as it is done, without computing them again in backward. Its second output is each
-    token's cross-entropy when `keep_tokens` (else empty), not differentiable."""
+    token's cross-entropy when `keep_tokens` (else empty), not differentiable.
+
+    With a `VocabShard` the columns are this rank's vocabulary: two small all-reduces per chunk (the max,
+    then the sum of exponentials with the target logit, which only its owner's shard holds), and one of the
+    hidden states' gradient at the end (each rank's is the part through its own rows)."""
 
     @staticmethod
     def forward(
@@ -157,11 +237,18 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         dtype: torch.dtype,
         with_grads: bool,
         keep_tokens: bool,
+        shard: VocabShard | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = labels.numel()
         exact = torch.promote_types(weight.dtype, torch.float32)  # fp32, or float64 for a float64 model
         with torch.autocast(hidden.device.type, enabled=False):
             head = weight.to(dtype)
+            # labels as columns of this rank's logits; `owned` marks the tokens whose label is among them
+            columns, owned = labels, None
+            if shard is not None:
+                columns = labels - shard.start
+                owned = (columns >= 0) & (columns < shard.rows)
+                columns = columns.clamp(0, max(shard.rows - 1, 0))
             lse = torch.empty(labels.shape, dtype=exact, device=hidden.device)
             nll = torch.zeros((), dtype=exact, device=hidden.device)
             token_nll = torch.empty(labels.shape if keep_tokens else 0, dtype=exact, device=hidden.device)
@@ -170,19 +257,19 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             for chunk in chunks(tokens, chunk_size):
                 h = hidden[chunk].to(dtype)
                 logits = (h @ head.T).to(exact)
-                target = logits.gather(1, labels[chunk, None]).squeeze(1)
+                mine = None if owned is None else owned[chunk]
+                grad_logits, lse[chunk], target = softmax_grad(logits, columns[chunk], z_loss_weight, shard, mine)
                 if with_grads:
-                    grad_logits, lse[chunk] = softmax_grad(logits, labels[chunk], z_loss_weight)
                     grad_logits = grad_logits.to(dtype)
                     grad_hidden[chunk] = grad_logits @ head
                     accumulate_product(grad_head, grad_logits.T, h)
-                else:
-                    lse[chunk] = torch.logsumexp(logits, dim=-1)
                 chunk_nll = lse[chunk] - target
                 nll += chunk_nll.sum()
                 if keep_tokens:
                     token_nll[chunk] = chunk_nll
             loss = (nll + z_loss_weight * lse.square().sum()) / tokens
+            if with_grads and shard is not None:  # each rank's part: through its own rows of the head
+                shard.sum(grad_hidden)
         if with_grads:  # the mean's 1/tokens last, in the gradients' own dtype: nothing small is rounded to bf16
             ctx.save_for_backward(grad_hidden.div_(tokens), grad_head.div_(tokens).to(weight.dtype))
         ctx.mark_non_differentiable(token_nll)
@@ -194,23 +281,38 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         scale = grad_loss.to(grad_hidden.dtype)
         grad_weight = grad_head * scale if ctx.needs_input_grad[1] else None
         grad_hidden = grad_hidden * scale if ctx.needs_input_grad[0] else None
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
-def softmax_grad(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens × d loss / d logits, logsumexp) for one chunk, the gradient written over `logits` (fp32) in
-    four passes (max, exp of the difference, sum, scale): the summed cross-entropy's softmax − onehot, with
-    z-loss's 2w·lse·softmax added. Values in [-1, 1 + 2w·lse], safe to round to bf16/fp16."""
-    peak = logits.amax(dim=-1, keepdim=True)
-    grad = logits.sub_(peak).exp_()
-    total = grad.sum(dim=-1, keepdim=True)
+def softmax_grad(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    z_loss_weight: float,
+    shard: VocabShard | None = None,
+    owned: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens × d loss / d logits, logsumexp, the labels' logits) for one chunk, the gradient written over
+    `logits` (fp32) in four passes (max, exp of the difference, sum, scale): the summed cross-entropy's
+    softmax − onehot, with z-loss's 2w·lse·softmax added. Values in [-1, 1 + 2w·lse], safe to round to
+    bf16/fp16. With a `shard`, `logits` are this rank's columns, `labels` the columns of the tokens it `owned`
+    (clamped into range for the others), and the max and the sums are reduced over the shard's group."""
+    target = logits.gather(1, labels[:, None]).squeeze(1)
+    peak = logits.amax(dim=-1)
+    if shard is not None:
+        peak = shard.max(peak)
+        target = target * owned
+    grad = logits.sub_(peak[:, None]).exp_()
+    total = grad.sum(dim=-1)
+    if shard is not None:
+        total, target = shard.sum(torch.stack([total, target])).unbind()
     lse = total.log() + peak
     scale = total.reciprocal()
     if z_loss_weight:
         scale = scale * (1 + 2 * z_loss_weight * lse)
-    grad.mul_(scale)
-    grad[torch.arange(grad.shape[0], device=grad.device), labels] -= 1
-    return grad, lse.squeeze(1)
+    grad.mul_(scale[:, None])
+    hit = torch.ones_like(target) if owned is None else owned.to(grad.dtype)
+    grad.scatter_add_(1, labels[:, None], -hit[:, None])  # − onehot(label): only where this rank holds it
+    return grad, lse, target
 
 
 def accumulate_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -267,11 +369,8 @@ def chunked_loss(cfg: TrainConfig) -> ModelLoss:
         on_token_losses: TokenLosses | None = None,
     ) -> torch.Tensor:
         hidden, weight = model(tokens, return_hidden=True, doc_ids=doc_ids), model.output.weight
-        # Under tensor parallelism both are DTensors (sequence-sharded states, vocabulary-sharded head): the
-        # chunks then go through the whole head on every rank, as on one device.
-        hidden, weight = (t.full_tensor() if isinstance(t, DTensor) else t for t in (hidden, weight))
         z_weight = cfg.z_loss_weight if z_loss else 0.0
-        value = chunked_cross_entropy(hidden, weight, labels, cfg.ce_chunk_size, z_weight, on_token_losses)
+        value = head_cross_entropy(hidden, weight, labels, cfg.ce_chunk_size, z_weight, on_token_losses)
         return with_moe_loss(model, value) if z_loss else value
 
     return loss

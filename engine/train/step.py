@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from engine.data.device_batches import DeviceBatches
 from engine.metrics.memory import memory_stats
 from engine.metrics.mfu import mfu
 from engine.parallel.grad_norm import clip_grad_norm
-from engine.resilience.collectives import any_rank, distributed
+from engine.resilience.collectives import distributed
 from engine.train.hooks import TrainHooks
 from engine.train.job import Job
 from engine.train.losses import ModelLoss, StageCrossEntropy
@@ -35,15 +36,23 @@ class StepResult:
     lr: float
     problem: str | None  # why the update was skipped; None when it was applied
     source_losses: SourceLosses | None = None  # a mixture's per-source sums on this rank, reduced when logged
+    stop_requested: bool = False  # a stop signal had reached some rank by this step's sync
 
     def as_metrics(self, step: int) -> dict[str, Any]:
         """What a config hook's on_step_end receives: every step has these, not only the logged ones."""
         return {"step": step, "loss": self.loss, "grad_norm": self.grad_norm, "lr": self.lr, "skipped": self.problem}
 
 
-def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHooks) -> StepResult:
+def train_step(
+    job: Job, step: int, batches: DeviceBatches, loss_fn, hooks: TrainHooks, stop_requested: Callable[[], bool] = bool
+) -> StepResult:
     """One optimizer step over grad_accum_steps micro-batches, or none when the step is bad (non-finite,
-    or a loss spike): its batches are then consumed without an update, on every rank alike."""
+    or a loss spike): its batches are then consumed without an update, on every rank alike.
+
+    The host waits for the device once, to read the loss and the gradient norm the bad-step guard needs
+    (`step_totals`). Every rank takes the same decision without another collective: the guard sees the
+    all-reduced loss and the global norm, and its history is built from those on every rank. Whether a stop
+    signal reached any rank (`stop_requested()`, asked just before the sync) rides the same all-reduce."""
     hooks.before_step(step, job)
     names = job.train_data.names
     tally = SourceLosses(names, job.device) if names else None
@@ -62,12 +71,11 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
         pipeline.norm_duplicates if pipeline else frozenset(),
     )
     lr = current_lr(job.optimizer)
-    loss_value, norm_value = torch.stack(
-        [mean_over_ranks(loss_sum), grad_norm.float()]
-    ).tolist()  # the one sync per step
+    if step < job.cfg.train.max_steps:  # the next step's first micro-batch, moved while the device computes
+        batches.prefetch()
+    loss_value, norm_value, stopping = step_totals(loss_sum, grad_norm, stop_requested())
     problem = job.guard.problem(loss_value, norm_value, scaler_handles_overflow=job.scaler.is_enabled())
-    if any_rank(problem is not None, job.device):
-        problem = problem or "a bad step on another rank"
+    if problem is not None:
         if job.scaler.is_enabled():
             job.scaler.update()  # closes the unscale_ above without stepping
     else:
@@ -80,7 +88,21 @@ def train_step(job: Job, step: int, batches: Iterator, loss_fn, hooks: TrainHook
         job.guard.accept(loss_value)
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
-    return StepResult(loss_value, norm_value, lr, problem, tally)
+    return StepResult(loss_value, norm_value, lr, problem, tally, stopping)
+
+
+def step_totals(loss: torch.Tensor, grad_norm: torch.Tensor, stop_requested: bool) -> tuple[float, float, bool]:
+    """(the step's loss averaged over all ranks, the global gradient norm, whether any rank was asked to stop),
+    brought to the host in the step's one sync. The loss and the stop votes share one all-reduce (a sum), in the
+    loss's dtype (float64 under pipeline parallelism, see Pipeline.step_loss), fp32 at least."""
+    dtype = torch.promote_types(loss.dtype, torch.float32)
+    values = torch.stack([loss.detach().reshape(()).to(dtype), torch.tensor(float(stop_requested), dtype=dtype)])
+    values = values.to(loss.device)
+    if distributed():
+        torch.distributed.all_reduce(values)  # a sum: gloo has no average
+        values[0] /= torch.distributed.get_world_size()
+    loss_value, stops, norm_value = torch.cat([values, grad_norm.reshape(1).float().to(dtype)]).tolist()
+    return loss_value, norm_value, stops > 0
 
 
 def forward_backward(

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from engine.config.job import JobConfig
+from engine.data.device_batches import DeviceBatches
 from engine.eval.in_training import TrainingTasks, open_tasks
 from engine.metrics.trackers import MetricsLogger
 from engine.parallel.launch import leave_process_group
@@ -198,12 +199,12 @@ def run_loop(
         log.warning("%s: %s (%s)", issue.path, issue.problem, issue.hint)
     monitor = torch.distributed.new_group(backend="gloo") if t.nccl_health_check_interval and distributed() else None
 
-    batches = job.train_data.batches(start_step=job.start_step)
+    batches = DeviceBatches(job.train_data.batches(start_step=job.start_step), job.device)
     job.model.train()
     progress = Progress(job.tokens_seen, time.perf_counter() - job.elapsed_sec)
     for step in range(job.start_step + 1, t.max_steps + 1):
         with profiler.step(step):
-            result = train_step(job, step, batches, loss_fn, hooks)
+            result = train_step(job, step, batches, loss_fn, hooks, lambda: stop.requested)
         merge_due_adapters(job, step)
         tokens = job.batch_plan.tokens(step - 1) if job.batch_plan is not None else job.summary["tokens_per_step"]
         progress.tokens_seen += tokens
@@ -223,7 +224,8 @@ def run_loop(
             config_hooks.step_end(step, result.as_metrics(step), job)
         if t.nccl_health_check_interval and monitor is not None and step % t.nccl_health_check_interval == 0:
             check_collectives(cfg.distributed.nccl_timeout_sec, job.device, monitor)
-        preempted = any_rank(stop.requested, job.device) and step < t.max_steps  # the last step just finishes
+        # agreed in the step's one sync (a signal after it counts at the next step); the last step just finishes
+        preempted = result.stop_requested and step < t.max_steps
         wanted = job.checkpointer.due(step, t.max_steps) or (preempted and not job.checkpointer.has(step))
         if wanted and checkpoint(job, step, preempted, progress, trackers, reporter):
             with stop_on_hook_failure(job, step, progress, trackers, reporter):
