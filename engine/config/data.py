@@ -43,6 +43,25 @@ class DataFiles(Section):
     )
 
 
+SPELLINGS = {  # a [[data.datasets]] entry's key → the same key of the flat [data] / [eval] fields
+    "path": "dataset_path",
+    "hf_name": "hf_dataset_name",
+    "hf_config": "hf_dataset_config",
+    "hf_split": "hf_dataset_split",
+    "hf_revision": "hf_dataset_revision",
+    "text_field": "hf_dataset_text_field",
+}
+"""One source, one set of keys: each of `[data]`, `[eval]` and a `[[data.datasets]]` entry takes either
+spelling of these keys (`engine.config.loader` reads the other one as the section's own, so the resolved
+config shows one); both spellings of one key in one table is an error naming them."""
+
+
+def other_spellings(fields: dict) -> dict[str, str]:
+    """The other spelling → the field it means, for a section whose fields are `fields`."""
+    both = {**SPELLINGS, **{flat: entry for entry, flat in SPELLINGS.items()}}
+    return {other: own for own, other in both.items() if own in fields and other not in fields}
+
+
 EMBEDDED_SPLITS = ("train", "plays", "poems")  # engine/data/embedded.py builds them; "val" is held out for eval
 PositiveWeight = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
