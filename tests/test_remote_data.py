@@ -7,6 +7,7 @@ and an unreachable URL each exit 2 naming the field; the other spelling of each 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from pathlib import Path
 
@@ -16,12 +17,12 @@ import pytest
 from typer.testing import CliRunner
 
 from engine.config import load_job_config
-from engine.data.loader import open_train_data
+from engine.data.loader import open_eval_data, open_train_data
 from engine.data.remote import FetchError
 from engine.data.shards import MANIFEST, open_shard, read_manifest
 from engine.data.source_kinds import SourceSpec, entry_source, section_source, train_sources
 from engine.data.tokenizer import Encoder
-from engine.errors import ConfigError, UserError
+from engine.errors import ConfigError, DataError, UserError
 from engine.interp.tokens import open_tokens
 from engine.train.trainer import train
 from forgecli.app import app
@@ -119,13 +120,11 @@ def test_a_fetch_that_keeps_failing_exits_2_naming_the_url_with_nothing_half_wri
     output = " ".join(result.output.split())
     assert result.exit_code == 2, output
     assert f"data.dataset_path: could not read {server}{last}: 5 tries failed" in output
-    (entry,) = [
-        p
-        for p in (Path(__import__("os").environ["FORGE_CACHE_DIR"]) / "remote").iterdir()
-        if p.is_dir() and (p / shards[0].file).is_file() and not (p / MANIFEST).exists() and Store.gets.get(last)
-    ]
+    assert not (tmp_path / "run").exists()  # the run wrote nothing
+    entry = Path(re.search(rf"fetching {re.escape(url)} into (\S+) \(once", output)[1])
+    assert entry.parent.name == "remote" and entry.is_dir()
     left = sorted(p.name for p in entry.iterdir())
-    assert MANIFEST not in left and not [n for n in left if ".tmp" in n or n.endswith(".part")], left
+    assert MANIFEST not in left and not [n for n in left if n.endswith(".tmp")], left
     assert shards[-1].file not in left and len(left) == len(shards)  # the tokenizer and every whole shard
     for info in shards[:-1]:
         open_shard(entry, info, read_manifest(local).dtype)  # each kept file is whole and checked
@@ -229,3 +228,19 @@ def test_embedded_and_remote_spellings_read_the_same_tokens(local: Path):
     shards = read_manifest(local).shards
     assert len(memory.dataset.arrays) == len(shards) >= 3
     assert all(np.array_equal(a, np.load(local / s.file)) for a, s in zip(memory.dataset.arrays, shards))
+
+
+def test_a_store_that_serves_another_tokenizer_is_refused_naming_the_field(
+    tmp_path: Path, local: Path, server: str, capsys
+):
+    serve(local)
+    Store.files["/data/tokenizer.json"] = tokenizer_file(tmp_path / "other", vocab_size=300).read_bytes()
+    cfg = load_job_config(
+        DEBUG, [*TINY, "eval.enabled=true", f"eval.dataset_path={server}/data", "data.dataset_path=" + str(local)]
+    )
+    with pytest.raises(
+        DataError, match=rf"^eval\.dataset_path: {re.escape(server)}/data/tokenizer\.json is not the tok"
+    ):
+        open_eval_data(cfg)
+    entry = Path(re.search(r"into (\S+) \(once", capsys.readouterr().err)[1])
+    assert entry.parent.name == "remote" and sorted(p.name for p in entry.iterdir()) == []  # nothing kept
