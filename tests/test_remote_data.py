@@ -27,7 +27,7 @@ from engine.interp.tokens import open_tokens
 from engine.train.trainer import train
 from forgecli.app import app
 from tests.conftest import REPO
-from tests.data_fixtures import tokenized, tokenizer_file
+from tests.data_fixtures import all_tokens, tokenized, tokenizer_file
 from tests.test_tokenize_remote import Store
 from tests.test_tokenize_remote import server as server
 
@@ -228,6 +228,8 @@ def test_embedded_and_remote_spellings_read_the_same_tokens(local: Path):
     shards = read_manifest(local).shards
     assert len(memory.dataset.arrays) == len(shards) >= 3
     assert all(np.array_equal(a, np.load(local / s.file)) for a, s in zip(memory.dataset.arrays, shards))
+    encoder = Encoder.from_file(local / "tokenizer.json")  # forge extract / eval --data: the same spelling
+    assert np.array_equal(open_tokens(encoder, to_memory(local), None, 3000).read(0, 3000), all_tokens(local)[:3000])
 
 
 def test_a_store_that_serves_another_tokenizer_is_refused_naming_the_field(

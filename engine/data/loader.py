@@ -31,6 +31,7 @@ from engine.data.source_kinds import SourceSpec, parse_source, section_source, s
 from engine.data.tokenizer import file_sha256
 from engine.errors import DataError
 
+SLOW_KINDS = ("remote", "hf")  # source kinds that fetch or tokenize on first use
 IDENTITY_SAMPLE_TOKENS = 4096  # tokens at each end of a shard that its identity covers
 
 Batch = tuple[torch.Tensor, ...]  # (inputs, labels), and for a mixture the rows' sources (SourceWindows)
@@ -217,9 +218,10 @@ def open_train_data(cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> Train
 def open_mixture(cfg: JobConfig, layout: BatchLayout) -> MixtureData:
     """Every `[[data.datasets]]` source verified like a single data set, all with one tokenizer. The sources
     that already have shards are opened first, so a mistake in any of them (another tokenizer, say) stops the
-    run before a Hugging Face source is tokenized, which can take hours; the mixture keeps the config's order."""
+    run before a Hugging Face source is tokenized or a remote one fetched, which can take hours; the mixture
+    keeps the config's order."""
     sources, specs = cfg.data.datasets, train_sources(cfg)
-    order = sorted(range(len(sources)), key=lambda i: specs[i].kind == "hf")  # stable: config order
+    order = sorted(range(len(sources)), key=lambda i: specs[i].kind in SLOW_KINDS)  # stable: config order
     opened: dict[int, tuple[Path, Manifest, Path | None, TokenWindows]] = {}
     for i in order:
         field = specs[i].field

@@ -159,7 +159,14 @@ def source_manifest(cfg: JobConfig, spec: SourceSpec) -> Manifest:
     kind = SOURCE_KINDS[spec.kind]
     if kind.manifest is not None:
         return kind.manifest(spec)
-    return read_manifest(kind.directory(spec, cfg, lambda: Path(cfg.data.tokenizer_path or "")))
+    return read_manifest(kind.directory(spec, cfg, lambda: train_tokenizer_path(cfg)))
+
+
+def train_tokenizer_path(cfg: JobConfig) -> Path:
+    """What a kind that tokenizes on first use would encode with, for `source_manifest`: data.tokenizer_path."""
+    if cfg.data.tokenizer_path is None:
+        raise UserError("data.tokenizer_path is unset", "set it to the tokenizer.json to tokenize the source with")
+    return Path(cfg.data.tokenizer_path)
 
 
 def shards_directory(spec: SourceSpec, cfg: JobConfig, tokenizer: Callable[[], Path]) -> Path:
@@ -180,7 +187,11 @@ def embedded_directory(spec: SourceSpec, cfg: JobConfig, tokenizer: Callable[[],
 def hub_directory(spec: SourceSpec, cfg: JobConfig, tokenizer: Callable[[], Path]) -> Path:
     from engine.data.hub_cache import cached_shards
 
-    assert spec.hub is not None, f"{spec.field}: a Hugging Face source is named by hf_name / hf_dataset_name"
+    if spec.hub is None:  # `hf:NAME` in a path field: validation refuses it, this names it for an unvalidated config
+        raise UserError(
+            f"{spec.field} hf:{spec.location} names a Hugging Face dataset",
+            "name it with hf_dataset_name (hf_name in [[data.datasets]]) and its split and revision fields",
+        )
     return cached_shards(spec.hub, cfg.data.hf_streaming, tokenizer(), cfg.model.vocab_size)
 
 
