@@ -246,3 +246,12 @@ def test_a_store_that_serves_another_tokenizer_is_refused_naming_the_field(
         open_eval_data(cfg)
     entry = Path(re.search(r"into (\S+) \(once", capsys.readouterr().err)[1])
     assert entry.parent.name == "remote" and sorted(p.name for p in entry.iterdir()) == []  # nothing kept
+
+
+def test_max_epochs_counts_a_remote_data_set_from_its_manifest_alone(local: Path, server: str):
+    serve(local)
+    overrides = [o for o in TINY if not o.startswith("train.max_steps")] + ["train.max_epochs=1"]
+    remote = load_job_config(DEBUG, [*overrides, f"data.dataset_path={server}/data"]).validate()
+    assert list(Store.gets) == ["/data/manifest.json"]  # no shard fetched to count the windows
+    here = load_job_config(DEBUG, [*overrides, f"data.dataset_path={local}"]).validate()
+    assert remote.train.max_steps == here.train.max_steps > 1
