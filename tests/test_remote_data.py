@@ -24,6 +24,7 @@ from engine.data.source_kinds import SourceSpec, entry_source, section_source, t
 from engine.data.tokenizer import Encoder
 from engine.errors import ConfigError, DataError, UserError
 from engine.interp.tokens import open_tokens
+from engine.train.length import with_derived_length
 from engine.train.trainer import train
 from forgecli.app import app
 from tests.conftest import REPO
@@ -251,7 +252,7 @@ def test_a_store_that_serves_another_tokenizer_is_refused_naming_the_field(
 def test_max_epochs_counts_a_remote_data_set_from_its_manifest_alone(local: Path, server: str):
     serve(local)
     overrides = [o for o in TINY if not o.startswith("train.max_steps")] + ["train.max_epochs=1"]
-    remote = load_job_config(DEBUG, [*overrides, f"data.dataset_path={server}/data"]).validate()
+    remote = with_derived_length(load_job_config(DEBUG, [*overrides, f"data.dataset_path={server}/data"]).validate(), 1)
     assert list(Store.gets) == ["/data/manifest.json"]  # no shard fetched to count the windows
-    here = load_job_config(DEBUG, [*overrides, f"data.dataset_path={local}"]).validate()
+    here = with_derived_length(load_job_config(DEBUG, [*overrides, f"data.dataset_path={local}"]).validate(), 1)
     assert remote.train.max_steps == here.train.max_steps > 1
