@@ -41,8 +41,9 @@ def eval_command(
         None,
         "--data",
         "-d",
-        help="Perplexity and bits per byte on this text: a forge tokenize output folder, text/JSONL/Parquet "
-        "files or a folder, hf:NAME, or embedded:val (the embedded corpus's held-out works).",
+        help="Perplexity and bits per byte on this text: a forge tokenize output folder (local or a URL), "
+        "text/JSONL/Parquet files or a folder (local or a URL), hf:NAME, or embedded:val (the embedded corpus's "
+        "held-out works): spelled as a config's data.dataset_path is.",
     ),
     num_fewshot: int | None = typer.Option(
         None, "--num-fewshot", help="Examples in each prompt \\[default: each task's own, usually 0]."

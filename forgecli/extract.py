@@ -77,8 +77,9 @@ def run(
         None,
         "--data",
         "-d",
-        help="A forge tokenize output folder, text/JSONL/Parquet files or a folder, hf:NAME, or embedded:val "
-        "(the embedded corpus's held-out works; also embedded:train, plays, poems).",
+        help="A forge tokenize output folder (local or a URL), text/JSONL/Parquet files or a folder (local or a "
+        "URL), hf:NAME, or embedded:val (the embedded corpus's held-out works; also embedded:train, plays, "
+        "poems): spelled as a config's data.dataset_path is.",
     ),
     text: str | None = typer.Option(None, "--text", help="One document to look at, instead of --data."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (rerun the same command to resume)."),

@@ -4,6 +4,7 @@ framework's included) resolves to the sources its TOML names."""
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from engine.config import load_job_config
 from engine.data import source_kinds
 from engine.data.source_kinds import SourceSpec, section_source, source_directory, train_sources
+from tests import source_golden
 from tests.conftest import REPO
 
 PRESETS = sorted([*REPO.glob("presets/*.toml"), *REPO.glob("tests/seed_presets/*.toml")])
@@ -45,6 +47,15 @@ def test_every_preset_resolves_to_the_sources_its_toml_names(path: Path):
     assert (spec.location if spec else None) == evaluated
 
 
+def test_every_preset_resolves_to_its_sources_and_data_identity_from_before():
+    """The golden file was recorded from main before a source could be spelled two ways (tests/source_golden.py):
+    the same sources, eval source and, where the data is here (the embedded corpus), the same identity."""
+    golden = json.loads(source_golden.GOLDEN.read_text())
+    now = source_golden.snapshot()
+    assert len(now) == len(golden) == len(PRESETS) and now == golden
+    assert sum(entry["identity"] is not None for entry in now.values()) >= 16
+
+
 def test_the_loader_looks_source_kinds_up_in_the_registry(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(source_kinds, "SOURCE_KINDS", dict(source_kinds.SOURCE_KINDS))
     asked = []
@@ -57,6 +68,6 @@ def test_the_loader_looks_source_kinds_up_in_the_registry(tmp_path: Path, monkey
     cfg = load_job_config(REPO / "presets" / "debug.toml")
     got = source_directory(cfg, SourceSpec("bucket", "b1", "data.datasets.0.bucket"), lambda: tmp_path / "tok.json")
     assert got == tmp_path / "b1" and asked == [("b1", tmp_path / "tok.json")]
-    assert sorted(source_kinds.SOURCE_KINDS) == ["bucket", "embedded", "hf", "shards"]
+    assert sorted(source_kinds.SOURCE_KINDS) == ["bucket", "embedded", "hf", "remote", "shards"]
     shards = source_directory(cfg, SourceSpec("shards", str(tmp_path / "s"), "data.dataset_path"), lambda: None)
     assert shards == tmp_path / "s"

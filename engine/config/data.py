@@ -18,7 +18,8 @@ class HubDatasetFields(Section):
     hf_dataset_name: str | None = Field(
         None,
         description="a Hugging Face dataset (Hub id or local folder) instead of dataset_path: tokenized once "
-        "with data.tokenizer_path into the Forge cache, then read like shards",
+        "with data.tokenizer_path into the Forge cache, then read like shards. Also spelled hf_name, and each "
+        "hf_dataset_* field hf_*",
     )
     hf_dataset_config: str | None = Field(None, description="hf_dataset_name's configuration (subset)")
     hf_dataset_split: str = Field("train", description="hf_dataset_name's split")
@@ -32,8 +33,9 @@ class DataFiles(Section):
 
     dataset_path: str | None = Field(
         None,
-        description="directory written by `forge tokenize`; unset (and no hf_dataset_name) = the embedded "
-        "Shakespeare corpus",
+        description="directory written by `forge tokenize`, local or a URL (s3://, gs://, https://, memory://: "
+        "fetched once into the Forge cache), or embedded:SPLIT; unset (and no hf_dataset_name) = the embedded "
+        "Shakespeare corpus. Also spelled path",
     )
     file_pattern: str = Field("*.npy", description="glob of shard files inside dataset_path")
     tokenizer_path: str | None = Field(
@@ -41,6 +43,25 @@ class DataFiles(Section):
         description="tokenizer.json; must match the manifest's tokenizer. Unset = the one beside the shards. "
         "Required with hf_dataset_name",
     )
+
+
+SPELLINGS = {  # a [[data.datasets]] entry's key → the same key of the flat [data] / [eval] fields
+    "path": "dataset_path",
+    "hf_name": "hf_dataset_name",
+    "hf_config": "hf_dataset_config",
+    "hf_split": "hf_dataset_split",
+    "hf_revision": "hf_dataset_revision",
+    "text_field": "hf_dataset_text_field",
+}
+"""One source, one set of keys: each of `[data]`, `[eval]` and a `[[data.datasets]]` entry takes either
+spelling of these keys (`engine.config.loader` reads the other one as the section's own, so the resolved
+config shows one); both spellings of one key in one table is an error naming them."""
+
+
+def other_spellings(fields: dict) -> dict[str, str]:
+    """The other spelling → the field it means, for a section whose fields are `fields`."""
+    both = {**SPELLINGS, **{flat: entry for entry, flat in SPELLINGS.items()}}
+    return {other: own for own, other in both.items() if own in fields and other not in fields}
 
 
 EMBEDDED_SPLITS = ("train", "plays", "poems")  # engine/data/embedded.py builds them; "val" is held out for eval
@@ -52,7 +73,11 @@ class MixtureSource(Section):
     path, embedded and hf_name says where its tokens are (engine/data/rules.py: mixture_issues)."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="what phases and metrics call this source")
-    path: str | None = Field(None, description="directory written by `forge tokenize`")
+    path: str | None = Field(
+        None,
+        description="directory written by `forge tokenize`, local or a URL (fetched once into the Forge cache), "
+        "or embedded:SPLIT. Also spelled dataset_path",
+    )
     embedded: Literal[EMBEDDED_SPLITS] | None = Field(  # type: ignore[valid-type]
         None,
         description="a split of the embedded Shakespeare corpus instead of path: train (every training work), "
@@ -62,17 +87,19 @@ class MixtureSource(Section):
         None,
         description="a Hugging Face dataset (Hub id or local folder) instead of path: tokenized once into the "
         "Forge cache like data.hf_dataset_name, with data.tokenizer_path (else the tokenizer beside the first "
-        "path or embedded source)",
+        "path or embedded source). Also spelled hf_dataset_name, and each hf_* field hf_dataset_*",
     )
     hf_config: str | None = Field(None, description="hf_name's configuration (subset)")
     hf_split: str = Field("train", description="hf_name's split")
     hf_revision: str | None = Field(None, description="hf_name's Hub branch, tag or commit")
-    text_field: str = Field("text", description="hf_name's column that holds the text")
+    text_field: str = Field(
+        "text", description="hf_name's column that holds the text. Also spelled hf_dataset_text_field"
+    )
     weight: PositiveWeight = Field(1.0, description="relative share before mix_temperature; must be > 0")
     eval_path: str | None = Field(
         None,
-        description="held-out shards of this source (same tokenizer): with eval.enabled, also evaluated on "
-        "their own, as eval_loss/NAME",
+        description="held-out shards of this source (same tokenizer; a folder, a URL or embedded:SPLIT): with "
+        "eval.enabled, also evaluated on their own, as eval_loss/NAME",
     )
 
     LOCATIONS: ClassVar[tuple[str, ...]] = ("path", "embedded", "hf_name")
@@ -116,7 +143,8 @@ class Mixture(Section):
 
 class DataConfig(Mixture, HubDatasetFields, DataFiles):
     hf_dataset_text_field: str = Field(
-        "text", description="the column that holds the text (also for eval.hf_dataset_name)"
+        "text",
+        description="the column that holds the text (also for eval.hf_dataset_name). Also spelled text_field",
     )
     hf_streaming: bool = Field(
         False,

@@ -22,8 +22,9 @@ class EvalSchedule(Section):
     )
     dataset_path: str | None = Field(
         None,
-        description="held-out shards; unset only with the embedded corpus (whose held-out split is used) "
-        "or with hf_dataset_name",
+        description="held-out shards: a folder, a URL (fetched once into the Forge cache) or embedded:SPLIT "
+        "(embedded:val: the corpus's held-out works); unset only with the embedded corpus (whose held-out split "
+        "is used) or with hf_dataset_name. Also spelled path, and each hf_dataset_* field hf_*",
     )
     file_pattern: str = Field("*.npy", description="glob of shard files inside dataset_path")
 

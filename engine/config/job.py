@@ -104,6 +104,7 @@ def error_rules() -> tuple[Rule, ...]:
         evaluation.task_issues,  # eval.tasks: lm-eval installed, a layout that holds the whole model
         train.memory_option_issues,  # 8-bit optimizer state, activation offload: where they work
         model.attention_issues,  # RoPE scaling fields; a sliding window's kernel
+        data.source_kind_issues,  # the source kinds path fields name (KIND:LOCATION)
     )
 
 

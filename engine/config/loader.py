@@ -22,6 +22,8 @@ import tomlkit
 from pydantic import BaseModel, ValidationError
 from tomlkit.exceptions import TOMLKitError
 
+from engine.config.data import DataConfig, MixtureSource, other_spellings
+from engine.config.eval import EvalConfig
 from engine.config.job import JobConfig
 from engine.config.train import ALTERNATIVES
 from engine.errors import ConfigError, ConfigIssue
@@ -43,7 +45,50 @@ def load_job_config(preset: str | Path | None, overrides: list[str] = ()) -> Job
         set_dotted(raw, path, value, issues)
     if issues:
         raise ConfigError(issues, source)
+    one_spelling(raw, source)  # an override's [[data.datasets]] entries
     return build_job_config(raw, source)
+
+
+SOURCE_SECTIONS: dict[str, type[BaseModel]] = {"data": DataConfig, "eval": EvalConfig}
+
+
+def one_spelling(raw: dict[str, Any], origin: str) -> None:
+    """Read the other spelling of each source key (engine/config/data.py: SPELLINGS) of `[data]`, `[eval]` and
+    the `[[data.datasets]]` entries as the table's own key; both spellings of one key in a table is an error."""
+    issues: list[ConfigIssue] = []
+    for section, model in SOURCE_SECTIONS.items():
+        table = raw.get(section)
+        if not isinstance(table, dict):
+            continue
+        respell(table, section, model, issues)
+        entries = table.get("datasets") if section == "data" else None
+        for i, entry in enumerate(entries if isinstance(entries, list) else []):
+            if isinstance(entry, dict):
+                respell(entry, f"data.datasets.{i}", MixtureSource, issues)
+    if issues:
+        raise ConfigError(issues, origin)
+
+
+def respell(table: dict[str, Any], where: str, model: type[BaseModel], issues: list[ConfigIssue]) -> None:
+    for other, own in other_spellings(model.model_fields).items():
+        if other not in table:
+            continue
+        if own in table:
+            issues.append(
+                ConfigIssue(
+                    f"{where}.{other}",
+                    f"and {where}.{own} are two spellings of one key, and both are set",
+                    f"keep one of them ({other} = {table[other]!r} or {own} = {table[own]!r})",
+                )
+            )
+        else:
+            table[own] = table.pop(other)
+
+
+def own_key(section: str, key: str) -> str:
+    """The field an override's key means in its section: itself, or the section's own spelling of it."""
+    model = SOURCE_SECTIONS.get(section)
+    return other_spellings(model.model_fields).get(key, key) if model is not None else key
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -81,6 +126,7 @@ def read_preset(path: str | Path, chain: tuple[Path, ...] = ()) -> Preset:
     if len(chain) > 1 and not path.is_file():
         raise include_error(path, "included file not found", chain, "include paths are relative to the file")
     own = read_toml(path)
+    one_spelling(own, str(path))
     includes = own.pop(INCLUDE, [])
     if not isinstance(includes, list) or not all(isinstance(entry, str) for entry in includes):
         issue = ConfigIssue(INCLUDE, f"must be a list of file paths, got {includes!r}", 'include = ["base.toml"]')
@@ -160,6 +206,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     path = key.strip().split(".")
     if len(path) != 2 or not all(path):
         raise ValueError(f"override key {key!r} must be section.key")
+    path[1] = own_key(*path)
     text = text.strip()
     if is_text_field(path):
         value = parse_literal(text)

@@ -27,10 +27,11 @@ from engine.data.embedded import cache_dir, embedded_corpus
 from engine.data.mixture import Phase, SourceDraws, mixture_phases
 from engine.data.sampler import BatchLayout, EpochOrder, EvalBatchSampler, MixtureBatchSampler, TrainBatchSampler
 from engine.data.shards import MANIFEST, TOKENIZER_FILE, Manifest, ShardInfo, open_shard, read_manifest
-from engine.data.source_kinds import SourceSpec, section_source, source_directory, train_sources
+from engine.data.source_kinds import SourceSpec, parse_source, section_source, source_directory, train_sources
 from engine.data.tokenizer import file_sha256
 from engine.errors import DataError
 
+SLOW_KINDS = ("remote", "hf")  # source kinds that fetch or tokenize on first use
 IDENTITY_SAMPLE_TOKENS = 4096  # tokens at each end of a shard that its identity covers
 
 Batch = tuple[torch.Tensor, ...]  # (inputs, labels), and for a mixture the rows' sources (SourceWindows)
@@ -208,17 +209,19 @@ def open_train_data(cfg: JobConfig, dp_rank: int = 0, dp_size: int = 1) -> Train
     layout = BatchLayout(cfg.train.batch_size, plan.full // plan.unit, dp_size, dp_rank, plan if ramp else None)
     if cfg.data.datasets:
         return open_mixture(cfg, layout)
-    directory = train_directory(cfg)
-    parts = verified(directory, "data.dataset_path", cfg.data.file_pattern, "data.file_pattern", cfg)
+    spec = train_sources(cfg)[0]
+    directory = source_directory(cfg, spec, lambda: train_tokenizer(cfg))
+    parts = verified(directory, spec.field, cfg.data.file_pattern, "data.file_pattern", cfg)
     return TrainData(*parts, layout, loader_options(cfg), seed=cfg.train.effective_data_seed)
 
 
 def open_mixture(cfg: JobConfig, layout: BatchLayout) -> MixtureData:
     """Every `[[data.datasets]]` source verified like a single data set, all with one tokenizer. The sources
     that already have shards are opened first, so a mistake in any of them (another tokenizer, say) stops the
-    run before a Hugging Face source is tokenized, which can take hours; the mixture keeps the config's order."""
+    run before a Hugging Face source is tokenized or a remote one fetched, which can take hours; the mixture
+    keeps the config's order."""
     sources, specs = cfg.data.datasets, train_sources(cfg)
-    order = sorted(range(len(sources)), key=lambda i: specs[i].kind == "hf")  # stable: config order
+    order = sorted(range(len(sources)), key=lambda i: specs[i].kind in SLOW_KINDS)  # stable: config order
     opened: dict[int, tuple[Path, Manifest, Path | None, TokenWindows]] = {}
     for i in order:
         field = specs[i].field
@@ -254,11 +257,14 @@ def open_eval_data(
     data, saves finding it again."""
     if not cfg.eval.enabled:
         return None
-    train_dir = train.directory if train is not None else train_directory(cfg)
+    if train is not None:
+        train_dir = train.directory
+    else:
+        train_dir = source_directory(cfg, train_sources(cfg)[0], lambda: train_tokenizer(cfg))
     d = cfg.data
     spec = section_source(cfg, "eval")
+    tokenizer = Path(d.tokenizer_path) if d.tokenizer_path else train_dir / TOKENIZER_FILE
     if spec is not None:
-        tokenizer = Path(d.tokenizer_path) if d.tokenizer_path else train_dir / TOKENIZER_FILE
         directory = source_directory(cfg, spec, lambda: tokenizer)
     elif all(source.kind == "embedded" for source in train_sources(cfg)):
         directory = embedded_corpus().val
@@ -272,11 +278,17 @@ def open_eval_data(
         )
     layout = BatchLayout(cfg.train.batch_size, 1, dp_size, dp_rank)
     per_source = {
-        source.name: held_out(Path(source.eval_path), f"data.datasets.{i}.eval_path", cfg, train_dir, layout)
+        source.name: held_out(
+            source_directory(cfg, parse_source(source.eval_path, f"data.datasets.{i}.eval_path"), lambda: tokenizer),
+            f"data.datasets.{i}.eval_path",
+            cfg,
+            train_dir,
+            layout,
+        )
         for i, source in enumerate(d.datasets)
         if source.eval_path is not None
     }
-    return held_out(directory, "eval.dataset_path", cfg, train_dir, layout, per_source)
+    return held_out(directory, spec.field if spec else "eval.dataset_path", cfg, train_dir, layout, per_source)
 
 
 def held_out(
@@ -290,12 +302,6 @@ def held_out(
     parts = verified(directory, path_field, cfg.eval.file_pattern, "eval.file_pattern", cfg)
     check_same_tokenizer(parts[1], directory, train_dir, path_field)
     return EvalData(*parts, layout, loader_options(cfg), steps=cfg.eval.steps, per_source=per_source or {})
-
-
-def train_directory(cfg: JobConfig) -> Path:
-    """Where the (first) training source's shards are: data.dataset_path, data.hf_dataset_name's cache entry
-    (built on first use), the embedded corpus, or the first `[[data.datasets]]` entry's."""
-    return source_directory(cfg, train_sources(cfg)[0], lambda: train_tokenizer(cfg))
 
 
 def train_tokenizer(cfg: JobConfig) -> Path:

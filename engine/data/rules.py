@@ -2,15 +2,16 @@
 evaluation with data of its own, Hugging Face fields only beside a Hugging Face dataset, and mixtures whose
 phases name their sources, in order, inside the run.
 
-Torch-free, like every room's rules module: it imports engine.config's sections and helpers only (`JobConfig`
-for its types alone), and engine/config/job.py calls these functions in the order it lists.
+Torch-free, like every room's rules module: it imports engine.config's sections and helpers, and the
+registry of source kinds (engine/data/source_kinds.py, which imports what a kind needs only when it resolves
+one), `JobConfig` for its types alone; engine/config/job.py calls these functions in the order it lists.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.config.data import HubDatasetFields, MixtureSource
+from engine.config.data import EMBEDDED_SPLITS, HubDatasetFields, MixtureSource
 from engine.config.fields import changed_fields
 from engine.errors import ConfigIssue
 
@@ -177,3 +178,44 @@ def source_location_issues(sources: list[MixtureSource], tokenizer_path: str | N
             )
         )
     return issues
+
+
+def source_kind_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """A path field names a folder, a URL, or `KIND:LOCATION` for a kind the registry lets a path name: not an
+    unknown kind, not a Hugging Face dataset (its own fields say which split and revision), and an embedded
+    split that exists (training: not the held-out `val`)."""
+    from engine.data.source_kinds import PREFIX, kinds_hint, unknown_kind
+
+    train = [("data.dataset_path", cfg.data.dataset_path)]
+    train += [(f"data.datasets.{i}.path", source.path) for i, source in enumerate(cfg.data.datasets)]
+    held_out = [("eval.dataset_path", cfg.eval.dataset_path)]
+    held_out += [(f"data.datasets.{i}.eval_path", source.eval_path) for i, source in enumerate(cfg.data.datasets)]
+    issues = []
+    for fields, splits in ((train, EMBEDDED_SPLITS), (held_out, ("val", *EMBEDDED_SPLITS))):
+        for field, text in fields:
+            match = PREFIX.fullmatch(text or "")
+            if text is None or match is None or "://" in text:
+                continue
+            kind, location = match.groups()
+            if unknown_kind(text) is not None:
+                issues.append(ConfigIssue(field, f"{text!r}: there is no source kind {kind!r}", kinds_hint(("hf",))))
+            elif kind == "hf":
+                issues.append(ConfigIssue(field, f"{text!r} names a Hugging Face dataset", hub_hint(field, location)))
+            elif kind == "embedded" and location not in splits:
+                issues.append(
+                    ConfigIssue(
+                        field,
+                        f"the embedded corpus has no split {location!r} here",
+                        f"use one of {', '.join('embedded:' + s for s in splits)}",
+                    )
+                )
+    return issues
+
+
+def hub_hint(field: str, name: str) -> str:
+    """Where a Hugging Face dataset is named instead of the path field `field`: its own fields give the split."""
+    where, key = field.rsplit(".", 1)
+    if key == "eval_path":
+        return f"a source's held-out set is shards: forge tokenize hf:{name} --out DIR, then {field} = DIR"
+    own = "hf_name" if where.startswith("data.datasets.") else "hf_dataset_name"
+    return f"set {where}.{own} = {name!r} instead (with its split and revision fields)"

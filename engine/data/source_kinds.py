@@ -1,32 +1,40 @@
-"""One token source, however the config spells it, and a registry of the kinds of source.
+"""One token source, however it is spelled, and the registry of the kinds of source.
 
 A source is named by the flat fields of `[data]` or `[eval]` (`dataset_path`, or `hf_dataset_name` with its
-`hf_dataset_*` fields) or by an entry of `[[data.datasets]]` (`path`, `embedded`, or `hf_name` with its `hf_*`
-fields). Each spelling is read into one `SourceSpec` here; the loader asks `source_directory` for the shard
-directory of any spec, which looks the spec's kind up in `SOURCE_KINDS`. The flat `[data]` fields are the
-one-entry list of `train_sources` (the embedded corpus's training split when they name nothing). A new kind of
-source is one function registered with `register_source_kind`, not a branch in the loader.
+`hf_dataset_*` fields), by an entry of `[[data.datasets]]` (`path`, `embedded`, or `hf_name` with its `hf_*`
+fields; each section also takes the other spelling of these keys, engine/config/data.py: SPELLINGS), or by
+`forge extract` / `forge eval --data`. A path field and `--data` take one string spelling (`parse_source`):
+a local folder, a URL (`s3://…`, `gs://…`, `https://…`, `memory://…`), or `KIND:LOCATION` for a kind
+registered as nameable that way (`embedded:val`). Each spelling reads into one `SourceSpec`; the loader asks
+`source_directory` for the shard directory of any spec, which looks the spec's kind up in `SOURCE_KINDS`.
+The flat `[data]` fields are the one-entry list of `train_sources` (the embedded corpus's training split when
+they name nothing). A new kind of source is one `register_source_kind` call, not a branch in the loader.
+
+Torch-free and cheap to import (engine/data/rules.py checks kind names at validation): each kind imports
+what it needs when it resolves a spec.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.config.data import HubDatasetFields, MixtureSource
-from engine.data.embedded import embedded_corpus
-from engine.data.hub_cache import HubRequest, cached_shards
+from engine.errors import UserError
 
 if TYPE_CHECKING:
     from engine.config.job import JobConfig
+    from engine.data.hub_cache import HubRequest
+    from engine.data.shards import Manifest
 
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """Where one source's tokens are: its kind (a key of SOURCE_KINDS), what locates it (a path, an embedded
-    split, a dataset's name), and the config field that names it (for errors)."""
+    """Where one source's tokens are: its kind (a key of SOURCE_KINDS), what locates it (a path, a URL, an
+    embedded split, a dataset's name), and the config field (or flag) that names it, for errors."""
 
     kind: str
     location: str
@@ -34,11 +42,66 @@ class SourceSpec:
     hub: HubRequest | None = None  # a Hugging Face dataset: which split, and the fields that shape it
 
 
+Directory = Callable[[SourceSpec, "JobConfig", Callable[[], Path]], Path]
+
+
+@dataclass(frozen=True)
+class SourceKind:
+    """How a kind of source becomes a shard directory. `prefixed`: a path field or `--data` may name it as
+    `KIND:LOCATION`. `manifest`, where given, reads the manifest without building or fetching the shards."""
+
+    directory: Directory
+    prefixed: bool = False
+    manifest: Callable[[SourceSpec], Manifest] | None = None
+
+
+SOURCE_KINDS: dict[str, SourceKind] = {}
+PREFIX = re.compile(r"([A-Za-z][A-Za-z0-9_+.-]*):(?!//)(.*)", re.DOTALL)
+
+
+def register_source_kind(
+    kind: str,
+    directory: Directory,
+    prefixed: bool = False,
+    manifest: Callable[[SourceSpec], Manifest] | None = None,
+) -> None:
+    """`directory(spec, cfg, tokenizer)` gives the shard directory of a spec of this kind; `tokenizer()` is the
+    tokenizer.json to tokenize with, for a kind that builds its shards on first use."""
+    SOURCE_KINDS[kind] = SourceKind(directory, prefixed, manifest)
+
+
+def unknown_kind(text: str) -> str | None:
+    """The KIND of a `KIND:LOCATION` spelling that names no registered kind nameable that way, if any."""
+    match = PREFIX.fullmatch(text)
+    if match is None or "://" in text:
+        return None
+    kind = SOURCE_KINDS.get(match.group(1))
+    return None if kind is not None and kind.prefixed else match.group(1)
+
+
+def kinds_hint(leave_out: tuple[str, ...] = ()) -> str:
+    prefixed = [f"{name}:…" for name, kind in SOURCE_KINDS.items() if kind.prefixed and name not in leave_out]
+    return f"write a folder, a URL (s3://, gs://, https://…) or one of {', '.join(prefixed)}"
+
+
+def parse_source(text: str, field: str) -> SourceSpec:
+    """The source a path field or `--data` names: a URL, `KIND:LOCATION`, or else a folder of shards."""
+    if "://" in text:
+        return SourceSpec("remote", text, field)
+    wrong = unknown_kind(text)
+    if wrong is not None:
+        raise UserError(f"{field} {text!r}: there is no source kind {wrong!r}", kinds_hint())
+    match = PREFIX.fullmatch(text)
+    return SourceSpec(match.group(1), match.group(2), field) if match else SourceSpec("shards", text, field)
+
+
 def section_source(cfg: JobConfig, section: str) -> SourceSpec | None:
     """The source the flat fields of `[data]` or `[eval]` name; None when they name none."""
+    from engine.data.hub_cache import HubRequest
+
     values, d = getattr(cfg, section), cfg.data
     if values.dataset_path:
-        return SourceSpec("shards", values.dataset_path, f"{section}.dataset_path")
+        return parse_source(values.dataset_path, f"{section}.dataset_path")
     if not values.hf_dataset_name:
         return None
     fields = ", ".join(f"{section}.{field}" for field in HubDatasetFields.model_fields)
@@ -56,6 +119,8 @@ def section_source(cfg: JobConfig, section: str) -> SourceSpec | None:
 
 def entry_source(cfg: JobConfig, index: int) -> SourceSpec:
     """The source of `[[data.datasets]]` entry `index` (validation guarantees it names exactly one location)."""
+    from engine.data.hub_cache import HubRequest
+
     source, where = cfg.data.datasets[index], f"data.datasets.{index}"
     if source.hf_name is not None:
         fields = ", ".join(f"{where}.{field}" for field in ("hf_name", *MixtureSource.HUB_FIELDS))
@@ -70,7 +135,7 @@ def entry_source(cfg: JobConfig, index: int) -> SourceSpec:
         )
         return SourceSpec("hf", source.hf_name, f"{where}.hf_name", request)
     if source.path is not None:
-        return SourceSpec("shards", source.path, f"{where}.path")
+        return parse_source(source.path, f"{where}.path")
     assert source.embedded is not None, "validation requires one of path, embedded, hf_name"
     return SourceSpec("embedded", source.embedded, f"{where}.embedded")
 
@@ -82,26 +147,67 @@ def train_sources(cfg: JobConfig) -> list[SourceSpec]:
     return [section_source(cfg, "data") or SourceSpec("embedded", "train", "data.dataset_path")]
 
 
-SourceKind = Callable[[SourceSpec, "JobConfig", Callable[[], Path]], Path]
-SOURCE_KINDS: dict[str, SourceKind] = {}
-
-
-def register_source_kind(kind: str, directory: SourceKind) -> None:
-    """`directory(spec, cfg, tokenizer)` gives the shard directory of a spec of this kind; `tokenizer()` is the
-    tokenizer.json to tokenize with, for a kind that builds its shards on first use."""
-    SOURCE_KINDS[kind] = directory
-
-
 def source_directory(cfg: JobConfig, spec: SourceSpec, tokenizer: Callable[[], Path]) -> Path:
-    """The shard directory of `spec`, built on first use where its kind builds one."""
-    return SOURCE_KINDS[spec.kind](spec, cfg, tokenizer)
+    """The shard directory of `spec`, built (or fetched) on first use where its kind builds one."""
+    return SOURCE_KINDS[spec.kind].directory(spec, cfg, tokenizer)
+
+
+def source_manifest(cfg: JobConfig, spec: SourceSpec) -> Manifest:
+    """The manifest of `spec`'s shards: read from the store for a remote data set, without fetching it."""
+    from engine.data.shards import read_manifest
+
+    kind = SOURCE_KINDS[spec.kind]
+    if kind.manifest is not None:
+        return kind.manifest(spec)
+    return read_manifest(kind.directory(spec, cfg, lambda: train_tokenizer_path(cfg)))
+
+
+def train_tokenizer_path(cfg: JobConfig) -> Path:
+    """What a kind that tokenizes on first use would encode with, for `source_manifest`: data.tokenizer_path."""
+    if cfg.data.tokenizer_path is None:
+        raise UserError("data.tokenizer_path is unset", "set it to the tokenizer.json to tokenize the source with")
+    return Path(cfg.data.tokenizer_path)
+
+
+def shards_directory(spec: SourceSpec, cfg: JobConfig, tokenizer: Callable[[], Path]) -> Path:
+    return Path(spec.location)
+
+
+def embedded_directory(spec: SourceSpec, cfg: JobConfig, tokenizer: Callable[[], Path]) -> Path:
+    from engine.data.embedded import SPLITS, embedded_corpus
+
+    if spec.location not in SPLITS:
+        raise UserError(
+            f"{spec.field} embedded:{spec.location}: the embedded corpus has no split {spec.location!r}",
+            f"use one of {', '.join('embedded:' + s for s in SPLITS)} (embedded:val: the held-out works)",
+        )
+    return embedded_corpus().split(spec.location)
 
 
 def hub_directory(spec: SourceSpec, cfg: JobConfig, tokenizer: Callable[[], Path]) -> Path:
-    assert spec.hub is not None
+    from engine.data.hub_cache import cached_shards
+
+    if spec.hub is None:  # `hf:NAME` in a path field: validation refuses it, this names it for an unvalidated config
+        raise UserError(
+            f"{spec.field} hf:{spec.location} names a Hugging Face dataset",
+            "name it with hf_dataset_name (hf_name in [[data.datasets]]) and its split and revision fields",
+        )
     return cached_shards(spec.hub, cfg.data.hf_streaming, tokenizer(), cfg.model.vocab_size)
 
 
-register_source_kind("shards", lambda spec, cfg, tokenizer: Path(spec.location))
-register_source_kind("embedded", lambda spec, cfg, tokenizer: embedded_corpus().split(spec.location))
-register_source_kind("hf", hub_directory)
+def remote_directory(spec: SourceSpec, cfg: JobConfig, tokenizer: Callable[[], Path]) -> Path:
+    from engine.data.remote_shards import fetched_shards
+
+    return fetched_shards(spec.location, spec.field)
+
+
+def remote_manifest(spec: SourceSpec) -> Manifest:
+    from engine.data.remote_shards import remote_manifest
+
+    return remote_manifest(spec.location, spec.field)[0]
+
+
+register_source_kind("shards", shards_directory)
+register_source_kind("embedded", embedded_directory, prefixed=True)
+register_source_kind("hf", hub_directory, prefixed=True)
+register_source_kind("remote", remote_directory, manifest=remote_manifest)

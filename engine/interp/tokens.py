@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.data.embedded import SPLITS, embedded_corpus
+from engine.config import JobConfig
 from engine.data.shards import MANIFEST, open_shard, read_manifest
+from engine.data.source_kinds import parse_source, source_directory
 from engine.data.tokenize import open_source
 from engine.data.tokenizer import Encoder
 from engine.errors import DataError, UserError
 
 TEXT_FIELD = "text"
-EMBEDDED = "embedded:"  # --data embedded:SPLIT names a split of the embedded corpus (engine/data/embedded.py)
 ENCODE_BATCH = 256  # documents encoded per call (the tokenizer spreads a batch over the cores)
 
 
@@ -72,28 +72,35 @@ def open_tokens(
         ids = np.array([encoder.eos_id, *encoder.tokenizer.encode(text, add_special_tokens=False).ids], np.int64)
         stream = TokenStream.of([ids], {"text": text}, max_tokens)
         what = "--text"
-    elif data.startswith(EMBEDDED):
-        stream = shard_tokens(embedded_split(data.removeprefix(EMBEDDED)), encoder, max_tokens)
-        what = f"--data {data}"
-    elif (Path(data) / MANIFEST).is_file():
-        stream = shard_tokens(Path(data), encoder, max_tokens)
-        what = f"--data {data}"
     else:
-        stream = file_tokens(data, encoder, max_tokens, text_field)
+        stream = data_tokens(encoder, data, max_tokens, text_field)
         what = f"--data {data}"
     if len(stream) == 0:
         raise DataError(f"{what} holds no tokens", "pass a non-empty data set or text")
     return stream
 
 
-def embedded_split(name: str) -> Path:
-    """The token folder of a split of the embedded corpus in this cache, built if it is not there yet."""
-    if name not in SPLITS:
-        raise UserError(
-            f"--data {EMBEDDED}{name}: the embedded corpus has no split {name!r}",
-            f"use one of {', '.join(EMBEDDED + s for s in SPLITS)} ({EMBEDDED}val: the held-out works)",
-        )
-    return embedded_corpus().split(name)
+def data_tokens(encoder: Encoder, data: str, max_tokens: int | None, text_field: str) -> TokenStream:
+    """`--data`, spelled as a config's path field is (engine.data.source_kinds.parse_source): token shards
+    (a folder, a URL, `embedded:SPLIT`) are memory-mapped, anything else (files, `hf:NAME`) is tokenized here."""
+    spec = parse_source(data, "--data")
+    if spec.kind == "shards" and not (Path(data) / MANIFEST).is_file():
+        return file_tokens(data, encoder, max_tokens, text_field)  # text, JSONL or Parquet files
+    if spec.kind == "hf" or (spec.kind == "remote" and not remote_shards(data)):
+        return file_tokens(data, encoder, max_tokens, text_field)
+    return shard_tokens(source_directory(JobConfig(), spec, built_by_none), encoder, max_tokens)
+
+
+def built_by_none() -> Path:
+    raise AssertionError("a kind --data memory-maps (shards, embedded, remote) tokenizes nothing")
+
+
+def remote_shards(url: str) -> bool:
+    """Whether a URL names a `forge tokenize` output (a folder with a manifest) rather than text files."""
+    from engine.data.remote import filesystem, retried
+
+    fs, root = filesystem(url)
+    return bool(retried(url, lambda: fs.exists(root.rstrip("/") + "/" + MANIFEST)))
 
 
 def shard_tokens(folder: Path, encoder: Encoder, max_tokens: int | None) -> TokenStream:

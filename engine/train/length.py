@@ -12,7 +12,6 @@ data is the same).
 from __future__ import annotations
 
 from fnmatch import fnmatch
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.data.batch_plan import batch_plan
@@ -25,18 +24,13 @@ DERIVED = ("max_steps", "grad_accum_steps")
 
 def train_windows(cfg: JobConfig) -> int:
     """Training windows (seq_len + 1 tokens, whole inside a shard) of the one data set max_epochs counts: the
-    shards of data.dataset_path matching data.file_pattern, or the embedded corpus; read from the manifest,
-    as `engine.data.loader` counts them. Raises DataError when the shards are not there."""
-    from engine.data.shards import read_manifest
+    shards of data.dataset_path (a folder, an embedded split, a remote data set) matching data.file_pattern,
+    or the embedded corpus; read from the manifest (a remote one without fetching the shards), as
+    `engine.data.loader` counts them. Raises DataError when the shards are not there."""
+    from engine.data.source_kinds import source_manifest, train_sources
 
     d, window = cfg.data, cfg.train.seq_len + 1
-    if d.dataset_path is not None:
-        directory = Path(d.dataset_path)
-    else:
-        from engine.data.embedded import embedded_corpus
-
-        directory = embedded_corpus().train
-    shards = [s for s in read_manifest(directory).shards if fnmatch(s.file, d.file_pattern)]
+    shards = [s for s in source_manifest(cfg, train_sources(cfg)[0]).shards if fnmatch(s.file, d.file_pattern)]
     return sum(s.tokens // window for s in shards)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.data.batch_plan import data_parallel, global_sequences
-from engine.errors import ConfigIssue, DataError
+from engine.errors import ConfigIssue, UserError
 
 if TYPE_CHECKING:
     from engine.config.job import JobConfig
@@ -59,7 +59,7 @@ def length_issues(cfg: JobConfig) -> list[ConfigIssue]:
 
         try:
             windows = train_windows(cfg)
-        except DataError as err:
+        except UserError as err:  # a DataError, an unknown source kind, a remote manifest that cannot be read
             found.append(ConfigIssue("train.max_epochs", f"needs the training data's size: {err.message}", err.hint))
         else:
             if windows == 0:
