@@ -61,8 +61,9 @@ def to_hf(
     Writes config.json, model.safetensors (sharded with an index above 5 GB), generation_config.json
     and the run's tokenizer, so that AutoModelForCausalLM / AutoTokenizer.from_pretrained(OUT) work
     offline. Dense models become LlamaForCausalLM (Qwen3ForCausalLM with qk_norm); MoE models
-    Qwen2MoeForCausalLM / Qwen3MoeForCausalLM (softmax_topk router, without / with qk_norm) or
-    Glm4MoeForCausalLM (sigmoid_topk router). A model no transformers class computes exactly is
+    Qwen2MoeForCausalLM / Qwen3MoeForCausalLM (softmax routers, without / with qk_norm),
+    MixtralForCausalLM (softmax_topk_renorm, every block MoE) or Glm4MoeForCausalLM (sigmoid_topk router,
+    group-limited or not). A model no transformers class computes exactly is
     refused with the field that prevents it. A checkpoint saved under any parallel layout converts the
     same way. Nothing is written unless the whole export succeeds.
 

@@ -127,8 +127,13 @@ def cpu_rmsnorm_extra(cfg: JobConfig) -> int:
         ({"qk_norm": True}, "cross_entropy"),
         (MOE, "cross_entropy"),
         ({"sdpa_backend": "math"}, "cross_entropy"),
+        ({**MOE, "moe_router": "softmax_topk_renorm"}, "cross_entropy"),
+        (
+            {**MOE, "num_experts": 8, "moe_router": "sigmoid_topk", "moe_n_group": 4, "moe_topk_group": 2},
+            "cross_entropy",
+        ),
     ],
-    ids=["dense", "dense-chunked", "layernorm-tied", "qknorm", "moe", "math-sdpa"],
+    ids=["dense", "dense-chunked", "layernorm-tied", "qknorm", "moe", "math-sdpa", "moe-renorm", "moe-grouped"],
 )
 def test_activations_match_the_saved_tensors(model, loss, precision):
     cfg = job({"sdpa_backend": "flash", **model}, train={"mixed_precision": precision, "loss_fn": loss})

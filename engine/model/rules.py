@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from engine.config.fields import changed_fields, unread_field_issues
 from engine.config.lora import LoraConfig
-from engine.config.model import MOE_FIELDS
+from engine.config.model import MOE_FIELDS, ModelConfig
 from engine.errors import ConfigIssue
 
 if TYPE_CHECKING:
@@ -48,7 +48,15 @@ def moe_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
         ]
     sigmoid_only = ("sigmoid_topk",)
     issues = unread_field_issues(
-        "model", m, m.moe_router, {"moe_bias_schedule": sigmoid_only, "moe_bias_update": sigmoid_only}
+        "model",
+        m,
+        m.moe_router,
+        {
+            "moe_bias_schedule": sigmoid_only,
+            "moe_bias_update": sigmoid_only,
+            "moe_n_group": sigmoid_only,
+            "moe_topk_group": sigmoid_only,
+        },
     )
     if m.moe_top_k > m.num_experts:
         issues.append(
@@ -66,7 +74,43 @@ def moe_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                 "use a frequency <= n_layers (1 = every block)",
             )
         )
-    return issues
+    return issues + (expert_group_issues(m) if m.moe_router in sigmoid_only else [])
+
+
+def expert_group_issues(m: ModelConfig) -> list[ConfigIssue]:
+    """Group-limited routing (sigmoid_topk's moe_n_group / moe_topk_group) that can be computed: equal groups
+    of at least two experts (a group's score is its two best), no more groups kept than there are, and
+    enough experts inside the kept groups for top-k."""
+    groups, kept = m.moe_n_group, m.moe_topk_group
+    if groups == 1 and kept == 1:
+        return []
+    if m.num_experts % groups or m.num_experts // groups < 2:
+        return [
+            ConfigIssue(
+                "model.moe_n_group",
+                f"{groups} does not split model.num_experts ({m.num_experts}) into equal groups of at least 2 "
+                "experts (a group is ranked by the sum of its two best scores)",
+                "use a divisor of num_experts that is at most num_experts / 2",
+            )
+        ]
+    if kept > groups:
+        return [
+            ConfigIssue(
+                "model.moe_topk_group",
+                f"{kept} exceeds model.moe_n_group ({groups})",
+                "keep at most moe_n_group groups per token",
+            )
+        ]
+    inside = kept * (m.num_experts // groups)
+    if m.moe_top_k > inside:
+        return [
+            ConfigIssue(
+                "model.moe_top_k",
+                f"{m.moe_top_k} exceeds the {inside} experts of the moe_topk_group = {kept} groups a token keeps",
+                "raise model.moe_topk_group, or lower model.moe_top_k",
+            )
+        ]
+    return []
 
 
 def moe_warnings(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:

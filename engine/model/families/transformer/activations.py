@@ -43,7 +43,8 @@ def block_activation_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, to
       dense MLP:       c·r'·h (normed input) + c·4f (w1 out, act(w1 out), w3 out, their product)
       MoE MLP:         4·(h + 2E) (router input, logits/probs) + c·k·(2h + 4f_e + 1) (each of the top-k
                        assignments: gathered input, the expert's SwiGLU, its weighted output) + 16k
-                       (indices) + shared experts c·(r'·h + 4f_s)
+                       (indices) + shared experts c·(r'·h + 4f_s); softmax_topk_renorm also
+                       keeps the k weights and their sum it divides by, 4·(k + 1)
       QK-norm:         (c + 4)·(h + kv) + 4·(heads + kv_heads)
     r = r' = 1, except under autocast (compute below fp32 and no FSDP): r = 3, r' = 2, as autocast casts the
     fp32 norm output separately for each projection that reads it (wq, wk, wv; w1, w3) and each keeps its
@@ -68,6 +69,7 @@ def block_activation_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, to
         # hidden units (routed and shared) are split.
         moe = FP32 * (h + 2 * m.num_experts) + c * k * (2 * h + 1) + c * k * 4 * m.expert_ffn_dim // tp
         moe += 2 * INT64 * k + (c * gated * h + c * 4 * shared // tp if shared else 0)
+        moe += FP32 * (k + 1) if m.moe_router == "softmax_topk_renorm" else 0
         return tokens * (gathered + split // tp) + tokens * moe
     gathered += c * gated * h
     split += c * 4 * m.ffn_dim + context_parallel_bytes(m, lay)
