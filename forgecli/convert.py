@@ -151,6 +151,7 @@ def show(report: ConvertReport, as_json: bool, title: str) -> None:
                 "parameters": report.parameters,
                 "bytes": report.bytes,
                 "files": report.files,
+                "left_out": report.left_out,
                 "model": report.model.model_dump(mode="json", exclude_none=True),
             }
         )
@@ -163,6 +164,8 @@ def show(report: ConvertReport, as_json: bool, title: str) -> None:
     table.add_row("architecture", report.architecture)
     table.add_row("parameters", f"{report.parameters:,} ({report.bytes / 1e6:,.1f} MB)")
     table.add_row("files", escape(", ".join(report.files)))
+    for what in report.left_out:
+        table.add_row("left out", escape(what))
     console.print(table)
 
 

@@ -65,8 +65,9 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
         {"tie_embeddings": True, "qk_norm": True, "norm_type": "layernorm"},
         MOE,
         {**MOE, "moe_packed_experts": False},
+        {"mtp_depth": 2, "tie_embeddings": True},
     ],
-    ids=["dense", "tied-qknorm-ln", "moe", "moe-unpacked"],
+    ids=["dense", "tied-qknorm-ln", "moe", "moe-unpacked", "mtp-tied"],
 )
 def test_params_grads_and_optimizer_state_equal_what_the_model_holds(model, optimizer):
     scheduler = {"name": "constant", "warmup_steps": 0} if optimizer == "schedule_free_adamw" else {}
@@ -111,10 +112,16 @@ def is_weight_copy(t: torch.Tensor) -> bool:
 
 
 def cpu_rmsnorm_extra(cfg: JobConfig) -> int:
-    """On CPU torch decomposes RMSNorm and also keeps the normalized input (fp32); CUDA's fused kernel, which
-    the estimate counts, does not. Two norms per block and the final one."""
-    m, tokens = cfg.model, cfg.train.batch_size * cfg.train.seq_len
-    return 4 * m.dim * tokens * (2 * m.n_layers + 1) if m.norm_type == "rmsnorm" else 0
+    """On CPU torch decomposes RMSNorm and also keeps the normalized input (in its input's dtype); CUDA's fused
+    kernel, which the estimate counts, does not. Two norms per block and the final one (fp32 inputs); per
+    multi-token-prediction module k over its seq_len − k positions, two on fp32 inputs (hidden, embedding)
+    and three on its own residual stream, in the compute dtype (its block's two, its final norm)."""
+    m, t = cfg.model, cfg.train
+    if m.norm_type != "rmsnorm":
+        return 0
+    compute = 2 if t.mixed_precision == "bf16" else 4
+    mtp = sum(t.batch_size * (t.seq_len - k) * (2 * 4 + 3 * compute) for k in range(1, m.mtp_depth + 1))
+    return m.dim * (4 * t.batch_size * t.seq_len * (2 * m.n_layers + 1) + mtp)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -132,8 +139,21 @@ def cpu_rmsnorm_extra(cfg: JobConfig) -> int:
             {**MOE, "num_experts": 8, "moe_router": "sigmoid_topk", "moe_n_group": 4, "moe_topk_group": 2},
             "cross_entropy",
         ),
+        ({"mtp_depth": 2}, "cross_entropy"),
+        ({"mtp_depth": 1, **MOE}, "chunked_cross_entropy"),
     ],
-    ids=["dense", "dense-chunked", "layernorm-tied", "qknorm", "moe", "math-sdpa", "moe-renorm", "moe-grouped"],
+    ids=[
+        "dense",
+        "dense-chunked",
+        "layernorm-tied",
+        "qknorm",
+        "moe",
+        "math-sdpa",
+        "moe-renorm",
+        "moe-grouped",
+        "mtp",
+        "mtp-moe-chunked",
+    ],
 )
 def test_activations_match_the_saved_tensors(model, loss, precision):
     cfg = job({"sdpa_backend": "flash", **model}, train={"mixed_precision": precision, "loss_fn": loss})

@@ -99,6 +99,7 @@ def error_rules() -> tuple[Rule, ...]:
         parallel.layout_issues,  # degrees, tp, pp, ep, cp
         model.lora_issues,
         data.mixture_issues,  # [[data.datasets]] and their phases
+        model.mtp_issues,  # multi-token prediction: its family, layouts and packing
     )
 
 

@@ -110,6 +110,20 @@ class ModelConfig(Section):
         0.0, ge=0, description="router z-loss weight: mean logsumexp(router logits)²"
     )
 
+    # Multi-token prediction (DeepSeek-V3; engine/model/mtp.py): read only when mtp_depth > 0.
+    mtp_depth: int = Field(
+        0,
+        ge=0,
+        description="multi-token prediction modules (DeepSeek-V3): module k predicts the token k + 1 ahead from "
+        "module k − 1's states and token k's embedding, through one dense block and the shared head; 0 = off",
+    )
+    mtp_loss_weight: float = Field(
+        0.3,
+        ge=0,
+        description="weight of the mean multi-token-prediction loss over the modules, added to the main loss "
+        "in training (eval loss and generation use the main model only)",
+    )
+
     readers: ClassVar[dict[str, str]] = {
         "dim": "model/transformer.py, model/attention.py, model/mlp.py",
         "n_layers": "model/transformer.py",
@@ -144,6 +158,8 @@ class ModelConfig(Section):
         "moe_packed_experts": "model/moe.py",
         "moe_expert_ffn_multiplier": "model/moe.py",
         "moe_router_z_loss_weight": "model/moe.py",
+        "mtp_depth": "model/transformer.py, model/mtp.py",
+        "mtp_loss_weight": "train/losses.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 

@@ -113,6 +113,73 @@ def expert_group_issues(m: ModelConfig) -> list[ConfigIssue]:
     return []
 
 
+MTP_FAMILIES = ("transformer",)
+"""The model families that have multi-token prediction modules (engine/model/mtp.py)."""
+
+
+def mtp_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """Multi-token prediction (`model.mtp_depth`): its weight only with modules, a family that has them, a
+    window long enough, and what it does not run under yet: pipeline, tensor and context parallelism (its
+    modules shift the sequence by whole positions and sit after the last stage's head), packed documents
+    (the modules attend across the window) and LoRA (its adapters would leave the modules frozen)."""
+    m, d = cfg.model, cfg.distributed
+    if not m.mtp_depth:
+        return [
+            ConfigIssue(
+                f"model.{field}",
+                "is set, but model.mtp_depth = 0 (no multi-token prediction)",
+                "set model.mtp_depth > 0, or remove it",
+            )
+            for field in changed_fields(m, ("mtp_loss_weight",))
+        ]
+    if m.model_type not in MTP_FAMILIES:
+        return [
+            ConfigIssue(
+                "model.mtp_depth",
+                f"model_type = {m.model_type!r} has no multi-token prediction modules "
+                f"(only {', '.join(MTP_FAMILIES)} has)",
+                "set model.mtp_depth = 0 for this family",
+            )
+        ]
+    issues = []
+    if m.mtp_depth >= cfg.train.seq_len:
+        issues.append(
+            ConfigIssue(
+                "model.mtp_depth",
+                f"{m.mtp_depth} leaves no position to predict from in a window of train.seq_len = {cfg.train.seq_len}",
+                "use an mtp_depth below train.seq_len",
+            )
+        )
+    for degree in ("pp", "tp", "cp"):
+        if getattr(d, degree) > 1:
+            issues.append(
+                ConfigIssue(
+                    f"distributed.{degree}",
+                    f"= {getattr(d, degree)}: multi-token prediction (model.mtp_depth = {m.mtp_depth}) runs under "
+                    f"FSDP/HSDP and expert parallelism only, not with {degree} > 1 yet",
+                    f"set distributed.{degree} = 1, or model.mtp_depth = 0",
+                )
+            )
+    if cfg.data.pack_sequences:
+        issues.append(
+            ConfigIssue(
+                "data.pack_sequences",
+                f"document-aware packing is not supported with multi-token prediction (model.mtp_depth = "
+                f"{m.mtp_depth}) yet: its modules would attend across documents",
+                "set data.pack_sequences = false, or model.mtp_depth = 0",
+            )
+        )
+    if cfg.lora.enabled:
+        issues.append(
+            ConfigIssue(
+                "lora.enabled",
+                f"LoRA is not supported with multi-token prediction (model.mtp_depth = {m.mtp_depth}) yet",
+                "set model.mtp_depth = 0 to fine-tune with adapters",
+            )
+        )
+    return issues
+
+
 def moe_warnings(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     """A capacity factor of 0 is the seed schema's way of saying dropless."""
     m = cfg.model

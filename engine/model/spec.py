@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ParamSpec:
     """One parameter tensor of the model: its name in `named_parameters()`, full shape, owner ("embedding"
-    (held by the first pipeline stage), "head" or "norm" (the last stage's), or the block index), the
+    (held by the first pipeline stage), "head", "norm" or "mtp" (the last stage's), or the block index), the
     dimension tensor parallelism shards (None = replicated over tp), and whether expert parallelism splits
     its dim 0 (packed experts [experts, …])."""
 
@@ -62,7 +62,8 @@ class ActivationLayout:
     out from the job (engine/parallel/memory.py): bytes per element of matmul inputs/outputs (`compute`) and
     of the residual stream (`residual`: fp32 under autocast, the compute dtype under FSDP), whether autocast
     casts each projection's input separately (`casts`), the tensor and context parallel degrees, the
-    context-parallel method and the sequence length of a micro-batch."""
+    context-parallel method, the sequence length of a micro-batch and whether the loss is chunked
+    (`train.loss_fn = "chunked_cross_entropy"`, which keeps gradients instead of log-probabilities)."""
 
     compute: int
     residual: int
@@ -71,6 +72,7 @@ class ActivationLayout:
     cp: int
     cp_method: str
     seq_len: int
+    chunked_loss: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,7 +199,10 @@ class ModelSpec:
     - `position_table_width(cfg)`: width of the per-position tables (RoPE's cos and sin) that packed
       documents give every sequence its own copy of; 0 for a family without such tables;
     - `parts`, `tp_plan`: pipeline cut points and tensor-parallel plan; `hf`: conversion, None when the
-      family has no Hugging Face counterpart.
+      family has no Hugging Face counterpart;
+    - `head_extra_bytes(cfg, layout, tokens)`: what autograd saves beyond the final norm, head and loss on the
+      rank that computes the loss, over `tokens` tokens (the transformer's multi-token-prediction modules);
+      0 for a family without any.
     """
 
     build: str | Callable[[ModelConfig], nn.Module]
@@ -211,6 +216,7 @@ class ModelSpec:
     parts: ModelParts
     tp_plan: TPPlan
     hf: HFMapping | None = None
+    head_extra_bytes: Callable[[ModelConfig, ActivationLayout, int], int] = lambda cfg, layout, tokens: 0
 
     def model_class(self) -> Callable[[ModelConfig], nn.Module]:
         """The builder named by `build`, imported now (this imports torch)."""

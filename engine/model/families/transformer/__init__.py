@@ -36,5 +36,6 @@ SPEC = MODELS.register("transformer")(
         ),
         tp_plan=tp_plan.PLAN,
         hf=hf.MAPPING,
+        head_extra_bytes=activations.mtp_bytes,
     )
 )
