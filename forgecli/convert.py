@@ -61,8 +61,9 @@ def to_hf(
     Writes config.json, model.safetensors (sharded with an index above 5 GB), generation_config.json
     and the run's tokenizer, so that AutoModelForCausalLM / AutoTokenizer.from_pretrained(OUT) work
     offline. Dense models become LlamaForCausalLM (Qwen3ForCausalLM with qk_norm); MoE models
-    Qwen2MoeForCausalLM / Qwen3MoeForCausalLM (softmax_topk router, without / with qk_norm) or
-    Glm4MoeForCausalLM (sigmoid_topk router). A model no transformers class computes exactly is
+    Qwen2MoeForCausalLM / Qwen3MoeForCausalLM (softmax routers, without / with qk_norm),
+    MixtralForCausalLM (softmax_topk_renorm, every block MoE) or Glm4MoeForCausalLM (sigmoid_topk router,
+    group-limited or not). A model no transformers class computes exactly is
     refused with the field that prevents it. A checkpoint saved under any parallel layout converts the
     same way. Nothing is written unless the whole export succeeds.
 
@@ -150,6 +151,7 @@ def show(report: ConvertReport, as_json: bool, title: str) -> None:
                 "parameters": report.parameters,
                 "bytes": report.bytes,
                 "files": report.files,
+                "left_out": report.left_out,
                 "model": report.model.model_dump(mode="json", exclude_none=True),
             }
         )
@@ -162,6 +164,8 @@ def show(report: ConvertReport, as_json: bool, title: str) -> None:
     table.add_row("architecture", report.architecture)
     table.add_row("parameters", f"{report.parameters:,} ({report.bytes / 1e6:,.1f} MB)")
     table.add_row("files", escape(", ".join(report.files)))
+    for what in report.left_out:
+        table.add_row("left out", escape(what))
     console.print(table)
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from forgecli.ui import console, show_user_error, user_errors
+from forgecli.ui import console, err_console, show_user_error, user_errors
 
 if TYPE_CHECKING:  # the engine is imported when the command runs, not when `forge --help` loads the app
     import torch
@@ -72,6 +72,13 @@ def generate(
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     device = default_device()
     model, encoder = load_model(target, device, ema=ema)
+    if model.cfg.mtp_depth:  # on stderr, so that the sampled text on stdout stays just that
+        err_console.print(
+            f"model.mtp_depth = {model.cfg.mtp_depth}: sampling from the main model; the multi-token-prediction "
+            "modules are left out",
+            style="dim",
+            markup=False,
+        )
     generator = sampling.generator(device)
     if not interactive:
         stream(model, encoder, prompt, max_new_tokens, sampling, generator, echo=True)

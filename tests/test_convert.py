@@ -542,6 +542,16 @@ MOE_CONFIGS = {
         dict(MOE, moe_router="sigmoid_topk", moe_shared_experts=1, moe_capacity_factor=2.0),
         "Glm4MoeForCausalLM",
     ),
+    "sigmoid-grouped": (
+        dict(MOE, num_experts=8, moe_top_k=3, moe_router="sigmoid_topk", moe_n_group=4, moe_topk_group=2),
+        "Glm4MoeForCausalLM",
+    ),
+    "mixtral": (dict(MOE, moe_router="softmax_topk_renorm"), "MixtralForCausalLM"),
+    "renorm-qk_norm": (dict(MOE, moe_router="softmax_topk_renorm", qk_norm=True), "Qwen3MoeForCausalLM"),
+    "renorm-every2nd-narrow": (
+        dict(MOE, n_layers=3, moe_router="softmax_topk_renorm", moe_frequency=2, moe_expert_ffn_multiplier=0.5),
+        "Qwen2MoeForCausalLM",
+    ),
 }
 
 
@@ -570,7 +580,7 @@ def test_transformers_computes_the_same_moe_logits_and_greedy_tokens(tmp_path, n
     assert_same_as_transformers(parity, hf, model, seq=24, prompt=6, new_tokens=16)
 
 
-@pytest.mark.parametrize("name", ["softmax-qk_norm-every2nd-unpacked", "sigmoid-shared"])
+@pytest.mark.parametrize("name", ["softmax-qk_norm-every2nd-unpacked", "sigmoid-shared", "sigmoid-grouped", "mixtral"])
 def test_moe_round_trip_through_hugging_face(tmp_path, name):
     """Forge → HF → Forge: the imported checkpoint has the same [model] routing and computes the same logits
     (bitwise: the same weights, stacked into packed experts); loading the HF folder into a model with
@@ -588,6 +598,8 @@ def test_moe_round_trip_through_hugging_face(tmp_path, name):
         "moe_top_k",
         "moe_frequency",
         "moe_router",
+        "moe_n_group",
+        "moe_topk_group",
         "moe_shared_experts",
         "expert_ffn_dim",
         "qk_norm",
@@ -611,6 +623,82 @@ def test_moe_round_trip_through_hugging_face(tmp_path, name):
     assert list(first) == list(second) and all(torch.equal(first[k], second[k]) for k in first)
 
 
+HF_MADE = {
+    "mixtral": (
+        "MixtralConfig",
+        dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
+        dict(moe_router="softmax_topk_renorm", num_experts=4, moe_top_k=2, ffn_dim=48),
+    ),
+    "glm4_moe-grouped": (
+        "Glm4MoeConfig",
+        dict(
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            first_k_dense_replace=0,
+            partial_rotary_factor=1.0,
+            routed_scaling_factor=1.0,
+            norm_topk_prob=True,
+            num_nextn_predict_layers=0,
+        ),
+        dict(moe_router="sigmoid_topk", num_experts=8, moe_n_group=4, moe_topk_group=2, expert_ffn_dim=32),
+    ),
+    "qwen3_moe-renorm": (
+        "Qwen3MoeConfig",
+        dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, intermediate_size=64, moe_intermediate_size=32),
+        dict(moe_router="softmax_topk_renorm", qk_norm=True, expert_ffn_dim=32),
+    ),
+}
+"""name → (transformers config class, its routing fields, what the imported [model] section must say)."""
+
+
+@pytest.mark.parametrize("name", list(HF_MADE))
+def test_a_model_transformers_made_imports_with_the_same_logits(tmp_path, name, parity):
+    """The other direction: random weights initialised by transformers (norms and the balancing bias moved off
+    their defaults), saved by save_pretrained, imported by `forge convert from-hf`: the same logits."""
+    config_class, routing, expected = HF_MADE[name]
+    torch.manual_seed(1)
+    hf_cfg = getattr(transformers, config_class)(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+        **routing,
+    )
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+        for module in hf.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.copy_(torch.randn_like(module.e_score_correction_bias) * 0.3)
+    hf.save_pretrained(tmp_path / "hf")
+    result = forge("convert", "from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"))
+    assert result.exit_code == 0, result.output
+    from engine.config import load_job_config
+
+    imported = load_job_config(tmp_path / "ckpt" / "model.toml").model
+    assert {field: getattr(imported, field) for field in expected} == expected
+    model = Transformer(imported).eval()
+    load_checkpoint(tmp_path / "ckpt" / "step_0", model)
+    tokens = torch.randint(0, VOCAB, (2, 24))
+    with torch.no_grad():
+        ours = model(tokens)
+        parity.close(hf(tokens).logits, ours, atol=model_bound(imported, ours.abs().max().item()), what="logits")
+        if imported.moe_n_group > 1:  # the groups decided some choices: routing without them differs
+            ungrouped = Transformer(imported.model_copy(update={"moe_n_group": 1, "moe_topk_group": 1})).eval()
+            ungrouped.load_state_dict(model.state_dict())
+            assert (ungrouped(tokens) - ours).abs().max() > 1e-2
+
+
 def hf_state(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF folder, whichever file holds it."""
     state = {}
@@ -623,7 +711,11 @@ def hf_state(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "fields, needle",
     [
-        (dict(MOE, moe_shared_experts=1), 'model.moe_shared_experts = 1 with moe_router = "softmax_topk"'),
+        (dict(MOE, moe_shared_experts=1), "model.moe_shared_experts = 1 with moe_router = 'softmax_topk'"),
+        (
+            dict(MOE, moe_shared_experts=1, moe_router="softmax_topk_renorm"),
+            "model.moe_shared_experts = 1 with moe_router = 'softmax_topk_renorm'",
+        ),
         (dict(MOE, moe_capacity_factor=1.25), "model.moe_capacity_factor = 1.25"),
         (dict(MOE, n_layers=4, moe_router="sigmoid_topk", moe_frequency=2), "model.moe_frequency = 2"),
         (dict(MOE, moe_router="sigmoid_topk", num_experts=1, moe_top_k=1), "model.num_experts = 1"),
@@ -653,15 +745,17 @@ def moe_config(model_type: str, **changes) -> dict:
 
 def test_from_hf_refuses_moe_routing_forge_does_not_compute(tmp_path):
     cases = [
-        (moe_config("qwen3_moe", norm_topk_prob=True), "norm_topk_prob = true"),
         (moe_config("qwen2_moe", shared_expert_intermediate_size=64), "shared_expert_intermediate_size = 64"),
         (moe_config("qwen2_moe", use_sliding_window=True), "use_sliding_window = true in an MoE model"),
         (moe_config("qwen3_moe", mlp_only_layers=[0]), "mlp_only_layers = [0]"),
-        (moe_config("glm4_moe", n_group=2), "n_group = 2"),
+        (moe_config("glm4_moe", n_group=4, topk_group=2), "model.moe_n_group = 4 does not split"),
+        (moe_config("glm4_moe", n_group=2, topk_group=3), "model.moe_topk_group = 3 exceeds"),
         (moe_config("glm4_moe", routed_scaling_factor=2.5), "routed_scaling_factor = 2.5"),
         (moe_config("glm4_moe", partial_rotary_factor=0.5), "partial_rotary_factor = 0.5"),
         (moe_config("glm4_moe", num_hidden_layers=4, first_k_dense_replace=1), "first_k_dense_replace = 1"),
-        (moe_config("mixtral"), "'mixtral'"),
+        (moe_config("mixtral", num_local_experts=4, router_jitter_noise=0.1), "router_jitter_noise = 0.1"),
+        (moe_config("mixtral", num_local_experts=4, sliding_window=16), "sliding_window = 16"),
+        (moe_config("deepseek_v3"), "'deepseek_v3'"),
     ]
     for i, (config, needle) in enumerate(cases):
         folder = hf_folder(tmp_path / f"hf{i}", config)

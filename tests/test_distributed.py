@@ -200,6 +200,9 @@ def test_layouts_match_one_process(tmp_path, one_process, layout, parity):
     assert len(state["rng"]) == 2, "each rank's generators are saved"
 
 
+MTP = ["--model.mtp_depth=1", "--model.mtp_loss_weight=0.5"]  # one multi-token-prediction module (engine/model/mtp.py)
+
+
 def test_a_global_batch_and_the_whole_held_out_set_on_two_processes_match_one(tmp_path, parity):
     """--train.global_batch_size=32 on 2 processes (8 sequences × 2 micro-batches per rank, derived) trains like
     one process accumulating 4 micro-batches of 8 (today's explicit form), and eval.steps = "all" (every held-out
@@ -207,14 +210,20 @@ def test_a_global_batch_and_the_whole_held_out_set_on_two_processes_match_one(tm
     cross-entropy over every held-out window computed here from the final weights. Tolerance: as for every layout
     here (assert_same_run: tests/parity.TrainingTolerance): the same windows in the same micro-batches, but FSDP sums the two ranks'
     gradients in another order than one process's accumulation, fp32 rounding that Adam carries over the 6
-    steps; each eval chunk is the same rows on either side and the chunks' sums are taken in float64. (Padding a
+    steps; each eval chunk is the same rows on either side and the chunks' sums are taken in float64. Both runs
+    train with a multi-token-prediction module, whose logged main and depth losses match too (the eval loss is
+    the main model's). (Padding a
     rank that runs out of chunks is checked in tests/test_batch_length.py: here the 360 chunks split evenly.)"""
     one, two = tmp_path / "one", tmp_path / "two"
-    result = forge(one, "--train.grad_accum_steps=4", "--eval.steps=all", batch_size=8)
+    result = forge(one, "--train.grad_accum_steps=4", "--eval.steps=all", *MTP, batch_size=8)
     assert result.returncode == 0, result.stderr[-3000:]
-    result = forge(two, "--train.global_batch_size=32", "--eval.steps=all", nproc=2, batch_size=8)
+    result = forge(two, "--train.global_batch_size=32", "--eval.steps=all", *MTP, nproc=2, batch_size=8)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(two, one, parity)
+    tol = tolerance(two)  # with multi-token prediction: its main and per-depth losses, FSDP against one process
+    for step, record in records(two).items():
+        for key in ("loss_main", "mtp/loss_1"):
+            parity.within(f"{key} step {step}", abs(record[key] - records(one)[step][key]), tol.loss_at(step))
     assert [r["tokens_seen"] for r in records(two).values()] == [32 * 32 * s for s in range(1, 7)]
     saved = (two / "config.toml").read_text()  # the layout's accumulation is derived again on a resume
     assert "global_batch_size = 32" in saved and "grad_accum_steps" not in saved

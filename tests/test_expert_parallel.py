@@ -224,8 +224,11 @@ CASES = {
         bias=[0.0, 0.0, -100.0, -100.0],
         model=dict(moe_router="sigmoid_topk", moe_bias_schedule=[(0, 0.0)]),
     ),
+    # With group-limited routing (2 groups of 2 experts, one kept): each group is one ep rank's experts.
     "fsdp": dict(
-        layout="ep_fsdp", activation_checkpointing="full", model=dict(moe_router="sigmoid_topk", moe_shared_experts=1)
+        layout="ep_fsdp",
+        activation_checkpointing="full",
+        model=dict(moe_router="sigmoid_topk", moe_shared_experts=1, moe_n_group=2, moe_topk_group=1),
     ),
     # torch.compile (engine.parallel.apply.apply_compile) against the eager reference: the MoE blocks compile
     # around the routed experts, whose all-to-all runs eagerly.

@@ -71,8 +71,9 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
         MOE,
         {**MOE, "moe_packed_experts": False},
         GPT2,
+        {"mtp_depth": 2, "tie_embeddings": True},
     ],
-    ids=["dense", "tied-qknorm-ln", "moe", "moe-unpacked", "gpt2"],
+    ids=["dense", "tied-qknorm-ln", "moe", "moe-unpacked", "gpt2", "mtp-tied"],
 )
 def test_params_grads_and_optimizer_state_equal_what_the_model_holds(model, optimizer):
     scheduler = {"name": "constant", "warmup_steps": 0} if optimizer == "schedule_free_adamw" else {}
@@ -120,17 +121,19 @@ def is_weight_copy(t: torch.Tensor) -> bool:
 
 
 def cpu_rmsnorm_extra(cfg: JobConfig) -> int:
-    """On CPU torch decomposes RMSNorm and also keeps the normalized input (fp32); CUDA's fused kernel, which
-    the estimate counts, does not. Two norms per block and the final one. With a bf16 residual stream (bf16
-    weights) the decomposition keeps its fp32 upcast of the input where the fused kernel keeps the bf16 input:
-    2 bytes more an element."""
-    m, tokens = cfg.model, cfg.train.batch_size * cfg.train.seq_len
+    """On CPU torch decomposes RMSNorm and also keeps the normalized input (in its input's dtype); CUDA's fused
+    kernel, which the estimate counts, does not. Two norms per block and the final one (fp32 inputs, or bf16
+    ones with bf16 weights: 2 bytes more an element, the decomposition's fp32 upcast); per
+    multi-token-prediction module k over its seq_len − k positions, two on fp32 inputs (hidden, embedding)
+    and three on its own residual stream, in the compute dtype (its block's two, its final norm)."""
+    m, t = cfg.model, cfg.train
     # GPT-2's norms are LayerNorm whatever norm_type says (a gpt2 config leaves the field at its default)
-    rmsnorm = m.norm_type == "rmsnorm" and m.model_type == "transformer"
-    if not rmsnorm:
+    if m.norm_type != "rmsnorm" or m.model_type != "transformer":
         return 0
+    compute = 2 if t.mixed_precision == "bf16" else 4
     per_element = 4 + (2 if cfg.optimizer.weight_dtype == "bf16" else 0)
-    return per_element * m.dim * tokens * (2 * m.n_layers + 1)
+    mtp = sum(t.batch_size * (t.seq_len - k) * (2 * 4 + 3 * compute) for k in range(1, m.mtp_depth + 1))
+    return m.dim * (per_element * t.batch_size * t.seq_len * (2 * m.n_layers + 1) + mtp)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -148,6 +151,13 @@ def cpu_rmsnorm_extra(cfg: JobConfig) -> int:
         ({**GPT2, "sdpa_backend": "math"}, "cross_entropy"),
         ({"attention_head_dim": 24, "attention_qkv_bias": True, "qk_norm": True}, "cross_entropy"),
         ({"sliding_window": 8, "n_kv_heads": 4, "sdpa_backend": "auto"}, "cross_entropy"),
+        ({**MOE, "moe_router": "softmax_topk_renorm"}, "cross_entropy"),
+        (
+            {**MOE, "num_experts": 8, "moe_router": "sigmoid_topk", "moe_n_group": 4, "moe_topk_group": 2},
+            "cross_entropy",
+        ),
+        ({"mtp_depth": 2}, "cross_entropy"),
+        ({"mtp_depth": 1, **MOE}, "chunked_cross_entropy"),
     ],
     ids=[
         "dense",
@@ -161,6 +171,10 @@ def cpu_rmsnorm_extra(cfg: JobConfig) -> int:
         "gpt2-math-sdpa",
         "head_dim-bias",
         "window",
+        "moe-renorm",
+        "moe-grouped",
+        "mtp",
+        "mtp-moe-chunked",
     ],
 )
 def test_activations_match_the_saved_tensors(model, loss, precision):

@@ -16,7 +16,14 @@ from engine.config.model import ModelConfig
 from engine.errors import ConfigError
 from engine.model.estimate import param_counts, training_flops_per_token
 from engine.model.moe import GROUPED_MM, MoE, grouped_experts, looped_experts, moe_metrics, within_capacity
-from engine.model.routers import SigmoidTopK, SoftmaxTopK, balance_loss, router_z_loss, sequence_balance_loss
+from engine.model.routers import (
+    SigmoidTopK,
+    SoftmaxTopK,
+    SoftmaxTopKRenorm,
+    balance_loss,
+    router_z_loss,
+    sequence_balance_loss,
+)
 from engine.model.transformer import Transformer
 from engine.parallel.apply import apply_activation_checkpointing
 from tests.parity import fp32_bound
@@ -97,6 +104,89 @@ def test_sigmoid_router_selects_by_biased_scores_and_weighs_by_unbiased_ones(par
         assert routing.experts[t].tolist() == best
         expected = scores[t, best] / scores[t, best].sum()
         parity.close(routing.weights[t], expected, atol=fp32_bound(1.0, 32, 3), what="weights")  # + the division
+
+
+def test_renormalising_softmax_router_picks_the_same_experts_with_weights_summing_to_one(parity):
+    """Mixtral's router: SoftmaxTopK's choice and probabilities, its k weights divided by their sum."""
+    cfg = moe_config(num_experts=6, moe_top_k=3, moe_router="softmax_topk_renorm")
+    torch.manual_seed(0)
+    router, plain = SoftmaxTopKRenorm(cfg), SoftmaxTopK(cfg)
+    plain.load_state_dict(router.state_dict())
+    x = torch.randn(20, 32)
+    routing, reference = router(x), plain(x)
+    assert torch.equal(routing.experts, reference.experts) and torch.equal(routing.probs, reference.probs)
+    expected = reference.weights / reference.weights.sum(dim=-1, keepdim=True)
+    assert torch.equal(routing.weights, expected)
+    # k = 3 weights ≤ 1 summed, then divided: a sum of 3 and a division rounded in fp32
+    parity.close(routing.weights.sum(dim=-1), torch.ones(20), atol=fp32_bound(1.0, 3, 2), what="weight sums")
+    assert not torch.allclose(reference.weights.sum(dim=-1), torch.ones(20))  # the plain router's do not sum to 1
+
+
+GROUPED_ROUTING = [(8, 4, 2, 2), (16, 4, 1, 3), (12, 3, 2, 4), (8, 2, 2, 2), (32, 8, 3, 6)]
+"""(num_experts, moe_n_group, moe_topk_group, moe_top_k): groups of 2 to 4 experts, some keeping one group."""
+
+
+@pytest.mark.parametrize("experts,groups,kept,k", GROUPED_ROUTING)
+def test_group_limited_routing_chooses_what_transformers_deepseek_v3_and_glm4_moe_routers_choose(
+    experts, groups, kept, k
+):
+    """Random router weights, inputs and balancing biases: the same experts for every token as transformers'
+    DeepseekV3TopkRouter and Glm4MoeTopkRouter (n_group / topk_group / norm_topk_prob, scaling 1), and the same
+    weights: each is the same chosen scores divided by their sum (transformers adds 1e-20 to a sum ≥ k·σ_min)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    torch.manual_seed(experts + groups + kept + k)
+    cfg = moe_config(
+        num_experts=experts, moe_top_k=k, moe_router="sigmoid_topk", moe_n_group=groups, moe_topk_group=kept
+    )
+    router = SigmoidTopK(cfg)
+    router.bias.copy_(torch.randn(experts) * 0.1)
+    x = torch.randn(64, 32)
+    routing = router(x)
+    mask = torch.zeros(64, experts, dtype=torch.bool).scatter_(1, routing.experts, True)
+    group_of = torch.arange(experts) // (experts // groups)
+    assert all(len(set(group_of[row].tolist())) <= kept for row in routing.experts)  # inside the kept groups
+    shared = dict(hidden_size=32, num_experts_per_tok=k, n_group=groups, topk_group=kept, norm_topk_prob=True)
+    hf_configs = {
+        DeepseekV3TopkRouter: transformers.DeepseekV3Config(
+            n_routed_experts=experts, routed_scaling_factor=1.0, **shared
+        ),
+        Glm4MoeTopkRouter: transformers.Glm4MoeConfig(n_routed_experts=experts, routed_scaling_factor=1.0, **shared),
+    }
+    assert len(hf_configs) == 2
+    for cls, hf_cfg in hf_configs.items():
+        theirs = cls(hf_cfg)
+        with torch.no_grad():
+            theirs.weight.copy_(router.gate.weight)
+            theirs.e_score_correction_bias.copy_(router.bias)
+            _, weights, indices = theirs(x)
+        their_mask = torch.zeros(64, experts, dtype=torch.bool).scatter_(1, indices, True)
+        assert torch.equal(mask, their_mask), cls.__name__
+        order = routing.experts.argsort(dim=-1)  # transformers' top-k is unsorted: compare expert by expert
+        their_order = indices.argsort(dim=-1)
+        ours_sorted = routing.weights.gather(1, order)
+        theirs_sorted = weights.gather(1, their_order)
+        # the same k scores summed and divided, the sum in another order: fp32_bound(1, k, 2)
+        torch.testing.assert_close(ours_sorted, theirs_sorted, atol=fp32_bound(1.0, k, 2), rtol=0)
+
+
+def test_one_expert_group_routes_bitwise_like_the_ungrouped_top_k():
+    """moe_n_group = 1 (the default) keeps every expert: the choice is the plain top-k of score + bias, bitwise,
+    and the weights are those experts' scores renormalised, bitwise."""
+    cfg = moe_config(num_experts=8, moe_top_k=3, moe_router="sigmoid_topk")
+    assert (cfg.moe_n_group, cfg.moe_topk_group) == (1, 1)
+    torch.manual_seed(3)
+    router = SigmoidTopK(cfg)
+    router.bias.copy_(torch.randn(8) * 0.2)
+    x = torch.randn(50, 32)
+    routing = router(x)
+    scores = torch.sigmoid(F.linear(x, router.gate.weight))
+    experts = (scores + router.bias).topk(3, dim=-1).indices
+    chosen = scores.gather(-1, experts)
+    assert torch.equal(routing.experts, experts)
+    assert torch.equal(routing.weights, chosen / chosen.sum(dim=-1, keepdim=True))
 
 
 def test_sigmoid_bias_moves_load_toward_balance_without_touching_gradients():
@@ -353,6 +443,23 @@ def test_router_state_survives_a_state_dict_round_trip():
         (["model.num_experts=2", "model.moe_top_k=3"], "model.moe_top_k"),
         (["model.num_experts=4", "model.moe_bias_schedule=[[0,0.01]]"], "model.moe_bias_schedule"),
         (["model.num_experts=4", "model.moe_frequency=9"], "model.moe_frequency"),
+        (["model.num_experts=4", "model.moe_n_group=2"], "model.moe_n_group"),
+        (["model.num_experts=6", "model.moe_router=sigmoid_topk", "model.moe_n_group=4"], "model.moe_n_group"),
+        (["model.num_experts=6", "model.moe_router=sigmoid_topk", "model.moe_n_group=6"], "model.moe_n_group"),
+        (
+            ["model.num_experts=8", "model.moe_router=sigmoid_topk", "model.moe_n_group=2", "model.moe_topk_group=3"],
+            "model.moe_topk_group",
+        ),
+        (
+            [
+                "model.num_experts=8",
+                "model.moe_router=sigmoid_topk",
+                "model.moe_n_group=4",
+                "model.moe_topk_group=1",
+                "model.moe_top_k=3",
+            ],
+            "model.moe_top_k",
+        ),
     ],
 )
 def test_config_rejects_moe_fields_that_would_do_nothing_or_cannot_work(overrides, field):

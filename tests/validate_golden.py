@@ -156,6 +156,22 @@ RULE_CASES: dict[str, list[str]] = {
     "moe-bias-schedule-unread": [MOE, "--model.moe_router=softmax_topk"],
     "moe-top-k-exceeds-experts": [MOE, "--model.moe_top_k=9"],
     "moe-frequency-exceeds-layers": [MOE, "--model.moe_frequency=5"],
+    "moe-expert-groups-uneven": [MOE, "--model.moe_n_group=3"],
+    "mtp-weight-without-depth": [DEBUG, "--model.mtp_loss_weight=0.1"],
+    "mtp-with-tp-and-packing": [
+        DEBUG,
+        "--world-size",
+        "2",
+        "--model.mtp_depth=1",
+        "--distributed.tp=2",
+        "--data.pack_sequences=true",
+    ],
+    "moe-expert-groups-too-few-experts": [
+        MOE,
+        "--model.moe_n_group=4",
+        "--model.moe_topk_group=1",
+        "--model.moe_top_k=3",
+    ],
     "moe-compile-ac-fp32": [
         MOE,
         "--train.compile_model=true",

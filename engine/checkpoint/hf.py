@@ -104,6 +104,7 @@ class ConvertReport:
     parameters: int
     bytes: int  # weight bytes written
     files: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)  # what the checkpoint holds and the export does not
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -152,7 +153,18 @@ def export_to_hf(
         if tokenizer is not None:
             (tmp / TOKENIZER).write_bytes(tokenizer.json_bytes)
             write_json(tmp / TOKENIZER_CONFIG, tokenizer.config)
-    return ConvertReport(ckpt.path, out, architecture, cfg, parameters, weight_bytes, files)
+    return ConvertReport(ckpt.path, out, architecture, cfg, parameters, weight_bytes, files, left_out(cfg))
+
+
+def left_out(cfg: ModelConfig) -> list[str]:
+    """What of a checkpoint an export leaves out: the multi-token-prediction modules (the HF classes Forge
+    writes run the main model; so do `forge generate` and evaluation)."""
+    if not cfg.mtp_depth:
+        return []
+    return [
+        f"the {cfg.mtp_depth} multi-token-prediction module(s) (model.mtp_depth = {cfg.mtp_depth}): "
+        "the export is the main model, which is what generation uses"
+    ]
 
 
 def check_merge(ckpt: ForgeCheckpoint, merge: bool) -> None:

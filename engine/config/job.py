@@ -105,6 +105,7 @@ def error_rules() -> tuple[Rule, ...]:
         train.memory_option_issues,  # 8-bit optimizer state, activation offload: where they work
         model.attention_issues,  # RoPE scaling fields; a sliding window's kernel
         data.source_kind_issues,  # the source kinds path fields name (KIND:LOCATION)
+        model.mtp_issues,  # multi-token prediction: its family, layouts and packing
     )
 
 

@@ -104,10 +104,11 @@ class ModelConfig(Section):
         description="MoE in every N-th block: block i (from 0) is MoE when (i + 1) % N == 0; 1 = all, 2 = "
         "blocks 1, 3, … (<= n_layers)",
     )
-    moe_router: Literal["softmax_topk", "sigmoid_topk"] = Field(
+    moe_router: Literal["softmax_topk", "softmax_topk_renorm", "sigmoid_topk"] = Field(
         "softmax_topk",
-        description="softmax_topk: top-k of softmax probabilities; sigmoid_topk: DeepSeek-V3 sigmoid "
-        "scores, top-k of score + balancing bias, weights = selected scores renormalised",
+        description="softmax_topk: top-k of softmax probabilities; softmax_topk_renorm: the same top-k, "
+        "weights renormalised to sum to 1 (Mixtral); sigmoid_topk: DeepSeek-V3 sigmoid scores, top-k of "
+        "score + balancing bias (within the best moe_topk_group groups), weights = selected scores renormalised",
     )
     moe_shared_experts: int = Field(
         0, ge=0, description="experts (of the routed experts' width) that process every token"
@@ -141,6 +142,18 @@ class ModelConfig(Section):
         "(DeepSeek-V3), proportional = rate · (mean − load) / mean (large steps for an expert far above the "
         "mean, small ones near balance)",
     )
+    moe_n_group: int = Field(
+        1,
+        gt=0,
+        description="sigmoid_topk only: group-limited routing (DeepSeek-V3): the experts form this many equal "
+        "groups (num_experts / moe_n_group each, at least 2); 1 = no groups",
+    )
+    moe_topk_group: int = Field(
+        1,
+        gt=0,
+        description="sigmoid_topk only: groups each token keeps (<= moe_n_group), ranked by the sum of their two "
+        "best biased scores; its top-k experts are chosen inside them",
+    )
     moe_packed_experts: bool = Field(
         True, description="store each projection of all experts as one [experts, …] tensor (else one module per expert)"
     )
@@ -149,6 +162,20 @@ class ModelConfig(Section):
     )
     moe_router_z_loss_weight: float = Field(
         0.0, ge=0, description="router z-loss weight: mean logsumexp(router logits)²"
+    )
+
+    # Multi-token prediction (DeepSeek-V3; engine/model/mtp.py): read only when mtp_depth > 0.
+    mtp_depth: int = Field(
+        0,
+        ge=0,
+        description="multi-token prediction modules (DeepSeek-V3): module k predicts the token k + 1 ahead from "
+        "module k − 1's states and token k's embedding, through one dense block and the shared head; 0 = off",
+    )
+    mtp_loss_weight: float = Field(
+        0.3,
+        ge=0,
+        description="weight of the mean multi-token-prediction loss over the modules, added to the main loss "
+        "in training (eval loss and generation use the main model only)",
     )
 
     readers: ClassVar[dict[str, str]] = {
@@ -193,9 +220,13 @@ class ModelConfig(Section):
         "moe_gradient_scale": "model/moe.py",
         "moe_bias_schedule": "model/routers.py",
         "moe_bias_update": "model/routers.py",
+        "moe_n_group": "model/routers.py",
+        "moe_topk_group": "model/routers.py",
         "moe_packed_experts": "model/moe.py",
         "moe_expert_ffn_multiplier": "model/moe.py",
         "moe_router_z_loss_weight": "model/moe.py",
+        "mtp_depth": "model/transformer.py, model/mtp.py",
+        "mtp_loss_weight": "train/losses.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
@@ -302,6 +333,8 @@ MOE_FIELDS = (
     "moe_gradient_scale",
     "moe_bias_schedule",
     "moe_bias_update",
+    "moe_n_group",
+    "moe_topk_group",
     "moe_packed_experts",
     "moe_expert_ffn_multiplier",
     "moe_router_z_loss_weight",

@@ -7,10 +7,15 @@ fp32 whatever the compute dtype, because top-k selection is sensitive to roundin
 - `softmax_topk` (Switch / GShard / Mixtral family): probabilities = softmax(logits); each token goes to
   its k most probable experts with their probabilities as weights (not renormalised, so top-1 routing
   still passes a gradient to the router).
+- `softmax_topk_renorm` (Mixtral): the same choice, with the k weights divided by their sum, so they sum
+  to 1 (with top-1 routing the weight is then always 1 and only the balance losses train the router).
 - `sigmoid_topk` (DeepSeek-V3): scores = sigmoid(logits); the k experts are chosen by score + bias, where
   the per-expert bias is not learned by gradient but nudged after each training forward toward balance
   (auxiliary-loss-free balancing, `model.moe_bias_schedule`); weights are the chosen scores (without
-  the bias) renormalised to sum to 1.
+  the bias) renormalised to sum to 1. With group-limited routing (`model.moe_n_group` groups of
+  consecutive experts, `model.moe_topk_group` kept) a token first keeps the groups whose two best biased
+  scores sum highest and picks its k experts inside them only (`group_limited`), which bounds how many
+  devices (or nodes) one token's experts span when the groups are laid out along them.
 """
 
 from __future__ import annotations
@@ -48,6 +53,28 @@ class SoftmaxTopK(nn.Module):
         return Routing(experts, weights, probs, logits)
 
 
+@ROUTERS.register("softmax_topk_renorm")
+class SoftmaxTopKRenorm(SoftmaxTopK):
+    """Mixtral's router: `SoftmaxTopK`'s experts, their weights renormalised to sum to 1."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> Routing:
+        """`weight`: as in `SoftmaxTopK.forward`."""
+        experts, weights, probs, logits = super().forward(x, weight)
+        return Routing(experts, weights / weights.sum(dim=-1, keepdim=True), probs, logits)
+
+
+def group_limited(biased: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """`biased` [tokens, experts] with every expert outside a token's best `topk_group` of `n_group` groups
+    (consecutive, equal) set to -inf, so a top-k over it picks inside those groups only. A group's score is
+    the sum of its two best biased scores (DeepSeek-V3's rule; its best one when a group has one expert).
+    With one group nothing is masked and the result equals `biased` bitwise."""
+    grouped = biased.unflatten(-1, (n_group, -1))
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    kept = group_scores.topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, kept, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+
+
 @ROUTERS.register("sigmoid_topk")
 class SigmoidTopK(nn.Module):
     """The balancing state lives in persistent buffers, so checkpoints hold it and a resumed run routes
@@ -58,6 +85,7 @@ class SigmoidTopK(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.top_k = cfg.moe_top_k
+        self.n_group, self.topk_group = cfg.moe_n_group, cfg.moe_topk_group
         self.schedule = cfg.moe_bias_schedule
         self.step_of = BIAS_UPDATES[cfg.moe_bias_update]
         self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
@@ -69,7 +97,9 @@ class SigmoidTopK(nn.Module):
         """`weight`: as in `SoftmaxTopK.forward`."""
         logits = F.linear(x.float(), (self.gate.weight if weight is None else weight).float())
         scores = logits.sigmoid()
-        experts = (scores + self.bias).topk(self.top_k, dim=-1).indices
+        # Only the indices of the choice are used: no gradient flows through it, so autograd keeps nothing of it.
+        biased = group_limited(scores.detach() + self.bias, self.n_group, self.topk_group)
+        experts = biased.topk(self.top_k, dim=-1).indices
         chosen = scores.gather(-1, experts)
         weights = chosen / chosen.sum(dim=-1, keepdim=True)
         return Routing(experts, weights, scores / scores.sum(dim=-1, keepdim=True), logits)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from engine.config.fields import changed_fields, unread_field_issues
 from engine.config.lora import LoraConfig
-from engine.config.model import MOE_FIELDS, ROPE_SCALING_FIELDS
+from engine.config.model import MOE_FIELDS, ROPE_SCALING_FIELDS, ModelConfig
 from engine.errors import ConfigIssue
 from engine.model.spec import spec_for
 
@@ -54,7 +54,15 @@ def moe_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
         ]
     sigmoid_only = ("sigmoid_topk",)
     issues = unread_field_issues(
-        "model", m, m.moe_router, {"moe_bias_schedule": sigmoid_only, "moe_bias_update": sigmoid_only}
+        "model",
+        m,
+        m.moe_router,
+        {
+            "moe_bias_schedule": sigmoid_only,
+            "moe_bias_update": sigmoid_only,
+            "moe_n_group": sigmoid_only,
+            "moe_topk_group": sigmoid_only,
+        },
     )
     if m.moe_top_k > m.num_experts:
         issues.append(
@@ -70,6 +78,119 @@ def moe_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                 "model.moe_frequency",
                 f"{m.moe_frequency} > model.n_layers ({m.n_layers}) leaves no MoE block",
                 "use a frequency <= n_layers (1 = every block)",
+            )
+        )
+    return issues + (expert_group_issues(m) if m.moe_router in sigmoid_only else [])
+
+
+def expert_group_issues(m: ModelConfig) -> list[ConfigIssue]:
+    """Group-limited routing (sigmoid_topk's moe_n_group / moe_topk_group) that can be computed: equal groups
+    of at least two experts (a group's score is its two best), no more groups kept than there are, and
+    enough experts inside the kept groups for top-k."""
+    groups, kept = m.moe_n_group, m.moe_topk_group
+    if groups == 1 and kept == 1:
+        return []
+    if m.num_experts % groups or m.num_experts // groups < 2:
+        return [
+            ConfigIssue(
+                "model.moe_n_group",
+                f"{groups} does not split model.num_experts ({m.num_experts}) into equal groups of at least 2 "
+                "experts (a group is ranked by the sum of its two best scores)",
+                "use a divisor of num_experts that is at most num_experts / 2",
+            )
+        ]
+    if kept > groups:
+        return [
+            ConfigIssue(
+                "model.moe_topk_group",
+                f"{kept} exceeds model.moe_n_group ({groups})",
+                "keep at most moe_n_group groups per token",
+            )
+        ]
+    inside = kept * (m.num_experts // groups)
+    if m.moe_top_k > inside:
+        return [
+            ConfigIssue(
+                "model.moe_top_k",
+                f"{m.moe_top_k} exceeds the {inside} experts of the moe_topk_group = {kept} groups a token keeps",
+                "raise model.moe_topk_group, or lower model.moe_top_k",
+            )
+        ]
+    return []
+
+
+MTP_FAMILIES = ("transformer",)
+"""The model families that have multi-token prediction modules (engine/model/mtp.py)."""
+
+
+def mtp_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """Multi-token prediction (`model.mtp_depth`): its weight only with modules, a family that has them, a
+    window long enough, and what it does not run under yet: pipeline, tensor and context parallelism (its
+    modules shift the sequence by whole positions and sit after the last stage's head), packed documents
+    (the modules attend across the window), LoRA (its adapters would leave the modules frozen) and μP (no
+    multipliers derived for the modules)."""
+    m, d = cfg.model, cfg.distributed
+    if not m.mtp_depth:
+        return [
+            ConfigIssue(
+                f"model.{field}",
+                "is set, but model.mtp_depth = 0 (no multi-token prediction)",
+                "set model.mtp_depth > 0, or remove it",
+            )
+            for field in changed_fields(m, ("mtp_loss_weight",))
+        ]
+    if m.model_type not in MTP_FAMILIES:
+        return [
+            ConfigIssue(
+                "model.mtp_depth",
+                f"model_type = {m.model_type!r} has no multi-token prediction modules "
+                f"(only {', '.join(MTP_FAMILIES)} has)",
+                "set model.mtp_depth = 0 for this family",
+            )
+        ]
+    issues = []
+    if m.mtp_depth >= cfg.train.seq_len:
+        issues.append(
+            ConfigIssue(
+                "model.mtp_depth",
+                f"{m.mtp_depth} leaves no position to predict from in a window of train.seq_len = {cfg.train.seq_len}",
+                "use an mtp_depth below train.seq_len",
+            )
+        )
+    for degree in ("pp", "tp", "cp"):
+        if getattr(d, degree) > 1:
+            issues.append(
+                ConfigIssue(
+                    f"distributed.{degree}",
+                    f"= {getattr(d, degree)}: multi-token prediction (model.mtp_depth = {m.mtp_depth}) runs under "
+                    f"FSDP/HSDP and expert parallelism only, not with {degree} > 1 yet",
+                    f"set distributed.{degree} = 1, or model.mtp_depth = 0",
+                )
+            )
+    if cfg.data.pack_sequences:
+        issues.append(
+            ConfigIssue(
+                "data.pack_sequences",
+                f"document-aware packing is not supported with multi-token prediction (model.mtp_depth = "
+                f"{m.mtp_depth}) yet: its modules would attend across documents",
+                "set data.pack_sequences = false, or model.mtp_depth = 0",
+            )
+        )
+    if cfg.lora.enabled:
+        issues.append(
+            ConfigIssue(
+                "lora.enabled",
+                f"LoRA is not supported with multi-token prediction (model.mtp_depth = {m.mtp_depth}) yet",
+                "set model.mtp_depth = 0 to fine-tune with adapters",
+            )
+        )
+    if m.parametrization == "mup":
+        issues.append(
+            ConfigIssue(
+                "model.parametrization",
+                f"= 'mup' with multi-token prediction (model.mtp_depth = {m.mtp_depth}): μP's multipliers "
+                "(engine/model/mup.py) are not derived for the prediction modules' projections yet",
+                "use parametrization = 'sp' with mtp_depth > 0, or mtp_depth = 0 with mup",
             )
         )
     return issues

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ParamSpec:
     """One parameter tensor of the model: its name in `named_parameters()`, full shape, owner ("embedding"
-    (held by the first pipeline stage), "head" or "norm" (the last stage's), or the block index), the
+    (held by the first pipeline stage), "head", "norm" or "mtp" (the last stage's), or the block index), the
     dimension tensor parallelism shards (None = replicated over tp), and whether expert parallelism splits
     its dim 0 (packed experts [experts, …])."""
 
@@ -62,8 +62,9 @@ class ActivationLayout:
     out from the job (engine/parallel/memory.py): bytes per element of matmul inputs/outputs (`compute`) and
     of the residual stream (`residual`: fp32 under autocast, the compute dtype under FSDP), whether autocast
     casts each projection's input separately (`casts`), the tensor and context parallel degrees, the
-    context-parallel method, the sequence length of a micro-batch, and whether windows are packed with
-    documents (whose masks engine/parallel/memory.py counts)."""
+    context-parallel method, the sequence length of a micro-batch, whether windows are packed with
+    documents (whose masks engine/parallel/memory.py counts) and whether the loss is chunked
+    (`train.loss_fn = "chunked_cross_entropy"`, which keeps gradients instead of log-probabilities)."""
 
     compute: int
     residual: int
@@ -73,6 +74,7 @@ class ActivationLayout:
     cp_method: str
     seq_len: int
     packed: bool = False
+    chunked_loss: bool = False
 
 
 @dataclass(frozen=True)
@@ -220,6 +222,9 @@ class ModelSpec:
       default is refused, naming the field and the family (engine/model/rules.py: family_issues);
     - `lora_adapters`: whether `[lora]` can adapt the family's linears (engine/model/lora.py adapts
       bias-free ones only; a family with biased linears says False, and config validation refuses LoRA).
+    - `head_extra_bytes(cfg, layout, tokens)`: what autograd saves beyond the final norm, head and loss on the
+      rank that computes the loss, over `tokens` tokens (the transformer's multi-token-prediction modules);
+      0 for a family without any.
     """
 
     build: str | Callable[[ModelConfig], nn.Module]
@@ -235,6 +240,7 @@ class ModelSpec:
     hf: HFMapping | None = None
     refused_fields: tuple[str, ...] = ()
     lora_adapters: bool = True
+    head_extra_bytes: Callable[[ModelConfig, ActivationLayout, int], int] = lambda cfg, layout, tokens: 0
 
     def model_class(self) -> Callable[[ModelConfig], nn.Module]:
         """The builder named by `build`, imported now (this imports torch)."""

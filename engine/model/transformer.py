@@ -26,17 +26,20 @@ from engine.model.kv_cache import KVCache, LayerKV
 from engine.model.mlp import GatedMLP
 from engine.model.moe import MoE, MoEStats
 from engine.model.mup import mup_plan, output_multiplier
+from engine.model.mtp import build_mtp
 from engine.model.norms import build_norm
 from engine.model.rope import rope_tables
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, moe: bool | None = None) -> None:
+        """`moe`: whether the feed-forward is a mixture of experts; by default as `cfg` places them at `layer`."""
         super().__init__()
         self.attention_norm = build_norm(cfg.norm_type, cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = build_norm(cfg.norm_type, cfg.dim, cfg.norm_eps)
-        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer) else GatedMLP(cfg)
+        moe = cfg.is_moe_layer(layer) if moe is None else moe
+        self.feed_forward = MoE(cfg) if moe else GatedMLP(cfg)
 
     def forward(
         self,
@@ -69,6 +72,8 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Multi-token prediction modules (engine/model/mtp.py), run only when a training loss asks (`mtp=True`).
+        self.mtp: nn.ModuleDict | None = build_mtp(cfg)
         cos, sin = rope_tables(cfg)
         # Not persistent: derived from the config, so checkpoints hold only learned weights.
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -86,7 +91,8 @@ class Transformer(nn.Module):
         doc_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         attention_mask: object = None,
-    ) -> torch.Tensor:
+        mtp: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """tokens [batch, seq] → logits [batch, seq, vocab]. Without a cache (training) the tokens are
         positions 0 … seq-1; with one (inference) they continue the cached positions, and are added to it.
         With return_hidden, the final-normed hidden states [batch, seq, dim] (times μP's output multiplier)
@@ -100,7 +106,10 @@ class Transformer(nn.Module):
         some positions of each sequence (context parallelism passes them, engine/parallel/context.py), or
         [batch, seq] positions in their documents. `attention_mask`, handed to every attention core as it is,
         replaces the mask built from doc_ids where the cores take another form of it (context parallelism
-        passes what its cores make of the whole window's document ids, with the positions)."""
+        passes what its cores make of the whole window's document ids, with the positions).
+        With `mtp` (a training loss, on a model with `model.mtp_depth` > 0) → (that output, one per
+        multi-token-prediction module k = 1 … D: its logits [batch, seq − k, vocab], or with return_hidden its
+        final-normed states), from the main model's last block output before the final norm."""
         seq = tokens.shape[1]
         start = 0 if cache is None else cache.length
         mask = attention_mask
@@ -129,10 +138,27 @@ class Transformer(nn.Module):
             cache.length += seq
         if self.output is None:
             return h
-        h = self.norm(h)
+        out = self.norm(h)
         if self.output_multiplier != 1.0:  # on the head's input, so the chunked loss (return_hidden) gets it too
-            h = h * self.output_multiplier
-        return h if return_hidden else self.output(h)
+            out = out * self.output_multiplier
+        out = out if return_hidden else self.output(out)
+        if not mtp:
+            return out
+        return out, self.mtp_outputs(h, tokens, cos, sin, return_hidden)
+
+    def mtp_outputs(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, return_hidden: bool
+    ) -> list[torch.Tensor]:
+        """Module k's logits (or final-normed states) at positions 0 … seq − k − 1, from the states `hidden` of
+        the main model's last block and the embeddings of tokens[:, k:] (engine/model/mtp.py)."""
+        assert self.mtp is not None, "mtp=True needs model.mtp_depth > 0"
+        assert cos.dim() == 2, "multi-token prediction takes windows of plain positions (engine/model/rules.py)"
+        outputs = []
+        for k, module in self.mtp.items():
+            n = tokens.shape[1] - int(k)
+            hidden, normed = module(hidden[:, :n], self.tok_embeddings(tokens[:, int(k) :]), cos[:n], sin[:n])
+            outputs.append(normed if return_hidden else self.output(normed))
+        return outputs
 
     @torch.no_grad()
     def reset_rope_tables(self) -> None:
@@ -169,7 +195,10 @@ class Transformer(nn.Module):
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         if self.tok_embeddings is not None:  # None on a pipeline stage after the first
             nn.init.normal_(self.tok_embeddings.weight, std=std)
-        for block in self.layers.values():
+        mtp = list(self.mtp.values()) if self.mtp is not None else []
+        for module in mtp:
+            nn.init.normal_(module.proj.weight, std=std)
+        for block in [*self.layers.values(), *(module.block for module in mtp)]:
             attention, feed_forward = block.attention, block.feed_forward
             for weight in (
                 attention.wq.weight,

@@ -189,6 +189,7 @@ def activation_layout(cfg: JobConfig) -> ActivationLayout:
         cp_method=d.cp_method,
         seq_len=cfg.train.seq_len,
         packed=cfg.data.pack_sequences,
+        chunked_loss=cfg.train.loss_fn == "chunked_cross_entropy",
     )
 
 
@@ -205,13 +206,15 @@ def checkpointed_layer_bytes(cfg: JobConfig, layer: int, tokens: int) -> int:
 
 
 def loss_activation_bytes(cfg: JobConfig, tokens: int) -> int:
-    """Saved by the final norm, the head and the loss on one rank. The final norm is sequence parallel
+    """Saved by the final norm, the head and the loss on one rank (and what the family saves beyond them
+    there, its spec's `head_extra_bytes`). The final norm is sequence parallel
     (÷ tp); the head reads the whole sequence. cross_entropy keeps the fp32 log-probabilities
     [tokens, vocab/tp] (vocabulary-parallel head), and the fp32 logits too with z-loss;
     chunked_cross_entropy keeps the gradients it computes in forward: the hidden states' (their dtype, all the
     tokens: under tp every rank projects the gathered sequence) and its head rows' (fp32, vocab/tp of them)."""
     m, t, tp = cfg.model, cfg.train, cfg.distributed.tp
     saved = tokens * spec_for(m).norm_bytes(m, activation_layout(cfg)) // tp
+    saved += spec_for(m).head_extra_bytes(m, activation_layout(cfg), tokens)
     if t.loss_fn == "chunked_cross_entropy":
         return saved + tokens * residual_bytes(cfg) * m.dim + FP32 * math.ceil(m.vocab_size / tp) * m.dim
     saved += INT64 * tokens  # the labels
@@ -397,7 +400,7 @@ def stage_specs(specs: list[ParamSpec], layers: range, first: bool, last: bool) 
     return [
         s
         for s in specs
-        if s.owner in layers or (first and s.owner == "embedding") or (last and s.owner in ("norm", "head"))
+        if s.owner in layers or (first and s.owner == "embedding") or (last and s.owner in ("norm", "head", "mtp"))
     ]
 
 

@@ -49,7 +49,7 @@ from engine.train.balancing import attach_router_balancing
 from engine.train.ema import STATE_KEY as EMA_KEY
 from engine.train.ema import WeightAverage
 from engine.train.length import as_given, with_derived_length
-from engine.train.losses import StageCrossEntropy
+from engine.train.losses import StageCrossEntropy, mtp_metrics
 from engine.train.moe_load import ExpertLoadWindow
 from engine.train.offload import activation_offload, offload_device_warnings
 from engine.train.optim import build_optimizer
@@ -222,7 +222,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         ema=ema,
         loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn, dims.pp),
         context=ContextParallel(mesh.get("cp")) if mesh is not None and dims.cp > 1 else None,
-        model_metrics=moe_training(model, cfg, mesh, pipeline),
+        model_metrics=moe_training(model, cfg, mesh, pipeline) + mtp_reporting(model, cfg, mesh),
         warnings=(*float8_device_warnings(cfg.train.mixed_precision, device), *offload_device_warnings(cfg, device)),
         record=record,
         batch_plan=batch_plan(cfg, dp=dims.dp),
@@ -252,6 +252,15 @@ def moe_training(
         attach_router_balancing(part, group)
         window.attach(part)
     return (lambda: pipeline_moe_metrics(pipeline.model_parts, pipeline.group, window.take()),)
+
+
+def mtp_reporting(model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None) -> tuple[Callable, ...]:
+    """The reporter of the main and multi-token-prediction losses (a model with `model.mtp_depth` > 0; never
+    pipelined, engine/model/rules.py), averaged over the data-parallel ranks."""
+    if not cfg.model.mtp_depth:
+        return ()
+    group = mesh.dp.get_group() if mesh is not None and mesh.dp is not None else None
+    return (lambda: mtp_metrics(model, group),)
 
 
 def initial_model(cfg: JobConfig, starts_fresh: bool) -> Transformer:

@@ -8,6 +8,10 @@ w · mean(logsumexp(logits)²) (PaLM, Chowdhery et al. 2022), which keeps the so
 and the logits from drifting. A mixture-of-experts model adds the weighted auxiliary losses of its
 routers (balance, sequence balance, router z-loss; `Transformer.moe_loss()`) of the same forward.
 Evaluation calls them with `z_loss=False`, so eval loss is plain CE: neither z-loss nor MoE losses.
+A model with multi-token prediction (`model.mtp_depth` = D > 0, engine/model/mtp.py) adds, in training,
+`model.mtp_loss_weight` × the mean over its D modules of their cross-entropy (module k against labels[:, k:],
+computed like the main loss, without z-loss); the main loss and each module's are summed, detached, in the
+model's `mtp_loss_window` for the logged metrics (`mtp_metrics`).
 
 Given `on_token_losses`, a loss also hands it each token's cross-entropy ([batch, seq] fp32, detached), a
 by-product of the loss it computes anyway (the log-probabilities' gather, the chunks' per-token values): a
@@ -339,6 +343,42 @@ def with_moe_loss(model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
     return loss + moe_loss
 
 
+def uses_mtp(model: torch.nn.Module, training: bool) -> bool:
+    """Whether this call adds the multi-token-prediction loss: in training, on a model that has the modules."""
+    return training and getattr(model, "mtp", None) is not None
+
+
+def with_mtp_loss(
+    model: torch.nn.Module,
+    main: torch.Tensor,
+    outputs: list[torch.Tensor],
+    labels: torch.Tensor,
+    depth_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """main + mtp_loss_weight × mean_k depth_loss(outputs[k−1], labels[:, k:]). Adds every loss, detached
+    ([1 + D], main first), to the model's `mtp_loss_window` (sum, forwards), which `mtp_metrics` empties."""
+    depth = [depth_loss(out, labels[:, k:]) for k, out in enumerate(outputs, start=1)]
+    losses = torch.stack([main.detach(), *(d.detach() for d in depth)])
+    total, count = getattr(model, "mtp_loss_window", (0, 0))
+    model.mtp_loss_window = (total + losses, count + 1)
+    return main + model.cfg.mtp_loss_weight * torch.stack(depth).mean()
+
+
+def mtp_metrics(model: torch.nn.Module, group: object = None) -> dict[str, float]:
+    """`loss_main` and `mtp/loss_{k}`: the mean over the training forwards (micro-batches) since the last
+    report, and over the data-parallel `group` (each rank runs as many), as `loss` is the step's mean."""
+    total, count = getattr(model, "mtp_loss_window", (0, 0))
+    if not count:
+        return {}
+    model.mtp_loss_window = (0, 0)
+    losses = total / count
+    if group is not None:
+        torch.distributed.all_reduce(losses, group=group)
+        losses /= torch.distributed.get_world_size(group)
+    main, *depth = losses.tolist()
+    return {"loss_main": main, **{f"mtp/loss_{k}": value for k, value in enumerate(depth, start=1)}}
+
+
 @LOSSES.register("cross_entropy")
 def full_logits_loss(cfg: TrainConfig) -> ModelLoss:
     def loss(
@@ -350,8 +390,13 @@ def full_logits_loss(cfg: TrainConfig) -> ModelLoss:
         doc_ids: torch.Tensor | None = None,
         on_token_losses: TokenLosses | None = None,
     ) -> torch.Tensor:
-        logits = model(tokens, doc_ids=doc_ids)
+        if uses_mtp(model, z_loss):
+            logits, extra = model(tokens, doc_ids=doc_ids, mtp=True)
+        else:
+            logits, extra = model(tokens, doc_ids=doc_ids), []
         value = cross_entropy(logits, labels, cfg.z_loss_weight if z_loss else 0.0, on_token_losses)
+        if extra:
+            value = with_mtp_loss(model, value, extra, labels, cross_entropy)
         return with_moe_loss(model, value) if z_loss else value
 
     return loss
@@ -368,9 +413,17 @@ def chunked_loss(cfg: TrainConfig) -> ModelLoss:
         doc_ids: torch.Tensor | None = None,
         on_token_losses: TokenLosses | None = None,
     ) -> torch.Tensor:
-        hidden, weight = model(tokens, return_hidden=True, doc_ids=doc_ids), model.output.weight
+        if uses_mtp(model, z_loss):
+            hidden, extra = model(tokens, return_hidden=True, doc_ids=doc_ids, mtp=True)
+        else:
+            hidden, extra = model(tokens, return_hidden=True, doc_ids=doc_ids), []
+        weight = model.output.weight
         z_weight = cfg.z_loss_weight if z_loss else 0.0
         value = head_cross_entropy(hidden, weight, labels, cfg.ce_chunk_size, z_weight, on_token_losses)
+        if extra:  # (multi-token prediction is refused under tensor parallelism: engine/model/rules.py)
+            value = with_mtp_loss(
+                model, value, extra, labels, lambda h, y: head_cross_entropy(h, weight, y, cfg.ce_chunk_size)
+            )
         return with_moe_loss(model, value) if z_loss else value
 
     return loss

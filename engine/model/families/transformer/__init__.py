@@ -37,5 +37,6 @@ SPEC = MODELS.register("transformer")(
         ),
         tp_plan=tp_plan.PLAN,
         hf=hf.MAPPING,
+        head_extra_bytes=activations.mtp_bytes,
     )
 )

@@ -55,7 +55,8 @@ def block_activation_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, to
       dense MLP:       c·r'·h (normed input) + c·4f (w1 out, act(w1 out), w3 out, their product)
       MoE MLP:         4·(h + 2E) (router input, logits/probs) + c·k·(2h + 4f_e + 1) (each of the top-k
                        assignments: gathered input, the expert's SwiGLU, its weighted output) + 16k
-                       (indices) + shared experts c·(r'·h + 4f_s)
+                       (indices) + shared experts c·(r'·h + 4f_s); softmax_topk_renorm also
+                       keeps the k weights and their sum it divides by, 4·(k + 1)
       QK-norm:         (c + 4)·(q + kv) + 4·(heads + kv_heads)
     r = r' = 1, except under autocast (compute below fp32 and no FSDP): r = 3, r' = 2, as autocast casts the
     fp32 norm output separately for each projection that reads it (wq, wk, wv; w1, w3) and each keeps its
@@ -80,6 +81,7 @@ def block_activation_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, to
         # hidden units (routed and shared) are split.
         moe = FP32 * (h + 2 * m.num_experts) + c * k * (2 * h + 1) + c * k * 4 * m.expert_ffn_dim // tp
         moe += 2 * INT64 * k + (c * gated * h + c * 4 * shared // tp if shared else 0)
+        moe += FP32 * (k + 1) if m.moe_router == "softmax_topk_renorm" else 0
         return tokens * (gathered + split // tp) + tokens * moe + window_bytes(m, lay)
     gathered += c * gated * h
     split += c * 4 * m.ffn_dim + context_parallel_bytes(m, lay)
@@ -112,3 +114,25 @@ def checkpointed_block_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, 
         return tokens * r * h // tp
     kv, f = m.kv_heads * m.head_dim, m.ffn_dim if not m.is_moe_layer(layer) else m.moe_top_k * m.expert_ffn_dim
     return tokens * (r * h + c * (2 * m.attention_dim + 2 * h + 2 * kv + 2 * f) + FP32 * m.n_heads) // tp
+
+
+def mtp_bytes(m: ModelConfig, lay: ActivationLayout, tokens: int) -> int:
+    """What the multi-token-prediction modules (engine/model/mtp.py) save on the rank computing the loss,
+    module k over the tokens of its seq_len − k positions: its hidden input's norm (1/rms only: the input is
+    the previous module's block output or the main model's, which their final norms keep), the embedding's
+    norm, the projection's input (the concatenated norms, c·2h), a dense block (`block_activation_bytes`),
+    its final norm, and head and loss as for the main model: the head's input and the labels (a copy of
+    their shifted view) and the fp32 log-probabilities [tokens, vocab], or, chunked, the hidden states'
+    and the whole head's gradients. (Under CPU autocast the module's block and final norm see inputs in
+    the compute dtype; tests/test_memory_estimate.py measures the estimate at 0.97-1.0 of what is saved.)"""
+    h, c = m.dim, lay.compute
+    dense = m.model_copy(update={"num_experts": 0})
+    total = 0
+    for k in range(1, m.mtp_depth + 1):
+        n = tokens * (lay.seq_len - k) // lay.seq_len
+        total += n * (FP32 + 2 * norm_bytes(m, lay) + c * 2 * h) + block_activation_bytes(dense, lay, 0, n)
+        if lay.chunked_loss:
+            total += n * lay.residual * h + FP32 * m.vocab_size * h
+        else:
+            total += n * (INT64 + c * h + FP32 * m.vocab_size)
+    return total

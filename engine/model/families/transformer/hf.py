@@ -16,18 +16,24 @@ tests prove each one):
 - `softmax_topk` router (top-k of the softmax, weights not renormalised), no shared experts:
   Qwen3-MoE with qk_norm, Qwen2-MoE without (norm_topk_prob = false; MoE in every
   `decoder_sparse_step` = moe_frequency-th block, like Forge). Qwen2-MoE always has a shared expert behind
-  a learned sigmoid gate; it is exported with width 0, so it adds exactly 0. Mixtral is not used: it
-  always renormalises the top-k weights, which Forge's router does not.
+  a learned sigmoid gate; it is exported with width 0, so it adds exactly 0.
+- `softmax_topk_renorm` router (the same top-k, weights renormalised), no shared experts: Mixtral
+  (MixtralForCausalLM) when every block is MoE, there is no qk_norm and the experts are as wide as the
+  dense FFN (Mixtral has one intermediate_size, the experts'); otherwise Qwen3-MoE / Qwen2-MoE as above
+  with norm_topk_prob = true. Mixtral folders are read and written in the Hub's layout
+  (`block_sparse_moe.experts.{e}.w1/w3/w2`, which transformers fuses on load).
 - `sigmoid_topk` router (DeepSeek-V3 routing: top-k of sigmoid score + balancing bias, chosen scores
-  renormalised), with or without shared experts: GLM-4-MoE (Glm4MoeForCausalLM), which has DeepSeek-V3's
-  router and ungated shared experts (n_group = topk_group = 1, routed_scaling_factor = 1) with standard
-  GQA attention (optional qk norm, full rotary). DeepSeek-V3 itself is not used: its attention is MLA
-  (low-rank, normalised key/value compression, split RoPE), which cannot express standard attention.
-  GLM-4-MoE's dense blocks come first (first_k_dense_replace), so the MoE blocks must be the last ones.
-- `softmax_topk` with shared experts has no equivalent (Qwen2-MoE gates its shared expert by a learned
-  sigmoid; Forge adds it ungated) and is refused, as is a capacity limit that can drop tokens
-  (transformers never drops). q/k/v biases export with Qwen2-MoE only (its qkv_bias); a sliding window
-  with no MoE class (Qwen2-MoE and Qwen3-MoE slide on alternate layers only, GLM-4-MoE not at all).
+  renormalised, optionally group-limited), with or without shared experts: GLM-4-MoE (Glm4MoeForCausalLM),
+  which has DeepSeek-V3's router (n_group = moe_n_group, topk_group = moe_topk_group,
+  routed_scaling_factor = 1) and ungated shared experts with standard GQA attention (optional qk norm, full
+  rotary). DeepSeek-V3 itself is not used: its attention is MLA (low-rank, normalised key/value
+  compression, split RoPE), which Forge's attention cannot express. GLM-4-MoE's dense blocks come first
+  (first_k_dense_replace), so the MoE blocks must be the last ones.
+- shared experts with a softmax router have no equivalent (Qwen2-MoE gates its shared expert by a learned
+  sigmoid; Forge adds it ungated) and are refused, as is a capacity limit that can drop tokens
+  (transformers never drops).
+  q/k/v biases export with Qwen2-MoE only (its qkv_bias); a sliding window with no MoE class (Qwen2-MoE and
+  Qwen3-MoE slide on alternate layers only, GLM-4-MoE and Mixtral's Hub configs not at all).
 
 Experts are written one tensor per expert and projection (`mlp.experts.{e}.gate_proj.weight`, …), the
 layout the Hub checkpoints of these models use and transformers' save_pretrained writes.
@@ -43,11 +49,13 @@ from pydantic import ValidationError
 from engine.config.model import ModelConfig
 from engine.errors import UserError
 from engine.model.mup import output_multiplier, query_scale
+from engine.model.rules import expert_group_issues
 from engine.model.spec import HFMapping, Piece
 
 LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
 QWEN2, MISTRAL = "Qwen2ForCausalLM", "MistralForCausalLM"
 QWEN2_MOE, QWEN3_MOE, GLM4_MOE = "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"
+MIXTRAL = "MixtralForCausalLM"
 MODEL_TYPES = {
     LLAMA: "llama",
     QWEN3: "qwen3",
@@ -56,8 +64,10 @@ MODEL_TYPES = {
     QWEN2_MOE: "qwen2_moe",
     QWEN3_MOE: "qwen3_moe",
     GLM4_MOE: "glm4_moe",
+    MIXTRAL: "mixtral",
 }
-MOE_ARCHITECTURES = (QWEN2_MOE, QWEN3_MOE, GLM4_MOE)
+MOE_ARCHITECTURES = (QWEN2_MOE, QWEN3_MOE, GLM4_MOE, MIXTRAL)
+SOFTMAX_ROUTERS = ("softmax_topk", "softmax_topk_renorm")
 QWEN_WINDOWED = (QWEN2, QWEN3)  # their sliding window: use_sliding_window, on layers from max_window_layers on
 MISTRAL_DEFAULT_WINDOW = 4096  # what MistralConfig assumes when config.json has no sliding_window
 
@@ -81,8 +91,10 @@ LAYER_NAMES = {
 QK_NORM_NAMES = ("attention.q_norm.weight", "attention.k_norm.weight")
 QKV_BIAS_NAMES = ("attention.wq.bias", "attention.wk.bias", "attention.wv.bias")
 DENSE_FFN_NAMES = ("feed_forward.w1.weight", "feed_forward.w3.weight", "feed_forward.w2.weight")
-# Forge expert / shared-expert projection ↔ HF projection.
+# Forge expert / shared-expert projection ↔ HF projection (Mixtral's Hub checkpoints keep the names w1/w3/w2).
 PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# The HF name of an MoE block's module: "mlp", but Mixtral's Hub checkpoints say block_sparse_moe.
+MOE_MODULE = {MIXTRAL: "block_sparse_moe"}
 # The HF name of the shared expert module of an MoE block (Qwen3-MoE has none).
 SHARED = {QWEN2_MOE: "shared_expert", GLM4_MOE: "shared_experts"}
 OUTER_NAMES = {
@@ -116,6 +128,8 @@ ARCHITECTURE_FIELDS = (
     "moe_top_k",
     "moe_frequency",
     "moe_router",
+    "moe_n_group",
+    "moe_topk_group",
     "moe_shared_experts",
     "expert_ffn_dim",
     "parametrization",  # HF folders are sp (a μP export has its scales folded in): a μP model cannot take them
@@ -169,15 +183,18 @@ def moe_architecture(cfg: ModelConfig) -> str:
             f"only a capacity factor >= num_experts / moe_top_k "
             f"({cfg.num_experts / cfg.moe_top_k:g}), which never drops, or none exports",
         )
-    if cfg.moe_router == "softmax_topk":
+    if cfg.moe_router in SOFTMAX_ROUTERS:
         if cfg.moe_shared_experts:
             raise UserError(
-                f'model.moe_shared_experts = {cfg.moe_shared_experts} with moe_router = "softmax_topk" '
+                f"model.moe_shared_experts = {cfg.moe_shared_experts} with moe_router = {cfg.moe_router!r} "
                 "has no equivalent in transformers: Qwen2-MoE scales its shared expert by a learned "
                 "sigmoid gate, Forge adds it ungated",
-                "softmax_topk models export without shared experts; sigmoid_topk models (GLM-4-MoE) export with them",
+                "softmax routers export without shared experts; sigmoid_topk models (GLM-4-MoE) export with them",
             )
-        architecture = QWEN3_MOE if cfg.qk_norm else QWEN2_MOE
+        if cfg.qk_norm:
+            architecture = QWEN3_MOE
+        else:  # Mixtral has no q/k/v biases: such a model goes to Qwen2-MoE, renormalising or not
+            architecture = MIXTRAL if is_mixtral(cfg) and not cfg.attention_qkv_bias else QWEN2_MOE
         if cfg.attention_qkv_bias and architecture != QWEN2_MOE:
             raise UserError(
                 "model.attention_qkv_bias with model.qk_norm in an MoE model has no equivalent in transformers "
@@ -204,6 +221,12 @@ def moe_architecture(cfg: ModelConfig) -> str:
             "sigmoid_topk models export with moe_frequency = 1, or = n_layers (only the last block MoE)",
         )
     return GLM4_MOE
+
+
+def is_mixtral(cfg: ModelConfig) -> bool:
+    """Whether Mixtral computes `cfg` (without qk_norm): renormalised softmax routing in every block, with
+    experts as wide as the one intermediate_size Mixtral's config has."""
+    return cfg.moe_router == "softmax_topk_renorm" and cfg.moe_frequency == 1 and cfg.expert_ffn_dim == cfg.ffn_dim
 
 
 def first_dense_layers(cfg: ModelConfig) -> int | None:
@@ -245,7 +268,7 @@ def hf_config(cfg: ModelConfig, dtype_name: str, eos_id: int | None, bos_id: int
         config["mlp_bias"] = False
     elif architecture == MISTRAL:
         config["sliding_window"] = cfg.sliding_window
-    elif architecture == GLM4_MOE:
+    elif architecture in (GLM4_MOE, MIXTRAL):
         config.update(moe_config(cfg, architecture))
     else:
         windowed = cfg.sliding_window is not None
@@ -277,8 +300,8 @@ def moe_config(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
             "n_routed_experts": cfg.num_experts,
             "n_shared_experts": cfg.moe_shared_experts,
             "first_k_dense_replace": first_dense_layers(cfg),
-            "n_group": 1,
-            "topk_group": 1,
+            "n_group": cfg.moe_n_group,
+            "topk_group": cfg.moe_topk_group,
             "norm_topk_prob": True,
             "routed_scaling_factor": 1.0,
             "use_qk_norm": cfg.qk_norm,
@@ -286,10 +309,19 @@ def moe_config(cfg: ModelConfig, architecture: str) -> dict[str, Any]:
             "num_nextn_predict_layers": 0,
             "rope_parameters": {**rope_parameters(cfg), "partial_rotary_factor": 1.0},
         }
+    if architecture == MIXTRAL:  # intermediate_size is the experts' width (is_mixtral: the same as ffn_dim)
+        return {
+            "num_experts_per_tok": cfg.moe_top_k,
+            "output_router_logits": False,
+            "num_local_experts": cfg.num_experts,
+            "router_aux_loss_coef": cfg.moe_aux_loss_weight,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }
     config = {
         **common,
         "num_experts": cfg.num_experts,
-        "norm_topk_prob": False,
+        "norm_topk_prob": cfg.moe_router == "softmax_topk_renorm",
         "decoder_sparse_step": cfg.moe_frequency,
         "mlp_only_layers": [],
         "router_aux_loss_coef": cfg.moe_aux_loss_weight,
@@ -362,12 +394,14 @@ def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
             f"{source}: its config.json does not describe a valid Forge model: {e.errors()[0]['msg']}",
             "check config.json",
         ) from None
-    if moe and cfg.expert_ffn_dim != config["moe_intermediate_size"]:
+    if moe and architecture != MIXTRAL and cfg.expert_ffn_dim != config["moe_intermediate_size"]:
         raise UserError(
             f"{source}: moe_intermediate_size = {config['moe_intermediate_size']} is not "
             f"round(intermediate_size × m) for any moe_expert_ffn_multiplier m Forge can represent",
             "this expert width cannot be expressed in Forge's [model] section",
         )
+    for issue in expert_group_issues(cfg) if cfg.moe_router == "sigmoid_topk" else []:
+        raise UserError(f"{source}: n_group / topk_group as {issue.path} = {issue.problem}", issue.hint)
     return cfg
 
 
@@ -414,6 +448,12 @@ def sliding_window_from_hf(config: dict[str, Any], architecture: str, source: st
 def moe_fields_from_hf(config: dict[str, Any], architecture: str, ffn_dim: int, source: str) -> dict[str, Any]:
     """The MoE fields of the `[model]` section for a Qwen2-MoE/Qwen3-MoE/GLM-4-MoE config.json (whose
     routing `refuse_unsupported` has checked is Forge's)."""
+    if architecture == MIXTRAL:  # every block MoE, the experts as wide as intermediate_size
+        return {
+            "moe_top_k": required(config, "num_experts_per_tok", source),
+            "num_experts": required(config, "num_local_experts", source),
+            "moe_router": "softmax_topk_renorm",
+        }
     layers = required(config, "num_hidden_layers", source)
     fields = {
         "moe_top_k": required(config, "num_experts_per_tok", source),
@@ -422,8 +462,11 @@ def moe_fields_from_hf(config: dict[str, Any], architecture: str, ffn_dim: int, 
     if architecture != GLM4_MOE:
         return {
             **fields,
-            "num_experts": required(config, "num_experts", source),
-            "moe_router": "softmax_topk",
+            # transformers 5 saves Qwen3-MoE's expert count as num_local_experts
+            "num_experts": config["num_local_experts"]
+            if "num_local_experts" in config
+            else required(config, "num_experts", source),
+            "moe_router": "softmax_topk_renorm" if config.get("norm_topk_prob") else "softmax_topk",
             "moe_frequency": config.get("decoder_sparse_step", 1),
         }
     first_dense = config.get("first_k_dense_replace", 1)
@@ -440,6 +483,8 @@ def moe_fields_from_hf(config: dict[str, Any], architecture: str, ffn_dim: int, 
         "moe_router": "sigmoid_topk",
         "moe_shared_experts": config.get("n_shared_experts", 1),
         "moe_frequency": 1 if first_dense == 0 else layers,
+        "moe_n_group": config.get("n_group", 1),
+        "moe_topk_group": config.get("topk_group", 1),
     }
 
 
@@ -484,8 +529,6 @@ def moe_problems(config: dict[str, Any], architecture: str) -> list[str]:
         if not config.get("norm_topk_prob", True):
             problems.append("norm_topk_prob = false (Forge's sigmoid_topk router renormalises the top-k scores)")
         for key, wanted in (
-            ("n_group", 1),
-            ("topk_group", 1),
             ("routed_scaling_factor", 1.0),
             ("num_nextn_predict_layers", 0),
         ):
@@ -496,8 +539,14 @@ def moe_problems(config: dict[str, Any], architecture: str) -> list[str]:
         if rotary != 1.0:
             problems.append(f"partial_rotary_factor = {rotary} (Forge rotates the whole head)")
         return problems
-    if config.get("norm_topk_prob"):
-        problems.append("norm_topk_prob = true (Forge's softmax_topk router does not renormalise the top-k weights)")
+    if architecture == MIXTRAL:
+        if config.get("router_jitter_noise"):
+            problems.append(
+                f"router_jitter_noise = {config['router_jitter_noise']} (Forge's router does not perturb its input)"
+            )
+        if config.get("sliding_window") is not None:
+            problems.append(f"sliding_window = {config['sliding_window']} (Forge attends over the whole context)")
+        return problems
     if config.get("mlp_only_layers"):
         problems.append(
             f"mlp_only_layers = {config['mlp_only_layers']} (Forge places MoE blocks by moe_frequency only)"
@@ -555,12 +604,13 @@ def fold_mup_scales(cfg: ModelConfig, layout: dict[str, Piece]) -> dict[str, Pie
 
 def moe_layout(cfg: ModelConfig, architecture: str, layer: int) -> dict[str, Piece]:
     """The HF tensors of MoE block `layer`: router, routing bias (sigmoid_topk), experts, shared experts."""
-    ours, theirs = f"layers.{layer}.feed_forward", f"model.layers.{layer}.mlp"
+    ours, theirs = f"layers.{layer}.feed_forward", f"model.layers.{layer}.{MOE_MODULE.get(architecture, 'mlp')}"
     layout = {f"{theirs}.gate.weight": Piece(f"{ours}.router.gate.weight")}
     if cfg.moe_router == "sigmoid_topk":
         layout[f"{theirs}.gate.e_score_correction_bias"] = Piece(f"{ours}.router.bias", fp32=True)
+    names = {w: w for w in PROJECTIONS} if architecture == MIXTRAL else PROJECTIONS
     for e in range(cfg.num_experts):
-        for w, proj in PROJECTIONS.items():
+        for w, proj in names.items():
             source = f"{ours}.experts.{w}" if cfg.moe_packed_experts else f"{ours}.experts.{e}.{w}"
             layout[f"{theirs}.experts.{e}.{proj}.weight"] = Piece(
                 source, expert=e if cfg.moe_packed_experts else None, transpose=True

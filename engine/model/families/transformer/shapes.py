@@ -6,6 +6,8 @@ The model's own `num_parameters()` must equal `param_counts(cfg)["total"]`, and 
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine.config.model import ModelConfig
 from engine.model.spec import ParamSpec
 
@@ -36,19 +38,28 @@ def block_params(cfg: ModelConfig, layer: int = 0, active: bool = False) -> int:
     return attention_params(cfg) + qk_norm + feed_forward_params(cfg, layer, active) + 2 * norm_params(cfg, cfg.dim)
 
 
+def mtp_module_params(cfg: ModelConfig) -> int:
+    """One multi-token-prediction module: two input norms, the 2·dim → dim projection, a dense block, its norm."""
+    dense = cfg.model_copy(update={"num_experts": 0})
+    return 3 * norm_params(cfg, cfg.dim) + 2 * cfg.dim * cfg.dim + block_params(dense)
+
+
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    """embedding (the input table), output_head (0 when tied), blocks (+ final norm), total, non_embedding,
+    """embedding (the input table), output_head (0 when tied), blocks (+ final norm), mtp (the multi-token-
+    prediction modules, only when there are any), total, non_embedding,
     and active: the parameters one token runs through (= total for a dense model; for MoE, only top_k
     routed experts per MoE block count)."""
     embedding = cfg.vocab_size * cfg.dim
     output_head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
     blocks = sum(block_params(cfg, i) for i in range(cfg.n_layers)) + norm_params(cfg, cfg.dim)
     inactive = sum(block_params(cfg, i) - block_params(cfg, i, active=True) for i in range(cfg.n_layers))
-    total = embedding + output_head + blocks
+    mtp = cfg.mtp_depth * mtp_module_params(cfg)
+    total = embedding + output_head + blocks + mtp
     return {
         "embedding": embedding,
         "output_head": output_head,
         "blocks": blocks,
+        **({"mtp": mtp} if mtp else {}),
         "non_embedding": total - embedding,
         "total": total,
         "active": total - inactive,
@@ -63,11 +74,16 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     the embedding lookup and norms are not matmuls. For MoE only the active ones count (router, top_k
     routed and the shared experts), so MFU measures the work actually done. The second term is
     attention's QKᵀ and AV, counted without the causal saving, as in PaLM's MFU definition.
+    Multi-token-prediction module k adds its projection, block and the head over seq_len − k of the seq_len
+    positions (engine/model/mtp.py).
     """
     d = cfg.dim
     blocks = sum(attention_params(cfg) + feed_forward_params(cfg, i, active=True) for i in range(cfg.n_layers))
     keys = min(seq_len, cfg.sliding_window or seq_len)
-    return 6 * (blocks + cfg.vocab_size * d) + 12 * cfg.n_layers * cfg.attention_dim * keys
+    attention = 12 * cfg.attention_dim * keys  # per layer and token: scores and weighted values, fwd + bwd
+    main = 6 * (blocks + cfg.vocab_size * d) + cfg.n_layers * attention
+    module = 6 * (2 * d * d + attention_params(cfg) + 3 * d * cfg.ffn_dim + cfg.vocab_size * d) + attention
+    return main + sum(module * (seq_len - k) // seq_len for k in range(1, cfg.mtp_depth + 1))
 
 
 def norm_specs(cfg: ModelConfig, prefix: str, width: int, owner: str | int) -> list[ParamSpec]:
@@ -129,6 +145,19 @@ def block_specs(cfg: ModelConfig, layer: int) -> list[ParamSpec]:
     return specs + mlp_specs(f"{p}.feed_forward", d, cfg.ffn_dim, layer)
 
 
+def mtp_specs(cfg: ModelConfig, k: int) -> list[ParamSpec]:
+    """Multi-token-prediction module k (owner "mtp", which only the last pipeline stage could hold): norms,
+    projection, a dense block (`block_specs` of a dense copy, renamed), final norm. Not tensor parallel."""
+    p, d = f"mtp.{k}", cfg.dim
+    specs = norm_specs(cfg, f"{p}.hidden_norm", d, "mtp") + norm_specs(cfg, f"{p}.embed_norm", d, "mtp")
+    specs.append(ParamSpec(f"{p}.proj.weight", (d, 2 * d), "mtp"))
+    dense = cfg.model_copy(update={"num_experts": 0})
+    for spec in block_specs(dense, 0):
+        name = spec.name.replace("layers.0.", f"{p}.block.", 1)
+        specs.append(dataclasses.replace(spec, name=name, owner="mtp", tp_dim=None))
+    return specs + norm_specs(cfg, f"{p}.norm", d, "mtp")
+
+
 def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     """Every parameter tensor of `Transformer(cfg)`, in registration order (a tied head is the embedding)."""
     specs = [ParamSpec("tok_embeddings.weight", (cfg.vocab_size, cfg.dim), "embedding", 0)]
@@ -137,5 +166,7 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     specs += norm_specs(cfg, "norm", cfg.dim, "norm")
     if not cfg.tie_embeddings:
         specs.append(ParamSpec("output.weight", (cfg.vocab_size, cfg.dim), "head", 0))
+    for k in range(1, cfg.mtp_depth + 1):
+        specs += mtp_specs(cfg, k)
     assert sum(s.numel for s in specs) == param_counts(cfg)["total"], "param_specs out of step with param_counts"
     return specs
