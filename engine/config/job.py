@@ -103,6 +103,7 @@ def error_rules() -> tuple[Rule, ...]:
         model.family_issues,  # [model] fields the model family has no use for
         evaluation.task_issues,  # eval.tasks: lm-eval installed, a layout that holds the whole model
         train.memory_option_issues,  # 8-bit optimizer state, activation offload: where they work
+        train.cpu_offload_issues,  # distributed.cpu_offload: data parallelism, fp32 optimizer state
     )
 
 
