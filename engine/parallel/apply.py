@@ -9,6 +9,7 @@ The full order is TP → CP → EP → FP8 → activation checkpointing → comp
   recomputation instead of the checkpoint wrapper breaking the graph;
 - FSDP2 last: `fully_shard` shards whatever parameters the earlier stages left (TP's DTensors become 2-D,
   FP8's linears gather in fp8), and per block, so its all-gathers overlap the neighbouring blocks' compute.
+  With `distributed.cpu_offload` it also runs on one process and keeps the shards on the host (`fsdp_mesh`).
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ the other). On an H100 (torch 2.11; a 0.49B model, 8 blocks of dim 2048, batch 4
 it came within −3 … +8 % of torch.cuda.max_memory_allocated() over bf16/fp32, no/full activation
 checkpointing, accumulation, the Adam and orthogonalizing optimizers, QK-norm, MoE, and FSDP2 on one rank. It ignores the CUDA context
 (~0.5–1 GiB), the caching allocator's fragmentation and NCCL buffers: leave ~10–15 % headroom.
-Assumptions, as engine.parallel builds a run: with data parallelism (dp_replicate × dp_shard > 1), FSDP2 with
+Assumptions, as engine.parallel builds a run: with data parallelism (dp_replicate × dp_shard > 1) or
+`distributed.cpu_offload`, FSDP2 with
 MixedPrecisionPolicy(param_dtype=compute dtype, reduce_dtype=fp32) and no autocast; without it, autocast
 over fp32 weights (the residual stream stays fp32); sequence parallelism with tp; "auto" precision
 estimated as bf16 (a GPU run). `compile_model` is counted as eager: a compiled graph saves no more than the
