@@ -184,7 +184,7 @@ def memory_table(stages: list[Any], cfg: Any, world_size: int, gpu_memory_gib: f
         expand=False,
         caption=f"analytic; total = estimated peak on the device; compute in {dtype}, weights "
         f"{cfg.optimizer.weight_dtype}, optimizer state {cfg.optimizer.state_dtype}; keep ~10-15 % headroom for the CUDA context, fragmentation and "
-        "communication buffers" + ("; host = activations offloaded to host memory" if offloads(stages) else ""),
+        "communication buffers" + host_caption(stages, cfg),
     )
     columns = ["pp rank", "blocks", "in flight", "params", "grads", "optimizer", "activations", "buffers", "total"]
     for name in columns + (["host"] if offloads(stages) else []):
@@ -204,6 +204,16 @@ def memory_table(stages: list[Any], cfg: Any, world_size: int, gpu_memory_gib: f
             row.append("[green]yes[/green]" if s.total <= gpu_memory_gib * GIB else "[red]no[/red]")
         table.add_row(*row)
     return table
+
+
+def host_caption(stages: list[Any], cfg: Any) -> str:
+    """What the host column holds: offloaded activations, and with distributed.cpu_offload the weights, their
+    gradients and the optimizer state."""
+    if not offloads(stages):
+        return ""
+    held = ["activations"] if cfg.train.activation_offload else []
+    held += ["params, grads and optimizer state"] if cfg.distributed.cpu_offload else []
+    return f"; host = {' and '.join(held)} offloaded to host memory"
 
 
 def offloads(stages: list[Any]) -> bool:

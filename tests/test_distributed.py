@@ -160,11 +160,16 @@ CONTEXT_PARALLEL = ["--distributed.cp=2", "--distributed.dp_shard=1"]
 # presets/debug.toml trains with the chunked cross-entropy, which reads the head's weight after the forward:
 # "fsdp" checks that FSDP still averages that weight's gradient; "fsdp_cross_entropy" the plain loss. "tp" takes
 # the plain loss too, which under tp is loss parallel (vocabulary-sharded logits, engine.parallel.tp);
-# "tp_chunked_ce_full_ac" covers the chunked loss under tp.
+# "tp_chunked_ce_full_ac" covers the chunked loss under tp. "hsdp_cpu_offload" runs HSDP with FSDP2's CPU
+# offload (distributed.cpu_offload; on a CPU it moves nothing, so it must match like the rest; plain HSDP is
+# test_hybrid_sharded_data_parallel_2x2_matches_one_process).
 LAYOUTS = {
     "fsdp": ([], 2),
     "fsdp_cross_entropy": (["--train.loss_fn=cross_entropy"], 2),
-    "hsdp": (["--distributed.dp_replicate=2", "--distributed.dp_shard=1"], 2),
+    "hsdp_cpu_offload": (
+        ["--distributed.dp_replicate=2", "--distributed.dp_shard=1", "--distributed.cpu_offload=true"],
+        2,
+    ),
     "tp": (["--distributed.tp=2", "--distributed.dp_shard=1", "--train.loss_fn=cross_entropy"], 4),
     "pp_gpipe": ([*PIPELINE, "--distributed.pp_schedule=gpipe"], 2),
     "pp_1f1b_chunked_ce": ([*PIPELINE_LAYOUT, "--distributed.pp_schedule=1f1b"], 2),
@@ -196,6 +201,7 @@ def test_layouts_match_one_process(tmp_path, one_process, layout, parity):
     assert {"mem_peak_gib/rank0", "mem_peak_gib/rank1"} <= metrics.keys()
     assert metrics["mem_peak_gib"] == max(metrics["mem_peak_gib/rank0"], metrics["mem_peak_gib/rank1"])
     assert "step 6/6" in result.stdout and result.stdout.count("run directory:") == 1  # rank 0 alone reports
+    assert ("distributed.cpu_offload" in result.stdout + result.stderr) == ("cpu_offload" in layout)  # its warning
     state = json.loads((latest_checkpoint(tmp_path / "run" / "checkpoints")[1] / "train_state.json").read_text())
     assert len(state["rng"]) == 2, "each rank's generators are saved"
 

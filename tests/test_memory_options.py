@@ -1,5 +1,6 @@
 """The memory options (issue 38) driven by the trainer on CPU: torchao's 8-bit AdamW state
-(`optimizer.state_dtype = "int8"`) and activation offload (`train.activation_offload`).
+(`optimizer.state_dtype = "int8"`), activation offload (`train.activation_offload`) and FSDP2's CPU offload
+(`distributed.cpu_offload`).
 
 torchao's AdamW8bit compiles its per-parameter step with torch.compile, which on a CPU costs ~4 s per
 parameter shape (C++ code generation) and more with a cold cache; these tests run that same step function
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from engine.config import load_job_config
@@ -253,3 +256,66 @@ def test_changing_the_state_dtype_on_resume_is_refused(tmp_path):
     issues = resume_issues(saved, load_job_config(DEBUG, [*TINY, "optimizer.state_dtype=int8"]))
     assert [i.path for i in issues] == ["optimizer.state_dtype"]
     assert resume_issues(saved, load_job_config(DEBUG, [*TINY, "train.activation_offload=true"])) == []
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (FSDP2 on one rank: its only shard), a plain tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def assert_same_values(model_a, optimizer_a, model_b, optimizer_b) -> None:
+    """The same weights and AdamW state, tensor for tensor, whether FSDP2 wraps either model or not."""
+    a, b = dict(model_a.named_parameters()), dict(model_b.named_parameters())
+    assert a.keys() == b.keys() and len(a) > 0
+    assert all(torch.equal(local(a[n]), local(b[n])) for n in a), "weights differ"
+    for name in a:
+        sa, sb = optimizer_a.state[a[name]], optimizer_b.state[b[name]]
+        assert sorted(sa) == sorted(sb) == ["exp_avg", "exp_avg_sq", "step"], name
+        assert all(torch.equal(local(sa[k]), local(sb[k])) for k in sa), name
+
+
+def offloaded_by_fsdp(model) -> bool:
+    """Whether FSDP2 wraps the model and every one of its units offloads to the host."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = [unit._get_fsdp_state()._fsdp_param_group for unit in units]
+    return len(units) == 3 and all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)  # 2 blocks, root
+
+
+def test_cpu_offload_trains_like_no_offload_and_may_change_on_resume(tmp_path):
+    """distributed.cpu_offload on one process: FSDP2 on a mesh of one rank with CPUOffloadPolicy, which on a CPU
+    moves nothing, so its losses, weights and AdamW state are those of the run without it, bit for bit (in fp32
+    FSDP2 casts nothing, and one rank's reduce-scatter is the gradient itself). Its checkpoint (DCP, by name)
+    resumes without it and the other way round into the same four steps; `forge resume` lets it change. The
+    host column of the estimate equals the parameter, gradient and optimizer-state bytes FSDP2 holds."""
+    from engine.config.changes import resume_issues
+    from engine.parallel.memory import estimate_memory
+    from engine.train.run_dir import run_config
+
+    common = ("checkpoint.interval=2",)
+    plain, plain_losses = run(tmp_path, "plain", *common)
+    off, off_losses = run(tmp_path, "off", *common, "distributed.cpu_offload=true")
+    assert offloaded_by_fsdp(off.job.model) and not offloaded_by_fsdp(plain.job.model)
+    assert [w.path for w in off.job.warnings] == ["distributed.cpu_offload"]  # on a CPU it is said out loud
+    assert len(plain_losses) == 4 and off_losses == plain_losses
+    assert_same_values(plain.job.model, plain.job.optimizer, off.job.model, off.job.optimizer)
+
+    params = dict(off.job.model.named_parameters())
+    held = [p.to_local() for p in params.values()] + [g.to_local() for g in off.grads[-1].values()]
+    state = [t for s in off.job.optimizer.state.values() for t in s.values()]  # moments and step counts
+    held += [t.to_local() if isinstance(t, DTensor) else t for t in state]
+    assert len(held) == 5 * len(params) and all(t.device.type == "cpu" for t in held)
+    [row] = estimate_memory(off.job.cfg, 1)
+    assert (row.params, row.grads, row.optimizer) == (0, 0, 0)
+    assert row.host == sum(t.numel() * t.element_size() for t in held)  # unpadded on one rank: exact
+
+    for first, then in (("true", "false"), ("false", "true")):  # two steps one way, two more the other
+        name = f"from_{first}"
+        run(tmp_path, name, *common, "train.max_steps=2", f"distributed.cpu_offload={first}")
+        resumed_cfg = run_config(tmp_path / name, ["train.max_steps=4", f"distributed.cpu_offload={then}"])
+        assert resume_issues(load_job_config(DEBUG, [*TINY, *common]), resumed_cfg) == []
+        parts = Recorder()
+        train(resumed_cfg, tmp_path / name, hooks=parts)
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        assert [r["loss"] for r in map(json.loads, lines) if "loss" in r] == plain_losses
+        assert offloaded_by_fsdp(parts.job.model) == (then == "true")
+        assert_same_values(plain.job.model, plain.job.optimizer, parts.job.model, parts.job.optimizer)

@@ -498,6 +498,16 @@ RULE_CASES: dict[str, list[str]] = {
         "--optimizer.fused=true",
         "--train.activation_offload=true",
     ],
+    "memory-8b-one-gpu-cpu-offload": ["presets/8b.toml", "--distributed.cpu_offload=true", "--gpu-memory-gib", "80"],
+    "memory-cpu-offload-refused": [
+        DEBUG,
+        "--world-size",
+        "4",
+        "--distributed.tp=2",
+        "--distributed.cpu_offload=true",
+        "--optimizer.state_dtype=int8",
+        "--lora.enabled=true",
+    ],
 }
 
 CASES: dict[str, list[str]] = {**preset_cases(), **RULE_CASES}

@@ -32,6 +32,12 @@ class DistributedConfig(Section):
         description="deadline of every collective (the process group's timeout) and of the health "
         "check (train.nccl_health_check_interval)",
     )
+    cpu_offload: bool = Field(
+        False,
+        description="FSDP2's CPU offload: the weights, gradients and optimizer state live in host memory and the "
+        "optimizer steps there; each block's weights are copied to the device for its forward and backward "
+        "(FSDP is applied at world size 1 too). Data parallelism only (tp, pp, cp, ep = 1)",
+    )
     backend: str = Field(
         "cpu:gloo,cuda:nccl", description="torch.distributed backend per device type; a CPU run uses the cpu entry"
     )
@@ -46,6 +52,7 @@ class DistributedConfig(Section):
         "ep": "parallel/mesh.py, parallel/expert.py",
         "pp_schedule": "parallel/pipeline.py",
         "nccl_timeout_sec": "train/job.py, train/trainer.py",
+        "cpu_offload": "parallel/apply.py, train/job.py, parallel/memory.py",
         "backend": "parallel/launch.py, train/job.py",
     }
     """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""

@@ -106,6 +106,7 @@ def error_rules() -> tuple[Rule, ...]:
         model.attention_issues,  # RoPE scaling fields; a sliding window's kernel
         data.source_kind_issues,  # the source kinds path fields name (KIND:LOCATION)
         model.mtp_issues,  # multi-token prediction: its family, layouts and packing
+        train.cpu_offload_issues,  # distributed.cpu_offload: data parallelism, fp32 optimizer state
     )
 
 

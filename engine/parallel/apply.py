@@ -9,14 +9,15 @@ The full order is TP → CP → EP → FP8 → activation checkpointing → comp
   recomputation instead of the checkpoint wrapper breaking the graph;
 - FSDP2 last: `fully_shard` shards whatever parameters the earlier stages left (TP's DTensors become 2-D,
   FP8's linears gather in fp8), and per block, so its all-gathers overlap the neighbouring blocks' compute.
+  With `distributed.cpu_offload` it also runs on one process and keeps the shards on the host (`fsdp_mesh`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from engine import precision
 from engine.config.job import JobConfig
@@ -99,6 +100,7 @@ def apply_fsdp(
     pipelined: bool = False,
     expert_mesh: DeviceMesh | None = None,
     head_read_after_forward: bool = False,
+    offload: OffloadPolicy | None = None,
 ) -> None:
     """FSDP2 over `mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP), each block its own unit, then the rest.
 
@@ -113,7 +115,11 @@ def apply_fsdp(
     its backward, so that attribute is the gathered parameter, whose gradient FSDP reduce-scatters over the
     data-parallel ranks; resharded, it would be the local shard, and a gradient reaching it directly would
     skip that reduction (each rank would keep its own batch's gradient of the head).
+
+    `offload`: FSDP2's offload policy for every unit (`offload_policy`), `CPUOffloadPolicy` with
+    `distributed.cpu_offload` (`offload_policy`), else none.
     """
+    offload = offload or OffloadPolicy()
     # An fp32 run casts nothing (None: the parameters' own dtype), which also keeps a float64 model float64,
     # as the parity tests run it.
     cast = param_dtype != torch.float32
@@ -121,11 +127,37 @@ def apply_fsdp(
         param_dtype=param_dtype if cast else None, reduce_dtype=torch.float32 if cast else None
     )
     if expert_mesh is not None:  # expert-parallel experts: sharded over the ranks that hold the same experts
-        fully_shard_experts(model, expert_mesh, mp_policy=policy, reshard_after_forward=not pipelined)
+        fully_shard_experts(
+            model, expert_mesh, mp_policy=policy, reshard_after_forward=not pipelined
+        )  # (ep: no offload)
     blocks = list(getattr(model, spec_for(model.cfg).parts.blocks).values())  # the family's blocks
     for index, block in enumerate(blocks):
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not pipelined and index < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=not (pipelined or head_read_after_forward))
+        last = index == len(blocks) - 1
+        fully_shard(
+            block, mesh=mesh, mp_policy=policy, reshard_after_forward=not (pipelined or last), offload_policy=offload
+        )
+    root_reshards = not (pipelined or head_read_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=root_reshards, offload_policy=offload)
+
+
+def offload_policy(cfg: JobConfig, device: torch.device) -> OffloadPolicy | None:
+    """`distributed.cpu_offload`: FSDP2 keeps the sharded weights, their gradients and so the optimizer's state
+    in host memory, and the optimizer steps there; each unit's all-gather copies its weights to the device,
+    and its reduce-scatter's result goes back to the host. Host memory is pinned on CUDA (asynchronous
+    copies); a CPU device has none to pin (there the copies are no-ops and the tests check the values)."""
+    if not cfg.distributed.cpu_offload:
+        return None
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+
+
+def fsdp_mesh(cfg: JobConfig, mesh: ParallelMesh | None, device: torch.device) -> DeviceMesh | None:
+    """What FSDP2 shards over: the layout's FSDP mesh, or with `distributed.cpu_offload` on one process a mesh of
+    that one rank (FSDP2 is what offloads; the job joins a process group of one for it, engine/train/job.py)."""
+    if mesh is not None and mesh.fsdp is not None:
+        return mesh.fsdp
+    if cfg.distributed.cpu_offload:
+        return init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard",))
+    return None
 
 
 def float8_all_gather(cfg: JobConfig, mesh: ParallelMesh | None, device: torch.device) -> bool:
@@ -177,13 +209,15 @@ def parallelize(
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile_model:
         apply_compile(model, check_compilable(cfg, device))
-    if mesh is not None and mesh.fsdp is not None:
+    shard_mesh = fsdp_mesh(cfg, mesh, device)
+    if shard_mesh is not None:
         apply_fsdp(
             model,
-            mesh.fsdp,
+            shard_mesh,
             precision.compute_dtype(cfg.train.mixed_precision, device),
             pipelined=pipelined,
-            expert_mesh=mesh.expert_fsdp,
+            expert_mesh=mesh.expert_fsdp if mesh is not None else None,
             head_read_after_forward=cfg.train.loss_fn == "chunked_cross_entropy",
+            offload=offload_policy(cfg, device),
         )
     return model

@@ -93,6 +93,23 @@ def join_process_group(backend: str, timeout_sec: float, device: torch.device) -
     _joined = True
 
 
+def join_single_process_group(backend: str, timeout_sec: float, device: torch.device) -> None:
+    """A process group of this one process (an in-memory store, no rendezvous): FSDP2 needs one, and
+    `distributed.cpu_offload` applies it to a single-process run (engine/parallel/apply.py, `fsdp_mesh`)."""
+    global _joined  # noqa: PLW0603  (see join_process_group)
+    if dist.is_initialized():
+        return
+    dist.init_process_group(
+        backend=backend_for(backend, device),
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=timeout_sec),
+        device_id=device if device.type == "cuda" else None,
+    )
+    _joined = True
+
+
 def joined_process_group() -> bool:
     return _joined
 

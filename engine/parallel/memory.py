@@ -22,7 +22,10 @@ its position tables; the optimizer through its registered `OptimizerState`.
   the one `optimizer.state_dtype` / `weight_dtype` select, `optimizer_state`:
   bytes per element of each trained parameter, by parameter kind where they differ, and per tensor). With
   `train.ema_decay`, the EMA of the weights adds a copy of the params here (fp32, sharded like them).
-- host: what `train.activation_offload` keeps in host memory instead of the device (`stage_offloaded_bytes`).
+- host: what `train.activation_offload` keeps in host memory instead of the device (`stage_offloaded_bytes`);
+  with `distributed.cpu_offload`, the params, grads and optimizer state too (their columns are then 0: FSDP2
+  keeps the shards, their gradients and the optimizer's state on the host, and the optimizer steps there),
+  while the device keeps FSDP2's gathered copies and unsharded gradients of the running units (buffers).
 - activations: what autograd keeps from forward to backward (see `layer_activation_bytes`; packed documents'
   masks, `packing_bytes`), for the
   micro-batches a rank has in flight (`forward_chunks`): one without pipelining (accumulation steps run one
@@ -37,7 +40,8 @@ the other). On an H100 (torch 2.11; a 0.49B model, 8 blocks of dim 2048, batch 4
 it came within −3 … +8 % of torch.cuda.max_memory_allocated() over bf16/fp32, no/full activation
 checkpointing, accumulation, the Adam and orthogonalizing optimizers, QK-norm, MoE, and FSDP2 on one rank. It ignores the CUDA context
 (~0.5–1 GiB), the caching allocator's fragmentation and NCCL buffers: leave ~10–15 % headroom.
-Assumptions, as engine.parallel builds a run: with data parallelism (dp_replicate × dp_shard > 1), FSDP2 with
+Assumptions, as engine.parallel builds a run: with data parallelism (dp_replicate × dp_shard > 1) or
+`distributed.cpu_offload`, FSDP2 with
 MixedPrecisionPolicy(param_dtype=compute dtype, reduce_dtype=fp32) and no autocast; without it, autocast
 over fp32 weights (the residual stream stays fp32); sequence parallelism with tp; "auto" precision
 estimated as bf16 (a GPU run). `compile_model` is counted as eager: a compiled graph saves no more than the
@@ -48,7 +52,7 @@ with the rows the all-to-all brings (k per token on average), eager and counted 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from engine.config.job import JobConfig
 from engine.config.model import ModelConfig
@@ -85,8 +89,8 @@ class StageMemory:
     grads_persist: bool
     """Whether gradients live through the forward passes (accumulated over micro-batches, or pipelined)."""
     host: int = 0
-    """Bytes this rank keeps in host memory instead (`train.activation_offload`'s saved activations); not in
-    `total`, which is the device's."""
+    """Bytes this rank keeps in host memory instead (`train.activation_offload`'s saved activations, and with
+    `distributed.cpu_offload` its params, grads and optimizer state); not in `total`, which is the device's."""
 
     @property
     def total(self) -> int:
@@ -157,9 +161,11 @@ def forward_chunks(cfg: JobConfig, pp_rank: int) -> list[int]:
 
 
 def uses_fsdp(cfg: JobConfig) -> bool:
-    """FSDP2 is applied whenever there is data parallelism (engine.parallel.mesh: HSDP with dp_replicate);
-    it gathers the weights in the compute dtype, and the trainer then runs without autocast."""
-    return cfg.distributed.dp_replicate * cfg.distributed.dp_shard > 1
+    """FSDP2 is applied whenever there is data parallelism (engine.parallel.mesh: HSDP with dp_replicate), and
+    with `distributed.cpu_offload` on one process too; it gathers the weights in the compute dtype, and the
+    trainer then runs without autocast."""
+    d = cfg.distributed
+    return d.dp_replicate * d.dp_shard > 1 or d.cpu_offload
 
 
 def residual_bytes(cfg: JobConfig) -> int:
@@ -302,24 +308,36 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
         offloaded = [stage_offloaded_bytes(cfg, layers[s], tokens, s == 0, s == n_stages - 1) for s in stages]
         blocks = [i for s in stages for i in layers[s]]
         rows.append(
-            StageMemory(
-                pp_rank=rank,
-                stages=tuple(stages),
-                blocks=tuple((layers[s].start, layers[s].stop - 1) for s in stages),
-                microbatches_in_flight=len(chunks),
-                params=params,
-                grads=trained_weight_bytes(cfg.optimizer) * sum(grad_numel(cfg, s, local[s.name]) for s in trained),
-                optimizer=sum(optimizer_state_bytes(cfg, s, local[s.name]) for s in trained)
-                + (params if t.ema_decay else 0),
-                activations=sum(chunk[local] - offloaded[local] for local in chunks)
-                + recompute_bytes(cfg, blocks, tokens)
-                + packing_bytes(cfg, in_flight=[len(layers[stages[local]]) for local in chunks]),
-                buffers=buffer_bytes(cfg, owned, tokens, has_head=n_stages - 1 in stages),
-                grads_persist=t.grad_accum_steps > 1 or d.pp > 1,
-                host=sum(offloaded[local] for local in chunks),
+            host_offloaded(
+                cfg,
+                StageMemory(
+                    pp_rank=rank,
+                    stages=tuple(stages),
+                    blocks=tuple((layers[s].start, layers[s].stop - 1) for s in stages),
+                    microbatches_in_flight=len(chunks),
+                    params=params,
+                    grads=trained_weight_bytes(cfg.optimizer) * sum(grad_numel(cfg, s, local[s.name]) for s in trained),
+                    optimizer=sum(optimizer_state_bytes(cfg, s, local[s.name]) for s in trained)
+                    + (params if t.ema_decay else 0),
+                    activations=sum(chunk[local] - offloaded[local] for local in chunks)
+                    + recompute_bytes(cfg, blocks, tokens)
+                    + packing_bytes(cfg, in_flight=[len(layers[stages[local]]) for local in chunks]),
+                    buffers=buffer_bytes(cfg, owned, tokens, has_head=n_stages - 1 in stages),
+                    grads_persist=t.grad_accum_steps > 1 or d.pp > 1,
+                    host=sum(offloaded[local] for local in chunks),
+                ),
             )
         )
     return rows
+
+
+def host_offloaded(cfg: JobConfig, row: StageMemory) -> StageMemory:
+    """With `distributed.cpu_offload`, the row with its params, grads and optimizer state (the EMA's copy of
+    the weights included, made like them) moved to the host column."""
+    if not cfg.distributed.cpu_offload:
+        return row
+    moved = row.params + row.grads + row.optimizer
+    return replace(row, params=0, grads=0, optimizer=0, host=row.host + moved)
 
 
 def param_bytes(cfg: JobConfig, spec: ParamSpec, local: int) -> int:

@@ -37,7 +37,7 @@ from engine.model.transformer import Transformer
 from engine.parallel.apply import float8_all_gather, parallelize
 from engine.parallel.context import ContextParallel
 from engine.parallel.float8 import float8_device_warnings
-from engine.parallel.launch import device_for, join_process_group
+from engine.parallel.launch import device_for, join_process_group, join_single_process_group
 from engine.parallel.mesh import ParallelDims, ParallelMesh, build_mesh
 from engine.parallel.pipeline import Pipeline, StageShapes, build_pipeline, stage_union
 from engine.parallel.pipeline_moe import pipeline_moe_metrics
@@ -184,10 +184,12 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         join_process_group(cfg.distributed.backend, cfg.distributed.nccl_timeout_sec, device)
         mesh = build_mesh(dims, device.type)
         assert mesh.dp_rank == dp_rank, "data_parallel_rank disagrees with the mesh"
+    elif cfg.distributed.cpu_offload:  # FSDP2 offloads, and needs a process group (of this one process)
+        join_single_process_group(cfg.distributed.backend, cfg.distributed.nccl_timeout_sec, device)
     starts_fresh = not (resuming and complete_checkpoints(checkpoint_root(cfg, run_dir)))
     base_from_load_path = starts_fresh or base_rebuilt(cfg)
     if mesh is None:
-        model = parallelize(initial_model(cfg, base_from_load_path).to(device), cfg)
+        model = parallelize(initial_model(cfg, base_from_load_path).to(device), cfg, device=device)
         pipeline = None
     else:
         model, pipeline = distributed_model(cfg, mesh, device, base_from_load_path)

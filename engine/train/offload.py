@@ -26,13 +26,26 @@ def activation_offload(cfg: JobConfig, device: torch.device) -> contextlib.Abstr
 
 def offload_device_warnings(cfg: JobConfig, device: torch.device) -> list[ConfigIssue]:
     """On a CPU the activations are in host memory already: offloading runs (the tests check it there) and
-    only costs a copy of each saved tensor, which the user should hear before waiting on it."""
-    if not cfg.train.activation_offload or device.type != "cpu":
+    only costs a copy of each saved tensor, which the user should hear before waiting on it. So for
+    `distributed.cpu_offload`: the weights are there already too."""
+    if device.type != "cpu":
         return []
-    return [
-        ConfigIssue(
-            "train.activation_offload",
-            "on a CPU device the activations are in host memory already: offloading only adds a copy of each",
-            "leave it off on a CPU; it saves device memory on a GPU",
+    warnings = []
+    if cfg.distributed.cpu_offload:
+        warnings.append(
+            ConfigIssue(
+                "distributed.cpu_offload",
+                "on a CPU device the weights and optimizer state are in host memory already: it only wraps the "
+                "model in FSDP2 on one process",
+                "leave it off on a CPU; it saves device memory on a GPU",
+            )
         )
-    ]
+    if cfg.train.activation_offload:
+        warnings.append(
+            ConfigIssue(
+                "train.activation_offload",
+                "on a CPU device the activations are in host memory already: offloading only adds a copy of each",
+                "leave it off on a CPU; it saves device memory on a GPU",
+            )
+        )
+    return warnings

@@ -205,3 +205,37 @@ def memory_option_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
             )
         )
     return issues
+
+
+def cpu_offload_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
+    """FSDP2's CPU offload (`distributed.cpu_offload`) is built and checked for data parallelism alone (at world
+    size 1 too): the other layouts, LoRA, fp8's float8 all-gather and torchao's optimizers (which quantize or
+    round the local tensors FSDP hands them) are not tested with it yet."""
+    if not cfg.distributed.cpu_offload:
+        return []
+    d, o = cfg.distributed, cfg.optimizer
+    others = [
+        ("distributed.tp", d.tp > 1, f"{d.tp}", "set distributed.tp = 1"),
+        ("distributed.pp", d.pp > 1, f"{d.pp}", "set distributed.pp = 1"),
+        ("distributed.cp", d.cp > 1, f"{d.cp}", "set distributed.cp = 1"),
+        ("distributed.ep", d.ep > 1, f"{d.ep}", "set distributed.ep = 1"),
+        ("optimizer.state_dtype", o.state_dtype != "fp32", repr(o.state_dtype), 'keep optimizer.state_dtype = "fp32"'),
+        (
+            "optimizer.weight_dtype",
+            o.weight_dtype != "fp32",
+            repr(o.weight_dtype),
+            'keep optimizer.weight_dtype = "fp32"',
+        ),
+        ("train.mixed_precision", cfg.train.mixed_precision == "fp8", '"fp8"', 'use "bf16"'),
+        ("lora.enabled", cfg.lora.enabled, "true", "set lora.enabled = false"),
+    ]
+    return [
+        ConfigIssue(
+            field,
+            f"= {value} is not supported with distributed.cpu_offload = true yet (FSDP2's CPU offload is built and "
+            "tested for data parallelism with fp32 optimizer state only)",
+            f"{fix}, or set distributed.cpu_offload = false",
+        )
+        for field, on, value, fix in others
+        if on
+    ]
