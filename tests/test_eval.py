@@ -29,7 +29,7 @@ from engine.eval.suite import load_tasks, run_tasks, task_manager
 from engine.generate import load_model
 from engine.model.transformer import Transformer
 from forgecli.app import app
-from tests.data_fixtures import corpus_texts, job_config, tokenized, write_jsonl
+from tests.data_fixtures import corpus_texts, job_config, tokenized, tokenizer_file, write_jsonl
 
 MAX_SEQ_LEN = 64
 # fp32, the same weights, two implementations (Forge's model; transformers' Llama): each token's log-probability
@@ -413,3 +413,20 @@ def test_two_processes_give_the_numbers_of_one(run, tasks, tmp_path):
     assert "eval_loss" not in (two / "metrics.jsonl").read_text()  # no held-out data named: tasks need none
     for step, values in logged.items():
         assert values == one_process_eval(two / "checkpoints" / f"step_{step}", tasks), step
+
+
+def test_tasks_during_training_leave_the_random_state_as_it_was(tasks, tmp_path):
+    """engine/eval/in_training.py promises that training goes on from the random states it had, as if no
+    evaluation had run: building the evaluated copy (its init draws random weights before the trained ones
+    are loaded) and the harness's seeding included."""
+    from engine.eval.in_training import open_tasks
+
+    cfg = job_config(None, "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=64",
+                     "eval.enabled=true", f'eval.tasks=["{tasks / "quiz_mc.yaml"}"]', "eval.task_limit=2")  # fmt: skip
+    training = open_tasks(cfg, tokenizer_file(tmp_path))
+    model = Transformer(cfg.model).eval()
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    metrics = training.evaluate(model, torch.device("cpu"))
+    assert sorted(metrics) == ["eval/quiz_mc/acc", "eval/quiz_mc/acc_norm"]
+    assert torch.equal(torch.get_rng_state(), state)
