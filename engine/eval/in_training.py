@@ -7,8 +7,9 @@ training model's full state dict (gathered from its shards under FSDP, tensor, c
 parallelism): the model `forge eval` loads from a checkpoint of that step, so the numbers are the ones it
 gives. The copy exists only during the evaluation; it costs up to two fp32 models' memory per process at its
 peak when the training model is sharded (the gathered full weights, and the copy they are loaded into).
-With several processes, each runs the harness on every request and computes its share of the forwards (engine.eval.split): the same numbers as one process. Under pipeline parallelism,
-where no process holds the whole model, and for LoRA runs, the config is refused (engine/eval/rules.py).
+With several processes, each runs the harness on every request and computes its share of the forwards
+(engine.eval.split): the same numbers as one process. Under pipeline parallelism, where no process holds the
+whole model, and for LoRA runs, the config is refused (engine/eval/rules.py).
 
 The tasks are found and their data read once, before the run directory is written: an unknown task or data
 set an offline machine lacks stops the run before it starts.
