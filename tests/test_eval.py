@@ -430,3 +430,13 @@ def test_tasks_during_training_leave_the_random_state_as_it_was(tasks, tmp_path)
     metrics = training.evaluate(model, torch.device("cpu"))
     assert sorted(metrics) == ["eval/quiz_mc/acc", "eval/quiz_mc/acc_norm"]
     assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("field", ["task_interval=5", "task_limit=5", "task_num_fewshot=0", "task_batch_size=4"])
+def test_task_settings_without_tasks_are_refused(field):
+    """eval.task_* are read only with eval.tasks (engine/eval/in_training.py): alone, nothing would read them."""
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"eval\.{field.split('=')[0]}.*eval\.tasks is empty"):
+        job_config(None, "eval.enabled=true", f"eval.{field}").validate()
+    job_config(None, "eval.enabled=true", f"eval.{field}", 'eval.tasks=["forge_next_line"]').validate()
