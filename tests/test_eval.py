@@ -440,3 +440,16 @@ def test_task_settings_without_tasks_are_refused(field):
     with pytest.raises(ConfigError, match=rf"eval\.{field.split('=')[0]}.*eval\.tasks is empty"):
         job_config(None, "eval.enabled=true", f"eval.{field}").validate()
     job_config(None, "eval.enabled=true", f"eval.{field}", 'eval.tasks=["forge_next_line"]').validate()
+
+
+def test_nproc_per_node_inside_a_launched_process_is_refused(tmp_path, monkeypatch):
+    """A process torchrun (or srun) started already belongs to a group: --nproc-per-node there would have each
+    process start a group of its own. forge eval refuses it (exit 2) before reading anything or starting any
+    process, as forge train does."""
+    started = []
+    monkeypatch.setattr("engine.parallel.launch.launch_local_workers", lambda *args: started.append(args) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    result = forge("eval", str(tmp_path / "no-run"), "--tasks", "quiz_mc", "--nproc-per-node", "2")
+    assert result.exit_code == 2 and "already one of 2 (started by torchrun or srun)" in said(result), said(result)
+    assert started == []
