@@ -112,6 +112,9 @@ def eval_command(
     )
     os.environ.setdefault("TQDM_DISABLE", "1")  # the harness's own progress bars; ours is below
     if nproc_per_node > 1:
+        from forgecli.train import check_not_launched
+
+        check_not_launched()  # not inside a process torchrun or srun started
         prepare(target, request)  # bad input exits 2 here, before any process starts
         launch(nproc_per_node)
     if process_place().rank != 0:  # the other processes of a multi-process evaluation compute and say nothing

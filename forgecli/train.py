@@ -77,10 +77,23 @@ def train(
 def launch(cfg: JobConfig, nproc: int) -> None:
     """Check the layout for `nproc` processes here (a bad one exits 2 before anything starts), then run
     this same command line once per process and exit with the run's exit code."""
-    from engine.errors import UserError
     from engine.parallel.launch import launch_local_workers
-    from engine.parallel.place import process_place
     from engine.resilience.signals import PREEMPTED_EXIT, SIGNALS
+
+    check_not_launched()
+    cfg.validate(world_size=nproc)
+    check_gpus_for(nproc)
+    code = launch_local_workers(
+        nproc, "forgecli.app", worker_argv(sys.argv[1:]), cfg.train.shutdown_timeout_sec, PREEMPTED_EXIT, tuple(SIGNALS)
+    )
+    raise typer.Exit(code)
+
+
+def check_not_launched() -> None:
+    """--nproc-per-node starts the processes: refused in a process torchrun or srun already started (each of
+    them would start its own group of processes)."""
+    from engine.errors import UserError
+    from engine.parallel.place import process_place
 
     world = process_place().world_size
     if world > 1:
@@ -89,12 +102,6 @@ def launch(cfg: JobConfig, nproc: int) -> None:
             "(started by torchrun or srun)",
             "drop --nproc-per-node",
         )
-    cfg.validate(world_size=nproc)
-    check_gpus_for(nproc)
-    code = launch_local_workers(
-        nproc, "forgecli.app", worker_argv(sys.argv[1:]), cfg.train.shutdown_timeout_sec, PREEMPTED_EXIT, tuple(SIGNALS)
-    )
-    raise typer.Exit(code)
 
 
 def check_gpus_for(nproc: int) -> None:

@@ -29,7 +29,7 @@ from engine.eval.suite import load_tasks, run_tasks, task_manager
 from engine.generate import load_model
 from engine.model.transformer import Transformer
 from forgecli.app import app
-from tests.data_fixtures import corpus_texts, job_config, tokenized, write_jsonl
+from tests.data_fixtures import corpus_texts, job_config, tokenized, tokenizer_file, write_jsonl
 
 MAX_SEQ_LEN = 64
 # fp32, the same weights, two implementations (Forge's model; transformers' Llama): each token's log-probability
@@ -413,3 +413,43 @@ def test_two_processes_give_the_numbers_of_one(run, tasks, tmp_path):
     assert "eval_loss" not in (two / "metrics.jsonl").read_text()  # no held-out data named: tasks need none
     for step, values in logged.items():
         assert values == one_process_eval(two / "checkpoints" / f"step_{step}", tasks), step
+
+
+def test_tasks_during_training_leave_the_random_state_as_it_was(tasks, tmp_path):
+    """engine/eval/in_training.py promises that training goes on from the random states it had, as if no
+    evaluation had run: building the evaluated copy (its init draws random weights before the trained ones
+    are loaded) and the harness's seeding included."""
+    from engine.eval.in_training import open_tasks
+
+    cfg = job_config(None, "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=64",
+                     "eval.enabled=true", f'eval.tasks=["{tasks / "quiz_mc.yaml"}"]', "eval.task_limit=2")  # fmt: skip
+    training = open_tasks(cfg, tokenizer_file(tmp_path))
+    model = Transformer(cfg.model).eval()
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    metrics = training.evaluate(model, torch.device("cpu"))
+    assert sorted(metrics) == ["eval/quiz_mc/acc", "eval/quiz_mc/acc_norm"]
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("field", ["task_interval=5", "task_limit=5", "task_num_fewshot=0", "task_batch_size=4"])
+def test_task_settings_without_tasks_are_refused(field):
+    """eval.task_* are read only with eval.tasks (engine/eval/in_training.py): alone, nothing would read them."""
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"eval\.{field.split('=')[0]}.*eval\.tasks is empty"):
+        job_config(None, "eval.enabled=true", f"eval.{field}").validate()
+    job_config(None, "eval.enabled=true", f"eval.{field}", 'eval.tasks=["forge_next_line"]').validate()
+
+
+def test_nproc_per_node_inside_a_launched_process_is_refused(tmp_path, monkeypatch):
+    """A process torchrun (or srun) started already belongs to a group: --nproc-per-node there would have each
+    process start a group of its own. forge eval refuses it (exit 2) before reading anything or starting any
+    process, as forge train does."""
+    started = []
+    monkeypatch.setattr("engine.parallel.launch.launch_local_workers", lambda *args: started.append(args) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    result = forge("eval", str(tmp_path / "no-run"), "--tasks", "quiz_mc", "--nproc-per-node", "2")
+    assert result.exit_code == 2 and "already one of 2 (started by torchrun or srun)" in said(result), said(result)
+    assert started == []

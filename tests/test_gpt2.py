@@ -141,6 +141,33 @@ def test_a_forge_model_exports_to_transformers_and_back(tmp_path, parity):
         assert torch.equal(tensor, expected[name]), name
 
 
+def test_a_folder_named_as_openai_saved_gpt2_imports_as_the_prefixed_one(tmp_path):
+    """OpenAI's GPT-2 checkpoints on the Hub name their tensors without the `transformer.` prefix
+    (`wte.weight`, `h.0.attn.c_attn.weight`, plus each block's `attn.bias` mask buffer), which transformers
+    loads: the same weights, so the same Forge checkpoint as the prefixed folder's, bit for bit."""
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=24, n_embd=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    randomized(transformers.GPT2LMHeadModel(config), 0).save_pretrained(tmp_path / "prefixed")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((tmp_path / "prefixed" / "config.json").read_text())
+    tensors = load_file(tmp_path / "prefixed" / "model.safetensors")
+    stripped = {name.removeprefix("transformer."): t for name, t in tensors.items() if name != "lm_head.weight"}
+    stripped |= {f"h.{i}.attn.bias": torch.tril(torch.ones(1, 1, 24, 24)) for i in range(2)}
+    assert "wte.weight" in stripped and not any(name.startswith("transformer.") for name in stripped)
+    save_file(stripped, bare / "model.safetensors")
+    states = []
+    for folder in ("prefixed", "bare"):
+        import_from_hf(tmp_path / folder, tmp_path / f"{folder}-ckpt")
+        model = build_model(gpt2_config())
+        load_checkpoint(tmp_path / f"{folder}-ckpt" / "step_0", model)
+        states.append(model.state_dict())
+    assert len(states[1]) == len(states[0]) == 2 + 2 * 16 + 2 + 1  # (+ the tied head's name)
+    assert all(torch.equal(states[1][name], states[0][name]) for name in states[0])
+
+
 def test_transformers_configurations_forge_does_not_compute_are_refused(tmp_path):
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=24, n_embd=32, n_layer=1, n_head=4)
     for key, value in (("activation_function", "relu"), ("scale_attn_by_inverse_layer_idx", True)):

@@ -64,6 +64,7 @@ from engine.checkpoint.hf_mapping import (
     hf_config,
     hf_layout,
     hf_shapes,
+    mapping,
     model_config_from_hf,
     skipped_on_import,
     source_groups,
@@ -433,27 +434,30 @@ def safetensors_files(hf_dir: Path) -> list[Path]:
 
 
 def check_hf_tensors(hf_dir: Path, files: list[Path], cfg: ModelConfig) -> dict[str, Piece]:
-    """HF name → how it makes part of the Forge state dict (`hf_layout`), after checking from the file
-    headers alone (no weights read) that the folder holds every tensor `cfg` needs with the right shape,
-    and nothing Forge's model has no place for."""
+    """HF name, as the folder's files spell it → how it makes part of the Forge state dict (`hf_layout`), after
+    checking from the file headers alone (no weights read) that the folder holds every tensor `cfg` needs with
+    the right shape, and nothing Forge's model has no place for. A name without the family's
+    `base_model_prefix` stands for the prefixed one."""
     wanted = hf_layout(cfg)
     shapes = hf_shapes(cfg, wanted)
-    found = set()
+    prefix = mapping(cfg).base_model_prefix
+    found: dict[str, str] = {}  # layout name → the name in the files
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():
+                for stored in f.keys():
+                    name = stored if stored in wanted or prefix is None else prefix + stored
                     if name in wanted:
-                        shape = list(f.get_slice(name).get_shape())
+                        shape = list(f.get_slice(stored).get_shape())
                         if shape != list(shapes[name]):
                             raise UserError(
-                                f"{file.name}: {name} has shape {shape}, config.json implies {list(shapes[name])}",
+                                f"{file.name}: {stored} has shape {shape}, config.json implies {list(shapes[name])}",
                                 "the weights do not match config.json",
                             )
-                        found.add(name)
-                    elif not skipped_on_import(cfg, name):
+                        found[name] = stored
+                    elif not skipped_on_import(cfg, stored) and not skipped_on_import(cfg, name):
                         raise UserError(
-                            f"{file.name} holds {name}, which a {hf_architecture(cfg)} of this config has no place for",
+                            f"{file.name} holds {stored}, which a {hf_architecture(cfg)} of this config has no place for",
                             "is config.json the one these weights were saved with?",
                         )
         except SafetensorError as e:
@@ -464,7 +468,7 @@ def check_hf_tensors(hf_dir: Path, files: list[Path], cfg: ModelConfig) -> dict[
             f"{hf_dir} lacks {len(missing)} weight(s) its config.json needs, e.g. {missing[0]}",
             "download the complete model folder",
         )
-    return wanted
+    return {found[name]: piece for name, piece in wanted.items()}
 
 
 def forge_tensors(hf_dir: Path, files: list[Path], layout: dict[str, Piece]) -> Iterator[dict[str, torch.Tensor]]:

@@ -31,6 +31,7 @@ __all__ = [
     "hf_config",
     "hf_layout",
     "hf_shapes",
+    "mapping",
     "model_config_from_hf",
     "skipped_on_import",
     "source_groups",

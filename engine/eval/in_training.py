@@ -5,10 +5,11 @@ model is evaluated on the tasks as `forge eval` evaluates a checkpoint, and the 
 What is evaluated is a whole, plain copy of the model in fp32 on each process's device, built from the
 training model's full state dict (gathered from its shards under FSDP, tensor, context or expert
 parallelism): the model `forge eval` loads from a checkpoint of that step, so the numbers are the ones it
-gives. The copy exists only during the evaluation (one more model's memory per process, for the gathered
-weights and the copy). With several processes, each runs the harness on every request and computes its
-share of the forwards (engine.eval.split): the same numbers as one process. Under pipeline parallelism,
-where no process holds the whole model, and for LoRA runs, the config is refused (engine/eval/rules.py).
+gives. The copy exists only during the evaluation; it costs up to two fp32 models' memory per process at its
+peak when the training model is sharded (the gathered full weights, and the copy they are loaded into).
+With several processes, each runs the harness on every request and computes its share of the forwards
+(engine.eval.split): the same numbers as one process. Under pipeline parallelism, where no process holds the
+whole model, and for LoRA runs, the config is refused (engine/eval/rules.py).
 
 The tasks are found and their data read once, before the run directory is written: an unknown task or data
 set an offline machine lacks stops the run before it starts.
@@ -62,10 +63,9 @@ class TrainingTasks:
         from engine.eval.suite import run_loaded
 
         e = self.cfg.eval
-        copy = whole_model(model, self.cfg.model, device)
         split = process_split()
-        lm = ForgeLM(copy, self.encoder, e.task_batch_size, split=split)
-        with random_state_kept(device):
+        with random_state_kept(device):  # the copy's init draws random numbers too, before its weights are loaded
+            lm = ForgeLM(whole_model(model, self.cfg.model, device), self.encoder, e.task_batch_size, split=split)
             run = run_loaded(lm, self.manager, self.tasks, e.task_num_fewshot, e.task_limit, split=split)
         return {f"eval/{r.key}": r.value for r in run.results}
 
@@ -73,7 +73,8 @@ class TrainingTasks:
 @contextlib.contextmanager
 def random_state_kept(device: torch.device) -> Iterator[None]:
     """The harness seeds Python's, NumPy's and torch's global generators (as `forge eval` does, for the same
-    numbers); training goes on from the states they had, as if no evaluation had run."""
+    numbers), and building the evaluated copy draws its initial weights from torch's; training goes on from
+    the states they had, as if no evaluation had run."""
     python, numpy = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type="cuda"):
         try:

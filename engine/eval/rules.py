@@ -8,6 +8,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.config.fields import changed_fields
 from engine.errors import ConfigIssue
 
 if TYPE_CHECKING:
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
 
 YAML_SUFFIXES = (".yaml", ".yml")
 INSTALL_HINT = "pip install 'forge-lm[eval]' (or pip install lm-eval), or leave eval.tasks empty"
+TASK_FIELDS = ("task_interval", "task_limit", "task_num_fewshot", "task_batch_size")  # read only with eval.tasks
 
 
 def harness_installed() -> bool:
@@ -23,9 +25,17 @@ def harness_installed() -> bool:
 
 
 def task_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
-    """eval.tasks runs only where it computes what `forge eval` computes; anywhere else it is refused with why."""
+    """eval.tasks runs only where it computes what `forge eval` computes; anywhere else it is refused with why.
+    The eval.task_* settings are read only with eval.tasks: set without it, nothing would read them."""
     e = cfg.eval
-    if not (e.enabled and e.tasks):
+    if not e.tasks:
+        return [
+            ConfigIssue(
+                f"eval.{field}", "is set, but eval.tasks is empty, so nothing reads it", "remove it, or set eval.tasks"
+            )
+            for field in changed_fields(e, TASK_FIELDS)
+        ]
+    if not e.enabled:
         return []
     issues = []
     if not harness_installed():

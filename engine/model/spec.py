@@ -187,7 +187,10 @@ class HFMapping:
       a router's balancing counters), set to zeros on import;
     - `ignored_suffixes`: HF tensors some folders store that are derived, not learned (skipped on import);
     - `tied_head`: the HF name of the head, which a folder of a tied model may store besides the embedding
-      (skipped on import: the embedding is the head).
+      (skipped on import: the embedding is the head);
+    - `base_model_prefix`: the prefix of the base model's tensor names (GPT-2: "transformer."), which some
+      folders store without, as transformers' own loading allows (OpenAI's GPT-2 checkpoints were saved from
+      the base model: `wte.weight`, `h.0.attn.c_attn.weight`); the import reads such a name as the prefixed one.
     """
 
     model_types: dict[str, str]
@@ -199,6 +202,7 @@ class HFMapping:
     unstored_state: tuple[str, ...] = ()
     ignored_suffixes: tuple[str, ...] = ()
     tied_head: str | None = None
+    base_model_prefix: str | None = None
 
 
 @dataclass(frozen=True)

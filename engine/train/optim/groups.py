@@ -33,7 +33,8 @@ def param_groups(model: nn.Module, weight_decay: float, exclude: frozenset[int] 
 def mup_lr_groups(model: nn.Module, groups: list[dict]) -> list[dict]:
     """Each group split by μP's learning-rate multiplier (engine/model/mup.py), which the group carries as
     `lr_multiplier`; `apply_lr_multipliers` turns it into the group's lr once the optimizer exists. Groups
-    keep the order of their first parameter, so the first is the embedding's, at the base lr. LoRA adapters
+    keep the order of their first parameter, so the first is usually the hidden matrices' (lr below the base:
+    `current_lr` divides by the multiplier to report the base lr). LoRA adapters
     (width × rank) keep the base lr, like every tensor with one width-sized dimension."""
     plan = mup_plan(model.cfg)
     multiplier = {}

@@ -171,4 +171,5 @@ MAPPING = HFMapping(
     architecture_fields=ARCHITECTURE_FIELDS,
     ignored_suffixes=(".attn.bias", ".attn.masked_bias"),  # causal-mask buffers of older GPT-2 checkpoints
     tied_head="lm_head.weight",
+    base_model_prefix="transformer.",  # OpenAI's checkpoints on the Hub name their tensors without it
 )
