@@ -25,8 +25,8 @@ from engine.model.documents import document_positions, packed_attention_mask
 from engine.model.kv_cache import KVCache, LayerKV
 from engine.model.mlp import GatedMLP
 from engine.model.moe import MoE, MoEStats
-from engine.model.mup import mup_plan, output_multiplier
 from engine.model.mtp import build_mtp
+from engine.model.mup import mup_plan, output_multiplier
 from engine.model.norms import build_norm
 from engine.model.rope import rope_tables
 
