@@ -124,15 +124,16 @@ def cpu_rmsnorm_extra(cfg: JobConfig) -> int:
     """On CPU torch decomposes RMSNorm and also keeps the normalized input (in its input's dtype); CUDA's fused
     kernel, which the estimate counts, does not. Two norms per block and the final one (fp32 inputs, or bf16
     ones with bf16 weights: 2 bytes more an element, the decomposition's fp32 upcast); per
-    multi-token-prediction module k over its seq_len − k positions, two on fp32 inputs (hidden, embedding)
-    and three on its own residual stream, in the compute dtype (its block's two, its final norm)."""
+    multi-token-prediction module over the whole window (Transformer.mtp_outputs), two on fp32 inputs
+    (hidden, embedding) and three on its own residual stream, in the compute dtype (its block's two, its
+    final norm)."""
     m, t = cfg.model, cfg.train
     # GPT-2's norms are LayerNorm whatever norm_type says (a gpt2 config leaves the field at its default)
     if m.norm_type != "rmsnorm" or m.model_type != "transformer":
         return 0
     compute = 2 if t.mixed_precision == "bf16" else 4
     per_element = 4 + (2 if cfg.optimizer.weight_dtype == "bf16" else 0)
-    mtp = sum(t.batch_size * (t.seq_len - k) * (2 * 4 + 3 * compute) for k in range(1, m.mtp_depth + 1))
+    mtp = m.mtp_depth * t.batch_size * t.seq_len * (2 * 4 + 3 * compute)
     return m.dim * (per_element * t.batch_size * t.seq_len * (2 * m.n_layers + 1) + mtp)
 
 
@@ -238,11 +239,11 @@ end_process(0)  # leave without interpreter teardown while gloo's threads live (
 """
 
 
-@pytest.mark.parametrize("model", [{}, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("model", [{"mtp_depth": 1}, MOE], ids=["dense-mtp", "moe"])
 def test_tensor_parallel_activations_match_the_saved_tensors(tmp_path, model):
     """Under TP + sequence parallelism each rank keeps a 1/tp share of everything but the all-gathered inputs
     of the projections and of the head, and of MoE layers, which route all tokens on every rank (checked on
-    2 CPU processes, fp32, loss parallel)."""
+    2 CPU processes, fp32, loss parallel; the dense model with a multi-token-prediction module)."""
     cfg = job({"sdpa_backend": "flash", **model}, distributed={"tp": 2})
     script = tmp_path / "tp.py"
     script.write_text(TP_SCRIPT)
@@ -290,11 +291,11 @@ def local_bytes(tensors) -> int:
         ({}, {"dp_shard": 8}, 8),
         ({}, {"dp_replicate": 2}, 16),  # HSDP: dp_shard = 8 takes the rest, replicas do not shard
         ({}, {"tp": 2}, 2),
-        ({"tie_embeddings": True}, {"tp": 2}, 2),
+        ({"tie_embeddings": True, "mtp_depth": 1}, {"tp": 2}, 2),
         ({}, {"dp_shard": 2, "tp": 2}, 4),
         ({**MOE, "ffn_hidden_dim": 256}, {"tp": 2}, 2),
     ],
-    ids=["fsdp3", "fsdp8", "hsdp", "tp2", "tp2-tied", "fsdp2-tp2", "moe-tp2"],
+    ids=["fsdp3", "fsdp8", "hsdp", "tp2", "tp2-tied-mtp", "fsdp2-tp2", "moe-tp2"],
 )
 def test_sharded_params_grads_and_optimizer_state_equal_what_rank_0_holds(model, layout, world_size):
     """The model parallelized as `forge train` does (engine.parallel.apply) after one optimizer step, measured

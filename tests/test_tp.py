@@ -29,7 +29,7 @@ from engine.config.train import TrainConfig
 from engine.model.transformer import Transformer
 from engine.parallel.apply import apply_compile
 from engine.parallel.tp import apply_tensor_parallel, loss_context, uses_loss_parallel
-from engine.train.losses import build_loss
+from engine.train.losses import build_loss, mtp_metrics
 from engine.train.optim import build_optimizer
 
 from engine.parallel.launch import join_process_group
@@ -66,7 +66,7 @@ def full(t):
 
 
 rows = slice(mesh["dp"].get_local_rank() * 4 // dp, (mesh["dp"].get_local_rank() + 1) * 4 // dp)
-res = {"ref_loss": [], "loss": [], "ref_norm": [], "norm": []}
+res = {"ref_loss": [], "loss": [], "ref_norm": [], "norm": [], "ref_mtp": [], "mtp": []}
 for step in range(5):
     batch = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(step))
     tokens, labels = batch[:, :-1], batch[:, 1:]
@@ -82,6 +82,8 @@ for step in range(5):
     loss = full(loss)
     dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
     res["ref_loss"].append(ref_loss.item()); res["loss"].append(loss.item())
+    if cfg.mtp_depth:  # the main and each depth's loss, as the trainer logs them (averaged over dp)
+        res["ref_mtp"].append(mtp_metrics(ref)); res["mtp"].append(mtp_metrics(model, mesh["dp"].get_group()))
 res["weight_error"] = {name: (full(p) - q.detach()).abs().max().item()
                        for (name, p), q in zip(model.named_parameters(), ref.parameters())}
 res["moved"] = max((q.detach() - p0).abs().max().item() for q, p0 in zip(ref.parameters(), init))
@@ -107,17 +109,19 @@ CASES = {
         {"loss_fn": "chunked_cross_entropy", "ce_chunk_size": 24, "z_loss_weight": 1e-3, "compile_model": True},
     ),
     # GQA splits query and key/value heads in the same groups; QK-norm sees head-sharded tensors; 63 rows of
-    # vocabulary shard unevenly.
-    "gqa_qk_norm_tied": (
+    # vocabulary shard unevenly. With two multi-token-prediction modules (engine/model/mtp.py) on the
+    # sequence-sharded stream, their logits vocabulary-sharded through the tied head (loss parallel).
+    "gqa_qk_norm_tied_mtp": (
         2,
-        {"n_kv_heads": 2, "qk_norm": True, "tie_embeddings": True, "vocab_size": 63},
+        {"n_kv_heads": 2, "qk_norm": True, "tie_embeddings": True, "vocab_size": 63, "mtp_depth": 2},
         {"loss_fn": "cross_entropy"},
     ),
-    # FSDP2 over dp composes with TP on a 2 × 2 mesh; each dp rank trains on half the batch.
-    "fsdp_dp2_tp2": (
+    # FSDP2 over dp composes with TP on a 2 × 2 mesh; each dp rank trains on half the batch. A prediction
+    # module's loss through the chunked, vocabulary-parallel head loss (engine/train/losses.head_cross_entropy).
+    "fsdp_dp2_tp2_chunked_mtp": (
         4,
-        {"n_kv_heads": 2, "norm_type": "layernorm"},
-        {"loss_fn": "cross_entropy", "z_loss_weight": 1e-3},
+        {"n_kv_heads": 2, "norm_type": "layernorm", "mtp_depth": 1, "mtp_loss_weight": 0.5},
+        {"loss_fn": "chunked_cross_entropy", "ce_chunk_size": 24, "z_loss_weight": 1e-3},
     ),
 }
 
@@ -132,6 +136,11 @@ def test_tensor_parallel_matches_one_process(tmp_path, case, parity):
     res = json.loads((tmp_path / "result.json").read_text())
     assert len(res["loss"]) == len(res["ref_loss"]) == len(res["norm"]) == len(res["ref_norm"]) == 5
     parity.within("losses", max(abs(a - b) for a, b in zip(res["loss"], res["ref_loss"])), FP64_TOL)
+    depth = model_args.get("mtp_depth", 0)
+    assert len(res["mtp"]) == len(res["ref_mtp"]) == (5 if depth else 0)
+    for step, (ours, ref) in enumerate(zip(res["mtp"], res["ref_mtp"]), 1):
+        assert sorted(ours) == sorted(ref) == ["loss_main", *(f"mtp/loss_{k}" for k in range(1, depth + 1))]
+        parity.within(f"main and depth losses step {step}", max(abs(ours[k] - ref[k]) for k in ref), FP64_TOL)
     parity.within("grad norms", max(abs(a - b) for a, b in zip(res["norm"], res["ref_norm"])), FP64_TOL)
     assert max(res["ref_norm"]) > 0.5, "clipping should have been active"
     worst = max(res["weight_error"], key=res["weight_error"].get)
@@ -145,3 +154,6 @@ def test_tensor_parallel_matches_one_process(tmp_path, case, parity):
     assert placement["layers.0.attention.wq.weight"] == placement["tok_embeddings.weight"] == "S(0)"
     assert placement["layers.0.attention.wo.weight"] == "S(1)"
     assert placement["norm.weight"] == "R"
+    if model_args.get("mtp_depth"):  # the prediction modules' projection and block are sharded too
+        assert placement["mtp.1.proj.weight"] == placement["mtp.1.block.attention.wq.weight"] == "S(0)"
+        assert placement["mtp.1.block.feed_forward.w2.weight"] == "S(1)" and placement["mtp.1.norm.weight"] == "R"

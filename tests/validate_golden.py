@@ -158,12 +158,13 @@ RULE_CASES: dict[str, list[str]] = {
     "moe-frequency-exceeds-layers": [MOE, "--model.moe_frequency=5"],
     "moe-expert-groups-uneven": [MOE, "--model.moe_n_group=3"],
     "mtp-weight-without-depth": [DEBUG, "--model.mtp_loss_weight=0.1"],
-    "mtp-with-tp-and-packing": [
+    "mtp-with-pp-and-packing": [
         DEBUG,
         "--world-size",
         "2",
         "--model.mtp_depth=1",
-        "--distributed.tp=2",
+        "--distributed.pp=2",
+        "--train.grad_accum_steps=2",
         "--data.pack_sequences=true",
     ],
     "moe-expert-groups-too-few-experts": [

@@ -6,8 +6,10 @@ its final norm, for k = 1) and the embedding of token i + k (the shared `tok_emb
 (RMSNorm or LayerNorm, `model.norm_type`), concatenates them and projects 2·dim → dim, runs one transformer
 block (causal attention over its positions, a dense gated MLP: DeepSeek-V3's MTP block has the MoE of its
 layers, these are dense, so routing and balancing stay the main model's), and its own final norm; the shared
-output head then gives its logits. Each module is one position shorter than the one before (token i + k must
-exist in the window): module k covers positions 0 … seq − k − 1 and its targets are labels[:, k:].
+output head then gives its logits. Module k predicts at positions 0 … seq − k − 1 (token i + k must exist in
+the window) and its targets are labels[:, k:]; it runs over the whole window and the rest is cut from its
+output (Transformer.mtp_outputs), so that under tensor parallelism it runs on the main model's
+sequence-sharded stream (the family's `TPPlan.mtp`).
 
 Training adds `model.mtp_loss_weight` × the mean of the modules' losses to the main loss
 (engine/train/losses.py); evaluation, generation and Hugging Face export use the main model only.

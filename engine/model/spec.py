@@ -93,7 +93,9 @@ class TPStyle:
     - "vocab_head": the output head, sharded over the vocabulary (loss parallel keeps the logits sharded);
     - "full_tokens": a module (an MoE layer) run on the whole sequence on every rank: input gathered,
       output cut back to this rank's positions;
-    - "replicated_router": a router whose weight is replicated and used as a local tensor.
+    - "replicated_router": a router whose weight is replicated and used as a local tensor;
+    - "sequence_linear": a linear on the sequence-sharded stream, sharded by output features: its input
+      all-gathered over the sequence, its output redistributed back to this rank's positions.
     """
 
     kind: str
@@ -115,6 +117,7 @@ TP_KINDS = (
     "vocab_head",
     "full_tokens",
     "replicated_router",
+    "sequence_linear",
 )
 
 
@@ -122,12 +125,14 @@ TP_KINDS = (
 class TPPlan:
     """Tensor parallelism of a family: `outer` (module name → style, for the modules outside the blocks; a
     pipeline stage skips those it does not hold), `block(cfg, layer)` (module name inside block `layer` →
-    style, applied in order) and `tied` (a (head, embedding) pair whose head weight is pointed at the
-    embedding's sharded weight again after the plan, when the config ties them)."""
+    style, applied in order), `tied` (a (head, embedding) pair whose head weight is pointed at the
+    embedding's sharded weight again after the plan, when the config ties them) and `mtp` (module name inside
+    a multi-token-prediction module → style, for the families that have them: engine/model/mtp.py)."""
 
     outer: dict[str, TPStyle]
     block: Callable[[ModelConfig, int], dict[str, TPStyle]]
     tied: tuple[str, str] | None = None
+    mtp: Callable[[ModelConfig], dict[str, TPStyle]] | None = None
 
 
 @dataclass(frozen=True)

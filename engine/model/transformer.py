@@ -150,14 +150,20 @@ class Transformer(nn.Module):
         self, hidden: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, return_hidden: bool
     ) -> list[torch.Tensor]:
         """Module k's logits (or final-normed states) at positions 0 … seq − k − 1, from the states `hidden` of
-        the main model's last block and the embeddings of tokens[:, k:] (engine/model/mtp.py)."""
+        the main model's last block and the embeddings of tokens[:, k:] (engine/model/mtp.py).
+
+        Every module runs over the whole window, position i taking token i + k, the last k positions the
+        window's first tokens (rolled round), and its outputs are cut to the first seq − k positions: causal
+        attention keeps the rolled tokens out of those, and the stream keeps the main model's length, so
+        under sequence parallelism each rank holds its even share of every module's positions, and the
+        embedding, norms and head go through the same tensor-parallel styles as the main model's."""
         assert self.mtp is not None, "mtp=True needs model.mtp_depth > 0"
         assert cos.dim() == 2, "multi-token prediction takes windows of plain positions (engine/model/rules.py)"
-        outputs = []
+        outputs, seq = [], tokens.shape[1]
         for k, module in self.mtp.items():
-            n = tokens.shape[1] - int(k)
-            hidden, normed = module(hidden[:, :n], self.tok_embeddings(tokens[:, int(k) :]), cos[:n], sin[:n])
-            outputs.append(normed if return_hidden else self.output(normed))
+            ahead = torch.roll(tokens, -int(k), dims=1)
+            hidden, normed = module(hidden, self.tok_embeddings(ahead), cos, sin)
+            outputs.append((normed if return_hidden else self.output(normed))[:, : seq - int(k)])
         return outputs
 
     @torch.no_grad()

@@ -27,7 +27,9 @@ What each style does:
   and exactly as on one device; its output is cut back to this rank's shard. "replicated_router": a router
   weight as a replicated DTensor, computed with as its local tensor (every rank computes its full gradient
   from the same values). Routed experts are sharded in engine/parallel/expert.py (`shard_experts`, together
-  with expert parallelism when ep > 1).
+  with expert parallelism when ep > 1);
+- "sequence_linear": a column-sharded linear between sequence-sharded tensors (a multi-token-prediction
+  module's projection): input all-gathered over the sequence, output redistributed to this rank's positions.
 
 Tied embeddings (`TPPlan.tied`): the embedding and the head both shard the shared [vocab, dim] weight on
 dim 0, so after the plan the head's weight is pointed at the embedding's DTensor parameter again.
@@ -81,6 +83,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, loss_paralle
             path: parallel_style(style, loss_parallel) for path, style in plan.block(model.cfg, int(name)).items()
         }
         parallelize_module(block, tp_mesh, styles)
+    modules = getattr(model, "mtp", None)  # multi-token prediction (engine/model/mtp.py)
+    if modules is not None:
+        assert plan.mtp is not None, f"{model.cfg.model_type} has prediction modules but no tensor-parallel plan"
+        styles = {path: parallel_style(style, loss_parallel) for path, style in plan.mtp(model.cfg).items()}
+        for module in modules.values():
+            parallelize_module(module, tp_mesh, styles)
     if plan.tied is not None and model.cfg.tie_embeddings:
         head, embedding = (getattr(model, name, None) for name in plan.tied)
         if head is not None and embedding is not None:
@@ -204,6 +212,8 @@ STYLES: dict[str, type[ParallelStyle] | partial] = {
     "vocab_embedding": SequenceShardedEmbedding,
     "full_tokens": FullTokens,
     "replicated_router": ReplicatedRouter,
+    # output Shard(-1) → Shard(1): one redistribution back to the sequence-sharded stream the block reads
+    "sequence_linear": partial(ColwiseParallel, input_layouts=Shard(1), output_layouts=Shard(1)),
 }
 """The styles made the same way whatever the call (the kinds of engine.model.spec.TP_KINDS but the two
 `parallel_style` builds from the style's arguments or the loss)."""

@@ -358,7 +358,8 @@ def with_mtp_loss(
     """main + mtp_loss_weight × mean_k depth_loss(outputs[k−1], labels[:, k:]). Adds every loss, detached
     ([1 + D], main first), to the model's `mtp_loss_window` (sum, forwards), which `mtp_metrics` empties."""
     depth = [depth_loss(out, labels[:, k:]) for k, out in enumerate(outputs, start=1)]
-    losses = torch.stack([main.detach(), *(d.detach() for d in depth)])
+    # plain tensors: under loss parallel the losses are replicated DTensors, and mtp_metrics all-reduces these
+    losses = torch.stack([plain_tensor(value.detach()) for value in (main, *depth)])
     total, count = getattr(model, "mtp_loss_window", (0, 0))
     model.mtp_loss_window = (total + losses, count + 1)
     return main + model.cfg.mtp_loss_weight * torch.stack(depth).mean()
@@ -420,7 +421,7 @@ def chunked_loss(cfg: TrainConfig) -> ModelLoss:
         weight = model.output.weight
         z_weight = cfg.z_loss_weight if z_loss else 0.0
         value = head_cross_entropy(hidden, weight, labels, cfg.ce_chunk_size, z_weight, on_token_losses)
-        if extra:  # (multi-token prediction is refused under tensor parallelism: engine/model/rules.py)
+        if extra:  # each module's final-normed states, as the main model's (sequence-sharded under tp)
             value = with_mtp_loss(
                 model, value, extra, labels, lambda h, y: head_cross_entropy(h, weight, y, cfg.ce_chunk_size)
             )

@@ -117,22 +117,29 @@ def checkpointed_block_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, 
 
 
 def mtp_bytes(m: ModelConfig, lay: ActivationLayout, tokens: int) -> int:
-    """What the multi-token-prediction modules (engine/model/mtp.py) save on the rank computing the loss,
-    module k over the tokens of its seq_len − k positions: its hidden input's norm (1/rms only: the input is
-    the previous module's block output or the main model's, which their final norms keep), the embedding's
-    norm, the projection's input (the concatenated norms, c·2h), a dense block (`block_activation_bytes`),
-    its final norm, and head and loss as for the main model: the head's input and the labels (a copy of
-    their shifted view) and the fp32 log-probabilities [tokens, vocab], or, chunked, the hidden states'
-    and the whole head's gradients. (Under CPU autocast the module's block and final norm see inputs in
-    the compute dtype; tests/test_memory_estimate.py measures the estimate at 0.97-1.0 of what is saved.)"""
-    h, c = m.dim, lay.compute
+    """What the multi-token-prediction modules (engine/model/mtp.py) save on the rank computing the loss.
+    Each module runs over the whole window (Transformer.mtp_outputs): its hidden input's norm (1/rms only:
+    the input is the previous module's block output or the main model's, which their final norms keep), the
+    embedding's norm, the projection's input (the concatenated norms, c·2h), a dense block
+    (`block_activation_bytes`), its final norm; its loss covers the seq_len − k positions it predicts: the
+    head's input over the whole window (c·h), the labels (a copy of their shifted view) and the fp32
+    log-probabilities [tokens, vocab], or, chunked, the hidden states' and the whole head's gradients. Under
+    tensor parallelism the norms are sequence parallel (÷ tp), the projection and the head read the gathered
+    sequence, the log-probabilities are vocabulary-parallel (÷ tp) and the chunked loss projects every
+    token through this rank's head rows, as `engine.parallel.memory.loss_activation_bytes` counts the main
+    model's. (Under CPU autocast the module's block and final norm see inputs in the compute dtype;
+    tests/test_memory_estimate.py measures the estimate at 0.97-1.0 of what is saved.)"""
+    h, c, tp = m.dim, lay.compute, lay.tp
     dense = m.model_copy(update={"num_experts": 0})
+    vocab = -(-m.vocab_size // tp)
+    module = tokens * (FP32 + 2 * norm_bytes(m, lay)) // tp + tokens * c * 2 * h
+    module += block_activation_bytes(dense, lay, 0, tokens)
     total = 0
     for k in range(1, m.mtp_depth + 1):
         n = tokens * (lay.seq_len - k) // lay.seq_len
-        total += n * (FP32 + 2 * norm_bytes(m, lay) + c * 2 * h) + block_activation_bytes(dense, lay, 0, n)
+        total += module
         if lay.chunked_loss:
-            total += n * lay.residual * h + FP32 * m.vocab_size * h
+            total += n * lay.residual * h + FP32 * vocab * h
         else:
-            total += n * (INT64 + c * h + FP32 * m.vocab_size)
+            total += tokens * c * h + n * (INT64 + FP32 * vocab)
     return total

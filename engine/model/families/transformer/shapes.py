@@ -74,8 +74,8 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     the embedding lookup and norms are not matmuls. For MoE only the active ones count (router, top_k
     routed and the shared experts), so MFU measures the work actually done. The second term is
     attention's QKᵀ and AV, counted without the causal saving, as in PaLM's MFU definition.
-    Multi-token-prediction module k adds its projection, block and the head over seq_len − k of the seq_len
-    positions (engine/model/mtp.py).
+    Each multi-token-prediction module adds its projection, block and the head over every position (it runs
+    over the whole window; its last k positions are cut from its loss: Transformer.mtp_outputs).
     """
     d = cfg.dim
     blocks = sum(attention_params(cfg) + feed_forward_params(cfg, i, active=True) for i in range(cfg.n_layers))
@@ -83,7 +83,7 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     attention = 12 * cfg.attention_dim * keys  # per layer and token: scores and weighted values, fwd + bwd
     main = 6 * (blocks + cfg.vocab_size * d) + cfg.n_layers * attention
     module = 6 * (2 * d * d + attention_params(cfg) + 3 * d * cfg.ffn_dim + cfg.vocab_size * d) + attention
-    return main + sum(module * (seq_len - k) // seq_len for k in range(1, cfg.mtp_depth + 1))
+    return main + cfg.mtp_depth * module
 
 
 def norm_specs(cfg: ModelConfig, prefix: str, width: int, owner: str | int) -> list[ParamSpec]:
@@ -147,14 +147,15 @@ def block_specs(cfg: ModelConfig, layer: int) -> list[ParamSpec]:
 
 def mtp_specs(cfg: ModelConfig, k: int) -> list[ParamSpec]:
     """Multi-token-prediction module k (owner "mtp", which only the last pipeline stage could hold): norms,
-    projection, a dense block (`block_specs` of a dense copy, renamed), final norm. Not tensor parallel."""
+    projection, a dense block (`block_specs` of a dense copy, renamed), final norm; under tensor parallelism
+    the projection sharded by output features and the block as a dense block (tp_plan.mtp_plan)."""
     p, d = f"mtp.{k}", cfg.dim
     specs = norm_specs(cfg, f"{p}.hidden_norm", d, "mtp") + norm_specs(cfg, f"{p}.embed_norm", d, "mtp")
-    specs.append(ParamSpec(f"{p}.proj.weight", (d, 2 * d), "mtp"))
+    specs.append(ParamSpec(f"{p}.proj.weight", (d, 2 * d), "mtp", 0))
     dense = cfg.model_copy(update={"num_experts": 0})
     for spec in block_specs(dense, 0):
         name = spec.name.replace("layers.0.", f"{p}.block.", 1)
-        specs.append(dataclasses.replace(spec, name=name, owner="mtp", tp_dim=None))
+        specs.append(dataclasses.replace(spec, name=name, owner="mtp"))
     return specs + norm_specs(cfg, f"{p}.norm", d, "mtp")
 
 

@@ -6,7 +6,8 @@ and w1/w3 column-sharded (whole heads / hidden units per rank), wo and w2 row-sh
 back to the sequence-sharded residual stream; QK-norm over head-sharded q and k; the head vocabulary-sharded.
 An MoE layer runs on the full tokens on every rank (identical routing, auxiliary losses and load as on one
 device), its router replicated, its shared experts column/row-sharded with their output all-reduced; its
-routed experts are sharded by engine/parallel/expert.py.
+routed experts are sharded by engine/parallel/expert.py. Multi-token-prediction modules run on the same
+sequence-sharded stream: norms, a gathered projection and a dense block.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ COLWISE, ROWWISE, NORM = TPStyle("colwise"), TPStyle("rowwise"), TPStyle("sequen
 
 def block_plan(cfg: ModelConfig, layer: int) -> dict[str, TPStyle]:
     """Module name inside block `layer` → its style: two all-gathers and two reduce-scatters per block."""
-    if cfg.is_moe_layer(layer):
+    return layer_plan(cfg, cfg.is_moe_layer(layer))
+
+
+def layer_plan(cfg: ModelConfig, moe: bool) -> dict[str, TPStyle]:
+    """A block's plan, with an MoE feed-forward or a dense one."""
+    if moe:
         feed_forward = {"feed_forward": TPStyle("full_tokens"), "feed_forward.router": TPStyle("replicated_router")}
         if cfg.moe_shared_experts:
             feed_forward |= {
@@ -50,6 +56,21 @@ def block_plan(cfg: ModelConfig, layer: int) -> dict[str, TPStyle]:
     return plan
 
 
+def mtp_plan(cfg: ModelConfig) -> dict[str, TPStyle]:
+    """A multi-token-prediction module (engine/model/mtp.py) on the main model's sequence-sharded stream: its
+    norms sequence parallel, the 2·dim → dim projection gathered and cut back (`sequence_linear`: its input
+    is the two norms' outputs, concatenated on every position), a dense block as the main model's, and its
+    final norm; the embedding and head it uses are the main model's."""
+    block = {f"block.{name}": style for name, style in layer_plan(cfg, moe=False).items()}
+    return {
+        "hidden_norm": NORM,
+        "embed_norm": NORM,
+        "proj": TPStyle("sequence_linear"),
+        **block,
+        "norm": NORM,
+    }
+
+
 PLAN = TPPlan(
     outer={
         "tok_embeddings": TPStyle("vocab_embedding"),
@@ -58,4 +79,5 @@ PLAN = TPPlan(
     },
     block=block_plan,
     tied=("output", "tok_embeddings"),
+    mtp=mtp_plan,
 )
