@@ -84,8 +84,12 @@ def complete(words: str, **env: str) -> list[str]:
 
 
 def test_bash_protocol():
-    assert complete("forge train presets/de") == ["presets/debug.toml", "presets/debug_moe.toml"]
-    assert complete("forge validate-config presets/debug.toml --model.moe_to") == ["--model.moe_top_k="]
+    assert complete("forge train presets/deb") == ["presets/debug.toml", "presets/debug_moe.toml"]
+    # every preset whose name starts so (deepseek_v3_small.toml too), in order
+    starting = sorted(f"presets/{p.name}" for p in (REPO / "presets").glob("de*.toml"))
+    assert len(starting) >= 3 and complete("forge train presets/de") == starting
+    assert complete("forge validate-config presets/debug.toml --model.moe_top_") == ["--model.moe_top_k="]
+    assert complete("forge validate-config presets/debug.toml --model.moe_to") == ["--model.moe_top_k=", "--model.moe_topk_group="]
     assert complete("forge train presets/debug.toml --train.loss_fn ") == ["cross_entropy", "chunked_cross_entropy"]
     assert "--run-dir" in complete("forge train presets/debug.toml --r")
     assert complete("forge resume runs/x --optimizer.mu") == [
