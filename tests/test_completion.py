@@ -89,7 +89,10 @@ def test_bash_protocol():
     starting = sorted(f"presets/{p.name}" for p in (REPO / "presets").glob("de*.toml"))
     assert len(starting) >= 3 and complete("forge train presets/de") == starting
     assert complete("forge validate-config presets/debug.toml --model.moe_top_") == ["--model.moe_top_k="]
-    assert complete("forge validate-config presets/debug.toml --model.moe_to") == ["--model.moe_top_k=", "--model.moe_topk_group="]
+    assert complete("forge validate-config presets/debug.toml --model.moe_to") == [
+        "--model.moe_top_k=",
+        "--model.moe_topk_group=",
+    ]
     assert complete("forge train presets/debug.toml --train.loss_fn ") == ["cross_entropy", "chunked_cross_entropy"]
     assert "--run-dir" in complete("forge train presets/debug.toml --r")
     assert complete("forge resume runs/x --optimizer.mu") == [
