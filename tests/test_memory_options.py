@@ -319,3 +319,20 @@ def test_cpu_offload_trains_like_no_offload_and_may_change_on_resume(tmp_path):
         assert [r["loss"] for r in map(json.loads, lines) if "loss" in r] == plain_losses
         assert offloaded_by_fsdp(parts.job.model) == (then == "true")
         assert_same_values(plain.job.model, plain.job.optimizer, parts.job.model, parts.job.optimizer)
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        # autograd saves DTensors under tensor parallelism; save_on_cpu's pinned copies on CUDA cannot hold them
+        (["--train.activation_offload=true", "--distributed.tp=2"], r"train\.activation_offload: .*tensor parallelism"),
+        # cpu_offload is built and tested with AdamW only
+        (["--distributed.cpu_offload=true", "--optimizer.name=muon"], r"optimizer\.name: = 'muon' .*cpu_offload"),
+    ],
+)
+def test_offload_options_are_refused_where_untested(overrides, field):
+    from engine.errors import ConfigError
+    from tests.conftest import REPO
+
+    with pytest.raises(ConfigError, match=field):
+        load_job_config(REPO / "presets" / "debug.toml", [o.removeprefix("--") for o in overrides]).validate(2)

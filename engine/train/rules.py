@@ -204,13 +204,22 @@ def memory_option_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                 "set distributed.pp = 1, or leave the activations on the device",
             )
         )
+    if t.activation_offload and d.tp > 1:
+        issues.append(
+            ConfigIssue(
+                "train.activation_offload",
+                f"not supported with tensor parallelism yet (distributed.tp = {d.tp}): autograd saves DTensors "
+                "there, which save_on_cpu's pinned copies (on CUDA) cannot hold",
+                "set distributed.tp = 1, or leave the activations on the device",
+            )
+        )
     return issues
 
 
 def cpu_offload_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     """FSDP2's CPU offload (`distributed.cpu_offload`) is built and checked for data parallelism alone (at world
-    size 1 too): the other layouts, LoRA, fp8's float8 all-gather and torchao's optimizers (which quantize or
-    round the local tensors FSDP hands them) are not tested with it yet."""
+    size 1 too): the other layouts, LoRA, fp8's float8 all-gather, optimizers other than AdamW, and torchao's optimizers (which
+    quantize or round the local tensors FSDP hands them) are not tested with it yet."""
     if not cfg.distributed.cpu_offload:
         return []
     d, o = cfg.distributed, cfg.optimizer
@@ -228,12 +237,13 @@ def cpu_offload_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
         ),
         ("train.mixed_precision", cfg.train.mixed_precision == "fp8", '"fp8"', 'use "bf16"'),
         ("lora.enabled", cfg.lora.enabled, "true", "set lora.enabled = false"),
+        ("optimizer.name", o.name != "adamw", repr(o.name), 'use optimizer.name = "adamw"'),
     ]
     return [
         ConfigIssue(
             field,
             f"= {value} is not supported with distributed.cpu_offload = true yet (FSDP2's CPU offload is built and "
-            "tested for data parallelism with fp32 optimizer state only)",
+            "tested for data parallelism with AdamW and fp32 optimizer state only)",
             f"{fix}, or set distributed.cpu_offload = false",
         )
         for field, on, value, fix in others

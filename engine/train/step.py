@@ -96,12 +96,14 @@ def step_totals(loss: torch.Tensor, grad_norm: torch.Tensor, stop_requested: boo
     brought to the host in the step's one sync. The loss and the stop votes share one all-reduce (a sum), in the
     loss's dtype (float64 under pipeline parallelism, see Pipeline.step_loss), fp32 at least."""
     dtype = torch.promote_types(loss.dtype, torch.float32)
-    values = torch.stack([loss.detach().reshape(()).to(dtype), torch.tensor(float(stop_requested), dtype=dtype)])
-    values = values.to(loss.device)
+    stops = torch.tensor(float(stop_requested), dtype=dtype, device=loss.device)  # stack needs one device
+    values = torch.stack([loss.detach().reshape(()).to(dtype), stops])
     if distributed():
         torch.distributed.all_reduce(values)  # a sum: gloo has no average
         values[0] /= torch.distributed.get_world_size()
-    loss_value, stops, norm_value = torch.cat([values, grad_norm.reshape(1).float().to(dtype)]).tolist()
+    # the norm is on the host under distributed.cpu_offload (the gradients are), on the loss's device otherwise
+    norm = grad_norm.reshape(1).to(device=values.device, dtype=dtype)
+    loss_value, stops, norm_value = torch.cat([values, norm]).tolist()
     return loss_value, norm_value, stops > 0
 
 
