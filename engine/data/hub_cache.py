@@ -69,17 +69,27 @@ def cached_shards(request: HubRequest, streaming: bool, tokenizer: Path, vocab_s
     except DataError as e:
         raise DataError(f"{r.field}: {e.message}", f"{e.hint} (config fields: {r.fields})") from None
     entry = cache_dir() / "hf" / run_key(source, r.text_field, DEFAULT_SHARD_TOKENS, encoder, None, None)[:16]
-    if (entry / MANIFEST).is_file():
-        return entry
-    with locked(entry.parent / f"{entry.name}.lock", f"{source} is being tokenized into {entry} by another process"):
-        if not (entry / MANIFEST).is_file():  # another process may have built it while this one waited
-            say(f"tokenizing {source} into {entry} (once: later runs reuse it)")
-            try:
-                with (PROGRESS_VIEWS[-1] if PROGRESS_VIEWS else progress_lines)(str(source)) as progress:
-                    report = tokenize(source, entry, tokenizer=tokenizer, text_field=r.text_field, progress=progress)
-            except DataError as e:
-                raise DataError(f"{r.field}: {e.message}", f"{e.hint} (config fields: {r.fields})") from None
-            say(f"tokenized {source}: {report.manifest.total_tokens:,} tokens in {report.seconds:.0f} s")
+
+    def build() -> None:
+        say(f"tokenizing {source} into {entry} (once: later runs reuse it)")
+        try:
+            with (PROGRESS_VIEWS[-1] if PROGRESS_VIEWS else progress_lines)(str(source)) as progress:
+                report = tokenize(source, entry, tokenizer=tokenizer, text_field=r.text_field, progress=progress)
+        except DataError as e:
+            raise DataError(f"{r.field}: {e.message}", f"{e.hint} (config fields: {r.fields})") from None
+        say(f"tokenized {source}: {report.manifest.total_tokens:,} tokens in {report.seconds:.0f} s")
+
+    return built_once(entry, f"{source} is being tokenized into {entry} by another process", build)
+
+
+def built_once(entry: Path, waiting: str, build: Callable[[], None]) -> Path:
+    """The cache folder `entry`, made by `build` unless its manifest (written last) is there already: one
+    process builds it while the others (a run's other ranks, other runs) wait on its lock, saying `waiting`,
+    and then reuse it."""
+    if not (entry / MANIFEST).is_file():
+        with locked(entry.parent / f"{entry.name}.lock", waiting):
+            if not (entry / MANIFEST).is_file():  # another process may have built it while this one waited
+                build()
     return entry
 
 

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from engine.data.embedded import cache_dir
-from engine.data.hub_cache import locked, say
+from engine.data.hub_cache import built_once, say
 from engine.data.remote import FetchError, RemoteFile, filesystem, remote_file, retried, shown
 from engine.data.shards import MANIFEST, TOKENIZER_FILE, Manifest, manifest_from_json, open_shard
 from engine.data.tokenizer import file_sha256
@@ -56,19 +56,18 @@ def fetched_shards(url: str, field: str) -> Path:
     """The cache entry holding the data set at `url`, fetched on first use; errors name `field`."""
     manifest, raw = remote_manifest(url, field)
     entry = cache_dir() / "remote" / hashlib.sha256(shown(url).encode() + b"\0" + raw).hexdigest()[:16]
-    if (entry / MANIFEST).is_file():
-        return entry
-    with locked(entry.parent / f"{entry.name}.lock", f"{shown(url)} is being fetched into {entry} by another process"):
-        if not (entry / MANIFEST).is_file():  # another process may have fetched it while this one waited
-            say(f"fetching {shown(url)} into {entry} (once: later runs reuse it)")
-            try:
-                fetch_files(url, manifest, entry)
-            except FetchError as e:
-                raise FetchError(f"{field}: {e.message}", e.hint) from None
-            except DataError as e:
-                raise DataError(f"{field}: {e.message}", e.hint) from None
-            atomic_write(entry / MANIFEST, lambda f: f.write(raw))
-    return entry
+
+    def build() -> None:
+        say(f"fetching {shown(url)} into {entry} (once: later runs reuse it)")
+        try:
+            fetch_files(url, manifest, entry)
+        except FetchError as e:
+            raise FetchError(f"{field}: {e.message}", e.hint) from None
+        except DataError as e:
+            raise DataError(f"{field}: {e.message}", e.hint) from None
+        atomic_write(entry / MANIFEST, lambda f: f.write(raw))
+
+    return built_once(entry, f"{shown(url)} is being fetched into {entry} by another process", build)
 
 
 def fetch_files(url: str, manifest: Manifest, entry: Path) -> None:
