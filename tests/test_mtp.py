@@ -164,7 +164,6 @@ def exported_and_sampled_without_the_modules(run_dir: Path, out: Path) -> None:
     "overrides,fields",
     [
         (["model.mtp_loss_weight=0.1"], ["model.mtp_loss_weight"]),
-        (["model.mtp_depth=2", "distributed.pp=2"], ["distributed.pp"]),
         (["model.mtp_depth=2", "distributed.cp=2"], ["distributed.cp"]),
         (["model.mtp_depth=2", "data.pack_sequences=true"], ["data.pack_sequences"]),
         (["model.mtp_depth=2", "lora.enabled=true"], ["lora.enabled"]),
@@ -179,8 +178,10 @@ def test_combinations_multi_token_prediction_does_not_run_are_refused(overrides,
     assert "mtp" in str(err.value)
 
 
-def test_tensor_parallelism_takes_multi_token_prediction():
-    """tp = 2 validates with the modules (their parity with one process: tests/test_tp.py's *_mtp cases)."""
-    overrides = ["model.mtp_depth=2", "distributed.tp=2", "distributed.dp_shard=1"]
+@pytest.mark.parametrize("layout", [["distributed.tp=2"], ["distributed.pp=2", "train.grad_accum_steps=2"]])
+def test_tensor_and_pipeline_parallelism_take_multi_token_prediction(layout):
+    """tp = 2 and pp = 2 validate with the modules (their parity with one process: tests/test_tp.py's *_mtp
+    cases, tests/test_pipeline_mtp.py)."""
+    overrides = ["model.mtp_depth=2", *layout, "distributed.dp_shard=1"]
     cfg = load_job_config(REPO / "presets" / "debug.toml", overrides).validate(2)
-    assert (cfg.model.mtp_depth, cfg.distributed.tp) == (2, 2)
+    assert cfg.model.mtp_depth == 2 and max(cfg.distributed.tp, cfg.distributed.pp) == 2

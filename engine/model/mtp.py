@@ -7,9 +7,10 @@ its final norm, for k = 1) and the embedding of token i + k (the shared `tok_emb
 block (causal attention over its positions, a dense gated MLP: DeepSeek-V3's MTP block has the MoE of its
 layers, these are dense, so routing and balancing stay the main model's), and its own final norm; the shared
 output head then gives its logits. Module k predicts at positions 0 … seq − k − 1 (token i + k must exist in
-the window) and its targets are labels[:, k:]; it runs over the whole window and the rest is cut from its
-output (Transformer.mtp_outputs), so that under tensor parallelism it runs on the main model's
-sequence-sharded stream (the family's `TPPlan.mtp`).
+the window) and its targets are labels[:, k:]; it runs over the whole window (Transformer.mtp_outputs) and
+the loss cuts the rest (engine/train/losses.py, `with_mtp_loss`), so that under tensor parallelism it runs on
+the main model's sequence-sharded stream (the family's `TPPlan.mtp`), and under pipeline parallelism the
+last stage sends its outputs with the main model's as one tensor (engine/parallel/pipeline.py).
 
 Training adds `model.mtp_loss_weight` × the mean of the modules' losses to the main loss
 (engine/train/losses.py); evaluation, generation and Hugging Face export use the main model only.

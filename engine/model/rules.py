@@ -125,8 +125,8 @@ MTP_FAMILIES = ("transformer",)
 
 def mtp_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     """Multi-token prediction (`model.mtp_depth`): its weight only with modules, a family that has them, a
-    window long enough, and what it does not run under yet: pipeline and context parallelism (its modules
-    read the tokens a whole position further on, and sit after the last stage's head), packed documents
+    window long enough, and what it does not run under yet: context parallelism (its modules read the tokens
+    k positions further on, which a rank's share of the sequence does not hold at its ends), packed documents
     (the modules attend across the window), LoRA (its adapters would leave the modules frozen) and μP (no
     multipliers derived for the modules)."""
     m, d = cfg.model, cfg.distributed
@@ -157,16 +157,15 @@ def mtp_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                 "use an mtp_depth below train.seq_len",
             )
         )
-    for degree in ("pp", "cp"):
-        if getattr(d, degree) > 1:
-            issues.append(
-                ConfigIssue(
-                    f"distributed.{degree}",
-                    f"= {getattr(d, degree)}: multi-token prediction (model.mtp_depth = {m.mtp_depth}) runs under "
-                    f"FSDP/HSDP, tensor and expert parallelism only, not with {degree} > 1 yet",
-                    f"set distributed.{degree} = 1, or model.mtp_depth = 0",
-                )
+    if d.cp > 1:
+        issues.append(
+            ConfigIssue(
+                "distributed.cp",
+                f"= {d.cp}: multi-token prediction (model.mtp_depth = {m.mtp_depth}) runs under FSDP/HSDP, tensor, "
+                "pipeline and expert parallelism, not with cp > 1 yet",
+                "set distributed.cp = 1, or model.mtp_depth = 0",
             )
+        )
     if cfg.data.pack_sequences:
         issues.append(
             ConfigIssue(

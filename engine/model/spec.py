@@ -139,12 +139,15 @@ class TPPlan:
 class ModelParts:
     """Where pipeline parallelism cuts the model: `blocks` (the ModuleDict of blocks, split by
     engine/parallel/stages.py), the modules only the first stage holds (`first`) and only the last (`last`),
-    and with tied embeddings the (embedding, head) pair each end keeps a copy of."""
+    and with tied embeddings the (embedding, head) pair each end keeps a copy of. `mtp`: the family's
+    multi-token-prediction modules (engine/model/mtp.py), which run after the head on the last stage and look
+    tokens up in the embedding (`tied[0]`): that stage then keeps a copy of the embedding too."""
 
     blocks: str
     first: tuple[str, ...]
     last: tuple[str, ...]
     tied: tuple[str, str] | None = None
+    mtp: str | None = None
 
 
 @dataclass(frozen=True)

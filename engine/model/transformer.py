@@ -8,8 +8,9 @@ sigmoid router's balancing bias is updated from outside, by hooks the trainer at
 (engine/train/balancing.py): this forward has no side effect on it.
 Parallelism (FSDP, TP, PP) is applied to this module from outside by `engine.parallel`; nothing here
 knows about sharding. A pipeline stage (engine/parallel/pipeline.py) is a copy of this module with the layers
-it does not own deleted and `tok_embeddings` (all but the first stage) or `norm`/`output` (all but the last)
-set to None: forward then takes or returns hidden states, and parameter names stay those of the full model.
+it does not own deleted and `tok_embeddings` (all but the first stage, and the last when it runs multi-token
+prediction) or `norm`/`output` (all but the last) set to None: forward then takes hidden states (a floating
+tensor, where the first stage takes token ids) or returns them, and parameter names stay those of the full model.
 """
 
 from __future__ import annotations
@@ -92,14 +93,16 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         attention_mask: object = None,
         mtp: bool = False,
+        mtp_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """tokens [batch, seq] → logits [batch, seq, vocab]. Without a cache (training) the tokens are
         positions 0 … seq-1; with one (inference) they continue the cached positions, and are added to it.
         With return_hidden, the final-normed hidden states [batch, seq, dim] (times μP's output multiplier)
         instead of logits, for losses that
         project them through `output.weight` chunk by chunk (engine.train.losses.chunked_cross_entropy).
-        A pipeline stage without `tok_embeddings` takes the previous stage's hidden states [batch, seq, dim]
-        as `tokens`; one without `output` returns its last block's hidden states (not normed).
+        A pipeline stage after the first takes the previous stage's hidden states [batch, seq, dim] (floating
+        point, where token ids are integers) as `tokens`; one without `output` returns its last block's hidden
+        states (not normed).
         doc_ids [batch, seq] (packed documents, engine.model.documents): each token's document in its window;
         positions restart at every document and attention stays inside it. Training only (no cache).
         `positions` [seq], the tokens' places in their sequences, replaces 0 … seq-1 where a rank holds only
@@ -108,9 +111,12 @@ class Transformer(nn.Module):
         replaces the mask built from doc_ids where the cores take another form of it (context parallelism
         passes what its cores make of the whole window's document ids, with the positions).
         With `mtp` (a training loss, on a model with `model.mtp_depth` > 0) → (that output, one per
-        multi-token-prediction module k = 1 … D: its logits [batch, seq − k, vocab], or with return_hidden its
-        final-normed states), from the main model's last block output before the final norm."""
+        multi-token-prediction module k = 1 … D: its logits [batch, seq, vocab] over the whole window, of which
+        the first seq − k positions predict, or with return_hidden its final-normed states), from the main
+        model's last block output before the final norm; on a pipeline's last stage, which receives hidden
+        states, the window's token ids come as `mtp_tokens` (the stages before it ignore `mtp`)."""
         seq = tokens.shape[1]
+        takes_ids = not tokens.is_floating_point()
         start = 0 if cache is None else cache.length
         mask = attention_mask
         if doc_ids is not None:
@@ -124,9 +130,9 @@ class Transformer(nn.Module):
         else:
             # A later pipeline stage under sequence parallelism gets only its share of the positions, so `seq`
             # is not the attention's length there: it takes the tables from `start` on (apply_rope cuts them).
-            end = start + seq if self.tok_embeddings is not None else None
+            end = start + seq if takes_ids else None
             cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
-        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens) if takes_ids else tokens
         moe_stats = {}
         for name, block in self.layers.items():
             layer_cache = None if cache is None else cache.layer(name, seq)
@@ -144,26 +150,29 @@ class Transformer(nn.Module):
         out = out if return_hidden else self.output(out)
         if not mtp:
             return out
-        return out, self.mtp_outputs(h, tokens, cos, sin, return_hidden)
+        ids = tokens if mtp_tokens is None else mtp_tokens
+        return out, self.mtp_outputs(h, ids, cos, sin, return_hidden)
 
     def mtp_outputs(
         self, hidden: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, return_hidden: bool
     ) -> list[torch.Tensor]:
-        """Module k's logits (or final-normed states) at positions 0 … seq − k − 1, from the states `hidden` of
-        the main model's last block and the embeddings of tokens[:, k:] (engine/model/mtp.py).
+        """Module k's logits (or final-normed states) over the whole window, from the states `hidden` of the
+        main model's last block and the embeddings of the tokens k positions ahead (engine/model/mtp.py); its
+        predictions are the first seq − k positions (the loss cuts the rest: `with_mtp_loss`).
 
         Every module runs over the whole window, position i taking token i + k, the last k positions the
-        window's first tokens (rolled round), and its outputs are cut to the first seq − k positions: causal
-        attention keeps the rolled tokens out of those, and the stream keeps the main model's length, so
-        under sequence parallelism each rank holds its even share of every module's positions, and the
-        embedding, norms and head go through the same tensor-parallel styles as the main model's."""
+        window's first tokens (rolled round): causal attention keeps the rolled tokens out of the first
+        seq − k positions, and the stream keeps the main model's length, so under sequence parallelism each
+        rank holds its even share of every module's positions, the embedding, norms and head go through the
+        same tensor-parallel styles as the main model's, and a pipeline's last stage can send all the outputs
+        as one tensor."""
         assert self.mtp is not None, "mtp=True needs model.mtp_depth > 0"
         assert cos.dim() == 2, "multi-token prediction takes windows of plain positions (engine/model/rules.py)"
-        outputs, seq = [], tokens.shape[1]
+        outputs = []
         for k, module in self.mtp.items():
             ahead = torch.roll(tokens, -int(k), dims=1)
             hidden, normed = module(hidden, self.tok_embeddings(ahead), cos, sin)
-            outputs.append((normed if return_hidden else self.output(normed))[:, : seq - int(k)])
+            outputs.append(normed if return_hidden else self.output(normed))
         return outputs
 
     @torch.no_grad()

@@ -299,7 +299,7 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
     for rank in range(d.pp):
         stages = [rank + k * d.pp for k in range(per_rank)]
         owned = [s for stage in stages for s in stage_specs(specs, layers[stage], stage == 0, stage == n_stages - 1)]
-        owned += tied_head_copy(cfg, specs, stages, n_stages)
+        owned += embedding_copy(cfg, specs, stages, n_stages)
         local = {s.name: local_numel(s, d.tp, d.dp_shard * d.cp) for s in owned}
         params = sum(param_bytes(cfg, s, local[s.name]) for s in owned)
         trained = [s for s in owned if trains(s, cfg.lora)]
@@ -348,13 +348,17 @@ def param_bytes(cfg: JobConfig, spec: ParamSpec, local: int) -> int:
     return weight_bytes(spec, local, cfg.lora)
 
 
-def tied_head_copy(cfg: JobConfig, specs: list[ParamSpec], stages: list[int], n_stages: int) -> list[ParamSpec]:
-    """Under pipeline parallelism a tied head is a second copy of the embedding on the last stage's rank
-    (engine/parallel/pipeline.py), with its own gradient and optimizer state."""
-    if not cfg.model.tie_embeddings or n_stages == 1 or n_stages - 1 not in stages or 0 in stages:
+def embedding_copy(cfg: JobConfig, specs: list[ParamSpec], stages: list[int], n_stages: int) -> list[ParamSpec]:
+    """Under pipeline parallelism the last stage's rank holds a second copy of the embedding, with its own
+    gradient and optimizer state, as a tied head, or for multi-token prediction's lookups (one copy when
+    both: the head and the lookup share it; engine/parallel/pipeline.py)."""
+    m = cfg.model
+    if not (m.tie_embeddings or m.mtp_depth) or n_stages == 1 or n_stages - 1 not in stages or 0 in stages:
         return []
-    embedding_module, head_module = spec_for(cfg.model).parts.tied
+    embedding_module, head_module = spec_for(m).parts.tied
     [embedding] = [s for s in specs if s.name == f"{embedding_module}.weight"]
+    if not m.tie_embeddings:
+        return [embedding]
     return [ParamSpec(f"{head_module}.weight", embedding.shape, "head", embedding.tp_dim)]
 
 

@@ -24,6 +24,17 @@ copies start equal, and after every step's backward their gradients are summed b
 (`TiedWeight.sync`), so each holds the gradient one device computes for the shared matrix and the same
 optimizer update keeps them equal. The gradient norm counts it once (`Pipeline.norm_duplicates`).
 
+Multi-token prediction (`model.mtp_depth` = D, engine/model/mtp.py): the prediction modules run on the last
+stage, after the head, and look up the tokens ahead in the embedding, so the last stage keeps a copy of the
+embedding too (the family's `ModelParts.mtp`), kept equal to the first stage's as a tied head is (with tied
+embeddings the last stage's embedding and head share that one copy). They need the window's token ids,
+which the last stage does not receive: every rank holds the step's batch anyway and hands it to the schedule
+as a keyword argument (`mtp_tokens`), split into micro-batches like packed windows' document ids. A stage
+sends one tensor, so the last stage's forward hook (`send_predictions`) concatenates the main output and
+the D modules' whole-window outputs along the batch: [(1 + D) · batch, seq, vocab or dim]
+(`StageShapes.predictions`); the loss splits them again (engine/train/losses.py, `StageCrossEntropy`). The
+modules run in evaluation too (the declared shape holds for both), whose loss reads the main output only.
+
 Shapes: every stage is told up front what it receives and sends for one micro-batch (`StageShapes`), so the
 schedule's first step does not run each stage once on placeholder inputs to learn them (torch's metadata
 inference). That pass is a training forward and backward: it would move the MoE routers' balancing bias
@@ -97,6 +108,7 @@ class StageShapes:
     hidden_dtype: torch.dtype  # the residual stream's: fp32 under autocast, the compute dtype under FSDP
     logits_dtype: torch.dtype
     last_hidden: bool = False
+    predictions: int = 0  # multi-token-prediction modules, whose outputs follow the main one's along the batch
 
     def inputs(self, stage: int) -> torch.Tensor:
         """The example input of `stage` (on the meta device: only its shape, dtype and requires_grad count)."""
@@ -105,11 +117,12 @@ class StageShapes:
         return self.hidden().requires_grad_()
 
     def outputs(self, stage: int, n_stages: int) -> torch.Tensor:
+        rows = (1 + self.predictions) * self.batch  # the last stage's: the main output, then each module's
         if stage == n_stages - 1 and self.last_hidden:
-            shape = (self.batch, self.seq, self.dim)
+            shape = (rows, self.seq, self.dim)
             return torch.empty(shape, dtype=self.hidden_dtype, device="meta").requires_grad_()
         if stage == n_stages - 1:
-            shape = (self.batch, self.seq, self.vocab)
+            shape = (rows, self.seq, self.vocab)
             return torch.empty(shape, dtype=self.logits_dtype, device="meta").requires_grad_()
         return self.hidden().requires_grad_()
 
@@ -131,6 +144,13 @@ def check_output_hook(expected: torch.Tensor, stage: int) -> Callable:
     return check
 
 
+def send_predictions(module: nn.Module, args: tuple, output: tuple[torch.Tensor, list[torch.Tensor]]) -> torch.Tensor:
+    """Forward hook of a last stage with multi-token prediction: its (main output, [module outputs]) as the one
+    tensor a stage sends, concatenated along the batch (each is [batch, seq, ·])."""
+    main, predictions = output
+    return torch.cat([main, *predictions])
+
+
 def stage_layer_names(n_layers: int, n_stages: int) -> list[list[str]]:
     """The block keys ("0", "1", …) each stage owns, in order."""
     return [[str(i) for i in layers] for layers in stage_layers(n_layers, n_stages)]
@@ -138,7 +158,8 @@ def stage_layer_names(n_layers: int, n_stages: int) -> list[list[str]]:
 
 def stage_model(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
     """A copy of `model` holding only what stage `stage` of `n_stages` runs (same parameter names): the blocks
-    of its family's `ModelParts.blocks` it owns, the `first` modules on the first stage, the `last` on the last."""
+    of its family's `ModelParts.blocks` it owns, the `first` modules on the first stage, the `last` on the last;
+    with multi-token prediction its modules and a copy of the embedding on the last."""
     parts = spec_for(model.cfg).parts
     keep = set(stage_layer_names(model.cfg.n_layers, n_stages)[stage])
     part = copy.deepcopy(model)
@@ -146,9 +167,21 @@ def stage_model(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
     for name in list(blocks):
         if name not in keep:
             del blocks[name]
-    for name in (parts.first if stage != 0 else ()) + (parts.last if stage != n_stages - 1 else ()):
+    last = stage == n_stages - 1
+    dropped = [*(parts.first if stage != 0 else ()), *(parts.last if not last else ())]
+    if has_predictions(model) and last:  # its modules look tokens up in the embedding
+        dropped.remove(parts.tied[0])
+    elif has_predictions(model):
+        dropped.append(parts.mtp)
+    for name in dropped:
         setattr(part, name, None)
     return part
+
+
+def has_predictions(model: nn.Module) -> bool:
+    """Whether `model` has multi-token-prediction modules (its family's `ModelParts.mtp`, set)."""
+    name = spec_for(model.cfg).parts.mtp
+    return name is not None and getattr(model, name, None) is not None
 
 
 def split_stages(model: nn.Module, pp_rank: int, pp_size: int, n_stages_per_rank: int) -> list[tuple[int, nn.Module]]:
@@ -159,13 +192,14 @@ def split_stages(model: nn.Module, pp_rank: int, pp_size: int, n_stages_per_rank
 
 @dataclass
 class TiedWeight:
-    """This rank's copy of the embedding matrix tied to the head (the `weight` of `module`, the embedding or
-    the head), and the group of the two ranks holding the first and the last stage (the same data-parallel
-    and tensor-parallel position)."""
+    """This rank's copy of the embedding matrix the first and the last stage both hold (tied to the head, or
+    looked up by multi-token prediction on the last stage): the `weight` of `module`, the first stage's
+    embedding or the last stage's head or embedding copy, and the group of the two ranks holding those
+    stages (the same data-parallel and tensor-parallel position)."""
 
     module: nn.Module
     group: dist.ProcessGroup
-    is_head: bool  # the last stage's copy: left out of the gradient norm, which counts the first's
+    is_copy: bool  # the last stage's: left out of the gradient norm, which counts the first's
 
     @property
     def param(self) -> nn.Parameter:
@@ -180,16 +214,19 @@ class TiedWeight:
         dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
 
 
-def tied_weight(parts: list[nn.Module], pp_mesh: DeviceMesh) -> TiedWeight | None:
-    """The tied embedding copy this rank holds (first stage: the embedding's, last: the head's), if any.
-    A collective over the whole world when pp > 2 (every rank creates every pair's group)."""
+def tied_weight(parts: list[tuple[int, nn.Module]], n_stages: int, pp_mesh: DeviceMesh) -> TiedWeight | None:
+    """The copy of the shared embedding matrix this rank holds among its (stage index, stage model) `parts`:
+    the first stage's embedding, or the last stage's embedding copy (multi-token prediction), else its head;
+    None on a rank with neither end. A collective over the whole world when pp > 2 (every rank creates every
+    pair's group)."""
     group = first_last_group(pp_mesh)
-    embedding, head = spec_for(parts[0].cfg).parts.tied
-    for part in parts:
-        if getattr(part, embedding) is not None:
-            return TiedWeight(getattr(part, embedding), group, is_head=False)
-        if getattr(part, head) is not None:
-            return TiedWeight(getattr(part, head), group, is_head=True)
+    embedding, head = spec_for(parts[0][1].cfg).parts.tied
+    for stage, part in parts:
+        if stage == 0:
+            return TiedWeight(getattr(part, embedding), group, is_copy=False)
+        if stage == n_stages - 1:
+            copy = getattr(part, embedding)
+            return TiedWeight(copy if copy is not None else getattr(part, head), group, is_copy=True)
     return None
 
 
@@ -226,16 +263,22 @@ class Pipeline:
     tied: TiedWeight | None = None  # with tied embeddings: this rank's copy of the shared matrix
     aux_losses: StageAuxLosses | None = None  # MoE: the routers' auxiliary losses of this rank's stages
     last_hidden: bool = False  # the last stage returns hidden states, not logits (StageShapes.last_hidden)
+    predictions: bool = False  # the last stage runs multi-token prediction (StageShapes.predictions)
 
-    def stage_kwargs(self, doc_ids: torch.Tensor | None) -> dict[str, object]:
-        """What every stage's forward receives besides its input: packed windows' document ids, and
-        `return_hidden` when the loss projects the last stage's hidden states itself."""
-        return {**documents(doc_ids), **({"return_hidden": True} if self.last_hidden else {})}
+    def stage_kwargs(self, inputs: torch.Tensor, doc_ids: torch.Tensor | None) -> dict[str, object]:
+        """What every stage's forward receives besides its input: packed windows' document ids,
+        `return_hidden` when the loss projects the last stage's hidden states itself, and with multi-token
+        prediction the token ids `inputs` for its modules (the stages before the last ignore them)."""
+        return {
+            **documents(doc_ids),
+            **({"return_hidden": True} if self.last_hidden else {}),
+            **({"mtp": True, "mtp_tokens": inputs} if self.predictions else {}),
+        }
 
     @property
     def norm_duplicates(self) -> set[nn.Parameter]:
         """Parameters whose gradient another pipeline rank holds too, which the global norm counts once."""
-        return {self.tied.param} if self.tied is not None and self.tied.is_head else set()
+        return {self.tied.param} if self.tied is not None and self.tied.is_copy else set()
 
     def step(
         self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
@@ -250,7 +293,8 @@ class Pipeline:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         target = labels if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **self.stage_kwargs(doc_ids))
+        kwargs = self.stage_kwargs(inputs, doc_ids)
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if self.tied is not None:
             self.tied.sync()
         share = None if losses is None else torch.stack([loss.detach() for loss in losses]).mean()
@@ -269,8 +313,16 @@ class Pipeline:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
-        self.schedule.eval(*args, target=target, losses=losses, return_outputs=False, **self.stage_kwargs(doc_ids))
+        kwargs = self.stage_kwargs(inputs, doc_ids)
+        self.schedule.eval(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         return None if losses is None else torch.stack(losses).mean()
+
+    def gather(self, mine: dict[str, float]) -> dict[str, float]:
+        """Metrics some of the pipeline's ranks compute (`mine`, empty elsewhere), merged, on every rank of the
+        pipeline (a collective: all its ranks call it)."""
+        everyone: list[dict[str, float] | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return {key: value for rows in everyone for key, value in (rows or {}).items()}
 
     def step_loss(self, share: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         """The loss on every pipeline rank (a collective: all ranks of the pipeline call it): the sum of the
@@ -308,21 +360,26 @@ def build_pipeline(
     group = pp_mesh.get_group()
     n_stages = pp_size * per_rank
     aux_losses = StageAuxLosses() if model.cfg.is_moe else None
-    parts, stages = [], []
+    predictions = has_predictions(model)
+    assert shapes.predictions == (model.cfg.mtp_depth if predictions else 0), "StageShapes.predictions"
+    parts, stages, indexed = [], [], []
     for index, part in split_stages(model, pp_rank, pp_size, per_rank):
         module = parallelize_stage(part) if parallelize_stage is not None else part
         inputs, outputs = shapes.inputs(index), shapes.outputs(index, n_stages)
+        if predictions and index == n_stages - 1:
+            module.register_forward_hook(send_predictions)
         module.register_forward_hook(check_output_hook(outputs, index))
         if aux_losses is not None:
             aux_losses.attach(module)
         parts.append(module)
+        indexed.append((index, module))
         stages.append(
             PipelineStage(module, index, n_stages, device, input_args=inputs, output_args=outputs, group=group)
         )
     schedule_class = SCHEDULES[schedule]
     runner = schedule_class(stages if per_rank > 1 else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
     indices = [stage.stage_index for stage in stages]
-    tied = tied_weight(parts, pp_mesh) if model.cfg.tie_embeddings else None
+    tied = tied_weight(indexed, n_stages, pp_mesh) if model.cfg.tie_embeddings or predictions else None
     return Pipeline(
         runner,
         parts,
@@ -335,6 +392,7 @@ def build_pipeline(
         tied=tied,
         aux_losses=aux_losses,
         last_hidden=shapes.last_hidden,
+        predictions=predictions,
     )
 
 
@@ -367,10 +425,11 @@ def stage_union(parts: list[nn.Module]) -> nn.Module:
     model_parts = spec_for(union.cfg).parts
     blocks = nn.ModuleDict()
     setattr(union, model_parts.blocks, blocks)
+    ends = model_parts.first + model_parts.last + ((model_parts.mtp,) if model_parts.mtp else ())
     for part in parts:
         blocks.update(getattr(part, model_parts.blocks))
-        for name in model_parts.first + model_parts.last:
-            if getattr(part, name) is not None:
+        for name in ends:
+            if getattr(part, name, None) is not None:
                 setattr(union, name, getattr(part, name))
     if union.cfg.tie_embeddings:
         embedding, head = model_parts.tied

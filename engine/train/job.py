@@ -33,6 +33,7 @@ from engine.model.attention import CPU_SDPA_BACKENDS
 from engine.model.documents import document_ids
 from engine.model.lora import apply_lora
 from engine.model.moe import moe_metrics
+from engine.model.spec import spec_for
 from engine.model.transformer import Transformer
 from engine.parallel.apply import float8_all_gather, parallelize
 from engine.parallel.context import ContextParallel
@@ -224,7 +225,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         ema=ema,
         loss_parallel=uses_loss_parallel(dims.tp, cfg.train.loss_fn, dims.pp),
         context=ContextParallel(mesh.get("cp")) if mesh is not None and dims.cp > 1 else None,
-        model_metrics=moe_training(model, cfg, mesh, pipeline) + mtp_reporting(model, cfg, mesh),
+        model_metrics=moe_training(model, cfg, mesh, pipeline) + mtp_reporting(model, cfg, mesh, pipeline),
         warnings=(*float8_device_warnings(cfg.train.mixed_precision, device), *offload_device_warnings(cfg, device)),
         record=record,
         batch_plan=batch_plan(cfg, dp=dims.dp),
@@ -256,13 +257,20 @@ def moe_training(
     return (lambda: pipeline_moe_metrics(pipeline.model_parts, pipeline.group, window.take()),)
 
 
-def mtp_reporting(model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None) -> tuple[Callable, ...]:
-    """The reporter of the main and multi-token-prediction losses (a model with `model.mtp_depth` > 0; never
-    pipelined, engine/model/rules.py), averaged over the data-parallel ranks."""
+def mtp_reporting(
+    model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None, pipeline: Pipeline | None
+) -> tuple[Callable, ...]:
+    """The reporter of the main and multi-token-prediction losses (a model with `model.mtp_depth` > 0),
+    averaged over the data-parallel ranks; in a pipeline the last stage's loss keeps them (on its stage
+    model), and every pipeline rank gets them from that stage's rank."""
     if not cfg.model.mtp_depth:
         return ()
     group = mesh.dp.get_group() if mesh is not None and mesh.dp is not None else None
-    return (lambda: mtp_metrics(model, group),)
+    if pipeline is None:
+        return (lambda: mtp_metrics(model, group),)
+    return (
+        lambda: pipeline.gather({k: v for part in pipeline.model_parts for k, v in mtp_metrics(part, group).items()}),
+    )
 
 
 def initial_model(cfg: JobConfig, starts_fresh: bool) -> Transformer:
@@ -310,8 +318,7 @@ def distributed_model(
         parts = [parallelize(model, cfg, mesh, device=device)]
         model = parts[0]
     for part in parts:
-        part.to_empty(device=device)
-        part.reset_rope_tables()
+        materialize(part, device)
     if full_state is not None:
         missing = set(get_model_state_dict(model)) - set(full_state["names"])
         assert not missing, f"rank 0's model lacks {sorted(missing)[:5]}: they would keep uninitialised memory"
@@ -321,6 +328,19 @@ def distributed_model(
             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
         )  # each rank takes its own keys
     return model, pipeline
+
+
+def materialize(part: torch.nn.Module, device: torch.device) -> None:
+    """Allocate a meta-device model (or stage) on `device`, uninitialised, with its derived tables. `to_empty`
+    gives every module a new tensor of its own, so a tied embedding and head held as plain tensors (a
+    pipeline's last stage with multi-token prediction, without FSDP or TP, whose DTensor parameters stay
+    shared) come out as two: they share the embedding's again."""
+    part.to_empty(device=device)
+    if part.cfg.tie_embeddings:
+        embedding, head = (getattr(part, name, None) for name in spec_for(part.cfg).parts.tied)
+        if embedding is not None and head is not None and head.weight is not embedding.weight:
+            head.weight = embedding.weight
+    part.reset_rope_tables()
 
 
 def initial_state_on_main(cfg: JobConfig, device: torch.device) -> dict[str, Any]:
@@ -349,8 +369,11 @@ def pipelined(model: Transformer, cfg: JobConfig, mesh: ParallelMesh, device: to
         stage_shapes(cfg, mesh, device),
         parallelize_stage=lambda part: parallelize(part, cfg, mesh, device=device, pipelined=True),
     )
-    if loss.takes_hidden and pipeline.has_last_stage:
-        loss.bind_head(next(part.output for part in pipeline.model_parts if part.output is not None))
+    last = next((part for part in pipeline.model_parts if part.output is not None), None)  # on the last stage's rank
+    if loss.takes_hidden and last is not None:
+        loss.bind_head(last.output)
+    if pipeline.predictions and last is not None:
+        loss.bind_predictions(last)
     return pipeline
 
 
@@ -376,6 +399,7 @@ def stage_shapes(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> St
         hidden_dtype=compute if fsdp_casts(mesh) else torch.float32,
         logits_dtype=compute,
         last_hidden=cfg.train.loss_fn == "chunked_cross_entropy",
+        predictions=m.mtp_depth,
     )
 
 

@@ -81,11 +81,14 @@ class StageCrossEntropy:
     model): `cross_entropy` of the logits, or with `chunk_size` set, `chunked_cross_entropy` of the final-normed
     hidden states (`takes_hidden`: the pipeline then asks its stages for them) through the head of the module
     `bind_head` gave, the last stage's copy of `output`. Evaluation runs through the same schedule and reports
-    plain CE, so it turns z-loss off for its pass."""
+    plain CE, so it turns z-loss off for its pass. With multi-token prediction (`bind_predictions`) the
+    stage's output holds the modules' outputs after the main one along the batch: training adds their loss
+    as one process does (`with_mtp_loss`), evaluation reads the main output only."""
 
     def __init__(self, z_loss_weight: float, chunk_size: int | None = None) -> None:
         self.z_loss_weight, self.z_loss, self.chunk_size = z_loss_weight, True, chunk_size
         self.head: torch.nn.Module | None = None  # chunked: the last stage's output module (weight looked up per call)
+        self.predictions: torch.nn.Module | None = None  # the last stage, when it runs multi-token prediction
         self.token_losses: list[torch.Tensor] | None = None  # while `recording`: each microbatch's, in call order
 
     @property
@@ -96,13 +99,34 @@ class StageCrossEntropy:
         """The output module whose weight the chunked loss projects through (on the rank of the last stage)."""
         self.head = head
 
+    def bind_predictions(self, stage: torch.nn.Module) -> None:
+        """The last stage of a model with multi-token prediction (on that stage's rank): its output carries
+        `stage.cfg.mtp_depth` module outputs after the main one (engine/parallel/pipeline.py), and `stage` keeps
+        the losses `mtp_metrics` reports."""
+        self.predictions = stage
+
     def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        main, depth = output, []
+        if self.predictions is not None:
+            main, *depth = output.chunk(1 + self.predictions.cfg.mtp_depth)
+        value = self.main_loss(main, labels)
+        if depth and self.z_loss:  # training
+            value = with_mtp_loss(self.predictions, value, depth, labels, self.depth_loss)
+        return value
+
+    def main_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         keep = self.token_losses.append if self.token_losses is not None else None
         z_weight = self.z_loss_weight if self.z_loss else 0.0
         if self.chunk_size is None:
             return cross_entropy(output, labels, z_weight, keep)
         assert self.head is not None, "the chunked stage loss needs bind_head() on the last stage's rank"
         return head_cross_entropy(output, self.head.weight, labels, self.chunk_size, z_weight, keep)
+
+    def depth_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """A prediction module's loss: as the main one, without z-loss (as one process computes it)."""
+        if self.chunk_size is None:
+            return cross_entropy(output, labels)
+        return head_cross_entropy(output, self.head.weight, labels, self.chunk_size)
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[list[torch.Tensor]]:
@@ -355,9 +379,12 @@ def with_mtp_loss(
     labels: torch.Tensor,
     depth_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """main + mtp_loss_weight × mean_k depth_loss(outputs[k−1], labels[:, k:]). Adds every loss, detached
-    ([1 + D], main first), to the model's `mtp_loss_window` (sum, forwards), which `mtp_metrics` empties."""
-    depth = [depth_loss(out, labels[:, k:]) for k, out in enumerate(outputs, start=1)]
+    """main + mtp_loss_weight × mean_k depth_loss(outputs[k−1] at positions 0 … seq − k − 1, labels[:, k:]):
+    module k's whole-window output (Transformer.mtp_outputs) predicts at its first seq − k positions. Adds every
+    loss, detached ([1 + D], main first), to the model's `mtp_loss_window` (sum, forwards), which `mtp_metrics`
+    empties."""
+    seq = labels.shape[1]
+    depth = [depth_loss(out[:, : seq - k], labels[:, k:]) for k, out in enumerate(outputs, start=1)]
     # plain tensors: under loss parallel the losses are replicated DTensors, and mtp_metrics all-reduces these
     losses = torch.stack([plain_tensor(value.detach()) for value in (main, *depth)])
     total, count = getattr(model, "mtp_loss_window", (0, 0))

@@ -33,7 +33,11 @@ SPEC = MODELS.register("transformer")(
         norm_bytes=activations.norm_bytes,
         position_table_width=rope_width,
         parts=ModelParts(
-            blocks="layers", first=("tok_embeddings",), last=("norm", "output"), tied=("tok_embeddings", "output")
+            blocks="layers",
+            first=("tok_embeddings",),
+            last=("norm", "output"),
+            tied=("tok_embeddings", "output"),
+            mtp="mtp",
         ),
         tp_plan=tp_plan.PLAN,
         hf=hf.MAPPING,

@@ -75,7 +75,7 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     routed and the shared experts), so MFU measures the work actually done. The second term is
     attention's QKᵀ and AV, counted without the causal saving, as in PaLM's MFU definition.
     Each multi-token-prediction module adds its projection, block and the head over every position (it runs
-    over the whole window; its last k positions are cut from its loss: Transformer.mtp_outputs).
+    over the whole window; its last k positions are cut from its loss: engine/train/losses.py, with_mtp_loss).
     """
     d = cfg.dim
     blocks = sum(attention_params(cfg) + feed_forward_params(cfg, i, active=True) for i in range(cfg.n_layers))

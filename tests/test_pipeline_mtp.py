@@ -1,0 +1,179 @@
+"""Multi-token prediction under pipeline parallelism (engine/parallel/pipeline.py): the last stage keeps a copy of
+the embedding for its prediction modules, receives the window's token ids as a keyword argument, and sends the
+main and the modules' outputs as one tensor, which `StageCrossEntropy` splits.
+
+In-process (float64): two stage models run one after the other give one process's training loss, recorded
+per-depth losses and gradients, the two embedding copies' gradients summing to the one matrix's (as
+`TiedWeight.sync` sums them between the ranks), tied or not, with either loss. As a user starts it
+(`forge train --nproc-per-node 2`, gloo): pp = 2 (1F1B, the preset's chunked loss, untied embeddings) against
+one process on the same micro-batches, every step's loss, main and per-depth loss, gradient norm, the eval loss
+and the step-6 weights, and the pipelined run resumes in one process. The memory estimate counts the last stage's
+embedding copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config.job import JobConfig
+from engine.config.model import ModelConfig
+from engine.config.train import TrainConfig
+from engine.model.transformer import Transformer
+from engine.parallel.memory import estimate_memory
+from engine.parallel.pipeline import send_predictions, stage_model, stage_union
+from engine.train.job import materialize
+from engine.train.losses import StageCrossEntropy, build_loss
+from tests.test_distributed import PIPELINE_LAYOUT, forge, records, tolerance
+from tests.test_pipeline_moe import step_weights
+
+SHAPE = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=16)
+
+
+def stage_run(model: Transformer, tokens, labels, stage_loss: StageCrossEntropy, chunked: bool):
+    """(loss, the two stage models) of one training forward and backward through stage 0 then stage 1, as the
+    schedule calls them: every stage gets the keyword arguments, the last one's hook joins its outputs."""
+    first, last = stage_model(model, 0, 2), stage_model(model, 1, 2)
+    last.register_forward_hook(send_predictions)
+    if chunked:
+        stage_loss.bind_head(last.output)
+    stage_loss.bind_predictions(last)
+    kwargs = {"mtp": True, "mtp_tokens": tokens, **({"return_hidden": True} if chunked else {})}
+    hidden = first(tokens, **kwargs)
+    output = last(hidden, **kwargs)
+    assert output.shape[0] == (1 + model.cfg.mtp_depth) * tokens.shape[0]
+    loss = stage_loss(output, labels)
+    loss.backward()
+    return loss, first, last
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "chunked_cross_entropy"])
+def test_stages_give_one_process_loss_and_gradients(tied, loss_fn):
+    """float64, the same operations on the same values in the same order except the embedding's gradient, the
+    sum of the two copies' (two partial sums added, FP64 roundoff only): within 1e-12."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(**SHAPE, mtp_depth=2, mtp_loss_weight=0.3, tie_embeddings=tied))
+        tokens, labels = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+        chunked = loss_fn == "chunked_cross_entropy"
+        # the stages first: they are copies of the model, which must not have gradients or losses yet
+        loss, first, last = stage_run(model, tokens, labels, StageCrossEntropy(0.01, 7 if chunked else None), chunked)
+        train = TrainConfig(loss_fn=loss_fn, ce_chunk_size=7, z_loss_weight=0.01)
+        expected = build_loss(train)(model, tokens, labels)
+        expected.backward()
+        torch.testing.assert_close(loss, expected, atol=1e-12, rtol=0)
+        window, count = last.mtp_loss_window
+        assert count == 1 and window.shape == (3,)
+        torch.testing.assert_close(window, model.mtp_loss_window[0], atol=1e-12, rtol=0)
+
+        assert first.mtp is None and first.output is None and last.mtp is not None
+        assert last.tok_embeddings is not None and (last.output.weight is last.tok_embeddings.weight) == tied
+        # what the optimizer and checkpoints see on the last stage's rank: the modules and the embedding copy
+        held = stage_union([last]).state_dict()
+        assert {"mtp.1.proj.weight", "mtp.2.norm.weight", "tok_embeddings.weight", "output.weight"} <= held.keys()
+        assert sorted(stage_union([first, last]).state_dict()) == sorted(model.state_dict())
+        grads = {name: p.grad for name, p in first.named_parameters()}
+        for name, p in last.named_parameters():  # the embedding's copy: its gradient summed with the first's
+            grads[name] = grads[name] + p.grad if name in grads else p.grad
+        reference = {name: p.grad for name, p in model.named_parameters()}
+        assert sorted(grads) == sorted(reference) and "mtp.2.proj.weight" in grads
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference[name], atol=1e-12, rtol=0, msg=name)
+        # Without the last stage's share the embedding's gradient is not one process's: the copy is needed.
+        only_first = next(p.grad for name, p in first.named_parameters() if name == "tok_embeddings.weight")
+        assert (only_first - reference["tok_embeddings.weight"]).abs().max() > 1e-4
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_tied_last_stage_materialized_from_meta_keeps_one_matrix():
+    """The last stage with tied embeddings holds the embedding and the head as one parameter; `to_empty` gives
+    each module its own tensor, and the job's materialization shares them again (pp without FSDP or TP keeps
+    plain parameters). Without it the head and the lookup train two matrices (measured through the CLI,
+    interleaved 1F1B: losses 0.06 apart from one process's by step 6)."""
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(**SHAPE, mtp_depth=1, tie_embeddings=True))
+    last = stage_model(model, 1, 2)
+    last.to_empty(device="cpu")
+    assert last.output.weight is not last.tok_embeddings.weight  # what to_empty does to shared plain tensors
+    last = stage_model(model, 1, 2)
+    materialize(last, torch.device("cpu"))
+    assert last.output.weight is last.tok_embeddings.weight
+    assert last.rope_cos.device.type == "cpu" and torch.isfinite(last.rope_cos).all()
+
+
+def test_evaluation_reads_the_main_output_only():
+    """Evaluation (the loss's plain mode) through the stages is the model's plain cross-entropy, exactly."""
+    torch.manual_seed(1)
+    model = Transformer(ModelConfig(**SHAPE, mtp_depth=1))
+    tokens, labels = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+    stage_loss = StageCrossEntropy(0.1)
+    first, last = stage_model(model, 0, 2), stage_model(model, 1, 2)
+    last.register_forward_hook(send_predictions)
+    stage_loss.bind_predictions(last)
+    with torch.no_grad(), stage_loss.plain():
+        output = last(first(tokens), mtp=True, mtp_tokens=tokens)
+        value = stage_loss(output, labels)
+        expected = build_loss(TrainConfig(loss_fn="cross_entropy", z_loss_weight=0.1))(
+            model, tokens, labels, z_loss=False
+        )
+    assert value.item() == expected.item()
+    assert not hasattr(last, "mtp_loss_window")  # evaluation reports no depth losses
+
+
+def test_memory_estimate_counts_the_last_stages_embedding_copy():
+    """Each pipeline rank's parameter bytes are its stage model's: with untied embeddings the last stage holds
+    the prediction modules and a copy of the embedding besides its head."""
+    model_cfg = {**SHAPE, "mtp_depth": 2, "tie_embeddings": False}
+    cfg = JobConfig(
+        model=model_cfg, train={"batch_size": 2, "seq_len": 16, "grad_accum_steps": 2}, distributed={"pp": 2}
+    ).validate(2)
+    model = Transformer(cfg.model)
+    rows = estimate_memory(cfg, 2)
+    assert len(rows) == 2
+    for stage, row in enumerate(rows):
+        part = stage_model(model, stage, 2)
+        assert row.params == sum(p.nbytes for p in part.parameters()), stage
+    embedding = cfg.model.vocab_size * cfg.model.dim * 4
+    assert rows[1].params - rows[0].params > embedding  # the copy, the head and the modules
+
+
+MTP_PP = [
+    "--model.mtp_depth=2",
+    "--model.mtp_loss_weight=0.5",
+    "--model.tie_embeddings=false",
+    "--train.grad_accum_steps=2",
+    "--eval.steps=4",
+]
+
+
+@pytest.mark.slow
+def test_pipelined_multi_token_prediction_matches_one_process_and_resumes_in_one(tmp_path, parity):
+    single, piped = tmp_path / "single", tmp_path / "pp2"
+    result = forge(single, *MTP_PP, "--train.max_steps=7", batch_size=2)  # its step 7: what the resume must give
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = forge(piped, *MTP_PP, *PIPELINE_LAYOUT, "--distributed.pp_schedule=1f1b", nproc=2, batch_size=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours, ref = records(piped), records(single)
+    assert sorted(ours) == list(range(1, 7)), ours.keys()
+    tol = tolerance(single)
+    for step in range(1, 7):
+        for key in ("loss", "loss_main", "mtp/loss_1", "mtp/loss_2"):
+            parity.within(f"{key} step {step}", abs(ours[step][key] - ref[step][key]), tol.loss_at(step))
+        gap = abs(ours[step]["grad_norm"] / ref[step]["grad_norm"] - 1)
+        parity.within(f"grad norm step {step}", gap, tol.norm_at(step))
+    assert ours[6]["mtp/loss_2"] != ours[6]["mtp/loss_1"] != ours[6]["loss_main"]
+    evals, ref_evals = records(piped, "eval_loss"), records(single, "eval_loss")
+    assert sorted(evals) == [3, 6]
+    parity.within("eval loss", abs(evals[6]["eval_loss"] - ref_evals[6]["eval_loss"]), tol.loss_at(7))
+    # The step-6 weights: the prediction modules, and the embedding both stages trained (one checkpoint entry).
+    expected, got = step_weights(single, 6), step_weights(piped, 6)
+    assert sorted(got) == sorted(expected) and "mtp.2.block.attention.wq.weight" in got
+    largest = max(t.abs().max().item() for t in expected.values() if t.is_floating_point())
+    bound = tol.weights([ref[step]["lr"] for step in range(1, 7)], largest)
+    parity.close(got, expected, atol=bound, what="step-6 weights")
+    # Step 7 in one process, from the pipelined run's step-6 checkpoint.
+    result = forge(piped, *MTP_PP, "--train.max_steps=7", batch_size=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    parity.within("resumed step 7 loss", abs(records(piped)[7]["loss"] - ref[7]["loss"]), tol.loss_at(7))
