@@ -438,19 +438,24 @@ def test_expert_parallel_matches_plain_data_parallel(tmp_path, parity):
 
 
 def test_expert_parallel_matches_one_process(tmp_path, short_documents, parity):
-    """ep = 2 on two ranks against one process on the same global batch, both on packed windows of short
-    documents (so expert parallelism is checked with the document masks on). Without the batch-level balance
-    loss: each rank computes it over its own micro-batch, and the mean of two such losses is not the loss of
-    their union (measured with moe_aux_loss_weight = 0.001: the step-6 loss 5.6e-5 away from one process's,
-    with 0: every step within 2e-6). The balancing bias still moves, on the router load summed over the ranks."""
+    """ep = 2 on two ranks (FSDP, dp_shard = 2) against one process on the same global batch, both on packed
+    windows of short documents (so expert parallelism is checked with the document masks on), routing
+    group-limited (DeepSeek-V3's node-limited choice: 2 groups of 2 experts, a token keeps the better one; each
+    ep rank holds one group). Without the batch-level balance loss: each rank computes it over its own
+    micro-batch, and the mean of two such losses is not the loss of their union (measured with
+    moe_aux_loss_weight = 0.001: the step-6 loss 5.6e-5 away from one process's, with 0: every step within
+    2e-6). The balancing bias still moves, on the router load summed over the ranks."""
     source, _ = short_documents
-    moe = [*MOE, "--model.moe_aux_loss_weight=0", *source, "--data.pack_sequences=true"]
+    grouped = ["--model.moe_n_group=2", "--model.moe_topk_group=1"]
+    moe = [*MOE, *grouped, "--model.moe_aux_loss_weight=0", *source, "--data.pack_sequences=true"]
     result = forge(tmp_path / "ep2", *moe, "--distributed.ep=2", nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     result = forge(tmp_path / "single", *moe)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(tmp_path / "ep2", tmp_path / "single", parity)
     assert records(tmp_path / "single")[6]["moe/1/bias_max"] > 0
+    routed = load_job_config(tmp_path / "ep2" / "config.toml").model
+    assert (routed.moe_router, routed.moe_n_group, routed.moe_topk_group) == ("sigmoid_topk", 2, 1)
 
 
 def test_a_preempted_multi_process_run_exits_75_and_resumes(tmp_path):

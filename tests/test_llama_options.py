@@ -3,8 +3,9 @@ n_heads, q/k/v biases (Qwen2), RoPE scaling (linear, Llama 3.1's llama3) and a s
 
 Each against `transformers` both ways — a Forge model exported and loaded by transformers, and a model with
 transformers' own random weights imported — with the same logits within parity.model_bound and, through
-generation's KV cache, the same greedy tokens; under FSDP, TP and PP (one launch, float64) the per-step losses
-of one process; and the refusals of what cannot be computed or exported (exit 2, naming the fields)."""
+generation's KV cache, the same greedy tokens; under FSDP, TP and PP (one launch, float64, for all the options
+in one model and for linear RoPE scaling in another) the per-step losses of one process; and the refusals of
+what cannot be computed or exported (exit 2, naming the fields)."""
 
 from __future__ import annotations
 
@@ -198,14 +199,11 @@ from engine.parallel.pipeline import StageShapes, build_pipeline
 from engine.parallel.tp import apply_tensor_parallel
 from engine.train.losses import cross_entropy
 
-out, model_args = sys.argv[1], json.loads(sys.argv[2])
+out, models = sys.argv[1], json.loads(sys.argv[2])
 dist.init_process_group("gloo")
 torch.set_default_dtype(torch.float64)  # one function computed two ways: compared to parity.FP64_TOL
 rank, cpu = dist.get_rank(), torch.device("cpu")
-cfg = ModelConfig(**model_args)
-MICRO, ROWS, SEQ, STEPS, EOS = 2, 2, cfg.max_seq_len, 3, 0
-torch.manual_seed(0)
-base = Transformer(cfg)
+MICRO, ROWS, STEPS, EOS = 2, 2, 3, 0
 
 
 def batches():
@@ -241,49 +239,56 @@ def train(model, rows, packed, reduce=None):
     return losses, {n: full(p) for n, p in model.named_parameters()}
 
 
-results = {}
-references = {packed: train(copy.deepcopy(base), slice(None), packed) for packed in (False, True)}
-results["packed_differs"] = min(abs(a - b) for a, b in zip(references[True][0], references[False][0]))
+reports = {}
+for name, model_args in models.items():  # each model: its references and the three layouts
+    cfg = ModelConfig(**model_args)  # read by batches() and the SEQ below
+    SEQ = cfg.max_seq_len
+    torch.manual_seed(0)
+    base = Transformer(cfg)
+    results = {}
+    references = {packed: train(copy.deepcopy(base), slice(None), packed) for packed in (False, True)}
+    results["packed_differs"] = min(abs(a - b) for a, b in zip(references[True][0], references[False][0]))
 
-# FSDP over 2 ranks, unpacked: each rank one micro-batch, the gradients averaged (so each loss / MICRO, summed).
-mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-model = copy.deepcopy(base)
-apply_fsdp(model, mesh, torch.float32)  # fp32 "compute": casts nothing, the model stays float64
-results["fsdp"] = train(model, slice(rank, rank + 1), False, reduce=mesh.get_group())
+    # FSDP over 2 ranks, unpacked: each rank one micro-batch, the gradients averaged (so each loss / MICRO, summed).
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = copy.deepcopy(base)
+    apply_fsdp(model, mesh, torch.float32)  # fp32 "compute": casts nothing, the model stays float64
+    results["fsdp"] = train(model, slice(rank, rank + 1), False, reduce=mesh.get_group())
 
-# TP over 2 ranks (heads, q/k/v biases and the sequence split), packed documents: both micro-batches on each.
-mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-model = copy.deepcopy(base)
-apply_tensor_parallel(model, mesh, loss_parallel=False)
-results["tp"] = train(model, slice(None), True)
+    # TP over 2 ranks (heads, q/k/v biases and the sequence split), packed documents: both micro-batches on each.
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = copy.deepcopy(base)
+    apply_tensor_parallel(model, mesh, loss_parallel=False)
+    results["tp"] = train(model, slice(None), True)
 
-# PP, two stages of one block (gpipe), packed documents: the schedule's MICRO micro-batches.
-mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-shapes = StageShapes(ROWS, SEQ, SEQ, cfg.dim, cfg.vocab_size, torch.float64, torch.float64)
-pipe = build_pipeline(copy.deepcopy(base), mesh, "gpipe", MICRO, cross_entropy, cpu, shapes)
-params = [p for part in pipe.model_parts for p in part.parameters()]
-opt, losses = torch.optim.AdamW(params, lr=1e-3), []
-for x, y in batches():
-    losses.append(pipe.step_loss(pipe.step(x, y, docs(x, True)), cpu).item())
-    opt.step(); opt.zero_grad()
-state = {n: p.detach() for part in pipe.model_parts for n, p in part.named_parameters()}
-gathered = [None] * 2
-dist.all_gather_object(gathered, state)
-results["pp"] = (losses, {n: p for s in gathered for n, p in s.items()})
+    # PP, two stages of one block (gpipe), packed documents: the schedule's MICRO micro-batches.
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    shapes = StageShapes(ROWS, SEQ, SEQ, cfg.dim, cfg.vocab_size, torch.float64, torch.float64)
+    pipe = build_pipeline(copy.deepcopy(base), mesh, "gpipe", MICRO, cross_entropy, cpu, shapes)
+    params = [p for part in pipe.model_parts for p in part.parameters()]
+    opt, losses = torch.optim.AdamW(params, lr=1e-3), []
+    for x, y in batches():
+        losses.append(pipe.step_loss(pipe.step(x, y, docs(x, True)), cpu).item())
+        opt.step(); opt.zero_grad()
+    state = {n: p.detach() for part in pipe.model_parts for n, p in part.named_parameters()}
+    gathered = [None] * 2
+    dist.all_gather_object(gathered, state)
+    results["pp"] = (losses, {n: p for s in gathered for n, p in s.items()})
 
+    if rank == 0:
+        report = reports[name] = {"packed_differs": results["packed_differs"]}
+        for layout, packed in (("fsdp", False), ("tp", True), ("pp", True)):
+            ref_losses, ref_weights = references[packed]
+            losses, weights = results[layout]
+            report[layout] = {
+                "losses": losses,
+                "ref_losses": ref_losses,
+                "same_names": sorted(weights) == sorted(ref_weights),
+                "weights": max((weights[n] - w).abs().max().item() for n, w in ref_weights.items()),
+                "worst": max(ref_weights, key=lambda n: (weights[n] - ref_weights[n]).abs().max().item()),
+            }
 if rank == 0:
-    report = {"packed_differs": results["packed_differs"]}
-    for name, packed in (("fsdp", False), ("tp", True), ("pp", True)):
-        ref_losses, ref_weights = references[packed]
-        losses, weights = results[name]
-        report[name] = {
-            "losses": losses,
-            "ref_losses": ref_losses,
-            "same_names": sorted(weights) == sorted(ref_weights),
-            "weights": max((weights[n] - w).abs().max().item() for n, w in ref_weights.items()),
-            "worst": max(ref_weights, key=lambda n: (weights[n] - ref_weights[n]).abs().max().item()),
-        }
-    (__import__("pathlib").Path(out) / "result.json").write_text(json.dumps(report))
+    (__import__("pathlib").Path(out) / "result.json").write_text(json.dumps(reports))
 dist.barrier()
 dist.destroy_process_group()
 from engine.parallel.launch import end_process
@@ -304,24 +309,32 @@ LAYOUT_MODEL = dict(
     rope_original_max_seq_len=64,
     sliding_window=5,
 )
+LAYOUT_MODELS = {
+    "all_options_llama3": LAYOUT_MODEL,
+    # the other RoPE scaling: positions divided by 4 (0 … 3.75 in sequences of 16), the rest plain Llama
+    "rope_linear": dict(GQA, vocab_size=64, max_seq_len=16, rope_scaling="linear", rope_scaling_factor=4.0),
+}
 
 
 def test_fsdp_tp_and_pp_train_the_options_like_one_process(tmp_path, parity):
-    """One launch of 2 gloo ranks, float64: FSDP (unpacked), TP and a 2-stage pipeline (both with packed
-    documents, the sliding window inside each document) each take 3 AdamW steps; every step's loss and the
-    final weights equal one process's on the same global batch within parity.FP64_TOL (the claim is that
-    they compute the same function: tests/parity.py)."""
+    """One launch of 2 gloo ranks, float64, for each of LAYOUT_MODELS: FSDP (unpacked), TP and a 2-stage
+    pipeline (both with packed documents, the sliding window inside each document) each take 3 AdamW steps;
+    every step's loss and the final weights equal one process's on the same global batch within
+    parity.FP64_TOL (the claim is that they compute the same function: tests/parity.py)."""
     script = tmp_path / "options_layouts.py"
     script.write_text(LAYOUT_SCRIPT)
-    result = torchrun(script, 2, str(tmp_path), json.dumps(LAYOUT_MODEL), timeout=240)
+    result = torchrun(script, 2, str(tmp_path), json.dumps(LAYOUT_MODELS), timeout=240)
     assert result.returncode == 0, result.stdout[-4000:]
-    report = json.loads((tmp_path / "result.json").read_text())
-    assert report["packed_differs"] > 1e-4  # the packed runs' documents change the losses
-    for name in ("fsdp", "tp", "pp"):
-        row = report[name]
-        assert len(row["losses"]) == len(row["ref_losses"]) == 3 and row["same_names"], name
-        parity.within(f"{name} losses", max(abs(a - b) for a, b in zip(row["losses"], row["ref_losses"])), FP64_TOL)
-        parity.within(f"{name} weights (worst: {row['worst']})", row["weights"], FP64_TOL)
+    reports = json.loads((tmp_path / "result.json").read_text())
+    assert sorted(reports) == sorted(LAYOUT_MODELS)
+    for model, report in reports.items():
+        assert report["packed_differs"] > 1e-4, model  # the packed runs' documents change the losses
+        for name in ("fsdp", "tp", "pp"):
+            row = report[name]
+            assert len(row["losses"]) == len(row["ref_losses"]) == 3 and row["same_names"], (model, name)
+            worst = max(abs(a - b) for a, b in zip(row["losses"], row["ref_losses"]))
+            parity.within(f"{model} {name} losses", worst, FP64_TOL)
+            parity.within(f"{model} {name} weights (worst: {row['worst']})", row["weights"], FP64_TOL)
 
 
 @pytest.mark.parametrize("name", ["head_dim", "sliding_qkv_bias_head_dim"])

@@ -12,7 +12,10 @@ Both runs train with the batch-level balance loss, the router z-loss and the sig
 routing group-limited.
 Each stage's routers' auxiliary losses reach the schedule's backward on the stage's output
 (engine/parallel/pipeline_moe.py); without them the routers' gradients, and from step 2 the losses, differ.
-The stages are told their shapes up front, so no placeholder forward moves the bias before step 1."""
+The stages are told their shapes up front, so no placeholder forward moves the bias before step 1.
+
+Mixtral's router (softmax, top-k weights renormalised) has a lighter launch of its own, 3 steps: pp = 2 with
+interleaved 1F1B and FSDP (dp_shard = 2), each against one process on the same micro-batches."""
 
 from __future__ import annotations
 
@@ -81,6 +84,71 @@ def test_moe_pipelined_matches_one_process_and_resumes_in_one(tmp_path, parity):
     result = forge(piped, *MOE_PP, "--train.max_steps=7", batch_size=2)
     assert result.returncode == 0, result.stderr[-3000:]
     parity.within("resumed step 7 loss", abs(records(piped)[7]["loss"] - ref[7]["loss"]), tol.loss_at(7))
+
+
+# Mixtral's router (softmax, the top-k weights renormalised) with the batch-level balance loss and the router
+# z-loss; no shared experts and no balancing bias (Mixtral has neither). 3 steps of 2 micro-batches of 2.
+MIXTRAL = [
+    "--model.num_experts=4",
+    "--model.moe_top_k=2",
+    "--model.moe_router=softmax_topk_renorm",
+    "--model.moe_aux_loss_weight=0.01",
+    "--model.moe_router_z_loss_weight=0.001",
+    "--train.max_steps=3",
+    "--train.loss_fn=cross_entropy",
+]
+MIXTRAL_LAYOUTS = {
+    # two stages a rank: the auxiliary losses ride on four stage outputs
+    "pp2_interleaved": [*PIPELINE, "--distributed.pp_schedule=interleaved_1f1b"],
+    # FSDP over 2 ranks, a micro-batch each: rank r's 2 sequences are the one process's micro-batch r
+    # (engine/data/sampler.BatchLayout), so each balance loss is over the same tokens; eval: 2 batches of 2 a
+    # rank are the one process's 4
+    "fsdp2": ["--distributed.dp_shard=2", "--train.grad_accum_steps=1", "--eval.steps=2"],
+}
+
+
+@pytest.mark.slow
+def test_mixtral_router_pipelined_and_sharded_matches_one_process(tmp_path, parity):
+    """Mixtral's renormalising router under pp = 2 (interleaved 1F1B) and under FSDP (dp_shard = 2), each
+    against one process on the same micro-batches, 3 steps: losses, gradient norms, the eval loss and the
+    step-3 weights within the fp32 tolerances of tests/parity.TrainingTolerance, as above; under pp also every
+    routing metric (each layer's balance and z-losses from whichever stage holds it, the last micro-batch's,
+    as one process logs; under FSDP rank 0 logs its own micro-batch's routing, the one process's first).
+    Checked by breaking it: the weights left unrenormalised on 2 ranks move the step-1 loss by 2e-4 (tolerance
+    1.7e-5) under either layout; stages that drop their auxiliary losses' gradient (still logging them) move
+    the step-2 routing by a token (imbalance 1/32 apart; the loss only 1e-5, within its 3.5e-5)."""
+    single = tmp_path / "single"
+    result = forge(single, *MIXTRAL, *MICRO, batch_size=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ref, ref_evals = records(single), records(single, "eval_loss")
+    routing = sorted(key for key in ref[3] if key.startswith("moe/"))
+    # 4 MoE layers × (imbalance, load_cv, dead_experts, dropped, 3 aux losses) + the five totals
+    assert len(routing) == 4 * 7 + 5 and min(ref[3][f"moe/{layer}/balance_loss"] for layer in range(4)) > 0
+    tol, expected = tolerance(single), step_weights(single, 3)
+    largest = max(t.abs().max().item() for t in expected.values() if t.is_floating_point())
+    for layout, args in MIXTRAL_LAYOUTS.items():
+        run_dir = tmp_path / layout
+        result = forge(run_dir, *MIXTRAL, *args, nproc=2, batch_size=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert load_job_config(run_dir / "config.toml").model.moe_router == "softmax_topk_renorm"
+        ours = records(run_dir)
+        assert sorted(ours) == sorted(ref) == [1, 2, 3], (layout, ours.keys())
+        assert sorted(key for key in ours[3] if key.startswith("moe/")) == routing, layout
+        for step in range(1, 4):
+            gap = abs(ours[step]["loss"] - ref[step]["loss"])
+            parity.within(f"{layout} loss step {step}", gap, tol.loss_at(step))
+            gap = abs(ours[step]["grad_norm"] / ref[step]["grad_norm"] - 1)
+            parity.within(f"{layout} grad norm step {step}", gap, tol.norm_at(step))
+            if layout.startswith("pp"):  # a data-parallel rank 0 logs the routing of its own micro-batch
+                worst = max(abs(ours[step][key] - ref[step][key]) for key in routing)
+                parity.within(f"{layout} routing metrics step {step}", worst, tol.loss_at(step))
+        evals = records(run_dir, "eval_loss")
+        assert sorted(evals) == sorted(ref_evals) == [3], layout
+        parity.within(f"{layout} eval loss", abs(evals[3]["eval_loss"] - ref_evals[3]["eval_loss"]), tol.loss_at(4))
+        got = step_weights(run_dir, 3)
+        assert sorted(got) == sorted(expected), layout
+        bound = tol.weights([ref[step]["lr"] for step in range(1, 4)], largest)
+        parity.close(got, expected, atol=bound, what=f"{layout} step-3 weights")
 
 
 def step_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
