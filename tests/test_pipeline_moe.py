@@ -75,15 +75,22 @@ def test_moe_pipelined_matches_one_process_and_resumes_in_one(tmp_path, parity):
     assert sorted(evals) == [3, 6]
     parity.within("eval loss", abs(evals[6]["eval_loss"] - ref_evals[6]["eval_loss"]), tol.loss_at(7))
     # The step-6 weights, every router's bias, pending load and update count included.
+    assert_step_6_weights_and_resume(single, piped, MOE_PP, parity, "step-6 weights and router buffers")
+
+
+def assert_step_6_weights_and_resume(single: Path, piped: Path, args: list[str], parity, what: str) -> set[str]:
+    """The pipelined run's step-6 weights are the one-process run's (within tests/parity.TrainingTolerance), and
+    step 7 in one process from its step-6 checkpoint gives the uninterrupted run's loss. → the weights' names."""
+    ref, tol = records(single), tolerance(single)
     expected, got = step_weights(single, 6), step_weights(piped, 6)
     assert sorted(got) == sorted(expected)
     largest = max(t.abs().max().item() for t in expected.values() if t.is_floating_point())
     bound = tol.weights([ref[step]["lr"] for step in range(1, 7)], largest)
-    parity.close(got, expected, atol=bound, what="step-6 weights and router buffers")
-    # Step 7 in one process, from the pipelined run's step-6 checkpoint.
-    result = forge(piped, *MOE_PP, "--train.max_steps=7", batch_size=2)
+    parity.close(got, expected, atol=bound, what=what)
+    result = forge(piped, *args, "--train.max_steps=7", batch_size=2)
     assert result.returncode == 0, result.stderr[-3000:]
     parity.within("resumed step 7 loss", abs(records(piped)[7]["loss"] - ref[7]["loss"]), tol.loss_at(7))
+    return set(got)
 
 
 # Mixtral's router (softmax, the top-k weights renormalised) with the batch-level balance loss and the router
