@@ -4,10 +4,11 @@ main and the modules' outputs as one tensor, which `StageCrossEntropy` splits.
 
 In-process (float64): two stage models run one after the other give one process's training loss, recorded
 per-depth losses and gradients, the two embedding copies' gradients summing to the one matrix's (as
-`TiedWeight.sync` sums them between the ranks), tied or not, with either loss. As a user starts it
-(`forge train --nproc-per-node 2`, gloo): pp = 2 (1F1B, the preset's chunked loss, untied embeddings) against
-one process on the same micro-batches, every step's loss, main and per-depth loss, gradient norm, the eval loss
-and the step-6 weights, and the pipelined run resumes in one process. The memory estimate counts the last stage's
+`TiedWeight.sync` sums them between the ranks), tied or not, with either loss; evaluation runs the main
+model alone. As a user starts it (`forge train --nproc-per-node N`, gloo): pp = 2 (1F1B, the preset's chunked
+loss, untied embeddings) and pp = 2 × tp = 2 (GPipe, tied) against one process on the same micro-batches, every
+step's loss, main and per-depth loss, gradient norm, the eval loss and the step-6 weights, and the pipelined run
+resumes in one process. The memory estimate counts the last stage's
 embedding copy and what its modules save (0.999 of the saved tensors' bytes, either loss)."""
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import torch
 from engine.config.job import JobConfig
 from engine.config.model import ModelConfig
 from engine.config.train import TrainConfig
+from engine.model import materialize
 from engine.model.transformer import Transformer
 from engine.parallel.memory import estimate_memory
 from engine.parallel.pipeline import send_predictions, stage_model, stage_union
-from engine.train.job import materialize
 from engine.train.losses import StageCrossEntropy, build_loss
 from tests.test_distributed import PIPELINE_LAYOUT, forge, records, tolerance
 from tests.test_memory_estimate import ACTIVATION_TOLERANCE
@@ -104,8 +105,9 @@ def test_a_tied_last_stage_materialized_from_meta_keeps_one_matrix():
     assert last.rope_cos.device.type == "cpu" and torch.isfinite(last.rope_cos).all()
 
 
-def test_evaluation_reads_the_main_output_only():
-    """Evaluation (the loss's plain mode) through the stages is the model's plain cross-entropy, exactly."""
+def test_evaluation_runs_the_main_model_alone():
+    """Evaluation passes the stages no token ids (Pipeline.stage_kwargs): the last stage sends the main output
+    alone, and the loss's plain mode gives the model's plain cross-entropy, exactly."""
     torch.manual_seed(1)
     model = Transformer(ModelConfig(**SHAPE, mtp_depth=1))
     tokens, labels = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
@@ -114,7 +116,8 @@ def test_evaluation_reads_the_main_output_only():
     last.register_forward_hook(send_predictions)
     stage_loss.bind_predictions(last)
     with torch.no_grad(), stage_loss.plain():
-        output = last(first(tokens), mtp=True, mtp_tokens=tokens)
+        output = last(first(tokens))
+        assert output.shape == (2, 16, 97)
         value = stage_loss(output, labels)
         expected = build_loss(TrainConfig(loss_fn="cross_entropy", z_loss_weight=0.1))(
             model, tokens, labels, z_loss=False
@@ -170,21 +173,29 @@ def test_memory_estimate_of_the_last_stage_counts_the_modules_and_the_embedding_
     assert abs(estimate / sum(seen.values()) - 1) < ACTIVATION_TOLERANCE, (estimate, sum(seen.values()))
 
 
-MTP_PP = [
-    "--model.mtp_depth=2",
-    "--model.mtp_loss_weight=0.5",
-    "--model.tie_embeddings=false",
-    "--train.grad_accum_steps=2",
-    "--eval.steps=4",
-]
+MTP_PP = ["--model.mtp_depth=2", "--model.mtp_loss_weight=0.5", "--train.grad_accum_steps=2", "--eval.steps=4"]
+# (the one-process run's arguments besides MTP_PP, the pipeline's besides those, processes): the untied embedding's
+# copy under 1F1B with the preset's chunked loss; the tied matrix under pp × tp (GPipe, the plain loss: the chunked
+# one is refused with pp × tp), where the first stage's lookup gradient comes out replicated and the head's sharded
+# (TiedWeight.sync lays them out alike; before, tied embeddings crashed there with or without the modules).
+LAYOUTS = {
+    "untied_1f1b_chunked": (["--model.tie_embeddings=false"], ["--distributed.pp_schedule=1f1b"], 2),
+    "tied_tp2_gpipe": (
+        ["--model.tie_embeddings=true", "--train.loss_fn=cross_entropy"],
+        ["--distributed.tp=2", "--distributed.pp_schedule=gpipe"],
+        4,
+    ),
+}
 
 
 @pytest.mark.slow
-def test_pipelined_multi_token_prediction_matches_one_process_and_resumes_in_one(tmp_path, parity):
-    single, piped = tmp_path / "single", tmp_path / "pp2"
-    result = forge(single, *MTP_PP, "--train.max_steps=7", batch_size=2)  # its step 7: what the resume must give
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pipelined_multi_token_prediction_matches_one_process_and_resumes_in_one(tmp_path, layout, parity):
+    model, pipeline, nproc = LAYOUTS[layout]
+    single, piped, args = tmp_path / "single", tmp_path / "pp2", [*MTP_PP, *model]
+    result = forge(single, *args, "--train.max_steps=7", batch_size=2)  # its step 7: what the resume must give
     assert result.returncode == 0, result.stderr[-3000:]
-    result = forge(piped, *MTP_PP, *PIPELINE_LAYOUT, "--distributed.pp_schedule=1f1b", nproc=2, batch_size=2)
+    result = forge(piped, *args, *PIPELINE_LAYOUT, *pipeline, nproc=nproc, batch_size=2)
     assert result.returncode == 0, result.stderr[-3000:]
     ours, ref = records(piped), records(single)
     assert sorted(ours) == list(range(1, 7)), ours.keys()
@@ -199,5 +210,5 @@ def test_pipelined_multi_token_prediction_matches_one_process_and_resumes_in_one
     assert sorted(evals) == [3, 6]
     parity.within("eval loss", abs(evals[6]["eval_loss"] - ref_evals[6]["eval_loss"]), tol.loss_at(7))
     # The step-6 weights: the prediction modules, and the embedding both stages trained (one checkpoint entry).
-    names = assert_step_6_weights_and_resume(single, piped, MTP_PP, parity, "step-6 weights")
+    names = assert_step_6_weights_and_resume(single, piped, args, parity, "step-6 weights")
     assert {"mtp.2.block.attention.wq.weight", "tok_embeddings.weight", "output.weight"} <= names

@@ -149,6 +149,9 @@ class ModelParts:
     tied: tuple[str, str] | None = None
     mtp: str | None = None
 
+    def __post_init__(self) -> None:
+        assert self.mtp is None or self.tied is not None, "ModelParts.mtp looks tokens up in tied[0]: name it"
+
 
 @dataclass(frozen=True)
 class Piece:

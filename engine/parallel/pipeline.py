@@ -32,8 +32,8 @@ which the last stage does not receive: every rank holds the step's batch anyway 
 as a keyword argument (`mtp_tokens`), split into micro-batches like packed windows' document ids. A stage
 sends one tensor, so the last stage's forward hook (`send_predictions`) concatenates the main output and
 the D modules' whole-window outputs along the batch: [(1 + D) · batch, seq, vocab or dim]
-(`StageShapes.predictions`); the loss splits them again (engine/train/losses.py, `StageCrossEntropy`). The
-modules run in evaluation too (the declared shape holds for both), whose loss reads the main output only.
+(`StageShapes.predictions`); the loss splits them again (engine/train/losses.py, `StageCrossEntropy`).
+Evaluation runs the main model alone (no token ids passed: the last stage sends [batch, seq, ·]).
 
 Shapes: every stage is told up front what it receives and sends for one micro-batch (`StageShapes`), so the
 schedule's first step does not run each stage once on placeholder inputs to learn them (torch's metadata
@@ -98,7 +98,9 @@ class StageShapes:
     """What the stages pass for one micro-batch: token ids [batch, seq] into the first stage, hidden states
     [batch, hidden_seq, dim] between stages (hidden_seq = seq / tp: the residual stream is sequence-sharded
     under tensor parallelism), full logits [batch, seq, vocab] out of the last, or with `last_hidden` (a loss
-    that projects them itself) its final-normed hidden states [batch, seq, dim], in the residual's dtype."""
+    that projects them itself) its final-normed hidden states [batch, seq, dim], in the residual's dtype.
+    With `predictions` D > 0 (multi-token prediction) a training forward's last stage sends (1 + D)·batch
+    rows: the main output, then each module's; evaluation runs the main model alone."""
 
     batch: int
     seq: int
@@ -116,8 +118,8 @@ class StageShapes:
             return torch.empty(self.batch, self.seq, dtype=torch.int64, device="meta")
         return self.hidden().requires_grad_()
 
-    def outputs(self, stage: int, n_stages: int) -> torch.Tensor:
-        rows = (1 + self.predictions) * self.batch  # the last stage's: the main output, then each module's
+    def outputs(self, stage: int, n_stages: int, training: bool = True) -> torch.Tensor:
+        rows = (1 + self.predictions if training else 1) * self.batch  # the last stage's: main, then each module's
         if stage == n_stages - 1 and self.last_hidden:
             shape = (rows, self.seq, self.dim)
             return torch.empty(shape, dtype=self.hidden_dtype, device="meta").requires_grad_()
@@ -130,11 +132,13 @@ class StageShapes:
         return torch.empty(self.batch, self.hidden_seq, self.dim, dtype=self.hidden_dtype, device="meta")
 
 
-def check_output_hook(expected: torch.Tensor, stage: int) -> Callable:
-    """A forward hook that fails loudly when a stage's output is not what its `StageShapes` declared: the next
-    stage would receive the bytes into a buffer of the declared shape and dtype."""
+def check_output_hook(training: torch.Tensor, evaluation: torch.Tensor, stage: int) -> Callable:
+    """A forward hook that fails loudly when a stage's output is not what its `StageShapes` declared for a
+    training forward (with gradients) or an evaluation one: the next stage would receive the bytes into a
+    buffer of the declared shape and dtype."""
 
     def check(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        expected = training if torch.is_grad_enabled() else evaluation
         if output.shape != expected.shape or output.dtype != expected.dtype:
             raise RuntimeError(
                 f"pipeline stage {stage} produced {tuple(output.shape)} {output.dtype}, but its StageShapes "
@@ -144,9 +148,14 @@ def check_output_hook(expected: torch.Tensor, stage: int) -> Callable:
     return check
 
 
-def send_predictions(module: nn.Module, args: tuple, output: tuple[torch.Tensor, list[torch.Tensor]]) -> torch.Tensor:
-    """Forward hook of a last stage with multi-token prediction: its (main output, [module outputs]) as the one
-    tensor a stage sends, concatenated along the batch (each is [batch, seq, ·])."""
+def send_predictions(
+    module: nn.Module, args: tuple, output: torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]
+) -> torch.Tensor | None:
+    """Forward hook of a last stage with multi-token prediction: a training forward's (main output, [module
+    outputs]) as the one tensor a stage sends, concatenated along the batch (each is [batch, seq, ·]); an
+    evaluation forward's main output (a tensor: no modules ran) as it is."""
+    if isinstance(output, torch.Tensor):
+        return None
     main, predictions = output
     return torch.cat([main, *predictions])
 
@@ -207,10 +216,16 @@ class TiedWeight:
         return self.module.weight
 
     def sync(self) -> None:
-        """Sum the two copies' gradients (each rank's local shard, sharded alike on both ranks)."""
-        grad = self.param.grad
+        """Sum the two copies' gradients (each rank's local shard, sharded alike on both ranks). Under tensor
+        parallelism without FSDP a vocabulary-sharded embedding's gradient comes out of DTensor's lookup
+        backward replicated ([vocab, dim] on every rank) while the head's is sharded like its weight: each is
+        first laid out as its parameter is (Shard(0) of the same matrix on both ranks), so the two ranks
+        reduce tensors of the same size, which are this rank's rows."""
+        param, grad = self.param, self.param.grad
         if grad is None:
-            grad = self.param.grad = torch.zeros_like(self.param)
+            grad = param.grad = torch.zeros_like(param)
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
         dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
 
 
@@ -265,14 +280,15 @@ class Pipeline:
     last_hidden: bool = False  # the last stage returns hidden states, not logits (StageShapes.last_hidden)
     predictions: bool = False  # the last stage runs multi-token prediction (StageShapes.predictions)
 
-    def stage_kwargs(self, inputs: torch.Tensor, doc_ids: torch.Tensor | None) -> dict[str, object]:
+    def stage_kwargs(self, inputs: torch.Tensor, doc_ids: torch.Tensor | None, training: bool) -> dict[str, object]:
         """What every stage's forward receives besides its input: packed windows' document ids,
-        `return_hidden` when the loss projects the last stage's hidden states itself, and with multi-token
-        prediction the token ids `inputs` for its modules (the stages before the last ignore them)."""
+        `return_hidden` when the loss projects the last stage's hidden states itself, and in training with
+        multi-token prediction the token ids `inputs` for its modules (the stages before the last ignore them;
+        evaluation runs the main model alone)."""
         return {
             **documents(doc_ids),
             **({"return_hidden": True} if self.last_hidden else {}),
-            **({"mtp": True, "mtp_tokens": inputs} if self.predictions else {}),
+            **({"mtp": True, "mtp_tokens": inputs} if self.predictions and training else {}),
         }
 
     @property
@@ -293,7 +309,7 @@ class Pipeline:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         target = labels if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
-        kwargs = self.stage_kwargs(inputs, doc_ids)
+        kwargs = self.stage_kwargs(inputs, doc_ids, training=True)
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if self.tied is not None:
             self.tied.sync()
@@ -313,8 +329,10 @@ class Pipeline:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
-        kwargs = self.stage_kwargs(inputs, doc_ids)
+        kwargs = self.stage_kwargs(inputs, doc_ids, training=False)
         self.schedule.eval(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        for stage in self.stages:  # the schedule keeps every micro-batch's output until its next call
+            stage.clear_runtime_states()
         return None if losses is None else torch.stack(losses).mean()
 
     def gather(self, mine: dict[str, float]) -> dict[str, float]:
@@ -368,7 +386,7 @@ def build_pipeline(
         inputs, outputs = shapes.inputs(index), shapes.outputs(index, n_stages)
         if predictions and index == n_stages - 1:
             module.register_forward_hook(send_predictions)
-        module.register_forward_hook(check_output_hook(outputs, index))
+        module.register_forward_hook(check_output_hook(outputs, shapes.outputs(index, n_stages, False), index))
         if aux_losses is not None:
             aux_losses.attach(module)
         parts.append(module)

@@ -28,12 +28,11 @@ from engine.config.job import JobConfig
 from engine.data.batch_plan import BatchPlan, batch_plan
 from engine.errors import ConfigIssue, UserError
 from engine.metrics.mfu import peak_flops
-from engine.model import build_model
+from engine.model import build_model, materialize
 from engine.model.attention import CPU_SDPA_BACKENDS
 from engine.model.documents import document_ids
 from engine.model.lora import apply_lora
 from engine.model.moe import moe_metrics
-from engine.model.spec import spec_for
 from engine.model.transformer import Transformer
 from engine.parallel.apply import float8_all_gather, parallelize
 from engine.parallel.context import ContextParallel
@@ -328,19 +327,6 @@ def distributed_model(
             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
         )  # each rank takes its own keys
     return model, pipeline
-
-
-def materialize(part: torch.nn.Module, device: torch.device) -> None:
-    """Allocate a meta-device model (or stage) on `device`, uninitialised, with its derived tables. `to_empty`
-    gives every module a new tensor of its own, so a tied embedding and head held as plain tensors (a
-    pipeline's last stage with multi-token prediction, without FSDP or TP, whose DTensor parameters stay
-    shared) come out as two: they share the embedding's again."""
-    part.to_empty(device=device)
-    if part.cfg.tie_embeddings:
-        embedding, head = (getattr(part, name, None) for name in spec_for(part.cfg).parts.tied)
-        if embedding is not None and head is not None and head.weight is not embedding.weight:
-            head.weight = embedding.weight
-    part.reset_rope_tables()
 
 
 def initial_state_on_main(cfg: JobConfig, device: torch.device) -> dict[str, Any]:

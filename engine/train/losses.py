@@ -81,12 +81,12 @@ class StageCrossEntropy:
     model): `cross_entropy` of the logits, or with `chunk_size` set, `chunked_cross_entropy` of the final-normed
     hidden states (`takes_hidden`: the pipeline then asks its stages for them) through the head of the module
     `bind_head` gave, the last stage's copy of `output`. Evaluation runs through the same schedule and reports
-    plain CE, so it turns z-loss off for its pass. With multi-token prediction (`bind_predictions`) the
-    stage's output holds the modules' outputs after the main one along the batch: training adds their loss
-    as one process does (`with_mtp_loss`), evaluation reads the main output only."""
+    plain CE, so it turns z-loss off for its pass. With multi-token prediction (`bind_predictions`) a
+    training forward's stage output holds the modules' outputs after the main one along the batch, whose loss
+    is added as one process adds it (`with_mtp_loss`); evaluation's stages run the main model alone."""
 
     def __init__(self, z_loss_weight: float, chunk_size: int | None = None) -> None:
-        self.z_loss_weight, self.z_loss, self.chunk_size = z_loss_weight, True, chunk_size
+        self.z_loss_weight, self.training, self.chunk_size = z_loss_weight, True, chunk_size
         self.head: torch.nn.Module | None = None  # chunked: the last stage's output module (weight looked up per call)
         self.predictions: torch.nn.Module | None = None  # the last stage, when it runs multi-token prediction
         self.token_losses: list[torch.Tensor] | None = None  # while `recording`: each microbatch's, in call order
@@ -106,17 +106,14 @@ class StageCrossEntropy:
         self.predictions = stage
 
     def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        main, depth = output, []
-        if self.predictions is not None:
-            main, *depth = output.chunk(1 + self.predictions.cfg.mtp_depth)
-        value = self.main_loss(main, labels)
-        if depth and self.z_loss:  # training
-            value = with_mtp_loss(self.predictions, value, depth, labels, self.depth_loss)
-        return value
+        if self.predictions is None or not self.training:  # evaluation's stages run the main model alone
+            return self.main_loss(output, labels)
+        main, *depth = output.chunk(1 + self.predictions.cfg.mtp_depth)
+        return with_mtp_loss(self.predictions, self.main_loss(main, labels), depth, labels, self.depth_loss)
 
     def main_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         keep = self.token_losses.append if self.token_losses is not None else None
-        z_weight = self.z_loss_weight if self.z_loss else 0.0
+        z_weight = self.z_loss_weight if self.training else 0.0
         if self.chunk_size is None:
             return cross_entropy(output, labels, z_weight, keep)
         assert self.head is not None, "the chunked stage loss needs bind_head() on the last stage's rank"
@@ -141,11 +138,12 @@ class StageCrossEntropy:
 
     @contextlib.contextmanager
     def plain(self) -> Iterator[None]:
-        self.z_loss = False
+        """Evaluation's pass: plain cross-entropy of the main output (no z-loss, no prediction modules' loss)."""
+        self.training = False
         try:
             yield
         finally:
-            self.z_loss = True
+            self.training = True
 
 
 def plain_tensor(value: torch.Tensor) -> torch.Tensor:
