@@ -21,7 +21,7 @@ from engine.config.model import ModelConfig
 from engine.config.train import TrainConfig
 from engine.model import materialize
 from engine.model.transformer import Transformer
-from engine.parallel.memory import estimate_memory
+from engine.parallel.memory import estimate_memory, last_stage_output_bytes
 from engine.parallel.pipeline import send_predictions, stage_model, stage_union
 from engine.train.losses import StageCrossEntropy, build_loss
 from tests.test_distributed import PIPELINE_LAYOUT, forge, records, tolerance
@@ -166,11 +166,15 @@ def test_memory_estimate_of_the_last_stage_counts_the_modules_and_the_embedding_
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        stage_loss(last(hidden, **kwargs), tokens)
+        output = last(hidden, **kwargs)
+        stage_loss(output, tokens)
     n = tokens.numel()
     cpu_rmsnorm_extra = cfg.model.dim * 4 * n * ((2 + 1) + cfg.model.mtp_depth * 5)  # its block, final, modules
     estimate = rows[1].activations // rows[1].microbatches_in_flight + cpu_rmsnorm_extra
     assert abs(estimate / sum(seen.values()) - 1) < ACTIVATION_TOLERANCE, (estimate, sum(seen.values()))
+    # Beyond what autograd saves: the output the schedule keeps until backward, and its gradient (the split's).
+    assert output.shape[0] == 3 * 2 and last_stage_output_bytes(cfg, n, [1], 2) == 2 * output.nbytes
+    assert last_stage_output_bytes(cfg, n, [0, 0], 2) == 0  # (micro-batches in flight on the first stage only)
 
 
 MTP_PP = ["--model.mtp_depth=2", "--model.mtp_loss_weight=0.5", "--train.grad_accum_steps=2", "--eval.steps=4"]

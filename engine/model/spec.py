@@ -63,8 +63,10 @@ class ActivationLayout:
     of the residual stream (`residual`: fp32 under autocast, the compute dtype under FSDP), whether autocast
     casts each projection's input separately (`casts`), the tensor and context parallel degrees, the
     context-parallel method, the sequence length of a micro-batch, whether windows are packed with
-    documents (whose masks engine/parallel/memory.py counts) and whether the loss is chunked
-    (`train.loss_fn = "chunked_cross_entropy"`, which keeps gradients instead of log-probabilities)."""
+    documents (whose masks engine/parallel/memory.py counts), whether the loss is chunked
+    (`train.loss_fn = "chunked_cross_entropy"`, which keeps gradients instead of log-probabilities) and the
+    vocabulary entries per rank it computes over (`loss_vocab`: the head's shard under tensor parallelism, the
+    whole vocabulary when a pipeline gathers the logits; 0: the head's shard)."""
 
     compute: int
     residual: int
@@ -75,6 +77,7 @@ class ActivationLayout:
     seq_len: int
     packed: bool = False
     chunked_loss: bool = False
+    loss_vocab: int = 0
 
 
 @dataclass(frozen=True)

@@ -196,7 +196,18 @@ def activation_layout(cfg: JobConfig) -> ActivationLayout:
         seq_len=cfg.train.seq_len,
         packed=cfg.data.pack_sequences,
         chunked_loss=cfg.train.loss_fn == "chunked_cross_entropy",
+        loss_vocab=loss_vocab(cfg),
     )
+
+
+def loss_vocab(cfg: JobConfig) -> int:
+    """Vocabulary entries per rank the loss computes over: the head's shard under tensor parallelism (loss
+    parallel, or the chunked loss's own shard), but the whole vocabulary under pipeline parallelism, whose last
+    stage gathers the logits for the schedule's loss (engine/parallel/tp.py, `uses_loss_parallel`)."""
+    m, d = cfg.model, cfg.distributed
+    if d.pp > 1 and cfg.train.loss_fn == "cross_entropy":
+        return m.vocab_size
+    return math.ceil(m.vocab_size / d.tp)
 
 
 def layer_activation_bytes(cfg: JobConfig, layer: int, tokens: int) -> int:
@@ -215,16 +226,17 @@ def loss_activation_bytes(cfg: JobConfig, tokens: int) -> int:
     """Saved by the final norm, the head and the loss on one rank (and what the family saves beyond them
     there, its spec's `head_extra_bytes`). The final norm is sequence parallel
     (÷ tp); the head reads the whole sequence. cross_entropy keeps the fp32 log-probabilities
-    [tokens, vocab/tp] (vocabulary-parallel head), and the fp32 logits too with z-loss;
+    [tokens, vocab/tp] (vocabulary-parallel head; the whole vocabulary on a pipeline's last stage,
+    `loss_vocab`), and the fp32 logits too with z-loss;
     chunked_cross_entropy keeps the gradients it computes in forward: the hidden states' (their dtype, all the
     tokens: under tp every rank projects the gathered sequence) and its head rows' (fp32, vocab/tp of them)."""
     m, t, tp = cfg.model, cfg.train, cfg.distributed.tp
     saved = tokens * spec_for(m).norm_bytes(m, activation_layout(cfg)) // tp
     saved += spec_for(m).head_extra_bytes(m, activation_layout(cfg), tokens)
     if t.loss_fn == "chunked_cross_entropy":
-        return saved + tokens * residual_bytes(cfg) * m.dim + FP32 * math.ceil(m.vocab_size / tp) * m.dim
+        return saved + tokens * residual_bytes(cfg) * m.dim + FP32 * loss_vocab(cfg) * m.dim
     saved += INT64 * tokens  # the labels
-    logits = FP32 * tokens * math.ceil(m.vocab_size / tp) * (2 if t.z_loss_weight else 1)
+    logits = FP32 * tokens * loss_vocab(cfg) * (2 if t.z_loss_weight else 1)
     return saved + COMPUTE_BYTES[t.mixed_precision] * tokens * m.dim + logits
 
 
@@ -239,7 +251,8 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
     - no FSDP, compute dtype below fp32: autocast's low-precision copies of the matmul weights, which
       autograd keeps until backward (with activation checkpointing, only the recomputed block's and the head's).
     - the loss's gradients: two fp32 [tokens, vocab/tp] tensors in backward for cross_entropy, two
-      [ce_chunk_size, vocab/tp] chunks in forward for chunked_cross_entropy (its head gradient is an activation).
+      [ce_chunk_size, vocab/tp] chunks in forward for chunked_cross_entropy (its head gradient is an
+      activation); vocab/tp is `loss_vocab`.
     - the optimizer's step: `OptimizerState.step_copies` fp32 copies of the largest whole parameter of a
       kind (a matrix orthogonalized after gathering it from its shards, its iterate and the result).
     """
@@ -268,9 +281,9 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
         kept = sum(matrices.values()) if t.activation_checkpointing == "none" else max(matrices.values(), default=0)
         total += c * (kept + head)
     if has_head and t.loss_fn == "chunked_cross_entropy":
-        total += 2 * FP32 * min(t.ce_chunk_size, tokens) * math.ceil(m.vocab_size / d.tp)
+        total += 2 * FP32 * min(t.ce_chunk_size, tokens) * loss_vocab(cfg)
     elif has_head:
-        total += 2 * FP32 * tokens * math.ceil(m.vocab_size / d.tp)
+        total += 2 * FP32 * tokens * loss_vocab(cfg)
     for kind, copies in optimizer_state(cfg.optimizer).step_copies.items():
         total += copies * FP32 * max((s.numel for s in stage if s.kind == kind), default=0)
     return total
@@ -322,7 +335,8 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
                     activations=sum(chunk[local] - offloaded[local] for local in chunks)
                     + recompute_bytes(cfg, blocks, tokens)
                     + packing_bytes(cfg, in_flight=[len(layers[stages[local]]) for local in chunks]),
-                    buffers=buffer_bytes(cfg, owned, tokens, has_head=n_stages - 1 in stages),
+                    buffers=buffer_bytes(cfg, owned, tokens, has_head=n_stages - 1 in stages)
+                    + last_stage_output_bytes(cfg, tokens, [stages[local] for local in chunks], n_stages),
                     grads_persist=t.grad_accum_steps > 1 or d.pp > 1,
                     host=sum(offloaded[local] for local in chunks),
                 ),
@@ -338,6 +352,25 @@ def host_offloaded(cfg: JobConfig, row: StageMemory) -> StageMemory:
         return row
     moved = row.params + row.grads + row.optimizer
     return replace(row, params=0, grads=0, optimizer=0, host=row.host + moved)
+
+
+def last_stage_output_bytes(cfg: JobConfig, tokens: int, in_flight: list[int], n_stages: int) -> int:
+    """Under pipeline parallelism the schedule keeps the last stage's output for each micro-batch in flight (its
+    forward done, its backward not yet: `in_flight` lists their stages) beyond what autograd saves: the logits
+    [tokens, vocab] in the compute dtype, or with the chunked loss the final-normed hidden states [tokens, dim]
+    in the residual's dtype; with multi-token prediction (1 + D) times that (engine/parallel/pipeline.py), and
+    once more in backward, where the split of that output into the main and the modules' parts joins their
+    gradients into one tensor of its size."""
+    t, m = cfg.train, cfg.model
+    if cfg.distributed.pp == 1:
+        return 0
+    if t.loss_fn == "chunked_cross_entropy":
+        size = residual_bytes(cfg) * tokens * m.dim
+    else:
+        size = COMPUTE_BYTES[t.mixed_precision] * tokens * m.vocab_size
+    output = (1 + m.mtp_depth) * size
+    kept = sum(stage == n_stages - 1 for stage in in_flight)
+    return output * kept + (output if m.mtp_depth and kept else 0)
 
 
 def param_bytes(cfg: JobConfig, spec: ParamSpec, local: int) -> int:

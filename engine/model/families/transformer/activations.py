@@ -131,7 +131,7 @@ def mtp_bytes(m: ModelConfig, lay: ActivationLayout, tokens: int) -> int:
     tests/test_memory_estimate.py measures the estimate at 0.97-1.0 of what is saved.)"""
     h, c, tp = m.dim, lay.compute, lay.tp
     dense = m.model_copy(update={"num_experts": 0})
-    vocab = -(-m.vocab_size // tp)
+    vocab = lay.loss_vocab or -(-m.vocab_size // tp)
     module = tokens * (FP32 + 2 * norm_bytes(m, lay)) // tp + tokens * c * 2 * h
     module += block_activation_bytes(dense, lay, 0, tokens)
     total = 0
