@@ -21,8 +21,9 @@ layers' rows, with the totals over all of them, exactly as one process does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from engine.model.moe import moe_layer_metrics, with_moe_totals
@@ -73,16 +74,16 @@ class StageAuxLosses:
 
 
 def pipeline_moe_metrics(
-    parts: list[nn.Module], group: dist.ProcessGroup, windows: dict[str, torch.Tensor] | None = None
+    parts: list[nn.Module],
+    gather: Callable[[dict[str, float]], dict[str, float]],
+    windows: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """`moe_metrics` of the whole pipelined model, on every rank of the pipeline `group` (a collective):
-    each rank's stages' layer rows, gathered, in layer order, with the totals over all layers. `windows`:
-    this rank's layers' tokens per expert since the last report (the dead experts)."""
+    """`moe_metrics` of the whole pipelined model, on every rank of the pipeline (a collective): each rank's
+    stages' layer rows, merged by `gather` (`Pipeline.gather`), in layer order, with the totals over all
+    layers. `windows`: this rank's layers' tokens per expert since the last report (the dead experts)."""
     mine: dict[str, float] = {}
     for part in parts:
         mine.update(moe_layer_metrics(part, windows))
-    everyone: list[dict[str, float] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    rows = {key: value for rows in everyone for key, value in (rows or {}).items()}
+    rows = gather(mine)
     ordered = sorted(rows, key=lambda key: int(key.split("/")[1]))
     return with_moe_totals({key: rows[key] for key in ordered})

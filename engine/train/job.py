@@ -253,7 +253,7 @@ def moe_training(
     for part in pipeline.model_parts:
         attach_router_balancing(part, group)
         window.attach(part)
-    return (lambda: pipeline_moe_metrics(pipeline.model_parts, pipeline.group, window.take()),)
+    return (lambda: pipeline_moe_metrics(pipeline.model_parts, pipeline.gather, window.take()),)
 
 
 def mtp_reporting(
