@@ -16,7 +16,7 @@ from engine.config.model import ModelConfig
 from engine.errors import UserError
 from engine.model.transformer import Transformer
 from engine.parallel.pipeline import check_microbatches, split_stages, stage_layer_names
-from engine.parallel.stages import stage_layer_counts, stages_per_rank
+from engine.parallel.stages import last_stage_cost, stage_layer_counts, stage_layers, stages_per_rank
 from tests.parity import FP64_TOL, Parity
 from tests.torchrun import torchrun
 
@@ -44,6 +44,19 @@ def test_stage_layer_counts_balance_embedding_and_head_as_one_layer_each(n_layer
     assert stage_layer_counts(n_layers, n_stages) == counts
     costs = [c + (s == 0) + (s == n_stages - 1) for s, c in enumerate(counts)]
     assert max(costs) == -(-(n_layers + 2) // n_stages) or min(counts) == 1  # optimal unless every stage is minimal
+
+
+@pytest.mark.parametrize(
+    "n_layers,n_stages,mtp_depth,counts",
+    [(4, 2, 2, [3, 1]), (4, 2, 1, [3, 1]), (8, 4, 1, [2, 3, 2, 1]), (6, 2, 1, [4, 2])],
+)
+def test_the_last_stage_counts_each_prediction_module_as_a_block_and_a_head(n_layers, n_stages, mtp_depth, counts):
+    """Each multi-token-prediction module runs a block and the head on the last stage: two blocks' cost."""
+    last = last_stage_cost(mtp_depth)
+    assert last == 1 + 2 * mtp_depth and stage_layer_counts(n_layers, n_stages, last) == counts
+    costs = [c + (s == 0) + (s == n_stages - 1) * last for s, c in enumerate(counts)]
+    assert max(costs) == -(-(n_layers + 1 + last) // n_stages) or min(counts) == 1  # optimal unless minimal
+    assert [len(r) for r in stage_layers(n_layers, n_stages, mtp_depth)] == counts
 
 
 def test_stage_layer_names_are_consecutive_and_cover_every_layer():

@@ -306,7 +306,7 @@ def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
     n_stages = d.pp * per_rank
     if n_stages > m.n_layers:
         raise ValueError(f"{n_stages} pipeline stages cannot split {m.n_layers} blocks; validate the config first")
-    layers = stage_layers(m.n_layers, n_stages)
+    layers = stage_layers(m.n_layers, n_stages, m.mtp_depth)
     tokens = t.batch_size * t.seq_len // d.cp  # one micro-batch on one rank, before sequence parallelism
     rows = []
     for rank in range(d.pp):

@@ -160,9 +160,9 @@ def send_predictions(
     return torch.cat([main, *predictions])
 
 
-def stage_layer_names(n_layers: int, n_stages: int) -> list[list[str]]:
-    """The block keys ("0", "1", …) each stage owns, in order."""
-    return [[str(i) for i in layers] for layers in stage_layers(n_layers, n_stages)]
+def stage_layer_names(n_layers: int, n_stages: int, mtp_depth: int = 0) -> list[list[str]]:
+    """The block keys ("0", "1", …) each stage owns, in order (`stage_layers`)."""
+    return [[str(i) for i in layers] for layers in stage_layers(n_layers, n_stages, mtp_depth)]
 
 
 def stage_model(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
@@ -170,7 +170,7 @@ def stage_model(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
     of its family's `ModelParts.blocks` it owns, the `first` modules on the first stage, the `last` on the last;
     with multi-token prediction its modules and a copy of the embedding on the last."""
     parts = spec_for(model.cfg).parts
-    keep = set(stage_layer_names(model.cfg.n_layers, n_stages)[stage])
+    keep = set(stage_layer_names(model.cfg.n_layers, n_stages, model.cfg.mtp_depth)[stage])
     part = copy.deepcopy(model)
     blocks = getattr(part, parts.blocks)
     for name in list(blocks):
