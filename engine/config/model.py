@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from engine.config.base import Section
+
+if TYPE_CHECKING:
+    from engine.model.spec import ModelSpec
 
 
 class ModelConfig(Section):
@@ -235,7 +238,7 @@ class ModelConfig(Section):
             )
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})")
-        if self.head_dim % 2 and self.model_type != "gpt2":  # (GPT-2's positions are learned, not rotated)
+        if self.head_dim % 2 and self.family().rotary:
             what = "attention_head_dim" if self.attention_head_dim else "head_dim = dim / n_heads"
             raise ValueError(f"{what} = {self.head_dim} must be even for RoPE")
         steps = [start for start, _ in self.moe_bias_schedule]
@@ -310,13 +313,21 @@ class ModelConfig(Section):
 
     @property
     def ffn_dim(self) -> int:
-        """FFN width: explicit, else GPT-2's 4 · dim for model_type gpt2 (its MLP is not gated), else
-        256 * ceil((8/3) * dim * ffn_dim_multiplier / 256)."""
+        """FFN width: explicit, else the family's default (GPT-2: 4 · dim, its MLP not being gated), else the
+        gated MLP's 256 * ceil((8/3) * dim * ffn_dim_multiplier / 256)."""
         if self.ffn_hidden_dim is not None:
             return self.ffn_hidden_dim
-        if self.model_type == "gpt2":
-            return 4 * self.dim
+        default = self.family().default_ffn_dim
+        if default is not None:
+            return default(self)
         return 256 * math.ceil((8 / 3) * self.dim * self.ffn_dim_multiplier / 256)
+
+    def family(self) -> ModelSpec:
+        """The registered spec of `model_type` (engine/model/spec.py, torch-free): what the family says of
+        itself, where a field's meaning depends on it."""
+        from engine.model.spec import spec_for  # the families import this module: import at use
+
+        return spec_for(self)
 
 
 MOE_FIELDS = (

@@ -243,6 +243,9 @@ class ModelSpec:
     - `head_extra_bytes(cfg, layout, tokens)`: what autograd saves beyond the final norm, head and loss on the
       rank that computes the loss, over `tokens` tokens (the transformer's multi-token-prediction modules);
       0 for a family without any.
+    - `rotary`: whether attention rotates queries and keys (RoPE), which needs an even head_dim (the config
+      checks it); `default_ffn_dim(cfg)`: the MLP width when `model.ffn_hidden_dim` is unset, or None for the
+      gated MLP's 256 · ceil(8/3 · dim · ffn_dim_multiplier / 256) (`ModelConfig.ffn_dim`).
     """
 
     build: str | Callable[[ModelConfig], nn.Module]
@@ -259,6 +262,8 @@ class ModelSpec:
     refused_fields: tuple[str, ...] = ()
     lora_adapters: bool = True
     head_extra_bytes: Callable[[ModelConfig, ActivationLayout, int], int] = lambda cfg, layout, tokens: 0
+    rotary: bool = True
+    default_ffn_dim: Callable[[ModelConfig], int] | None = None
 
     def model_class(self) -> Callable[[ModelConfig], nn.Module]:
         """The builder named by `build`, imported now (this imports torch)."""

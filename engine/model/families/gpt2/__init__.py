@@ -34,5 +34,7 @@ SPEC = MODELS.register("gpt2")(
         hf=hf.MAPPING,
         refused_fields=fields.REFUSED_FIELDS,
         lora_adapters=False,  # every GPT-2 linear has a bias, which model/lora.py's adapters do not keep
+        rotary=False,  # learned absolute positions
+        default_ffn_dim=lambda cfg: 4 * cfg.dim,  # its MLP is not gated
     )
 )
