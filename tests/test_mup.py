@@ -16,13 +16,15 @@ import numpy as np
 import pytest
 import torch
 
+from engine.checkpoint.dcp import latest_checkpoint
 from engine.checkpoint.hf import export_to_hf
 from engine.checkpoint.hf_lora import export_adapters
+from engine.checkpoint.manager import initialize_from
 from engine.config import load_job_config
 from engine.config.lora import LoraConfig
 from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
-from engine.errors import ConfigError
+from engine.errors import ConfigError, UserError
 from engine.model import build_model
 from engine.model.lora import apply_lora, is_adapter_weight
 from engine.model.mup import mup_plan
@@ -216,10 +218,19 @@ def test_a_mup_run_resumes_bitwise(tmp_path):
     assert whole[2][3] == 2e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 1 / 4)))  # the base lr is logged
     ours, theirs = (weights(tmp_path / name) for name in ("parts", "whole"))
     assert len(ours) == len(theirs) > 0 and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    # Its checkpoints say what their weights mean, and a new run of another parametrization or base width is
+    # refused them (they would load by shape and compute another function); the same model loads them.
+    checkpoint = latest_checkpoint(tmp_path / "whole" / "checkpoints")[1]
+    assert json.loads((checkpoint / "train_state.json").read_text())["parametrization"] == "mup@32"
+    model = load_job_config(tmp_path / "whole" / "config.toml").model
+    for other, shown in [({"parametrization": "sp", "mup_base_dim": None}, "'sp'"), ({"mup_base_dim": 16}, "'mup@16'")]:
+        with pytest.raises(UserError, match=rf"parametrization 'mup@32', and this run's model is {shown}"):
+            initialize_from(checkpoint, build_model(model.model_copy(update=other)), [])
+    assert initialize_from(checkpoint, build_model(model), [])
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from engine.checkpoint.dcp import latest_checkpoint, load_checkpoint
+    from engine.checkpoint.dcp import load_checkpoint
 
     model = build_model(load_job_config(run_dir / "config.toml").model)
     load_checkpoint(latest_checkpoint(run_dir / "checkpoints")[1], model)

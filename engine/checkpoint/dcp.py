@@ -58,6 +58,15 @@ from engine.resilience.collectives import distributed
 
 TRAIN_STATE = "train_state.json"
 LATEST = "latest"
+# train_state.json's record of what the weights mean: μP's stored weights are not a standard model's
+# (engine/model/mup.py: multipliers applied in forward, scaled init), so checkpoint.load_path compares it.
+PARAMETRIZATION_KEY = "parametrization"
+
+
+def parametrization(cfg: Any) -> str:
+    """The model section's parametrization as train_state.json records it: "sp", or "mup@BASE_DIM"."""
+    return "sp" if cfg.parametrization == "sp" else f"mup@{cfg.mup_base_dim}"
+
 
 log = logging.getLogger("forge.checkpoint")
 # A background save warns from its own thread, out of reach of `single_process_quiet`.

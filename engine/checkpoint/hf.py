@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from engine.checkpoint.dcp import (
     COMPLETE,
     LATEST,
+    PARAMETRIZATION_KEY,
     TRAIN_STATE,
     SafeFileSystemReader,
     describe,
@@ -503,7 +504,8 @@ def write_forge_checkpoint(root: Path, state: dict[str, torch.Tensor], cfg: Mode
     step.mkdir()
     with single_process_quiet():
         dcp.save({"model": state}, checkpoint_id=step, no_dist=True)
-    write_json(step / TRAIN_STATE, {"step": 0, "converted_from": str(hf_dir.resolve())})
+    # Hugging Face weights are a standard parametrization's (an export folds μP's multipliers in)
+    write_json(step / TRAIN_STATE, {"step": 0, "converted_from": str(hf_dir.resolve()), PARAMETRIZATION_KEY: "sp"})
     (step / COMPLETE).write_text("")
     (root / LATEST).write_text(step.name)
     (root / MODEL_CONFIG).write_text(model_toml(cfg))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import shutil
 import time
@@ -19,6 +20,8 @@ from torch import nn
 
 from engine.checkpoint.dcp import (
     COMPLETE,
+    PARAMETRIZATION_KEY,
+    TRAIN_STATE,
     UNREADABLE,
     Extra,
     complete_checkpoints,
@@ -29,6 +32,7 @@ from engine.checkpoint.dcp import (
     load_checkpoint,
     load_weights,
     new_step_dir,
+    parametrization,
     prune_checkpoints,
     save_checkpoint,
     start_async_save,
@@ -260,6 +264,23 @@ def resolve_load_path(path: Path) -> Path:
     )
 
 
+def check_same_parametrization(source: Path, cfg: Any) -> None:
+    """A Forge checkpoint's weights mean what its parametrization says: μP stores weights that its forward
+    scales (engine/model/mup.py), against a base width. Loading them into a model of another parametrization
+    or base width would fit by shape and compute another function, so that is refused. Checkpoints written
+    before train_state.json recorded it pass unchecked."""
+    state = source / TRAIN_STATE
+    theirs = json.loads(state.read_text()).get(PARAMETRIZATION_KEY) if state.is_file() else None
+    ours = parametrization(cfg)
+    if theirs is not None and theirs != ours:
+        raise UserError(
+            f"checkpoint.load_path {source} holds weights of parametrization {theirs!r}, and this run's model is "
+            f"{ours!r} (model.parametrization, model.mup_base_dim): the same shapes, another function",
+            "load a checkpoint trained with this run's model.parametrization and mup_base_dim, or set them to "
+            "the checkpoint's",
+        )
+
+
 def initialize_from(path: Path, model: nn.Module, exclude: list[str]) -> list[str]:
     """Start a new run from another run's weights (not its optimizer, schedule or step), or from a
     Hugging Face model folder."""
@@ -272,6 +293,8 @@ def initialize_from(path: Path, model: nn.Module, exclude: list[str]) -> list[st
             f"checkpoint.exclude_from_loading has prefixes that match no parameter: {', '.join(unknown)}",
             "use parameter-name prefixes such as 'output.' or 'layers.3.'",
         )
+    if not from_hf:
+        check_same_parametrization(source, model.cfg)
     try:
         loaded = load_hf_weights(model, source, exclude) if from_hf else load_weights(source, model, exclude)
     except UserError:

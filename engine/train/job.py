@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from engine import precision
-from engine.checkpoint.dcp import complete_checkpoints
+from engine.checkpoint.dcp import PARAMETRIZATION_KEY, complete_checkpoints, parametrization
 from engine.checkpoint.manager import Checkpointer, initialize_from
 from engine.checkpoint.rng import every_rank_rng_state, restore_rank_rng
 from engine.config.job import JobConfig
@@ -420,6 +420,7 @@ def train_state(job: Job, step: int, tokens_seen: int, elapsed_sec: float, wandb
         "wandb_run_id": wandb_run_id,
         "guard": job.guard.state_dict(),
         EMA_KEY: job.ema is not None,  # the checkpoint holds the EMA (`load_checkpoint` reads it only then)
+        PARAMETRIZATION_KEY: parametrization(job.cfg.model),  # what its weights mean (checkpoint.load_path checks)
     }
 
 
