@@ -8,8 +8,11 @@ PYTHON ?= python3
 VENV ?= .venv
 # The CPU build that lies on this machine's disk. GPU users: see README "Installing torch".
 TORCH_SPEC ?= torch==2.13.0
-# loadgroup: the slurm tests (one xdist group) run in one worker, which starts the one test cluster.
-PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=40
+# loadfile: each test file runs in one worker, so the slurm tests' one session starts the one test cluster
+# (the daemons listen on fixed ports), and a module's session-scoped reference runs are made once. (loadgroup
+# would group by xdist_group marks, but pytest-xdist 3.8 renames a node through an attribute pytest 9 no longer
+# reads, so its groups were silently split over the workers.)
+PYTEST_ARGS ?= -n 2 --dist loadfile --durations=40
 
 # The versions `make` installs: every package of ".[dev]" except torch (TORCH_SPEC), what torch pins for itself
 # (triton, the nvidia-* CUDA libraries: a CUDA build already installed keeps its own) and Forge itself.

@@ -64,7 +64,7 @@ def run(capability: str, workers: int, scratch: Path, select: list[str]) -> dict
         "FORGE_PARITY_LOG": str(log),
         "TORCHINDUCTOR_CACHE_DIR": str(scratch / f"inductor-{capability}"),
     }
-    xdist = ["-n", str(workers), "--dist", "loadgroup"] if workers else ["-p", "no:xdist"]
+    xdist = ["-n", str(workers), "--dist", "loadfile"] if workers else ["-p", "no:xdist"]
     command = [sys.executable, "-m", "pytest", "-m", "parity", "-q", *xdist, f"--junitxml={junit}", *select]
     start = time.monotonic()
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
@@ -110,7 +110,7 @@ def report(runs: list[dict], model: str, flags: list[str], workers: int, concurr
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    workers_text = f"-n {workers} --dist loadgroup" if workers else "-p no:xdist"
+    workers_text = f"-n {workers} --dist loadfile" if workers else "-p no:xdist"
     lines = [
         "# Parity tests under each ATEN_CPU_CAPABILITY",
         "",

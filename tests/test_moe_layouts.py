@@ -17,8 +17,9 @@ import pytest
 
 from tests.test_distributed import MOE, assert_same_run, forge, records, tolerance
 
-# One worker runs the module, so its one-process reference and resume are computed once, not on each worker.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("moe_layouts")]
+# One worker runs the module (`make test` passes --dist loadfile), so its one-process reference and resume are
+# computed once, not on each worker.
+pytestmark = pytest.mark.slow
 
 MOE_TP = [*MOE, "--model.moe_aux_loss_weight=0", "--model.moe_router_z_loss_weight=0.001"]
 LAYOUTS = {

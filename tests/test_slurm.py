@@ -37,8 +37,7 @@ TINY = [
 FAST = ["--signal-lead", "120"]
 EVIL = '$(touch pwned)"; touch pwned2 #'
 runner = CliRunner()
-# One worker runs them all (`make test` passes --dist loadgroup), so one session starts one cluster.
-pytestmark = pytest.mark.xdist_group("slurm")
+# One worker runs them all (`make test` passes --dist loadfile), so one session starts one cluster.
 
 
 @pytest.fixture(autouse=True)
