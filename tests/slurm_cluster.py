@@ -66,7 +66,13 @@ def start_munge() -> bool:
     if not MUNGE_KEY.exists() or MUNGE_KEY.stat().st_size == 0:
         run("mungekey", "--create", f"--keyfile={MUNGE_KEY}", user="munge")
     run("install", "-d", "-o", "munge", "-g", "munge", "-m", "0755", str(MUNGE_RUN))
-    run("/usr/sbin/munged", user="munge")
+    try:
+        run("/usr/sbin/munged", user="munge")
+    except subprocess.CalledProcessError as err:  # another process's munged came up meanwhile: use it
+        with contextlib.suppress(RuntimeError):
+            wait_for(munge_answers, 10, "")
+            return False
+        raise RuntimeError(f"munged did not start: {err.stderr.strip()}") from err
     wait_for(munge_answers, 10, "munged did not answer")
     return True
 
