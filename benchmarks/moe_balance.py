@@ -1,7 +1,7 @@
 """Per-layer expert load over training: Forge's sigmoid/bias router against torchtitan's MoE layer.
 
     python benchmarks/moe_balance.py [--steps 500] [--variants forge torchtitan] [--out moe_balance.json]
-        [--replay] [--oracle [--oracle-from 200] [--oracle-iters 1000]]
+        [--replay] [--oracle [--oracle-from 200] [--oracle-iters 1000]] [--minimax] [--online RULE:RATE …] [--rolling PAST EVERY]
         [-- --section.key=value …]   (overrides of presets/moe_small.toml; default: the issue's CPU shape)
 
 Both variants are the same Forge transformer (embeddings, attention, norms, head), the same initial weights
@@ -19,7 +19,11 @@ same optimizer, schedule, gradient clipping and loop; only each MoE feed-forward
 
 `--oracle` (Forge's router only) then asks, batch by batch from `--oracle-from` on, how balanced *any* bias
 could have routed that very batch: the best bias in hindsight (`hindsight_bias`), a lower bound for every
-causal bias rule (see `oracle_batches`).
+causal bias rule (see `oracle_batches`). `--minimax` asks the same of one bias held for many batches: the
+single bias, chosen in hindsight on the even steps' batches from `--oracle-from` on, with the lowest worst
+batch, and how it routes the odd steps' batches it was not chosen on (`minimax_batches`). `--online` replays
+those batches through the frozen model with a causal rule moving the bias from the trained one
+(`online_batches`).
 
 Each logged row: per MoE layer, max/mean tokens per expert of the step's micro-batches (the metric Forge logs
 as `moe/{layer}/imbalance`), and the training loss. On CPU torchtitan's grouped experts compute in bf16
@@ -47,7 +51,7 @@ from engine.config import load_job_config  # noqa: E402
 from engine.data.loader import open_train_data  # noqa: E402
 from engine.model import build_model  # noqa: E402
 from engine.model.moe import MoE, MoEStats  # noqa: E402
-from engine.model.routers import group_limited, proportional_step, tokens_per_expert  # noqa: E402
+from engine.model.routers import group_limited, proportional_step, sign_step, tokens_per_expert  # noqa: E402
 from engine.train.balancing import attach_router_balancing  # noqa: E402
 from engine.train.job import seed_everything  # noqa: E402
 from engine.train.optim import build_optimizer  # noqa: E402
@@ -151,9 +155,9 @@ def build(variant: str, cfg) -> tuple[nn.Module, torch.optim.Optimizer, torch.op
     return model, optimizer, scheduler
 
 
-def train(
-    variant: str, cfg, steps: int, log_every: int, replay: bool = False, oracle: dict | None = None
-) -> list[dict]:
+def train(variant: str, cfg, steps: int, log_every: int, args: argparse.Namespace) -> dict:
+    """Train `variant` for `steps` steps, logging every `log_every`-th; then the analyses `args` asks for, on the
+    trained model. Returns {"rows": logged rows (replay and oracle rows after them), analysis: report}."""
     model, optimizer, scheduler = build(variant, cfg)
     batches = open_train_data(cfg).batches()
     model.train()
@@ -177,11 +181,19 @@ def train(
             row.update({f"{name}": (load.max() / load.mean()).item() for name, load in loads.items()})
             rows.append(row)
             print(variant, json.dumps(row), flush=True)
-    if replay:
+    if args.replay:
         rows += replay_batches(model, cfg, steps, variant)
-    if oracle is not None:
-        rows += oracle_batches(model, cfg, steps, **oracle)
-    return rows
+    if args.oracle:
+        rows += oracle_batches(model, cfg, steps, args.oracle_from, args.oracle_iters)
+    run = {"rows": rows}
+    if args.minimax:
+        run["minimax"] = minimax_batches(model, cfg, steps, args.oracle_from, args.oracle_iters)
+    if args.online:
+        run["online"] = online_batches(model, cfg, steps, args.oracle_from, args.online)
+    if args.rolling:
+        past, every = args.rolling
+        run["rolling"] = rolling_batches(model, cfg, steps, args.oracle_from, args.oracle_iters, past, every)
+    return run
 
 
 @torch.no_grad()
@@ -339,6 +351,159 @@ def oracle_batches(model: nn.Module, cfg, steps: int, start: int, iters: int) ->
     return rows
 
 
+def batch_loads(experts: torch.Tensor, batches: int, num_experts: int) -> torch.Tensor:
+    """[batches, num_experts] tokens per expert of each of `batches` equal, consecutive batches in `experts`
+    [batches · tokens, k], by one scatter-add (exact integer counts, as `tokens_per_expert` of each batch)."""
+    batch_of = torch.arange(batches, device=experts.device).repeat_interleave(experts.numel() // batches)
+    return tokens_per_expert(batch_of * num_experts + experts.flatten(), batches * num_experts).view(batches, -1)
+
+
+def minimax_bias(router: nn.Module, x: torch.Tensor, batches: int, rates: torch.Tensor) -> torch.Tensor:
+    """The bias with the lowest worst batch that the search finds for the tokens `x` [batches · tokens, dim] of
+    `batches` equal batches, one bias for all of them: from the trained bias, each iteration applies the
+    proportional update to the load of the batch whose largest expert is the most loaded, at a decaying rate,
+    keeping the bias whose worst batch was the lowest. The same dual-subgradient search as `hindsight_bias`,
+    on the objective max over batches of max over experts (a minimax, not the mean load that the training
+    rules balance)."""
+    scores = F.linear(x.float(), router.gate.weight.float()).sigmoid()
+    bias, num_experts = router.bias.clone(), router.bias.numel()
+    best, best_worst = bias.clone(), math.inf
+    for rate in rates:
+        loads = batch_loads(choose(router, scores, bias), batches, num_experts)
+        ratios = loads.max(dim=-1).values / loads.mean(dim=-1)
+        if ratios.max().item() < best_worst:
+            best, best_worst = bias.clone(), ratios.max().item()
+        bias += rate * proportional_step(loads[ratios.argmax()])
+    return best
+
+
+def fitted_minimax(model: nn.Module, batches: list[torch.Tensor], iters: int) -> dict[str, torch.Tensor]:
+    """Per MoE layer, `minimax_bias` for `batches`, layer by layer through forward pre-hooks (each layer
+    searched on what the earlier layers computed with theirs); the trained biases are restored."""
+    routers, biases = model.moe_routers(), {}
+
+    def search(router: nn.Module, args: tuple, name: str) -> None:
+        biases[name] = minimax_bias(router, args[0], len(batches), oracle_rates(iters))
+        router.bias.copy_(biases[name])
+
+    trained = {name: router.bias.clone() for name, router in routers.items()}
+    handles = [router.register_forward_pre_hook(partial(search, name=name)) for name, router in routers.items()]
+    try:
+        routed(model, torch.cat(batches), trained)  # `routed` restores the trained biases the hooks replaced
+    finally:
+        for handle in handles:
+            handle.remove()
+    return biases
+
+
+def worst_layers(model: nn.Module, batches: list[torch.Tensor], biases: dict | None = None) -> list[float]:
+    """Per batch, the worst MoE layer's max/mean tokens per expert, the batches routed in one forward (rows are
+    independent: attention stays within a row) with `biases` per layer if given (else the trained ones)."""
+    experts, layers = routed(model, torch.cat(batches), biases), model.moe_layers()
+    per_layer = []
+    for name, chosen in experts.items():
+        loads = batch_loads(chosen, len(batches), layers[name].num_experts)
+        per_layer.append(loads.max(dim=-1).values / loads.mean(dim=-1))
+    return torch.stack(per_layer).max(dim=0).values.tolist()
+
+
+def later_batches(cfg, steps: int, start: int) -> list[torch.Tensor]:
+    """The input batches of steps `start`..`steps`, in order (one micro-batch per step)."""
+    if cfg.train.grad_accum_steps != 1:
+        raise SystemExit(
+            "--oracle, --minimax and --online route one micro-batch per step: use train.grad_accum_steps=1"
+        )
+    batches = open_train_data(cfg).batches()
+    return [inputs for step, (inputs, _) in zip(range(1, steps + 1), batches) if step >= start]
+
+
+def summary(ratios: list[float], limit: float = 2.2) -> dict:
+    ordered = sorted(ratios)
+    return {
+        "batches": len(ordered),
+        "worst": ordered[-1],
+        "above_2.2": sum(r > limit for r in ordered),
+        "median": ordered[len(ordered) // 2],
+    }
+
+
+@torch.no_grad()
+def minimax_batches(model: nn.Module, cfg, steps: int, start: int, iters: int) -> dict:
+    """The trained model, frozen, on the batches of steps `start`..`steps`: one bias per layer chosen on the even
+    steps' batches (`fitted_minimax`), then held fixed for the odd steps' batches, against the trained bias on
+    those same batches. Where the held-out batches stay below a target, a bias that does it exists and the
+    training rule's bias is not at the floor of what a bias can do; whether a causal rule can find it is
+    `rolling_batches`'s question."""
+    batches = later_batches(cfg, steps, start)
+    fit, held_out = batches[0::2], batches[1::2]
+    biases = fitted_minimax(model, fit, iters)
+    trained = {name: router.bias for name, router in model.moe_routers().items()}
+    report = {
+        "fit": f"the even steps' batches from step {start} to {steps}",
+        "trained_bias_on_held_out": summary(worst_layers(model, held_out)),
+        "minimax_bias_on_fit": summary(worst_layers(model, fit, biases)),
+        "minimax_bias_on_held_out": summary(worst_layers(model, held_out, biases)),
+        "largest_shift_from_trained": {
+            name: (bias - trained[name]).abs().max().item() for name, bias in biases.items()
+        },
+    }
+    print("forge minimax", json.dumps(report), flush=True)
+    return report
+
+
+@torch.no_grad()
+def rolling_batches(model: nn.Module, cfg, steps: int, start: int, iters: int, past: int, every: int) -> dict:
+    """A causal use of `minimax_bias` on the frozen model: every `every` steps from `start` on, the bias is fitted
+    on the batches of the `past` steps before and routes the next `every` batches. The model does not drift
+    here, so what stays above a target comes from batches unlike those the bias was fitted on."""
+    batches = later_batches(cfg, steps, start - past)
+    ratios = []
+    for first in range(past, len(batches), every):
+        biases = fitted_minimax(model, batches[first - past : first], iters)
+        ratios += worst_layers(model, batches[first : first + every], biases)
+    report = {"past": past, "every": every, **summary(ratios)}
+    print("forge rolling", json.dumps(report), flush=True)
+    return report
+
+
+def power_step(power: float):
+    """A bias step that balances the mean of (load / mean load)^power instead of the mean load: with power > 1
+    an expert whose load swings high is pushed below the mean more than one whose load is steady."""
+
+    def step(load: torch.Tensor) -> torch.Tensor:
+        ratio = (load / load.mean().clamp(min=1e-9)).pow(power)
+        return (ratio.mean() - ratio) / ratio.mean().clamp(min=1e-9)
+
+    return step
+
+
+ONLINE_RULES = {"sign": sign_step, "proportional": proportional_step, "power2": power_step(2), "power3": power_step(3)}
+
+
+@torch.no_grad()
+def online_batches(model: nn.Module, cfg, steps: int, start: int, rules: list[str]) -> dict:
+    """The trained model, frozen, routes the batches of steps `start`..`steps` in order while a causal rule moves
+    each layer's bias after every batch from that batch's load, starting from the trained bias (`rule:rate`,
+    rate 0 = the trained bias held). The model does not drift here, so what stays above a target is the rule's
+    reaction to the batches alone."""
+    batches, routers, report = later_batches(cfg, steps, start), model.moe_routers(), {}
+    trained = {name: router.bias.clone() for name, router in routers.items()}
+    for spec in rules:
+        name, rate = spec.split(":")
+        step_of, ratios = ONLINE_RULES[name], []
+        for inputs in batches:
+            model(inputs)
+            loads = {layer: stats.load for layer, stats in model.last_moe_stats.items()}
+            ratios.append(max((load.max() / load.mean()).item() for load in loads.values()))
+            for layer, load in loads.items():
+                routers[layer].bias.add_(float(rate) * step_of(load))
+        for layer, bias in trained.items():
+            routers[layer].bias.copy_(bias)
+        report[spec] = summary(ratios)
+        print("forge online", spec, json.dumps(report[spec]), flush=True)
+    return report
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=500)
@@ -348,13 +513,27 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--replay", action="store_true", help="then route every batch again with the trained model frozen")
     p.add_argument("--oracle", action="store_true", help="then each batch's best bias in hindsight (forge only)")
-    p.add_argument("--oracle-from", type=int, default=200, help="the first step whose batch the oracle routes")
-    p.add_argument("--oracle-iters", type=int, default=1000, help="bias updates the oracle's search makes per layer")
+    p.add_argument("--minimax", action="store_true", help="then one bias for many batches in hindsight (forge only)")
+    p.add_argument(
+        "--online",
+        nargs="+",
+        metavar="RULE:RATE",
+        help=f"then causal rules on the frozen model: {', '.join(ONLINE_RULES)}",
+    )
+    p.add_argument(
+        "--rolling", nargs=2, type=int, metavar=("PAST", "EVERY"), help="then a causal minimax refit (forge only)"
+    )
+    p.add_argument("--oracle-from", type=int, default=200, help="the first step whose batch the analyses route")
+    p.add_argument("--oracle-iters", type=int, default=1000, help="bias updates each search makes per layer")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides after the issue's shape")
     args = p.parse_args()
-    if args.oracle and args.variants != ["forge"]:
-        p.error("--oracle searches the bias of Forge's sigmoid_topk router: run it with --variants forge")
-    oracle = {"start": args.oracle_from, "iters": args.oracle_iters} if args.oracle else None
+    if (args.oracle or args.minimax or args.online or args.rolling) and args.variants != ["forge"]:
+        p.error(
+            "--oracle, --minimax, --online and --rolling move the bias of Forge's sigmoid_topk router: use --variants forge"
+        )
+    unknown = [spec for spec in args.online or [] if spec.split(":")[0] not in ONLINE_RULES or spec.count(":") != 1]
+    if unknown:
+        p.error(f"--online takes RULE:RATE with RULE one of {', '.join(ONLINE_RULES)}; got {', '.join(unknown)}")
     cfg = load_job_config(Path(args.preset), [*ISSUE_SHAPE, *args.overrides])
     import torchtitan
 
@@ -364,9 +543,7 @@ def main() -> None:
         "torchtitan": getattr(torchtitan, "__version__", "?"),
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
-        "runs": {
-            variant: train(variant, cfg, args.steps, args.log_every, args.replay, oracle) for variant in args.variants
-        },
+        "runs": {variant: train(variant, cfg, args.steps, args.log_every, args) for variant in args.variants},
     }
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
