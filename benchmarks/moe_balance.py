@@ -1,7 +1,8 @@
 """Per-layer expert load over training: Forge's sigmoid/bias router against torchtitan's MoE layer.
 
     python benchmarks/moe_balance.py [--steps 500] [--variants forge torchtitan] [--out moe_balance.json]
-        [--replay] [--oracle [--oracle-from 200] [--oracle-iters 1000]] [--minimax] [--online RULE:RATE …] [--rolling PAST EVERY]
+        [--replay] [--oracle [--oracle-from 200] [--oracle-iters 1000]]
+        [--minimax] [--online RULE:RATE …] [--rolling PAST EVERY]
         [-- --section.key=value …]   (overrides of presets/moe_small.toml; default: the issue's CPU shape)
 
 Both variants are the same Forge transformer (embeddings, attention, norms, head), the same initial weights
@@ -20,10 +21,12 @@ same optimizer, schedule, gradient clipping and loop; only each MoE feed-forward
 `--oracle` (Forge's router only) then asks, batch by batch from `--oracle-from` on, how balanced *any* bias
 could have routed that very batch: the best bias in hindsight (`hindsight_bias`), a lower bound for every
 causal bias rule (see `oracle_batches`). `--minimax` asks the same of one bias held for many batches: the
-single bias, chosen in hindsight on the even steps' batches from `--oracle-from` on, with the lowest worst
-batch, and how it routes the odd steps' batches it was not chosen on (`minimax_batches`). `--online` replays
-those batches through the frozen model with a causal rule moving the bias from the trained one
-(`online_batches`).
+bias with the lowest worst batch that a search finds, chosen in hindsight on every other step's batch from
+`--oracle-from` on, and how it routes the batches in between that it was not chosen on (`minimax_batches`).
+`--online` replays those batches through the frozen model with a causal rule moving the bias from the trained
+one (`online_batches`); `--rolling PAST EVERY` refits that search's bias every EVERY steps on the PAST batches
+before and routes the next EVERY with it (`rolling_batches`). All of them route with the model as training
+left it: only the bias is chosen causally or in hindsight, not the model.
 
 Each logged row: per MoE layer, max/mean tokens per expert of the step's micro-batches (the metric Forge logs
 as `moe/{layer}/imbalance`), and the training loss. On CPU torchtitan's grouped experts compute in bf16
@@ -362,9 +365,10 @@ def minimax_bias(router: nn.Module, x: torch.Tensor, batches: int, rates: torch.
     """The bias with the lowest worst batch that the search finds for the tokens `x` [batches · tokens, dim] of
     `batches` equal batches, one bias for all of them: from the trained bias, each iteration applies the
     proportional update to the load of the batch whose largest expert is the most loaded, at a decaying rate,
-    keeping the bias whose worst batch was the lowest. The same dual-subgradient search as `hindsight_bias`,
-    on the objective max over batches of max over experts (a minimax, not the mean load that the training
-    rules balance)."""
+    keeping the bias whose worst batch was the lowest. `hindsight_bias`'s update rule on the objective max over
+    batches of max over experts (a minimax, not the mean load that the training rules balance); a heuristic:
+    unlike one batch's assignment problem, this objective has no dual optimum the iterates are known to reach,
+    so the result shows what one bias can do (it exists: this one), not the best any bias can."""
     scores = F.linear(x.float(), router.gate.weight.float()).sigmoid()
     bias, num_experts = router.bias.clone(), router.bias.numel()
     best, best_worst = bias.clone(), math.inf
@@ -429,9 +433,9 @@ def summary(ratios: list[float], limit: float = 2.2) -> dict:
 
 @torch.no_grad()
 def minimax_batches(model: nn.Module, cfg, steps: int, start: int, iters: int) -> dict:
-    """The trained model, frozen, on the batches of steps `start`..`steps`: one bias per layer chosen on the even
-    steps' batches (`fitted_minimax`), then held fixed for the odd steps' batches, against the trained bias on
-    those same batches. Where the held-out batches stay below a target, a bias that does it exists and the
+    """The trained model, frozen, on the batches of steps `start`..`steps`: one bias per layer chosen on the
+    batches of steps `start`, `start` + 2, … (`fitted_minimax`), then held fixed for the batches in between,
+    against the trained bias on those same batches. Where the held-out batches stay below a target, a bias that does it exists and the
     training rule's bias is not at the floor of what a bias can do; whether a causal rule can find it is
     `rolling_batches`'s question."""
     batches = later_batches(cfg, steps, start)
@@ -439,7 +443,7 @@ def minimax_batches(model: nn.Module, cfg, steps: int, start: int, iters: int) -
     biases = fitted_minimax(model, fit, iters)
     trained = {name: router.bias for name, router in model.moe_routers().items()}
     report = {
-        "fit": f"the even steps' batches from step {start} to {steps}",
+        "fit": f"the batches of steps {start}, {start + 2}, … up to {steps}; held out: those in between",
         "trained_bias_on_held_out": summary(worst_layers(model, held_out)),
         "minimax_bias_on_fit": summary(worst_layers(model, fit, biases)),
         "minimax_bias_on_held_out": summary(worst_layers(model, held_out, biases)),
@@ -504,6 +508,15 @@ def online_batches(model: nn.Module, cfg, steps: int, start: int, rules: list[st
     return report
 
 
+def online_rule(spec: str) -> bool:
+    """Whether `spec` is a RULE:RATE that `online_batches` runs: a known rule and a rate >= 0."""
+    name, _, rate = spec.partition(":")
+    try:
+        return name in ONLINE_RULES and float(rate) >= 0
+    except ValueError:
+        return False
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=500)
@@ -531,9 +544,11 @@ def main() -> None:
         p.error(
             "--oracle, --minimax, --online and --rolling move the bias of Forge's sigmoid_topk router: use --variants forge"
         )
-    unknown = [spec for spec in args.online or [] if spec.split(":")[0] not in ONLINE_RULES or spec.count(":") != 1]
+    unknown = [spec for spec in args.online or [] if not online_rule(spec)]
     if unknown:
-        p.error(f"--online takes RULE:RATE with RULE one of {', '.join(ONLINE_RULES)}; got {', '.join(unknown)}")
+        p.error(f"--online takes RULE:RATE, RULE one of {', '.join(ONLINE_RULES)}, RATE >= 0; got {', '.join(unknown)}")
+    if args.rolling and not (0 < args.rolling[0] < args.oracle_from and args.rolling[1] > 0):
+        p.error(f"--rolling PAST EVERY needs 0 < PAST < --oracle-from ({args.oracle_from}) and EVERY > 0")
     cfg = load_job_config(Path(args.preset), [*ISSUE_SHAPE, *args.overrides])
     import torchtitan
 

@@ -55,3 +55,36 @@ def test_minimax_bias_balances_every_batch_of_a_skewed_router():
     router.bias.copy_(bias)
     after = worst()
     assert before > 4 and after < 2, (before, after)
+
+
+def test_fitted_biases_leave_the_model_as_trained_and_worst_layers_recounts_each_batch():
+    """`fitted_minimax` and `worst_layers` (what `--minimax` and `--rolling` report) on a tiny model: they leave
+    every router's bias and hooks as they found them, and the worst layer `worst_layers` reports for each of
+    the batches routed together equals a recount of that batch's block of tokens in the same routing."""
+    from tests.test_moe_load import tiny_moe
+
+    model = tiny_moe("sigmoid_topk").eval()
+    routers = model.moe_routers()
+    with torch.no_grad():
+        for router in routers.values():
+            router.bias.normal_(std=0.05)
+    trained = {name: router.bias.clone() for name, router in routers.items()}
+    torch.manual_seed(1)
+    batches = [torch.randint(0, 97, (2, 16)) for _ in range(4)]
+    module = bench()
+    with torch.no_grad():
+        biases = module.fitted_minimax(model, batches, 50)
+        reported = module.worst_layers(model, batches, biases)
+        experts = module.routed(model, torch.cat(batches), biases)
+    assert sorted(biases) == sorted(trained) and all(not torch.equal(biases[n], trained[n]) for n in trained)
+    assert all(torch.equal(router.bias, trained[name]) for name, router in routers.items())
+    assert all(not router._forward_pre_hooks and not router._forward_hooks for router in routers.values())
+    assert len(experts) == 3 and all(chosen.shape == (4 * 32, 2) for chosen in experts.values())
+    recount = [
+        max(
+            float(load.max() / load.mean())
+            for load in (tokens_per_expert(e[32 * b : 32 * (b + 1)], 16) for e in experts.values())
+        )
+        for b in range(4)
+    ]
+    assert len(reported) == 4 and reported == recount
