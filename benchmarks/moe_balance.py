@@ -328,19 +328,14 @@ def oracle_batches(model: nn.Module, cfg, steps: int, start: int, iters: int) ->
 
     Plus `content`: per layer, the batch's most frequent token and the share of the most loaded expert's
     tokens that are one token id (under the trained bias)."""
-    if cfg.train.grad_accum_steps != 1:
-        raise SystemExit("--oracle routes one micro-batch per step: run it with train.grad_accum_steps=1")
-    rates, batches = oracle_rates(iters), open_train_data(cfg).batches()
+    rates = oracle_rates(iters)
     layers, routers, previous, rows = model.moe_layers(), model.moe_routers(), None, []
 
     def max_mean(experts: dict) -> dict:
         loads = {name: tokens_per_expert(chosen, layers[name].num_experts) for name, chosen in experts.items()}
         return {name: (load.max() / load.mean()).item() for name, load in loads.items()}
 
-    for step in range(1, steps + 1):
-        inputs, _ = next(batches)
-        if step < start:
-            continue
+    for step, inputs in enumerate(later_batches(cfg, steps, start), start):
         frozen = routed(model, inputs)
         biases, oracle = oracle_routing(model, inputs, rates)
         row = {"oracle_step": step, "frozen": max_mean(frozen), "oracle": max_mean(oracle)}
