@@ -6,7 +6,7 @@ sharing a context scored as branches of it, packed into rows, the head only at s
 every position) on the exported `LlamaForCausalLM`. Requests/s counts the time inside the model's calls
 (loglikelihood etc.), so the task building both share is left out; the end-to-end `simple_evaluate` time is
 reported beside it. Rounds alternate (ours, theirs, theirs, ours, …); medians are reported. The two must agree
-on every metric (the parity itself is tests/test_eval.py's).
+on every metric (the parity itself is tests/eval/test_eval.py's).
 
 The model is the debug preset's shape with random weights (throughput does not depend on the values) and the
 embedded corpus's tokenizer; the task is forge_next_line (4 choices per document).

@@ -3,7 +3,7 @@
     python benchmarks/bench_moe.py [--experts 4 8 16 32] [--tokens 4096] [--dim 256] [--hidden 256]
                                    [--top-k 2] [--device cpu|cuda] [--dtype fp32|bf16] [--out moe.json]
 
-The two implementations compute the same thing (tests/test_moe.py holds them equal): `grouped` sorts the
+The two implementations compute the same thing (tests/model/test_moe.py holds them equal): `grouped` sorts the
 (token, expert) assignments by expert and runs each projection as one grouped matrix multiply;
 `loop` runs one expert at a time. Same module, same weights, same batch; they are timed in
 alternating rounds after warm-up steps, and the median step is reported.

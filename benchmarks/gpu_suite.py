@@ -17,7 +17,7 @@ that does not finish or fails is recorded with its reason and the tail of its ou
 Output: `<out>.json` (machine, versions, commit, every item's command and measured values) and `<out>.md`
 (the same as tables).
 
-`--toy` (CPU, the suite's test: tests/test_gpu_suite.py): the same items at toy size (the race's TOY shape,
+`--toy` (CPU, the suite's test: tests/benchmarks/test_gpu_suite.py): the same items at toy size (the race's TOY shape,
 sequence 32, batch 2, a few steps), without FP8 (CPU has none: those rows say "not run: toy mode") and without
 compile, each command run inside this process (`--in-process`, the toy's default): starting an interpreter
 per item would cost the toy run more than its work. The commands and the reading of their results are the same.

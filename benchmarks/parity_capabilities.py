@@ -4,7 +4,7 @@ each test, the largest deviation it saw against its tolerance.
 ATEN_CPU_CAPABILITY picks PyTorch's CPU kernels (default = no vector extensions, avx2, avx512): they sum in
 other orders, so a tolerance tuned to one of them would show here. Every test process (and the torchrun
 workers the tests start, which inherit the environment) uses the capability; FORGE_PARITY_LOG collects the
-deviations (tests/parity.py).
+deviations (tests/helpers/parity.py).
 
     python benchmarks/parity_capabilities.py            # writes benchmarks/results/parity_cpu_capabilities.md
     python benchmarks/parity_capabilities.py --workers 2 --capabilities default avx2

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.parity import Parity
+from tests.helpers.parity import Parity
 
 REPO = Path(__file__).resolve().parents[1]
 # Tests read local models and datasets only; never wait on the network. Set at import, before test modules
@@ -34,7 +34,7 @@ def forge_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def parity(request: pytest.FixtureRequest):
-    """The test's parity comparisons (tests/parity.py); a parity test that compared nothing fails."""
+    """The test's parity comparisons (tests/helpers/parity.py); a parity test that compared nothing fails."""
     checks = Parity(request.node.nodeid)
     yield checks
     report = getattr(request.node, "call_report", None)

@@ -7,7 +7,7 @@ adapter_model.safetensors with one pair per adapted linear of the `transformers`
     base_model.model.<HF module>.lora_B.weight   [out, r]     = Forge's <module>.lora_B
 
 `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), folder)` then computes what the
-Forge model computed (tests/test_lora.py). Module names map through the same table as the weights
+Forge model computed (tests/model/test_lora.py). Module names map through the same table as the weights
 (`hf_mapping.hf_layout`: `layers.0.attention.wq` ↔ `model.layers.0.self_attn.q_proj`, `output` ↔ `lm_head`).
 The target modules are written as the exact list of adapted module names, so `lora.exclude_modules` carries
 over without a pattern language of peft's.

@@ -24,7 +24,7 @@ SAFE_ON_RESUME = (
     "train.global_batch_size",  # the trainer checks the global batch itself, as for batch_size
     "train.compile_model",
     "train.activation_checkpointing",
-    "train.activation_offload",  # where saved activations wait changes no value (tests/test_memory_options.py)
+    "train.activation_offload",  # where saved activations wait changes no value (tests/train/test_memory_options.py)
     "train.shutdown_timeout_sec",
     "train.nccl_health_check_interval",
     "train.max_rollbacks",

@@ -9,7 +9,7 @@ layout and the estimated peak memory per GPU, from the same analytic estimates `
 prints (engine.model.estimate, engine.parallel.memory), so no model is built. Regenerate with
 
     python -m engine.config.presets_table            # rewrite the table in docs/presets.md
-    python -m engine.config.presets_table --check    # exit 1 if it is out of date (tests/test_presets.py)
+    python -m engine.config.presets_table --check    # exit 1 if it is out of date (tests/config/test_presets.py)
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ It feeds the field tables of docs/configuration.md (written between marker comme
 them is kept) and the shell completion of `--section.key=value` overrides. Regenerate the document with
 
     python -m engine.config.reference            # rewrite docs/configuration.md
-    python -m engine.config.reference --check    # exit 1 if it is out of date (tests/test_config.py runs this)
+    python -m engine.config.reference --check    # exit 1 if it is out of date (tests/config/test_loading.py runs this)
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Text becomes tokens exactly as the harness's Hugging Face model tokenizes for th
 exports: a text starts after the run's start token (the end-of-text token Forge puts before every document,
 or the tokenizer's own BOS), a continuation's tokens are those the whole text has after the context's, and a
 request longer than the model's context keeps its last tokens (cut from the left, as the harness does). So
-the numbers equal the harness's on the export (tests/test_eval.py compares them request by request).
+the numbers equal the harness's on the export (tests/eval/test_eval.py compares them request by request).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ transformer takes the ids (`Transformer.forward(..., doc_ids=)`) and builds the 
 The mask takes one of two forms, chosen by the device (engine/model/packed_kernel.py): on CUDA a
 FlexAttention `BlockMask` (`document_block_mask`), elsewhere a dense boolean mask for SDPA
 (`document_mask`; PyTorch's FlexAttention has no backward on CPU). Both allow exactly the same pairs
-(tests/test_packing.py compares the two paths' logits).
+(tests/data/test_packing.py compares the two paths' logits).
 """
 
 from __future__ import annotations

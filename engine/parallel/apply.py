@@ -182,7 +182,7 @@ def parallelize(
     """The model (or one pipeline stage of it) ready to train on this rank's part of the mesh; `device`,
     where it will train, when the model is still on the meta device.
 
-    The order matters and is pinned by tests/test_parallel_apply.py: see the module docstring."""
+    The order matters and is pinned by tests/parallel/test_apply_order.py: see the module docstring."""
     device = device or next(model.parameters()).device  # where the model is (any family)
     tp_mesh = mesh.get("tp") if mesh is not None else None
     fp8 = cfg.train.mixed_precision == "fp8"

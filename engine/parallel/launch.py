@@ -77,7 +77,7 @@ def use_rank_compile_cache(rank: int) -> None:
 def join_process_group(backend: str, timeout_sec: float, device: torch.device) -> None:
     """Initialise the default process group from the environment (SLURM variables translated first), with a
     compile cache for this rank alone (`use_rank_compile_cache`). A process already in a group stays in it
-    (one process evaluating, then training, as tests/test_eval.py does)."""
+    (one process evaluating, then training, as tests/eval/test_eval.py does)."""
     global _joined  # noqa: PLW0603  (one fact about this process, read by end_process)
     if dist.is_initialized():
         return

@@ -122,7 +122,7 @@ def local_numel(spec: ParamSpec, tp: int, fsdp: int) -> int:
 def grad_numel(cfg: JobConfig, spec: ParamSpec, local: int) -> int:
     """Elements of a parameter's gradient on this rank: those of the parameter, except for the untied embedding
     under tensor parallelism with no FSDP to reduce-scatter it: DTensor's embedding backward hands back a
-    replicated gradient of the whole table (measured in tests/test_memory_estimate.py)."""
+    replicated gradient of the whole table (measured in tests/parallel/test_memory_estimate.py)."""
     d = cfg.distributed
     whole = spec.owner == "embedding" and not cfg.model.tie_embeddings and d.tp > 1
     return math.prod(spec.shape) if whole and d.dp_replicate * d.dp_shard * d.cp == 1 else local
@@ -407,7 +407,7 @@ def packing_bytes(cfg: JobConfig, device_type: str = "cuda", in_flight: list[int
     blocks, by rows and by columns, while the kernel keeps the same output and logsumexp as flash-style SDPA.
     SDPA with a dense boolean mask (the other cases): each block's SDPA instead keeps the additive
     [batch, 1, seq, seq] mask it makes from it, in the compute dtype: measured equal to the saved tensors'
-    bytes on CPU in tests/test_packing.py. With activation checkpointing only the block being recomputed
+    bytes on CPU in tests/data/test_packing.py. With activation checkpointing only the block being recomputed
     keeps an additive mask, but the boolean mask itself (one byte an element) stays alive once per micro-batch
     in flight, held by the checkpoints' recomputation arguments rather than saved by autograd. The
     whole sequence and the whole batch of a micro-step on every tp rank (attention runs after the sequence
@@ -415,7 +415,7 @@ def packing_bytes(cfg: JobConfig, device_type: str = "cuda", in_flight: list[int
     (engine/parallel/pipeline.py). Under cp (never with pp), ulysses attends over the whole sequence with the
     one-process mask (the same terms), allgather and ring build smaller masks per piece
     (`context_parallel_mask_bytes`). The FlexAttention figure equals the bytes of the block mask's tensors
-    built on the CPU (tests/test_packing.py); what the GPU kernel saves besides is not measured yet (no GPU
+    built on the CPU (tests/data/test_packing.py); what the GPU kernel saves besides is not measured yet (no GPU
     was available)."""
     t, m, d = cfg.train, cfg.model, cfg.distributed
     if not cfg.data.pack_sequences:
@@ -440,7 +440,7 @@ def context_parallel_mask_bytes(cfg: JobConfig) -> int:
     piece's boolean mask is an input its recomputation keeps, [batch, 1, local, local] for the own block and
     [batch, 1, local, chunk] or [batch, 1, chunk, local] for each of the cp − 1 others; unpacked, the own
     block's causal [local, local] mask is kept already. Measured equal to the saved tensors' bytes on CPU in
-    tests/test_context_parallel.py (where unpacked allgather keeps its lower-right causal masks besides, which
+    tests/parallel/test_context_parallel.py (where unpacked allgather keeps its lower-right causal masks besides, which
     CUDA's memory-efficient kernel does not build)."""
     t, d = cfg.train, cfg.distributed
     chunk = t.seq_len // (2 * d.cp)
@@ -482,7 +482,7 @@ def stage_offloaded_bytes(cfg: JobConfig, layers: range, tokens: int, first: boo
     """What `train.activation_offload` moves to host memory of one micro-batch through one stage: every
     activation autograd saves goes through its saved-tensor hooks (torch.autograd.graph.save_on_cpu), the
     inputs a checkpointed block keeps for its recomputation included (measured on CPU in
-    tests/test_memory_estimate.py); only the recomputation in backward saves through the checkpoint's own
+    tests/parallel/test_memory_estimate.py); only the recomputation in backward saves through the checkpoint's own
     hooks, on the device (`recompute_bytes`). Packed documents' masks stay counted on the device. Not counted:
     save_on_cpu copies each saved tensor whole, so a second view of a saved storage is a second host copy, and
     the weights a matmul saves (the fp32 parameters without autocast, their low-precision copies with it) are

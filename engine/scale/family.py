@@ -5,7 +5,7 @@ The rule, read off Forge's dense presets (125m … 70b):
     GQA preset keeps its ratio of query to key/value heads, so n_heads moves in steps of that ratio;
   - depth follows width as a power law anchored at the preset: n_layers = round(L₀ · (dim / dim₀)^p), with
     p = DEPTH_EXPONENT, the least-squares slope of log n_layers on log dim over those presets
-    (tests/test_scale.py derives it again from presets/*.toml);
+    (tests/scale/test_scale.py derives it again from presets/*.toml);
   - everything else (vocabulary, norms, activation, RoPE, sequence length, FFN multiplier) stays the preset's;
     an explicit ffn_hidden_dim scales with dim.
 The presets also widen the head from 64 to 128 above ~1.5B parameters; a study keeps its preset's head size,

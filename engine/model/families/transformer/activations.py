@@ -28,7 +28,7 @@ def math_attention(m: ModelConfig, lay: ActivationLayout) -> bool:
 
 def window_bytes(m: ModelConfig, lay: ActivationLayout) -> int:
     """What a sliding window adds to one block: SDPA keeps the additive [seq, seq] mask it makes of the band
-    (compute dtype; measured on CPU in tests/test_memory_estimate.py), except that the math kernel's saved
+    (compute dtype; measured on CPU in tests/parallel/test_memory_estimate.py), except that the math kernel's saved
     weights already hold it, and packed windows' masks (engine/parallel/memory.py) already have the band.
     Attention runs on the whole sequence on every tp rank."""
     if m.sliding_window is None or lay.packed or math_attention(m, lay):
@@ -42,7 +42,7 @@ def block_activation_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, to
     Counted per token, with h = dim, q = heads·head_dim (= h unless model.attention_head_dim is set),
     kv = kv_heads·head_dim, f = ffn width, c = compute bytes (matmul
     inputs/outputs), ρ = residual-stream bytes (fp32 under autocast); this is what the saved-tensor hooks of
-    the real block record (tests/test_memory_estimate.py), and on an H100 what the allocator holds after
+    the real block record (tests/parallel/test_memory_estimate.py), and on an H100 what the allocator holds after
     forward (dense blocks within 1 %, QK-norm and MoE within 4 %), i.e. the Korthikanti et al. (2022) count
     sbh(34 + 5as/h) redone for this block: no dropout, SwiGLU, GQA, and flash-style SDPA, which keeps its
     output and logsumexp instead of the s² attention matrix:
@@ -128,7 +128,7 @@ def mtp_bytes(m: ModelConfig, lay: ActivationLayout, tokens: int) -> int:
     sequence, the log-probabilities are vocabulary-parallel (÷ tp) and the chunked loss projects every
     token through this rank's head rows, as `engine.parallel.memory.loss_activation_bytes` counts the main
     model's. (Under CPU autocast the module's block and final norm see inputs in the compute dtype;
-    tests/test_memory_estimate.py measures the estimate at 0.97-1.0 of what is saved.)"""
+    tests/parallel/test_memory_estimate.py measures the estimate at 0.97-1.0 of what is saved.)"""
     h, c, tp = m.dim, lay.compute, lay.tp
     dense = m.model_copy(update={"num_experts": 0})
     vocab = lay.loss_vocab or -(-m.vocab_size // tp)

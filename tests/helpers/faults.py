@@ -1,0 +1,33 @@
+"""Injected faults for the resilience tests."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.train.hooks import TrainHooks
+
+
+class Faults(TrainHooks):
+    """NaN gradients at `nan_grad_steps`, logits × `spike_scale` at `spike_steps`, NaN weights at `nan_weight_steps`."""
+
+    def __init__(self, nan_grad_steps=(), spike_steps=(), nan_weight_steps=(), spike_scale=30.0) -> None:
+        self.nan_grad_steps, self.spike_steps, self.nan_weight_steps = (
+            set(nan_grad_steps),
+            set(spike_steps),
+            set(nan_weight_steps),
+        )
+        self.spike_scale, self.handle = spike_scale, None
+
+    def before_step(self, step, job) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        if step in self.spike_steps:
+            self.handle = job.model.output.register_forward_hook(lambda m, i, out: out * self.spike_scale)
+
+    def after_backward(self, step, job) -> None:
+        if step in self.nan_grad_steps:
+            next(job.model.parameters()).grad.fill_(float("nan"))
+        if step in self.nan_weight_steps:
+            with torch.no_grad():
+                job.model.norm.weight.fill_(float("nan"))
