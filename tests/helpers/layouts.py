@@ -107,7 +107,7 @@ def tolerance(run_dir: Path) -> TrainingTolerance:
 
 def assert_same_run(run_dir: Path, reference: Path, parity: Parity) -> None:
     """Every step's loss, per-source losses and gradient norm, the eval loss and the final weights of `run_dir`
-    are those of `reference`, within the fp32 tolerances derived in tests/parity.TrainingTolerance."""
+    are those of `reference`, within the fp32 tolerances derived in tests/helpers/parity.TrainingTolerance."""
     ours, ref = records(run_dir), records(reference)
     expected, got = weights(reference), weights(run_dir)
     tol = tolerance(run_dir)
@@ -161,7 +161,7 @@ MOE = [
 
 
 def assert_step_6_weights_and_resume(single: Path, piped: Path, args: list[str], parity, what: str) -> set[str]:
-    """The pipelined run's step-6 weights are the one-process run's (within tests/parity.TrainingTolerance), and
+    """The pipelined run's step-6 weights are the one-process run's (within tests/helpers/parity.TrainingTolerance), and
     step 7 in one process from its step-6 checkpoint gives the uninterrupted run's loss. → the weights' names."""
     ref, tol = records(single), tolerance(single)
     expected, got = step_weights(single, 6), step_weights(piped, 6)

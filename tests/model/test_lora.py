@@ -285,7 +285,7 @@ def test_fsdp_on_two_processes_equals_one_process(tmp_path, parity):
         assert result.returncode == 0, result.stderr[-3000:]
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
     assert sorted(two) == sorted(one) == list(range(1, 4))
-    tol = tolerance(tmp_path / "one")  # fp32 runs: tests/parity.TrainingTolerance
+    tol = tolerance(tmp_path / "one")  # fp32 runs: tests/helpers/parity.TrainingTolerance
     for step in one:
         parity.within(f"loss step {step}", abs(two[step]["loss"] - one[step]["loss"]), tol.loss_at(step))
     names = [

@@ -1,6 +1,6 @@
 """Expert parallelism on CPU under torchrun (gloo): ep = 2 trains as plain data parallelism (ep = 1) over the
 same ranks and data — 6 AdamW steps with gradient clipping; per-step losses, first-step gradients, gradient
-norms and final parameters within the fp32 tolerances of tests/parity.TrainingTolerance (fp32: grouped_mm has
+norms and final parameters within the fp32 tolerances of tests/helpers/parity.TrainingTolerance (fp32: grouped_mm has
 no float64 kernel) — for both routers, shared experts, capacity, the loop implementation,
 a rank that receives no token at all, full and selective activation checkpointing, torch.compile (the MoE
 blocks compiled around their routed experts, fp32, the compiled graphs counted), and with FSDP (2 ranks,

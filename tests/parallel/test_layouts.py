@@ -102,7 +102,7 @@ def test_a_global_batch_and_the_whole_held_out_set_on_two_processes_match_one(tm
     one process accumulating 4 micro-batches of 8 (today's explicit form), and eval.steps = "all" (every held-out
     window once, chunk c of 8 on rank c mod 2) gives one process's token-weighted mean, which is the mean
     cross-entropy over every held-out window computed here from the final weights. Tolerance: as for every layout
-    here (assert_same_run: tests/parity.TrainingTolerance): the same windows in the same micro-batches, but FSDP sums the two ranks'
+    here (assert_same_run: tests/helpers/parity.TrainingTolerance): the same windows in the same micro-batches, but FSDP sums the two ranks'
     gradients in another order than one process's accumulation, fp32 rounding that Adam carries over the 6
     steps; each eval chunk is the same rows on either side and the chunks' sums are taken in float64. Both runs
     train with a multi-token-prediction module, whose logged main and depth losses match too (the eval loss is

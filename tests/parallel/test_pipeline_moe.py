@@ -2,7 +2,7 @@
 gloo on CPU): pp = 2 (1F1B, selective checkpointing) against one process on the same micro-batches — per-step
 losses, gradient norms, evaluation, every routing metric (the balancing bias of each layer, its load
 imbalance, the auxiliary losses) step by step, and the step-6 weights and router buffers within the fp32
-tolerances of tests/parity.TrainingTolerance (fp32: grouped_mm has no float64 kernel) — and its checkpoint
+tolerances of tests/helpers/parity.TrainingTolerance (fp32: grouped_mm has no float64 kernel) — and its checkpoint
 resumes in one process with the uninterrupted run's next loss (measured: every loss within 1e-6; without
 carrying the auxiliary losses, 9e-4 apart by step 6). Also in-process: stage models carrying their
 auxiliary losses give one process's gradients; the memory estimate of each stage is its stage model's; full
@@ -108,7 +108,7 @@ MIXTRAL_LAYOUTS = {
 def test_mixtral_router_pipelined_and_sharded_matches_one_process(tmp_path, parity):
     """Mixtral's renormalising router under pp = 2 (interleaved 1F1B) and under FSDP (dp_shard = 2), each
     against one process on the same micro-batches, 3 steps: losses, gradient norms, the eval loss and the
-    step-3 weights within the fp32 tolerances of tests/parity.TrainingTolerance, as above; under pp also every
+    step-3 weights within the fp32 tolerances of tests/helpers/parity.TrainingTolerance, as above; under pp also every
     routing metric (each layer's balance and z-losses from whichever stage holds it, the last micro-batch's,
     as one process logs; under FSDP rank 0 logs its own micro-batch's routing, the one process's first).
     Checked by breaking it: the weights left unrenormalised on 2 ranks move the step-1 loss by 2e-4 (tolerance

@@ -187,7 +187,7 @@ def test_compiled_blocks_match_eager_in_every_mode(parity):
     assert graphs == dict.fromkeys(MODES, (1, 1)), graphs
     # compiled with checkpointing against compiled without: the graphs' kernels recomputed alike, so the
     # losses agree as two fp32 orders of one function at most; compiled against eager: inductor fuses and
-    # reorders the sums (fp32 tolerances of tests/parity.TrainingTolerance: 2 sequences of 16 tokens a step)
+    # reorders the sums (fp32 tolerances of tests/helpers/parity.TrainingTolerance: 2 sequences of 16 tokens a step)
     tol = TrainingTolerance.of(ModelConfig(**DENSE), seq=SEQ, tokens=2 * SEQ, params=1, loss_scale=math.log(VOCAB))
     assert len(eager) == 3 and all(len(compiled[mode]) == 3 for mode in MODES)
     for mode in ("full", "selective"):

@@ -241,7 +241,7 @@ def test_the_decay_must_lie_in_0_1(decay):
 
 @pytest.mark.slow
 def test_ema_under_fsdp_on_two_processes_equals_one_process(tmp_path, parity):
-    """fp32 runs: the tolerances of tests/parity.TrainingTolerance (the EMA, a convex combination of the
+    """fp32 runs: the tolerances of tests/helpers/parity.TrainingTolerance (the EMA, a convex combination of the
     weights, within the weights' own)."""
     from tests.helpers.layouts import forge, records, tolerance
 
@@ -262,7 +262,7 @@ def test_ema_under_fsdp_on_two_processes_equals_one_process(tmp_path, parity):
         gap = abs(fsdp[step]["eval_loss_ema"] - single[step]["eval_loss_ema"])
         parity.within(f"EMA eval loss step {step}", gap, tol.loss_at(step + 1))
     expected, got = saved(tmp_path / "single", "ema"), saved(tmp_path / "fsdp", "ema")
-    assert len(got) == 4 * 9 + 3 and sorted(got) == sorted(expected)  # the layouts' 4-block model (tests/helpers/layouts.py)
+    assert len(got) == 4 * 9 + 3 and sorted(got) == sorted(expected)  # the layouts' 4-block model
     largest = max(t.abs().max().item() for t in expected.values())
     bound = tol.weights([reference[step]["lr"] for step in sorted(reference)], largest)
     parity.close(got, expected, atol=bound, what="EMA weights")

@@ -58,7 +58,7 @@ def test_full_activation_checkpointing_leaves_losses_unchanged(tmp_path, parity)
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # inductor's cache may be cold on a fresh machine
 def test_compiled_blocks_match_eager(tmp_path, parity):
-    """Inductor fuses and reorders the fp32 sums: tests/parity.TrainingTolerance, step by step."""
+    """Inductor fuses and reorders the fp32 sums: tests/helpers/parity.TrainingTolerance, step by step."""
     from torch._dynamo.utils import counters
 
     plain = losses(run(tmp_path, "plain"))
