@@ -246,3 +246,23 @@ def test_a_hub_cache_entry_replaced_by_a_link_is_refused_and_its_target_left_alo
     assert result.exit_code == 2, output
     assert f"the Forge cache entry {entry} is a symbolic link" in output, output
     assert files_under(tmp_path, leaving_out=cache) == before
+
+
+def test_forge_eval_refuses_dcp_metadata_naming_a_file_outside_the_checkpoint(tmp_path: Path):
+    """Before: DCP opened whatever file `.metadata` named for a tensor, `../` included."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    step = fake_step(tmp_path / "ckpt", {})
+    (step / CHECKSUMS).unlink()  # a checkpoint from before checksums: loaded unverified, so DCP reads it
+    name = "../../outside/secret"
+    storage = {MetadataIndex("model.tok_embeddings.weight"): _StorageInfo(name, 0, 8)}
+    (step / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={}, storage_data=storage)))
+
+    result = forge("eval", str(step), "--data", "embedded:val", timeout=120)
+
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2, output
+    assert f"{step / '.metadata'} names {name!r}, which is not a plain file name" in output, output
