@@ -55,6 +55,7 @@ from engine.checkpoint.layout import COMPLETE, complete_checkpoints, step_dirs
 from engine.checkpoint.verify import merge_checksums, record_rank_checksums, verify_checkpoint
 from engine.durable import fsync_dir, fsync_file, write_durably
 from engine.resilience.collectives import distributed
+from engine.safe_paths import file_in
 
 TRAIN_STATE = "train_state.json"
 LATEST = "latest"
@@ -332,7 +333,9 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with the metadata read through `MetadataUnpickler`."""
+    """DCP's file reader with the metadata read through `MetadataUnpickler`, and every file the metadata names
+    a regular file's plain name inside the checkpoint folder (`engine.safe_paths.file_in`): DCP would open
+    whatever path it names, `../` or /dev/zero included."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -341,6 +344,8 @@ class SafeFileSystemReader(FileSystemReader):
             metadata = MetadataUnpickler(file).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"{name} does not hold DCP metadata")
+        for info in (metadata.storage_data or {}).values():
+            file_in(Path(self.path), getattr(info, "relative_path", None), Path(self.path) / name)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
