@@ -75,3 +75,9 @@ def cache_path(root: Path, *parts: str) -> Path:
                 f"remove the link (rm {path}; its target is left alone) and Forge rebuilds the entry",
             )
     return path
+
+
+def resolves_inside(path: Path, folder: Path) -> bool:
+    """`path` is `folder` or lies below it once every symlink on the way is followed (a path a saved config
+    names, such as `checkpoint.dir`, checked before anything is written there)."""
+    return path.resolve().is_relative_to(folder.resolve())

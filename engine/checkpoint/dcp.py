@@ -10,6 +10,8 @@ Layout under the checkpoint folder:
     latest             the name of the newest complete checkpoint, replaced atomically after COMPLETE
                        (for people and tools; Forge itself resumes from the newest folder with COMPLETE,
                        which is the same one unless `latest` was lost)
+    step_N.superseded-K  a complete step_N that a later save of the same step found in its way (never
+                       deleted for it: `new_step_dir`); nothing loads or prunes it
 
 A folder without COMPLETE was cut short (the job was killed while saving) and is never loaded. DCP can
 load a checkpoint into a different parallel layout than the one that saved it.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import logging
 import pickle
@@ -155,15 +158,31 @@ def is_writer() -> bool:
 
 
 def new_step_dir(root: Path, step: int) -> Path:
+    """The empty folder a save of `step` writes into. A folder of that name left by a save cut short (no
+    COMPLETE) is removed; a complete one (a damaged checkpoint the run fell back from, or one this run did
+    not write) is never deleted to make room: it is set aside under another name, and a warning says where."""
     writer_failures.clear()  # left by a save that failed with an error of its own
     path = root / f"step_{step}"
     if is_writer():
-        if path.exists():  # a save of this step that was cut short by a kill
+        if (path / COMPLETE).is_file():
+            kept = set_aside(path)
+            log.warning("%s was a complete checkpoint: kept as %s (delete it once it is not needed)", path, kept)
+        elif path.exists():  # a save of this step that was cut short by a kill
             shutil.rmtree(path)
         path.mkdir(parents=True)
     if distributed():
         torch.distributed.barrier()
     return path
+
+
+def set_aside(path: Path) -> Path:
+    """Rename `path` to the first free `NAME.superseded-K`, a name no step_N lookup, load or prune matches."""
+    for k in itertools.count(1):
+        target = path.with_name(f"{path.name}.superseded-{k}")
+        if not target.exists():
+            path.rename(target)
+            return target
+    raise AssertionError("unreachable")
 
 
 # Threads each process writes its checkpoint files with. DCP's default of one leaves the disk idle while
