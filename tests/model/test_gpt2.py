@@ -263,3 +263,32 @@ def test_the_trainer_trains_evaluates_and_checkpoints_a_gpt2_run(tmp_path):
     start = initial_model(cfg, True).state_dict()
     assert sorted(model.state_dict()) == sorted(start)
     assert not torch.equal(model.pos_embeddings.weight, start["pos_embeddings.weight"])
+
+
+def test_initialisation_is_gpt2s_closed_form():
+    """GPT-2's initialisation (Radford et al. 2019 §2.3; OpenAI's model.py and transformers' GPT2 `_init_weights`):
+    every embedding and linear weight Normal(0, init_std), the projections writing into the residual stream
+    (attention wo, MLP w2) at init_std/√(2·n_layers), every linear bias exactly zero, LayerNorms at weight 1
+    and bias 0. Each weight tensor's sample mean and standard deviation against the closed form: n draws of
+    Normal(0, s) have a sample mean of standard deviation s/√n and a sample std of relative standard deviation
+    1/√(2(n−1)), so SIGMAS of those (a 2e-9 chance of a false failure per check); with 8 layers the residual
+    projections' std is 4× smaller than the others', far outside that bound (≤ 10% here)."""
+    std, n_layers = 0.05, 8
+    torch.manual_seed(0)
+    model = build_model(gpt2_config(n_layers=n_layers, dim=64, tie_embeddings=False, init_std=std))
+    residual_std = std / math.sqrt(2 * n_layers)
+    checked = set()
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name:
+            assert torch.equal(p, torch.full_like(p, 1.0 if leaf == "weight" else 0.0)), name
+        elif leaf == "bias":
+            assert torch.equal(p, torch.zeros_like(p)), f"{name} is not zero"
+        else:
+            expected = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std
+            n = p.numel()
+            assert abs(p.mean().item()) <= SIGMAS * expected / math.sqrt(n), name
+            relative = abs(p.std().item() / expected - 1)
+            assert relative <= SIGMAS / math.sqrt(2 * (n - 1)), f"{name}: std off by {relative:.3g} of {expected}"
+        checked.add(name)
+    assert checked == set(model.state_dict()) and len(checked) == 2 + 16 * n_layers + 2 + 1
