@@ -221,7 +221,9 @@ def run_loop(
         with profiler.step(step):
             result = train_step(job, step, batches, loss_fn, hooks, lambda: stop.requested)
         merge_due_adapters(job, step)
-        tokens = job.batch_plan.tokens(step - 1) if job.batch_plan is not None else job.summary["tokens_per_step"]
+        # counted from what the step trained on, the same on every data-parallel rank (their batches have one
+        # shape); tensor- and context-parallel ranks share a rank's windows, pipeline stages the whole batch
+        tokens = result.tokens * job.summary["data_parallel"]
         progress.tokens_seen += tokens
         progress.window.tokens += tokens
         checkpoint_done(reporter, job.checkpointer.poll())
