@@ -39,7 +39,7 @@ TINY = [
     "--scheduler.warmup_steps=2",
     "--scheduler.decay_steps=10",
     "--train.max_steps=6",
-    "--optimizer.eps=1e-5",
+    "--optimizer.eps=1e-4",
     "--train.z_loss_weight=1e-3",
     '--data.datasets=[{name="plays", embedded="plays", weight=2.0}, {name="poems", embedded="poems", weight=1.0}]',
 ]
@@ -50,7 +50,11 @@ TINY = [
 # process does, reduced over the ranks that hold its rows (data parallel) or positions (context parallel), and
 # taken from the last stage under pipelining.
 # eps: Adam moves an entry with a near-zero gradient by about lr whatever the gradient's size, so a rounding-level
-# difference in a rarely seen token's embedding row could move it by 1e-5; a larger eps keeps such updates small.
+# difference in a rarely seen token's embedding or head row could move it by 1e-5; a larger eps keeps such updates
+# small (an update's sensitivity to its gradient is at most lr/ε). TrainingTolerance.weights assumes updates linear
+# in the gradient's relative deviation, which these rows break: on an Intel Xeon (AVX-512, AMX) with eps 1e-5 the
+# tp layout's head rows of tokens never targeted moved 1.55e-6 from one process's (115% of the bound; 41% on an AMD
+# EPYC), with 1e-4 2.8e-7 (21%). The bound itself does not cover that regime: a known limit of the weights check.
 def child_env() -> dict[str, str]:
     """Read at each call, after conftest's session fixture has set FORGE_CACHE_DIR and WANDB_MODE."""
     return {**os.environ, "NO_COLOR": "1", "COLUMNS": "200", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
