@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -59,19 +59,6 @@ class CheckpointConfig(Section):
         description="parameter-name prefixes (e.g. 'output.') that keep their fresh "
         "initialisation instead of being loaded from load_path",
     )
-
-    readers: ClassVar[dict[str, str]] = {
-        "dir": "train/job.py, checkpoint/locate.py",
-        "interval": "checkpoint/manager.py",
-        "interval_minutes": "checkpoint/manager.py",
-        "async_mode": "checkpoint/manager.py",
-        "keep_last_n": "checkpoint/manager.py",
-        "keep": "checkpoint/manager.py",
-        "load_path": "train/job.py, checkpoint/manager.py",
-        "export_dtype": "checkpoint/locate.py, checkpoint/hf.py",
-        "exclude_from_loading": "train/job.py, checkpoint/manager.py",
-    }
-    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
     @model_validator(mode="after")
     def _exclusions_need_a_source(self) -> CheckpointConfig:

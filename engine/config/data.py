@@ -160,28 +160,6 @@ class DataConfig(Mixture, HubDatasetFields, DataFiles):
         "token) attend only within themselves and restart their RoPE positions at 0 (see docs/data.md)",
     )
 
-    readers: ClassVar[dict[str, str]] = {
-        "dataset_path": "data/source_kinds.py",
-        "file_pattern": "data/loader.py",
-        "tokenizer_path": "data/loader.py",
-        "hf_dataset_name": "data/source_kinds.py",
-        "hf_dataset_config": "data/source_kinds.py",
-        "hf_dataset_split": "data/source_kinds.py",
-        "hf_dataset_revision": "data/source_kinds.py",
-        "hf_dataset_text_field": "data/source_kinds.py",
-        "hf_streaming": "data/source_kinds.py",
-        "num_workers": "data/loader.py",
-        "pin_memory": "data/loader.py",
-        "prefetch_factor": "data/loader.py",
-        "pack_sequences": "train/job.py, parallel/apply.py, parallel/memory.py",
-        "datasets": "data/loader.py, data/source_kinds.py",
-        "mix_temperature": "data/mixture.py",
-        "phases": "data/mixture.py",
-        "anneal_start_step": "data/mixture.py",
-        "anneal_weights": "data/mixture.py",
-    }
-    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
-
     @model_validator(mode="after")
     def _prefetch_needs_workers(self) -> DataConfig:
         if self.prefetch_factor is not None and self.num_workers == 0:

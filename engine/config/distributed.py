@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -41,21 +41,6 @@ class DistributedConfig(Section):
     backend: str = Field(
         "cpu:gloo,cuda:nccl", description="torch.distributed backend per device type; a CPU run uses the cpu entry"
     )
-
-    readers: ClassVar[dict[str, str]] = {
-        "dp_shard": "parallel/mesh.py",
-        "dp_replicate": "parallel/mesh.py",
-        "tp": "parallel/mesh.py, parallel/tp.py",
-        "pp": "parallel/mesh.py, parallel/pipeline.py",
-        "cp": "parallel/mesh.py, parallel/context.py",
-        "cp_method": "parallel/context.py",
-        "ep": "parallel/mesh.py, parallel/expert.py",
-        "pp_schedule": "parallel/pipeline.py",
-        "nccl_timeout_sec": "train/job.py, train/trainer.py",
-        "cpu_offload": "parallel/apply.py, train/job.py, parallel/memory.py",
-        "backend": "parallel/launch.py, train/job.py",
-    }
-    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
     @field_validator("backend")
     @classmethod

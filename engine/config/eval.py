@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -45,21 +45,3 @@ class EvalConfig(HubDatasetFields, EvalSchedule):
         None, ge=0, description="examples in each task prompt; unset: each task's own (usually 0)"
     )
     task_batch_size: int = Field(8, gt=0, description="rows per forward when evaluating eval.tasks (as forge eval's)")
-
-    readers: ClassVar[dict[str, str]] = {
-        "enabled": "data/loader.py",
-        "interval": "train/trainer.py",
-        "steps": "train/step.py, data/sampler.py",
-        "dataset_path": "data/source_kinds.py",
-        "file_pattern": "data/loader.py",
-        "hf_dataset_name": "data/source_kinds.py",
-        "hf_dataset_config": "data/source_kinds.py",
-        "hf_dataset_split": "data/source_kinds.py",
-        "hf_dataset_revision": "data/source_kinds.py",
-        "tasks": "eval/in_training.py, eval/rules.py",
-        "task_interval": "eval/in_training.py",
-        "task_limit": "eval/in_training.py",
-        "task_num_fewshot": "eval/in_training.py",
-        "task_batch_size": "eval/in_training.py",
-    }
-    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""

@@ -6,7 +6,7 @@ combined with yet is refused by engine/model/rules.py.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import Field
 
@@ -54,19 +54,3 @@ class LoraConfig(Section):
         "it on the fly in forward; unset = keep the base in fp32",
     )
     group_size: int = Field(64, ge=2, description="quantize_base: weights per NF4 scale block (torchao's block_size)")
-
-    readers: ClassVar[dict[str, str]] = {
-        "enabled": "model/lora.py, train/job.py, parallel/lora_memory.py, checkpoint/locate.py",
-        "rank": "model/lora.py, parallel/lora_memory.py, checkpoint/",
-        "alpha": "model/lora.py, checkpoint/",
-        "dropout": "model/lora.py, checkpoint/hf_lora.py",
-        "target_modules": "model/lora.py, parallel/lora_memory.py",
-        "exclude_modules": "model/lora.py, parallel/lora_memory.py",
-        "init": "model/lora.py",
-        "save_adapters_only": "train/job.py, checkpoint/hf.py",
-        "merge_interval": "train/trainer.py",
-        "reset_optimizer_on_merge": "train/lora_merge.py",
-        "quantize_base": "model/lora.py, parallel/lora_memory.py",
-        "group_size": "model/lora.py, parallel/lora_memory.py",
-    }
-    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""

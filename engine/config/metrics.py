@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from pydantic import Field
 
 from engine.config.base import Section
@@ -23,14 +21,3 @@ class MetricsConfig(Section):
     tensorboard_dir: str | None = Field(
         None, description="unset = RUN_DIR/tensorboard; relative = inside the run directory"
     )
-
-    readers: ClassVar[dict[str, str]] = {
-        "log_interval": "train/trainer.py",
-        "enable_wandb": "metrics/trackers.py",
-        "enable_tensorboard": "metrics/trackers.py",
-        "wandb_project": "metrics/trackers.py",
-        "wandb_run_name": "metrics/trackers.py",
-        "wandb_run_id": "metrics/trackers.py",
-        "tensorboard_dir": "metrics/trackers.py",
-    }
-    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
@@ -180,55 +180,6 @@ class ModelConfig(Section):
         description="weight of the mean multi-token-prediction loss over the modules, added to the main loss "
         "in training (eval loss and generation use the main model only)",
     )
-
-    readers: ClassVar[dict[str, str]] = {
-        "dim": "model/transformer.py, model/attention.py, model/mlp.py, model/families/gpt2/model.py",
-        "n_layers": "model/transformer.py, model/families/gpt2/model.py",
-        "n_heads": "model/attention.py, model/families/gpt2/model.py",
-        "n_kv_heads": "model/attention.py",
-        "vocab_size": "model/transformer.py, data/loader.py, model/families/gpt2/model.py",
-        "ffn_dim_multiplier": "model/mlp.py",
-        "ffn_hidden_dim": "model/mlp.py, model/families/gpt2/model.py",
-        "norm_type": "model/norms.py",
-        "norm_eps": "model/transformer.py, model/attention.py, model/families/gpt2/model.py",
-        "activation": "model/mlp.py",
-        "max_seq_len": "model/transformer.py, model/families/gpt2/model.py",
-        "rope_theta": "model/transformer.py",
-        "tie_embeddings": "model/transformer.py, model/families/gpt2/model.py",
-        "qk_norm": "model/attention.py",
-        "init_std": "model/transformer.py, model/families/gpt2/model.py",
-        "model_type": "model/__init__.py, model/rules.py",
-        "sdpa_backend": "model/attention.py, model/families/gpt2/model.py",
-        "parametrization": "model/mup.py, model/transformer.py, model/attention.py, train/optim/groups.py",
-        "mup_base_dim": "model/mup.py",
-        "attention_head_dim": "model/attention.py, model/transformer.py",
-        "attention_qkv_bias": "model/attention.py",
-        "rope_scaling": "model/rope.py",
-        "rope_scaling_factor": "model/rope.py",
-        "rope_low_freq_factor": "model/rope.py",
-        "rope_high_freq_factor": "model/rope.py",
-        "rope_original_max_seq_len": "model/rope.py",
-        "sliding_window": "model/attention.py, model/documents.py",
-        "num_experts": "model/transformer.py, model/moe.py",
-        "moe_top_k": "model/routers.py",
-        "moe_frequency": "model/transformer.py",
-        "moe_router": "model/routers.py",
-        "moe_shared_experts": "model/moe.py",
-        "moe_aux_loss_weight": "model/moe.py",
-        "moe_capacity_factor": "model/moe.py",
-        "moe_sequence_aux_loss_weight": "model/moe.py",
-        "moe_gradient_scale": "model/moe.py",
-        "moe_bias_schedule": "model/routers.py",
-        "moe_bias_update": "model/routers.py",
-        "moe_n_group": "model/routers.py",
-        "moe_topk_group": "model/routers.py",
-        "moe_packed_experts": "model/moe.py",
-        "moe_expert_ffn_multiplier": "model/moe.py",
-        "moe_router_z_loss_weight": "model/moe.py",
-        "mtp_depth": "model/transformer.py, model/mtp.py",
-        "mtp_loss_weight": "train/losses.py",
-    }
-    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelConfig:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from pydantic import Field, model_validator
 
 from engine.config.base import Section
@@ -18,14 +16,6 @@ class ProfilingConfig(Section):
         description="where the traces are written, one per process (trace_steps_A-B_rankR.json); relative paths "
         "are inside the run directory",
     )
-
-    readers: ClassVar[dict[str, str]] = {
-        "enable": "train/profiling.py",
-        "start_step": "train/profiling.py",
-        "end_step": "train/profiling.py",
-        "trace_dir": "train/profiling.py",
-    }
-    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
     @model_validator(mode="after")
     def _window(self) -> ProfilingConfig:

@@ -1,5 +1,11 @@
-"""The configuration schema as a reference: each field's type, default, allowed values, description and the
-engine modules that read it, read from the pydantic sections of `JobConfig`.
+"""The configuration schema as a reference: each field's type, default, allowed values and description, and in a
+section composed of components (`[optimizer]`, `[scheduler]`) which components read it, read from the pydantic
+sections of `JobConfig`.
+
+The "read by" column of a composed section comes from the registry: the components whose config class declares
+the field (`ComponentRegistry.owners`), or "every NAME" for a field the section shares. It replaces the
+hand-written `readers` tables every section had (lists of engine modules, which drifted from the code); the other
+sections' tables have no such column.
 
 It feeds the field tables of docs/configuration.md (written between marker comments, so the prose around
 them is kept) and the shell completion of `--section.key=value` overrides. Regenerate the document with
@@ -47,7 +53,7 @@ class FieldDoc:
     allowed: str
     choices: tuple[str, ...]
     description: str
-    read_by: str
+    read_by: tuple[str, ...]
 
 
 def sections(job: type[BaseModel] = JobConfig) -> dict[str, type[BaseModel]]:
@@ -56,12 +62,11 @@ def sections(job: type[BaseModel] = JobConfig) -> dict[str, type[BaseModel]]:
 
 
 def field_docs(section: str, model: type[BaseModel]) -> list[FieldDoc]:
-    """The section's fields in schema order. Every field must say what it does and which module reads it."""
-    readers = getattr(model, "readers", {})
+    """The section's fields in schema order. Every field must say what it does."""
     docs = []
     for name, info in model.model_fields.items():
-        if not info.description or name not in readers:
-            raise ValueError(f"{section}.{name} needs a description= and an entry in {model.__name__}.readers")
+        if not info.description:
+            raise ValueError(f"{section}.{name} needs a description=")
         docs.append(
             FieldDoc(
                 section,
@@ -71,10 +76,19 @@ def field_docs(section: str, model: type[BaseModel]) -> list[FieldDoc]:
                 allowed_text(info),
                 choices(info.annotation),
                 info.description,
-                readers[name],
+                read_by(model, name),
             )
         )
     return docs
+
+
+def read_by(model: type[BaseModel], name: str) -> tuple[str, ...]:
+    """For a section composed of components: the components that read field `name` (`("every optimizer",)` for a
+    shared one); () for the other sections."""
+    components = getattr(model, "components", None)
+    if components is None:
+        return ()
+    return components.owners().get(name, (f"every {components.kind}",))
 
 
 def all_field_docs(job: type[BaseModel] = JobConfig) -> list[FieldDoc]:
@@ -169,13 +183,14 @@ def cell(text: str) -> str:
 
 def section_table(section: str, model: type[BaseModel]) -> str:
     """The markdown table of one section."""
-    lines = ["| field | type | default | allowed | description | read by |", "|---|---|---|---|---|---|"]
+    composed = getattr(model, "components", None) is not None
+    lines = ["| field | type | default | allowed | description |" + (" read by |" if composed else "")]
+    lines.append("|---|---|---|---|---|" + ("---|" if composed else ""))
     for doc in field_docs(section, model):
-        readers = ", ".join(f"`{path}`" for path in doc.read_by.split(", "))
-        lines.append(
-            f"| `{doc.name}` | {cell(doc.type)} | {doc.default} | {cell(doc.allowed)} | "
-            f"{cell(doc.description)} | {readers} |"
-        )
+        row = f"| `{doc.name}` | {cell(doc.type)} | {doc.default} | {cell(doc.allowed)} | {cell(doc.description)} |"
+        if composed:
+            row += " " + ", ".join(name if name.startswith("every ") else f"`{name}`" for name in doc.read_by) + " |"
+        lines.append(row)
     return "\n".join(lines)
 
 

@@ -1,16 +1,42 @@
-"""Small name → entry registries for the components a config picks by string.
+"""Small name → entry registries for the components a config picks by string, and the registries of
+components that make up a section (`ComponentRegistry`).
 
-Config fields are `Literal`s (so validation needs no torch); the entries register here when their module
-is imported, and a test checks that every `Literal` option has one. Most entries are builders; a model
-family registers its `ModelSpec` (engine/model/spec.py), an optimizer its builder in OPTIMIZERS (torch) and
-its state size in OPTIMIZER_STATES (torch-free, read by the memory estimate).
+Most entries are builders or specs: a model family registers its `ModelSpec` (engine/model/spec.py), a norm or a
+router its builder. The optimizers and the schedules are components (`Component`): a torch-free config class of
+their own fields and what they build, and the `[optimizer]` / `[scheduler]` sections are composed from them.
+
+A component's class derives from its section's shared fields (`OptimizerFields`, `SchedulerFields`) and declares
+the fields only it reads, in its own module beside its implementation (engine/train/optim/muon_config.py); one
+decorator registers it with the implementation it builds, named as "module:attribute" so that registering imports
+no torch:
+
+    @OPTIMIZERS.register("muon", build="engine.train.optim.muon:muon")
+    class MuonConfig(AdamEps): ...
+
+The TOML table stays flat: the section (`OptimizerConfig`) is composed from the shared fields and every registered
+component's own ones (`ComponentRegistry.compose`), recomposed when a component registers later, and its name field
+takes exactly the registered names (a `Literal` built here from the registry, so pydantic's message lists them). A
+field is owned by the components whose class declares it; set away from its default while another component is
+chosen, it is an error naming its owners (`owner_issues`), so no field is silently ignored, and a config that
+leaves it at its default (as every run directory's saved config.toml does) loads. What the chosen component reads
+is its own config object, `chosen(values)`: the section's values of the fields its class declares.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import difflib
-from collections.abc import Callable
-from typing import Generic, TypeVar
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from engine.config.base import Section
+from engine.errors import ConfigIssue
 
 T = TypeVar("T")
 
@@ -38,12 +64,158 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._builders)
 
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """Registrations made inside are undone on leaving (what a test that registers a toy uses)."""
+        saved = dict(self._builders)
+        try:
+            yield
+        finally:
+            self._builders = saved
+            self.changed()
+
+    def changed(self) -> None:
+        """Called when the entries change; a component registry recomposes its section."""
+
+
+@dataclass(frozen=True)
+class Component:
+    """One registered choice: its name, its config class (shared and own fields) and what it builds, as
+    "module:attribute" (imported only when built) or the object itself."""
+
+    name: str
+    config: type[Section]
+    build: str | Callable[..., Any] | None = None
+
+    def implementation(self) -> Any:
+        if not isinstance(self.build, str):
+            return self.build
+        module, _, attribute = self.build.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+class ComponentRegistry(Registry[Component]):
+    """A registry of components whose entries also make up a section (`bind`)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self._section: type[Section] | None = None
+        self._shared: type[Section] | None = None
+        self._tail: tuple[str, ...] = ()
+        self._dependents: list[type[BaseModel]] = []
+
+    def register(self, name: str, build: str | Callable[..., Any] | None = None) -> Callable[[type], type]:  # type: ignore[override]
+        """Decorate a component's config class: registered under `name`, building `build`."""
+
+        def add(config: type[Section]) -> type[Section]:
+            assert name not in self._builders, f"{self.kind} {name!r} registered twice"
+            self._builders[name] = Component(name, config, build)
+            self.compose()
+            return config
+
+        return add
+
+    def changed(self) -> None:
+        self.compose()
+
+    def components(self) -> Iterator[Component]:
+        """In registration order (the order the name field lists them)."""
+        return iter(self._builders.values())
+
+    def bind(self, section: type[Section], shared: type[Section], tail: tuple[str, ...] = ()) -> None:
+        """Make `section` (a subclass of `shared` that adds nothing) the union of the components' fields:
+        `shared`'s, then each component's own in registration order, and the fields named in `tail` last (the
+        order the resolved config has always had)."""
+        self._section, self._shared, self._tail = section, shared, tail
+        section.components = self  # the "read by" column of engine/config/reference.py
+        self.compose()
+
+    def rebuild_with(self, model: type[BaseModel]) -> None:
+        """`model` embeds the section (JobConfig): rebuilt whenever the section is recomposed."""
+        self._dependents.append(model)
+
+    @property
+    def name_field(self) -> str:
+        return "name"
+
+    def compose(self) -> None:
+        if self._section is None or self._shared is None:
+            return
+        fields: dict[str, FieldInfo] = dict(self._shared.model_fields)
+        for component in self.components():
+            for name, info in component.config.model_fields.items():
+                if name in fields:
+                    if name not in self._shared.model_fields:
+                        self._check_same(name, fields[name], info, component)
+                    continue
+                fields[name] = copy.copy(info)
+        fields = {
+            **{k: v for k, v in fields.items() if k not in self._tail},
+            **{k: v for k, v in fields.items() if k in self._tail},
+        }
+        names = tuple(self._builders)
+        if names:
+            fields[self.name_field] = FieldInfo.merge_field_infos(
+                fields[self.name_field],
+                annotation=Literal[names],  # type: ignore[valid-type]
+            )
+        self._section.__pydantic_fields__ = fields
+        self._section.model_rebuild(force=True)
+        for model in self._dependents:
+            model.model_rebuild(force=True)
+
+    def _check_same(self, name: str, first: FieldInfo, again: FieldInfo, component: Component) -> None:
+        same = first.annotation == again.annotation and first.get_default(
+            call_default_factory=True
+        ) == again.get_default(call_default_factory=True)
+        assert same, (
+            f"{self.kind} {component.name!r} declares {name!r} unlike another {self.kind} does: "
+            "declare a shared field once (a mixin both classes derive from)"
+        )
+
+    def owners(self) -> dict[str, tuple[str, ...]]:
+        """Each component-owned field (not a shared one) → the components whose class declares it."""
+        shared = self._shared.model_fields if self._shared is not None else {}
+        found: dict[str, list[str]] = {}
+        for component in self.components():
+            for name in component.config.model_fields:
+                if name not in shared:
+                    found.setdefault(name, []).append(component.name)
+        return {name: tuple(names) for name, names in found.items()}
+
+    def foreign_fields(self, chosen: str) -> list[str]:
+        """The fields other components own and `chosen` does not read (what `forge init` drops)."""
+        return [field for field, names in self.owners().items() if chosen not in names]
+
+    def chosen(self, values: Section) -> Any:
+        """The chosen component's own config object: `values`' fields that its class declares."""
+        config = self.get(getattr(values, self.name_field)).config
+        return config.model_construct(**{name: getattr(values, name) for name in config.model_fields})
+
+    def owner_issues(self, section: str, values: Section) -> list[ConfigIssue]:
+        """One issue per component-owned field set away from its default although the chosen one does not read
+        it, naming the components that do."""
+        chosen = getattr(values, self.name_field)
+        owners = self.owners()
+        readers = {field: ", ".join(names) for field, names in owners.items() if chosen not in names}
+        defaults = {
+            name: info.get_default(call_default_factory=True) for name, info in type(values).model_fields.items()
+        }
+        return [
+            ConfigIssue(
+                f"{section}.{field}",
+                f"is set, but {chosen!r} does not use it (only {readers[field]} do)",
+                f"remove it, or choose one of {readers[field]}",
+            )
+            for field in type(values).model_fields
+            if field in readers and getattr(values, field) != defaults[field]
+        ]
+
 
 NORMS: Registry = Registry("norm")
 ACTIVATIONS: Registry = Registry("activation")
-OPTIMIZERS: Registry = Registry("optimizer")
-SCHEDULERS: Registry = Registry("scheduler")
+OPTIMIZERS = ComponentRegistry("optimizer")
+SCHEDULERS = ComponentRegistry("scheduler")
 LOSSES: Registry = Registry("loss")
 MODELS: Registry = Registry("model type")
-OPTIMIZER_STATES: Registry = Registry("optimizer")
 ROUTERS: Registry = Registry("MoE router")

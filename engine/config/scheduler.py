@@ -1,24 +1,28 @@
 """`[scheduler]`: the learning-rate schedule (multiplier on optimizer.lr).
 
-`warmup_steps` and `decay_steps` are shared; the other fields belong to some schedules only
-(`READ_BY`), and setting one away from its default while another schedule is chosen is a config error
-(`JobConfig.validate`). `decay_steps` is exempt: the run directory records its resolved value for every
-schedule, so that a resumed run keeps its schedule.
+`name`, `unit`, `warmup_steps`, `decay_steps`, `cycles` and `rewarmup_steps` are every schedule's
+(`SchedulerFields`); each schedule's own fields, and its multiplier, are declared by its config class in
+engine/train/schedule_shapes.py (registered in `SCHEDULERS`), and `SchedulerConfig`, the `[scheduler]` table, is
+composed of them all (engine/config/registry.py: `ComponentRegistry`). A field set away from its default while
+another schedule is chosen is a config error naming the schedules that read it (`JobConfig.validate`).
+`decay_steps` is shared: the run directory records its resolved value for every schedule, so that a resumed run
+keeps its schedule.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from engine.config.base import Section
+from engine.config.registry import SCHEDULERS
 
-SchedulerName = Literal["cosine", "linear", "wsd", "constant", "rex", "inv_sqrt", "none"]
 
+class SchedulerFields(Section):
+    """The fields every schedule reads; a schedule's config class derives from it (or from a mixin that does)."""
 
-class SchedulerConfig(Section):
-    name: SchedulerName = Field("cosine", description="the schedule: a multiplier on optimizer.lr over the steps")
+    name: str = Field("cosine", description="the schedule: a multiplier on optimizer.lr over the steps")
     unit: Literal["steps", "tokens"] = Field(
         "steps",
         description="what warmup_steps, stable_steps, decay_steps and rewarmup_steps count, and where the "
@@ -31,14 +35,6 @@ class SchedulerConfig(Section):
         description="length of the decay; unset = it ends on the last step "
         "(max_steps - warmup_steps - stable_steps - 1); the run directory records the resolved value",
     )
-    min_lr_ratio: float = Field(
-        0.1, ge=0, le=1, description="floor of the decay as a fraction of lr; cosine, linear, wsd, rex"
-    )
-    stable_steps: int = Field(
-        0, ge=0, description="wsd only: steps at the peak lr between warmup and decay (> 0 needs decay_steps)"
-    )
-    wsd_decay_type: Literal["cosine", "linear", "sqrt"] = Field("cosine", description="wsd only: shape of the decay")
-    rex_alpha: float = Field(1.0, gt=0, description="rex only: exponent on the REX profile; 1 = the paper's schedule")
     cycles: int | list[int] | None = Field(
         None,
         description="warm restarts: a number of equal cycles, or the steps after which a new cycle begins "
@@ -49,26 +45,6 @@ class SchedulerConfig(Section):
         None, ge=0, description="with cycles: warmup of every cycle after the first; unset = warmup_steps"
     )
 
-    readers: ClassVar[dict[str, str]] = {
-        "name": "train/schedules.py",
-        "unit": "train/schedules.py",
-        "warmup_steps": "train/schedules.py",
-        "decay_steps": "train/schedules.py",
-        "min_lr_ratio": "train/schedules.py",
-        "stable_steps": "train/schedules.py",
-        "wsd_decay_type": "train/schedules.py",
-        "rex_alpha": "train/schedules.py",
-        "cycles": "train/schedules.py",
-        "rewarmup_steps": "train/schedules.py",
-    }
-    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
-
-    @model_validator(mode="after")
-    def _none_has_no_warmup(self) -> SchedulerConfig:
-        if self.name == "none" and (self.warmup_steps or self.rewarmup_steps):
-            raise ValueError("scheduler 'none' keeps lr fixed and has no warmup; use name = 'constant' for warmup")
-        return self
-
     @field_validator("cycles")
     @classmethod
     def _cycles_are_ordered(cls, cycles: int | list[int] | None) -> int | list[int] | None:
@@ -78,10 +54,27 @@ class SchedulerConfig(Section):
             raise ValueError(f"step boundaries must be above 0 and strictly increasing, got {cycles}")
         return cycles
 
+    def check(self) -> None:
+        """A schedule's own checks of the values it is given (raise ValueError); none by default."""
+
+    def decay(self, steps: int, decay_steps: int) -> float:
+        """The multiplier `steps` after the peak began to fall (after warmup and any stable phase)."""
+        raise NotImplementedError(f"schedule {self.name!r} has no decay")
+
+    @property
+    def held_steps(self) -> int:
+        """Steps at the peak between warmup and decay (wsd's stable phase); 0 for most schedules."""
+        return 0
+
+
+class SchedulerConfig(SchedulerFields):
+    """The `[scheduler]` table: the shared fields and every registered schedule's own ones (composed by
+    `SCHEDULERS.bind` below; the chosen schedule's own config is `SCHEDULERS.chosen(cfg)`)."""
+
     @model_validator(mode="after")
-    def _inv_sqrt_has_no_decay_length(self) -> SchedulerConfig:
-        if self.name == "inv_sqrt" and self.decay_steps is not None:
-            raise ValueError("inv_sqrt decays by sqrt(warmup_steps / step) and has no decay_steps; remove it")
+    def _chosen_schedule_checks(self) -> SchedulerConfig:
+        if self.name in SCHEDULERS.names():
+            SCHEDULERS.chosen(self).check()
         return self
 
     @model_validator(mode="after")
@@ -91,11 +84,6 @@ class SchedulerConfig(Section):
         return self
 
 
-DECAYING = ("cosine", "linear", "wsd", "rex")
-READ_BY: dict[str, tuple[str, ...]] = {
-    "min_lr_ratio": DECAYING,
-    "stable_steps": ("wsd",),
-    "wsd_decay_type": ("wsd",),
-    "rex_alpha": ("rex",),
-}
-"""Fields that only some schedules read, and which ones."""
+import engine.train.schedule_shapes  # noqa: E402, F401  (registers every schedule's config: torch-free)
+
+SCHEDULERS.bind(SchedulerConfig, SchedulerFields, tail=("cycles", "rewarmup_steps"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -171,41 +171,6 @@ class TrainConfig(Section):
         description="[[train.hooks]] {target, every, args}: research code called on step end, eval, checkpoint "
         "and run end (docs/training.md#hooks); a failing hook stops the run after a checkpoint (exit code 1)",
     )
-
-    readers: ClassVar[dict[str, str]] = {
-        "batch_size": "data/loader.py",
-        "seq_len": "data/loader.py",
-        "max_steps": "train/trainer.py, train/schedules.py",
-        "max_epochs": "train/length.py",
-        "max_tokens": "train/length.py",
-        "global_batch_size": "data/batch_plan.py, train/length.py",
-        "grad_accum_steps": "data/batch_plan.py, train/step.py",
-        "batch_ramp_start": "data/batch_plan.py",
-        "batch_ramp_increment": "data/batch_plan.py",
-        "batch_ramp_steps": "data/batch_plan.py",
-        "batch_ramp_tokens": "data/batch_plan.py",
-        "grad_clip_norm": "train/step.py",
-        "seed": "train/job.py",
-        "data_seed": "data/loader.py",
-        "compile_model": "parallel/apply.py",
-        "mixed_precision": "train/job.py, parallel/apply.py",
-        "fp8_recipe": "parallel/float8.py",
-        "activation_checkpointing": "parallel/activation_checkpoint.py",
-        "activation_offload": "train/job.py, parallel/memory.py",
-        "loss_fn": "train/losses.py",
-        "z_loss_weight": "train/losses.py",
-        "ce_chunk_size": "train/losses.py",
-        "shutdown_timeout_sec": "resilience/signals.py",
-        "nccl_health_check_interval": "train/trainer.py, resilience/health.py",
-        "spike_sigma": "resilience/anomaly.py",
-        "spike_window": "resilience/anomaly.py",
-        "max_bad_steps": "resilience/anomaly.py",
-        "max_rollbacks": "train/trainer.py",
-        "hooks": "train/hooks.py, train/trainer.py",
-        "ema_decay": "train/ema.py, parallel/memory.py",
-        "ema_warmup": "train/ema.py",
-    }
-    """The engine modules (under engine/) that read each field: the "read by" column of docs/configuration.md."""
 
     @model_validator(mode="before")
     @classmethod

@@ -14,11 +14,10 @@ from typing import Any, Literal
 
 import tomlkit
 
-from engine.config import optimizer as optimizer_fields
-from engine.config import scheduler as scheduler_fields
 from engine.config.job import JobConfig
 from engine.config.loader import build_job_config, read_preset
 from engine.config.model import MOE_FIELDS
+from engine.config.registry import OPTIMIZERS, SCHEDULERS
 
 DataKind = Literal["embedded", "shards", "hf"]
 MOE_DEFAULTS = {"num_experts": 8, "moe_top_k": 2}
@@ -209,9 +208,8 @@ def apply_optimizer(raw: dict[str, Any], answers: InitAnswers, derived: dict[str
     optimizer, scheduler = section(raw, "optimizer"), section(raw, "scheduler")
     before = optimizer.get("name", "adamw")
     optimizer["name"] = answers.optimizer
-    for key, readers in optimizer_fields.READ_BY.items():
-        if answers.optimizer not in readers:
-            optimizer.pop(key, None)
+    for key in OPTIMIZERS.foreign_fields(answers.optimizer):
+        optimizer.pop(key, None)
     if answers.optimizer == "lion" and before != "lion":
         optimizer["lr"] = float(f"{optimizer.get('lr', 3e-4) / LION_LR_DIVISOR:.3g}")
         optimizer["weight_decay"] = float(f"{optimizer.get('weight_decay', 0.1) * LION_LR_DIVISOR:.3g}")
@@ -225,9 +223,8 @@ def apply_optimizer(raw: dict[str, Any], answers: InitAnswers, derived: dict[str
         if warmup:
             optimizer["schedule_free_warmup_steps"] = warmup
             derived["optimizer.schedule_free_warmup_steps"] = "the base preset's scheduler.warmup_steps"
-    for key, readers in scheduler_fields.READ_BY.items():
-        if scheduler.get("name", "cosine") not in readers:
-            scheduler.pop(key, None)
+    for key in SCHEDULERS.foreign_fields(scheduler.get("name", "cosine")):
+        scheduler.pop(key, None)
 
 
 def apply_budget(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, str]) -> None:

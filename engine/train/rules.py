@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.config import optimizer as optimizer_fields
-from engine.config import scheduler as scheduler_fields
 from engine.config.fields import unread_field_issues
+from engine.config.registry import OPTIMIZERS, SCHEDULERS
 from engine.errors import ConfigIssue
 
 if TYPE_CHECKING:
@@ -37,8 +36,8 @@ def optimization_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     """Optimizer, schedule and loss fields that the chosen components would not read, and combinations
     that do not work together."""
     o, s, t = cfg.optimizer, cfg.scheduler, cfg.train
-    issues = unread_field_issues("optimizer", o, o.name, optimizer_fields.READ_BY)
-    issues += unread_field_issues("scheduler", s, s.name, scheduler_fields.READ_BY)
+    issues = OPTIMIZERS.owner_issues("optimizer", o)
+    issues += SCHEDULERS.owner_issues("scheduler", s)
     issues += unread_field_issues("train", t, t.loss_fn, {"ce_chunk_size": ("chunked_cross_entropy",)})
     issues += unread_field_issues("train", t, t.mixed_precision, {"fp8_recipe": ("fp8",)})
     if o.name == "schedule_free_adamw" and s.name not in ("constant", "none"):

@@ -27,7 +27,6 @@ importing torch; only `build_scheduler` touches torch.
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -42,96 +41,10 @@ if TYPE_CHECKING:
 
     from engine.config.job import JobConfig
 
-Decay = Callable[[int, int, SchedulerConfig], float]  # (steps since the peak began to fall, decay_steps, config)
-Shape = Callable[[float, SchedulerConfig], float]  # (progress in [0, 1], config) -> multiplier
-
-
-def by_progress(shape: Shape) -> Decay:
-    """A schedule that falls over `decay_steps` by progress p = steps / decay_steps, then stays at p = 1."""
-
-    def decay(steps: int, decay_steps: int, cfg: SchedulerConfig) -> float:
-        return shape(min(steps / decay_steps, 1.0), cfg)
-
-    decay.__doc__ = shape.__doc__
-    return decay
-
-
-def above_floor(shape: float, floor: float) -> float:
-    """A shape that falls from 1 to 0, lifted onto [floor, 1]."""
-    return floor + (1 - floor) * shape
-
-
-def cosine_shape(progress: float) -> float:
-    return 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def linear_shape(progress: float) -> float:
-    return 1 - progress
-
-
-def sqrt_shape(progress: float) -> float:
-    """1 - sqrt(p): the cooldown Hägele et al. (2024, "Scaling Laws and Compute-Optimal Training Beyond
-    Fixed Training Durations") found best for WSD; it leaves the peak faster than linear."""
-    return 1 - math.sqrt(progress)
-
-
-def rex_shape(progress: float, alpha: float) -> float:
-    """REX (Chen, Wolfe & Kyrillidis, MLSys 2022): (1 - p) / (1 - p/2), which decays slower than linear
-    early and faster late; raised to `alpha` (1 = the paper's profile)."""
-    return ((1 - progress) / (1 - progress / 2)) ** alpha
-
-
-WSD_SHAPES: dict[str, Callable[[float], float]] = {"cosine": cosine_shape, "linear": linear_shape, "sqrt": sqrt_shape}
-
-
-@SCHEDULERS.register("cosine")
-@by_progress
-def cosine(progress: float, cfg: SchedulerConfig) -> float:
-    return above_floor(cosine_shape(progress), cfg.min_lr_ratio)
-
-
-@SCHEDULERS.register("linear")
-@by_progress
-def linear(progress: float, cfg: SchedulerConfig) -> float:
-    return above_floor(linear_shape(progress), cfg.min_lr_ratio)
-
-
-@SCHEDULERS.register("wsd")
-@by_progress
-def warmup_stable_decay(progress: float, cfg: SchedulerConfig) -> float:
-    """Warmup-stable-decay (Hu et al. 2024, MiniCPM): the peak is held for stable_steps (in `lr_multiplier`),
-    then decays with the `wsd_decay_type` shape; a run can branch its decay from any stable checkpoint."""
-    return above_floor(WSD_SHAPES[cfg.wsd_decay_type](progress), cfg.min_lr_ratio)
-
-
-@SCHEDULERS.register("rex")
-@by_progress
-def rex(progress: float, cfg: SchedulerConfig) -> float:
-    return above_floor(rex_shape(progress, cfg.rex_alpha), cfg.min_lr_ratio)
-
-
-@SCHEDULERS.register("constant")
-@by_progress
-def constant(progress: float, cfg: SchedulerConfig) -> float:
-    return 1.0
-
-
-@SCHEDULERS.register("none")
-@by_progress
-def no_schedule(progress: float, cfg: SchedulerConfig) -> float:
-    return 1.0
-
-
-@SCHEDULERS.register("inv_sqrt")
-def inverse_sqrt(steps: int, decay_steps: int, cfg: SchedulerConfig) -> float:
-    """Inverse square root (Vaswani et al. 2017): sqrt(T / (T + steps)) with T = max(warmup_steps, 1), so it
-    leaves the peak at the rate the warmup reached it and never reaches a floor (decay_steps is not read)."""
-    timescale = max(cfg.warmup_steps, 1)
-    return math.sqrt(timescale / (timescale + steps))
-
 
 def stable_steps(cfg: SchedulerConfig) -> int:
-    return cfg.stable_steps if cfg.name == "wsd" else 0
+    """Steps the chosen schedule holds the peak between warmup and decay (wsd's stable_steps)."""
+    return SCHEDULERS.chosen(cfg).held_steps
 
 
 def default_decay_steps(cfg: SchedulerConfig, max_steps: int, warmup: int | None = None) -> int:
@@ -156,7 +69,7 @@ def cycle_warmup(cfg: SchedulerConfig, cycle: int) -> int:
 
 def one_cycle(cfg: SchedulerConfig, length: int, warmup: int) -> Callable[[int], float]:
     """The schedule of a run (or cycle) of `length` steps that warms up over `warmup`, by its local step."""
-    decay: Decay = SCHEDULERS.get(cfg.name)
+    decay = SCHEDULERS.chosen(cfg).decay  # the schedule's own config (engine/train/schedule_shapes.py)
     hold = stable_steps(cfg)
     decay_steps = cfg.decay_steps or default_decay_steps(cfg, length, warmup)
 
@@ -165,7 +78,7 @@ def one_cycle(cfg: SchedulerConfig, length: int, warmup: int) -> Callable[[int],
             return (step + 1) / (warmup + 1)
         if step < warmup + hold:
             return 1.0
-        return decay(step - warmup - hold, decay_steps, cfg)
+        return decay(step - warmup - hold, decay_steps)
 
     return multiplier
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from engine.config.model import ModelConfig
-from engine.config.optimizer import OptimizerState
-from engine.config.registry import MODELS, OPTIMIZER_STATES, OPTIMIZERS
+from engine.config.optimizer import OptimizerFields, OptimizerState
+from engine.config.registry import MODELS, OPTIMIZERS
 from engine.model.norms import build_norm
 from engine.model.spec import (
     ActivationLayout,
@@ -271,11 +271,17 @@ def build_toy_momentum(model: nn.Module, cfg) -> torch.optim.Optimizer:
 TOY_STATE = OptimizerState(FP32)
 
 
+class ToyMomentumConfig(OptimizerFields):
+    """The toy optimizer's config: the shared fields, and the state it keeps."""
+
+    def state(self) -> OptimizerState:
+        return TOY_STATE
+
+
 def register() -> None:
     """Register the toy family and the toy optimizer (a test undoes it with the `registries` fixture)."""
     MODELS.register(NAME)(SPEC)
-    OPTIMIZERS.register(OPTIMIZER)(build_toy_momentum)
-    OPTIMIZER_STATES.register(OPTIMIZER)(TOY_STATE)
+    OPTIMIZERS.register(OPTIMIZER, build=build_toy_momentum)(ToyMomentumConfig)
 
 
 def toy_config(**fields: Any) -> ModelConfig:

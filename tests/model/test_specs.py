@@ -23,9 +23,9 @@ GENERIC = [
 def registered_names() -> list[str]:
     import engine.model  # (registers the families)
     import engine.train.optim  # noqa: F401  (registers the optimizer builders)
-    from engine.config.registry import MODELS, OPTIMIZER_STATES, OPTIMIZERS
+    from engine.config.registry import MODELS, OPTIMIZERS
 
-    return sorted({*MODELS.names(), *OPTIMIZERS.names(), *OPTIMIZER_STATES.names()})
+    return sorted({*MODELS.names(), *OPTIMIZERS.names()})
 
 
 def mentions(text: str, name: str) -> list[str]:
@@ -41,17 +41,20 @@ def test_the_generic_rooms_name_no_family_and_no_optimizer():
     assert not {key: count for key, count in found.items() if count}
     # The same search finds the names where they belong (so an edit naming one in a generic room would fail).
     assert mentions((REPO / "engine/model/families/transformer/__init__.py").read_text(), "transformer")
-    assert mentions((REPO / "engine/config/optimizer.py").read_text(), "muon")
+    assert mentions((REPO / "engine/train/optim/muon_config.py").read_text(), "muon")
 
 
 def test_every_optimizer_the_config_allows_has_a_builder_and_a_state_size():
     from engine.config.optimizer import OptimizerConfig, OptimizerState
-    from engine.config.registry import OPTIMIZER_STATES, OPTIMIZERS
+    from engine.config.registry import OPTIMIZERS
 
     registered_names()
     allowed = sorted(typing.get_args(OptimizerConfig.model_fields["name"].annotation))
-    assert OPTIMIZER_STATES.names() == OPTIMIZERS.names() == allowed
-    assert all(isinstance(OPTIMIZER_STATES.get(name), OptimizerState) for name in allowed)
+    assert OPTIMIZERS.names() == allowed
+    for name in allowed:
+        assert callable(OPTIMIZERS.get(name).implementation()), name
+        own = OPTIMIZERS.chosen(OptimizerConfig(name=name))
+        assert isinstance(own.state(), OptimizerState), name
 
 
 def test_an_unknown_model_type_or_optimizer_exits_2_listing_the_registered_ones():

@@ -1,66 +1,31 @@
-"""Optimizers, chosen by `optimizer.name` through the registry; one module each.
+"""Optimizers, chosen by `optimizer.name`; one module each, and beside it its torch-free config
+(`NAME_config.py`: its own fields, its state size and its registration in `OPTIMIZERS`).
 
-Weight decay applies to matrices only (not norms, biases, embeddings) in all of them. Their state is
-tensors and Python numbers, and their param groups may carry extra keys, all of which go through
-`torch.distributed.checkpoint.state_dict.get_state_dict` / `set_state_dict` like AdamW's.
+Importing this package imports no torch: it registers the configs (the `[optimizer]` section is composed of them),
+and `build_optimizer` and the other torch helpers of `build.py` load when first used.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from typing import Any
 
-import torch
-from torch import nn
-
-from engine.config.optimizer import OptimizerConfig
-from engine.config.registry import OPTIMIZERS
-from engine.train.optim import adamw, lion, muon, schedule_free  # noqa: F401  (register the builders)
-from engine.train.optim.groups import hidden_matrices, param_groups
-from engine.train.optim.schedule_free import ScheduleFreeAdamW
+# One line per optimizer: its config module registers it (and names the builder it imports when built).
+from engine.train.optim import adamw_config, lion_config, muon_config, schedule_free_config  # noqa: F401
 
 __all__ = ["build_optimizer", "current_lr", "eval_mode", "hidden_matrices", "param_groups"]
+TORCH_HELPERS = {
+    "build_optimizer": "build",
+    "apply_lr_multipliers": "build",
+    "current_lr": "build",
+    "eval_mode": "build",
+    "hidden_matrices": "groups",
+    "param_groups": "groups",
+}
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    return apply_lr_multipliers(OPTIMIZERS.get(cfg.name)(model, cfg))
+def __getattr__(name: str) -> Any:
+    if name in TORCH_HELPERS:
+        import importlib
 
-
-def apply_lr_multipliers(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Groups that carry μP's `lr_multiplier` (optim/groups.py) train at that multiple of their lr. Done once,
-    before the schedule is built, which then scales each group's own lr."""
-    for group in optimizer.param_groups:
-        if "lr_multiplier" in group:
-            group["lr"] = group["lr"] * group["lr_multiplier"]
-    return optimizer
-
-
-def current_lr(optimizer: torch.optim.Optimizer) -> float:
-    """The lr the next step takes (first param group, over its μP multiplier: the base lr), as metrics
-    should report it."""
-    group = optimizer.param_groups[0]
-    lr = ScheduleFreeAdamW.step_lr(group) if isinstance(optimizer, ScheduleFreeAdamW) else group["lr"]
-    return float(lr) / group.get("lr_multiplier", 1.0)  # torchao's optimizers keep lr as a tensor
-
-
-@contextlib.contextmanager
-def eval_mode(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Inside: the parameters hold the weights to evaluate; after: exactly the ones to train again.
-
-    Only schedule-free AdamW tells them apart (it trains at y but its answer is the average x), so use
-    this around evaluation; for the other optimizers it does nothing. Switching back by interpolation
-    would not return y bit for bit, so y is copied aside and put back: evaluating never changes training.
-    """
-    if not isinstance(optimizer, ScheduleFreeAdamW):
-        yield
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    training_weights = [p.detach().clone() for p in params]
-    optimizer.eval()
-    try:
-        yield
-    finally:
-        optimizer.train()
-        with torch.no_grad():
-            for p, y in zip(params, training_weights):
-                p.copy_(y)
+        return getattr(importlib.import_module(f"engine.train.optim.{TORCH_HELPERS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,9 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config.optimizer import OptimizerConfig
-from engine.config.registry import OPTIMIZERS
 from engine.parallel.float8 import quiet_torchao_import
+from engine.train.optim.adamw_config import AdamWConfig
 from engine.train.optim.groups import hidden_matrices, param_groups
 
 
@@ -19,8 +18,7 @@ def fused_supported(model: nn.Module) -> bool:
     return all(p.device.type in {"cuda", "cpu"} and p.is_floating_point() for p in model.parameters())
 
 
-@OPTIMIZERS.register("adamw")
-def adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def adamw(model: nn.Module, cfg: AdamWConfig) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay)
     if cfg.state_dtype != "fp32" or cfg.weight_dtype != "fp32":
         return torchao_adamw(model, groups, cfg)
@@ -28,7 +26,7 @@ def adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
 
 
-def torchao_adamw(model: nn.Module, groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def torchao_adamw(model: nn.Module, groups: list[dict], cfg: AdamWConfig) -> torch.optim.Optimizer:
     """torchao's AdamW8bit (int8 moments for the hidden matrices: engine/train/optim/adamw8bit.py), or its AdamW
     for bf16 weights with bf16 moments (`_AdamW`, the class torchao documents for bf16 stochastic rounding);
     with bf16 weights, each update is computed in fp32 and stochastically rounded to bf16 (unbiased: small

@@ -7,10 +7,9 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from engine.config.optimizer import OptimizerConfig
-from engine.config.registry import OPTIMIZERS
 from engine.train.optim.closure import loss_of
 from engine.train.optim.groups import param_groups
+from engine.train.optim.lion_config import LionConfig
 
 
 class Lion(torch.optim.Optimizer):
@@ -56,6 +55,5 @@ class Lion(torch.optim.Optimizer):
         torch._foreach_add_(momenta, grads, alpha=1 - beta2)
 
 
-@OPTIMIZERS.register("lion")
-def lion(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def lion(model: nn.Module, cfg: LionConfig) -> torch.optim.Optimizer:
     return Lion(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)

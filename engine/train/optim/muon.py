@@ -19,10 +19,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from engine.config.optimizer import OptimizerConfig
-from engine.config.registry import OPTIMIZERS
 from engine.train.optim.closure import loss_of
 from engine.train.optim.groups import hidden_matrices, param_groups
+from engine.train.optim.muon_config import MuonConfig
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic of Jordan et al.: steepest slope at 0 that still converges
 NS_EPS = 1e-7
@@ -144,8 +143,7 @@ class Muon(torch.optim.Optimizer):
         p.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
 
 
-@OPTIMIZERS.register("muon")
-def muon(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def muon(model: nn.Module, cfg: MuonConfig) -> torch.optim.Optimizer:
     """Muon on the blocks' matrices at `lr`; AdamW (decay on matrices only) on the rest at `muon_adam_lr`."""
     matrices = hidden_matrices(model)
     adam_lr = cfg.muon_adam_lr or cfg.lr

@@ -15,10 +15,9 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from engine.config.optimizer import OptimizerConfig
-from engine.config.registry import OPTIMIZERS
 from engine.train.optim.closure import loss_of
 from engine.train.optim.groups import param_groups
+from engine.train.optim.schedule_free_config import ScheduleFreeConfig
 from engine.train.schedules import schedule_free_warmup
 
 
@@ -116,8 +115,7 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
         group["k"] = k + 1
 
 
-@OPTIMIZERS.register("schedule_free_adamw")
-def schedule_free_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def schedule_free_adamw(model: nn.Module, cfg: ScheduleFreeConfig) -> torch.optim.Optimizer:
     return ScheduleFreeAdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,
