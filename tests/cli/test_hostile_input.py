@@ -195,3 +195,19 @@ def test_resume_names_a_train_state_of_the_wrong_shape(trained_run, tmp_path, ch
     before = tree(run)
     assert_refused(run_forge("resume", str(run), "--train.max_steps=6"), str(state), named)
     assert tree(run) == before
+
+
+@pytest.mark.parametrize(
+    "task,named",
+    [
+        ("task: [unclosed\n  : :\n", "is not YAML"),
+        ('task: nodata\noutput_type: loglikelihood\ndoc_to_text: "{{a}}"\n', "names no data set"),
+        ("- task: one\n- task: two\n", "got list"),
+    ],
+)
+def test_eval_names_a_task_file_it_cannot_build_a_task_from(trained_run, tmp_path, task, named):
+    task_file = tmp_path / "task.yaml"
+    task_file.write_text(task)
+    before = tree(trained_run)
+    assert_refused(run_forge("eval", str(trained_run), "--tasks", str(task_file)), f"task file {task_file}", named)
+    assert tree(trained_run) == before
