@@ -6,19 +6,38 @@ the rewritten metrics log.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from engine.errors import DiskFull
+
 TMP_SUFFIX = ".tmp"
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def space_checked(path: Path) -> Iterator[None]:
+    """A full disk (or quota) while writing `path` becomes one `DiskFull` naming it; other errors pass as
+    they are. Every write of a run's or a data set's files goes through here (`atomic_write`, the metrics log)."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in NO_SPACE:
+            raise
+        raise DiskFull(path) from err
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Write through `write` into a temporary sibling, fsync it, rename it over `path`, fsync the folder."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")
     try:
-        with open(tmp, "wb") as f:
+        with space_checked(path), open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from engine.checkpoint.verify import file_checksum
 from engine.config.loader import dump_toml, load_job_config
 from forgecli.app import app
+from tests.conftest import REPO
 from tests.helpers.runs import TINY as TINY_RUN
 from tests.helpers.runs import forge as forge_subprocess
 from tests.helpers.scale import TINY as TINY_STUDY
@@ -211,3 +212,55 @@ def test_eval_names_a_task_file_it_cannot_build_a_task_from(trained_run, tmp_pat
     before = tree(trained_run)
     assert_refused(run_forge("eval", str(trained_run), "--tasks", str(task_file)), f"task file {task_file}", named)
     assert tree(trained_run) == before
+
+
+def to_dev_full(monkeypatch, module, name_part: str) -> None:
+    """`module`'s open() of a file whose name holds `name_part` for writing opens /dev/full instead, where
+    every write that reaches the disk fails with ENOSPC, as on a full disk."""
+    real_open = open
+
+    def full_open(path, mode="r", *args, **kwargs):
+        wanted = "w" in mode or "a" in mode
+        return real_open("/dev/full" if wanted and name_part in str(path) else path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(module, "open", full_open, raising=False)
+
+
+def assert_disk_full(result, path: Path) -> None:
+    """Exit code 1 (the machine's doing, as for a checkpoint that cannot be written), one line naming the
+    file, no traceback."""
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), (result.output, result.exception)
+    assert "Traceback" not in result.stdout + result.stderr
+    said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(said) == 1 and said[0].startswith(f"error: no space left on the disk writing {path}:"), result.stderr
+
+
+def test_a_full_disk_while_writing_metrics_stops_training_with_one_line(tmp_path, monkeypatch):
+    from engine.metrics.trackers import JsonlSink
+
+    opened = JsonlSink.__init__
+
+    def on_full_disk(self, path, resumed_from):
+        opened(self, path, resumed_from)
+        self.file.close()
+        self.file = open("/dev/full", "a", encoding="utf-8")  # noqa: SIM115 (the sink closes it)
+
+    monkeypatch.setattr(JsonlSink, "__init__", on_full_disk)
+    run = tmp_path / "run"
+    args = [*TINY_RUN, "--train.max_steps=4", "--eval.enabled=false"]
+    assert_disk_full(run_forge("train", "presets/debug.toml", "--run-dir", str(run), *args), run / "metrics.jsonl")
+    ended = [json.loads(line) for line in (run / "attempts.jsonl").read_text().splitlines()][-1]
+    assert ended["event"] == "end" and ended["reason"] == "failed" and "no space left" in ended["error"]
+
+
+def test_a_full_disk_while_tokenizing_stops_with_one_line(tmp_path, monkeypatch):
+    import engine.durable
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text((REPO / "README.md").read_text()[:20000])
+    to_dev_full(monkeypatch, engine.durable, ".npy.")  # a shard's temporary file
+    out = tmp_path / "out"
+    result = run_forge("tokenize", str(texts), "--train-tokenizer", "--vocab-size", "300", "--out", str(out))
+    assert_disk_full(result, out / "shard-00000.npy")
+    assert not list(out.glob("*.npy*"))
