@@ -23,7 +23,7 @@ from torch import nn
 
 from engine.checkpoint.locate import locate_checkpoint
 from engine.data.tokenizer import Encoder
-from engine.durable import TMP_SUFFIX, write_durably
+from engine.durable import TMP_SUFFIX, check_writable, write_durably
 from engine.errors import UserError
 from engine.interp.attention import CORE, AttentionCapture, attention_targets
 from engine.interp.modules import ModuleOutput, first_tensor, probe_outputs, resolve_layers
@@ -278,6 +278,7 @@ class Extraction:
         return (self.out / MANIFEST).is_file()
 
     def check_out(self, wanted: bytes) -> None:
+        check_writable(self.out, "--out", folder=True)
         if self.out.exists() and not (self.out / REQUEST).is_file() and any(self.out.iterdir()):
             raise UserError(
                 f"--out {self.out} exists and is not a forge extract output",

@@ -4,6 +4,7 @@ the input, no traceback, and nothing written. One section per kind of input, eac
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -264,3 +265,47 @@ def test_a_full_disk_while_tokenizing_stops_with_one_line(tmp_path, monkeypatch)
     result = run_forge("tokenize", str(texts), "--train-tokenizer", "--vocab-size", "300", "--out", str(out))
     assert_disk_full(result, out / "shard-00000.npy")
     assert not list(out.glob("*.npy*"))
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["tokenize", "TEXTS", "--train-tokenizer", "--vocab-size", "300", "--out", "OUT"],
+        ["init", "OUT", "--defaults"],
+        ["extract", "RUN", "--layers", "layers.0", "--text", "ROMEO: hello", "--out", "OUT"],
+    ],
+    ids=["tokenize", "init", "extract"],
+)
+@pytest.mark.parametrize("inside", [False, True], ids=["the-file", "under-the-file"])
+def test_an_output_path_at_or_under_a_regular_file_is_refused(trained_run, tmp_path, command, inside):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text((REPO / "README.md").read_text()[:5000])
+    blocker = tmp_path / "blocker"
+    blocker.write_text("mine\n")
+    out = blocker / "out" if inside else blocker
+    named = {"TEXTS": str(texts), "OUT": str(out), "RUN": str(trained_run)}
+    before, run_before = tree(tmp_path), tree(trained_run)
+    result = run_forge(*[named.get(arg, arg) for arg in command])
+    if inside:
+        assert_refused(result, str(out), f"is inside {blocker}, which is a file")
+    elif command[0] == "init":
+        assert_refused(result, str(out), "already exists")
+    else:
+        assert_refused(result, f"--out {out} is a file")
+    assert tree(tmp_path) == before and tree(trained_run) == run_before
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link"])
+def test_init_force_replaces_only_a_regular_file(tmp_path, kind):
+    """Not tried on /dev/full itself: before the fix, the rename would have replaced the machine's device."""
+    target = tmp_path / "preset.toml"
+    kept = tmp_path / "kept.toml"
+    kept.write_text("mine\n")
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.symlink_to(kept)
+    assert_refused(run_forge("init", str(target), "--defaults", "--force"), f"PRESET {target} is", "regular files")
+    assert (target.is_fifo() if kind == "fifo" else target.is_symlink()) and kept.read_text() == "mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.toml", "preset.toml"]
