@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -452,8 +453,10 @@ def check_request(request: ExtractRequest) -> None:
         raise UserError(f"--format {request.storage!r} is not one of shards, npz", "e.g. --format npz")
     if request.batch_size < 1:
         raise UserError(f"--batch-size {request.batch_size} must be at least 1", "e.g. --batch-size 8")
-    if request.shard_mb <= 0:
-        raise UserError(f"--shard-mb {request.shard_mb} must be positive", f"e.g. --shard-mb {DEFAULT_SHARD_MB}")
+    if not (math.isfinite(request.shard_mb) and request.shard_mb > 0):  # NaN and inf have no byte count
+        raise UserError(
+            f"--shard-mb {request.shard_mb} must be a positive, finite size", f"e.g. --shard-mb {DEFAULT_SHARD_MB}"
+        )
     if request.seq_len is not None and request.seq_len < 1:
         raise UserError(f"--seq-len {request.seq_len} must be at least 1", "leave it out to use the model's context")
 

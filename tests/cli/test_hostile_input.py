@@ -309,3 +309,19 @@ def test_init_force_replaces_only_a_regular_file(tmp_path, kind):
     assert_refused(run_forge("init", str(target), "--defaults", "--force"), f"PRESET {target} is", "regular files")
     assert (target.is_fifo() if kind == "fifo" else target.is_symlink()) and kept.read_text() == "mine\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.toml", "preset.toml"]
+
+
+@pytest.mark.parametrize(
+    "command,named",
+    [
+        (["generate", "RUN", "--prompt", "ROMEO:", "--max-new-tokens", "4", "--temperature", "nan"], "--temperature nan"),
+        (["generate", "RUN", "--prompt", "ROMEO:", "--max-new-tokens", "4", "--temperature", "inf"], "--temperature inf"),
+        (["extract", "RUN", "--layers", "layers.0", "--text", "ROMEO:", "--out", "OUT", "--shard-mb", "nan"], "--shard-mb nan"),
+        (["extract", "RUN", "--layers", "layers.0", "--text", "ROMEO:", "--out", "OUT", "--shard-mb", "inf"], "--shard-mb inf"),
+    ],
+)  # fmt: skip
+def test_a_number_option_that_is_not_finite_is_refused(trained_run, tmp_path, command, named):
+    named_paths = {"RUN": str(trained_run), "OUT": str(tmp_path / "out")}
+    before = tree(trained_run)
+    assert_refused(run_forge(*[named_paths.get(arg, arg) for arg in command]), named)
+    assert tree(trained_run) == before and not (tmp_path / "out").exists()
