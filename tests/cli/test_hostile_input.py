@@ -325,3 +325,33 @@ def test_a_number_option_that_is_not_finite_is_refused(trained_run, tmp_path, co
     before = tree(trained_run)
     assert_refused(run_forge(*[named_paths.get(arg, arg) for arg in command]), named)
     assert tree(trained_run) == before and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "override,limit",
+    [
+        ("--model.max_seq_len=1e12", "16777216"),
+        ("--model.dim=1e9", "1048576"),
+        ("--model.vocab_size=1e12", "16777216"),
+        ("--train.batch_size=1e12", "1048576"),
+    ],
+)
+def test_a_size_beyond_its_bound_is_refused_by_name_before_training(tmp_path, override, limit):
+    """Sizes that validation took and the allocation then failed on."""
+    run = tmp_path / "run"
+    result = run_forge("train", "presets/debug.toml", *TINY_RUN, override, "--run-dir", str(run))
+    assert_refused(result, override.split("=")[0].removeprefix("--"), f"less than or equal to {limit}")
+    assert not run.exists()
+
+
+@pytest.mark.parametrize(
+    "override,limit",
+    [
+        ("--train.max_steps=1000000000000000000000000000000", "1000000000000"),
+        ("--train.max_tokens=1000000000000000000000000000000", "1000000000000000000"),
+    ],
+)
+def test_a_run_length_beyond_its_bound_is_refused_by_name(override, limit):
+    """Checked by validate-config: before the bound, training took the length and went on for ever."""
+    result = run_forge("validate-config", "presets/debug.toml", override)
+    assert_refused(result, override.split("=")[0].removeprefix("--"), f"less than or equal to {limit}")
