@@ -40,6 +40,14 @@ NprocPerNode = Annotated[
         "--nproc-per-node", min=1, help="Processes on this node (one per GPU), started by PyTorch's elastic launcher."
     ),
 ]
+AllowCode = Annotated[
+    bool,
+    typer.Option(
+        "--allow-code",
+        help="Run the code a saved config (a run directory's config.toml) names: its train.hooks and eval.tasks "
+        "task files, and hook modules found inside a run directory. Only for a run directory you trust.",
+    ),
+]
 
 
 @user_errors
@@ -51,11 +59,13 @@ def train(
     ),
     as_json: SummaryAsJson = False,
     nproc_per_node: NprocPerNode = 1,
+    allow_code: AllowCode = False,
 ) -> None:
     """Train a model into a run directory (config, metrics, logs, checkpoints).
 
     If the run directory already holds a run of this config, it resumes from its newest complete
     checkpoint. Overrides as --section.key=value, values as TOML literals (--optimizer.betas=[0.9,0.95]).
+    A run's config.toml as the preset runs none of the code it names (hooks, task files) without --allow-code.
 
     [bold]Examples[/bold]
 
@@ -67,11 +77,15 @@ def train(
 
     """
     from engine.config import load_job_config
+    from engine.train.run_dir import is_saved_config, refuse_saved_code
 
-    cfg = load_job_config(preset, collect_overrides(ctx.args))
+    overrides = collect_overrides(ctx.args)
+    cfg = load_job_config(preset, overrides)
+    if is_saved_config(preset):
+        refuse_saved_code(cfg, overrides, preset, allow_code)
     if nproc_per_node > 1:
         launch(cfg, nproc_per_node)
-    run_training(cfg, run_dir or Path("runs") / preset.stem, as_json)
+    run_training(cfg, run_dir or Path("runs") / preset.stem, as_json, allow_code)
 
 
 def launch(cfg: JobConfig, nproc: int) -> None:
@@ -129,6 +143,13 @@ def resume_launch_hint() -> str:
     return f" (started the way this run was, {world} processes)"
 
 
+def allow_code_flag(cfg: JobConfig) -> str:
+    """` --allow-code` where a resume of this run would need it: its saved config names code (hooks, task files)."""
+    from engine.train.run_dir import saved_code_fields
+
+    return " --allow-code" if saved_code_fields(cfg, []) else ""
+
+
 def worker_argv(argv: list[str]) -> list[str]:
     """The command line without --nproc-per-node (each worker is one process)."""
     out, skip = [], False
@@ -152,8 +173,9 @@ def cache_build_bar(name: str) -> Iterator[Callable[[TokenizeProgress], None]]:
         yield view.update
 
 
-def run_training(cfg: JobConfig, run_dir: Path, as_json: bool) -> None:
-    """Train with the console output that fits; shared by `forge train` and `forge resume`."""
+def run_training(cfg: JobConfig, run_dir: Path, as_json: bool, allow_code: bool = False) -> None:
+    """Train with the console output that fits; shared by `forge train` and `forge resume`. `allow_code`:
+    hook modules inside a run directory may be imported (--allow-code)."""
     from engine.parallel.place import process_place
     from engine.train.trainer import train as train_job
 
@@ -177,14 +199,14 @@ def run_training(cfg: JobConfig, run_dir: Path, as_json: bool) -> None:
 
     try:
         with progress_shown_by(cache_build_bar) if live else contextlib.nullcontext():
-            summary = train_job(cfg, run_dir, reporter)
+            summary = train_job(cfg, run_dir, reporter, allow_run_dir_code=allow_code)
     except Preempted as stopped:
         if not main_rank:
             raise typer.Exit(PREEMPTED_EXIT) from None
         err_console.print(
             f"stopped by {stopped.signal_name} at step {stopped.step}; checkpoint: "
             f"{stopped.checkpoint or 'none (the run resumes from its previous one)'}. "
-            f"Continue with: forge resume {run_dir}{resume_launch_hint()}",
+            f"Continue with: forge resume {run_dir}{resume_launch_hint()}{allow_code_flag(cfg)}",
             markup=False,
             highlight=False,
             soft_wrap=True,
@@ -203,7 +225,8 @@ def run_training(cfg: JobConfig, run_dir: Path, as_json: bool) -> None:
     elif summary.get("already_complete"):
         console.print(
             f"run {run_dir} is already complete at step {summary['steps']}; to train further (same schedule, "
-            f"data and optimizer): forge resume {shlex.quote(str(run_dir))} --train.max_steps=N (N > {summary['steps']})",
+            f"data and optimizer): forge resume {shlex.quote(str(run_dir))} --train.max_steps=N{allow_code_flag(cfg)} "
+            f"(N > {summary['steps']})",
             markup=False,
             highlight=False,
             soft_wrap=True,

@@ -56,11 +56,11 @@ def validate_config(
     try:
         cfg = with_derived_length(load_job_config(preset, overrides).validate(world_size), world_size)
         warnings = cfg.warnings(world_size)
-        if cfg.train.hooks:  # imports the research code they name (only then), as `forge train` will
-            from engine.train.hooks import hook_class
+        if cfg.train.hooks:  # found, never imported: importing research code is what training does
+            from engine.train.hooks import check_hook_module
 
             for index, spec in enumerate(cfg.train.hooks):
-                hook_class(spec, index)
+                check_hook_module(spec, index, None, allow_run_dir_code=True)
         summary = job_summary(cfg, world_size)
         stages = estimate_memory(cfg, world_size)
         sources = field_sources(cfg, preset, overrides)

@@ -10,6 +10,8 @@ Layout under the checkpoint folder:
     latest             the name of the newest complete checkpoint, replaced atomically after COMPLETE
                        (for people and tools; Forge itself resumes from the newest folder with COMPLETE,
                        which is the same one unless `latest` was lost)
+    step_N.superseded-K  a complete step_N that a later save of the same step found in its way (never
+                       deleted for it: `new_step_dir`); nothing loads or prunes it
 
 A folder without COMPLETE was cut short (the job was killed while saving) and is never loaded. DCP can
 load a checkpoint into a different parallel layout than the one that saved it.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import logging
 import pickle
@@ -55,6 +58,7 @@ from engine.checkpoint.layout import COMPLETE, complete_checkpoints, step_dirs
 from engine.checkpoint.verify import merge_checksums, record_rank_checksums, verify_checkpoint
 from engine.durable import fsync_dir, fsync_file, write_durably
 from engine.resilience.collectives import distributed
+from engine.safe_paths import file_in
 
 TRAIN_STATE = "train_state.json"
 LATEST = "latest"
@@ -154,15 +158,31 @@ def is_writer() -> bool:
 
 
 def new_step_dir(root: Path, step: int) -> Path:
+    """The empty folder a save of `step` writes into. A folder of that name left by a save cut short (no
+    COMPLETE) is removed; a complete one (a damaged checkpoint the run fell back from, or one this run did
+    not write) is never deleted to make room: it is set aside under another name, and a warning says where."""
     writer_failures.clear()  # left by a save that failed with an error of its own
     path = root / f"step_{step}"
     if is_writer():
-        if path.exists():  # a save of this step that was cut short by a kill
+        if (path / COMPLETE).is_file():
+            kept = set_aside(path)
+            log.warning("%s was a complete checkpoint: kept as %s (delete it once it is not needed)", path, kept)
+        elif path.exists():  # a save of this step that was cut short by a kill
             shutil.rmtree(path)
         path.mkdir(parents=True)
     if distributed():
         torch.distributed.barrier()
     return path
+
+
+def set_aside(path: Path) -> Path:
+    """Rename `path` to the first free `NAME.superseded-K`, a name no step_N lookup, load or prune matches."""
+    for k in itertools.count(1):
+        target = path.with_name(f"{path.name}.superseded-{k}")
+        if not target.exists():
+            path.rename(target)
+            return target
+    raise AssertionError("unreachable")
 
 
 # Threads each process writes its checkpoint files with. DCP's default of one leaves the disk idle while
@@ -332,7 +352,9 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with the metadata read through `MetadataUnpickler`."""
+    """DCP's file reader with the metadata read through `MetadataUnpickler`, and every file the metadata names
+    a regular file's plain name inside the checkpoint folder (`engine.safe_paths.file_in`): DCP would open
+    whatever path it names, `../` or /dev/zero included."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -341,6 +363,8 @@ class SafeFileSystemReader(FileSystemReader):
             metadata = MetadataUnpickler(file).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"{name} does not hold DCP metadata")
+        for info in (metadata.storage_data or {}).values():
+            file_in(Path(self.path), getattr(info, "relative_path", None), Path(self.path) / name)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint.dcp import COMPLETE, TRAIN_STATE, SafeFileSystemReader, latest_checkpoint, read_state, step_dirs
-from engine.checkpoint.layout import STEP_DIR
+from engine.checkpoint.layout import STEP_DIR, checkpoint_root
 from engine.config.job import JobConfig
 from engine.config.loader import load_job_config
 from engine.config.lora import LoraConfig
@@ -105,7 +105,7 @@ def locate_checkpoint(target: Path) -> ForgeCheckpoint:
         )
     if (target / RUN_CONFIG).is_file():
         cfg = load_job_config(target / RUN_CONFIG)
-        step = newest_complete(target / cfg.checkpoint.dir, f"run {target}")
+        step = newest_complete(checkpoint_root(target, cfg.checkpoint.dir), f"run {target}")
         return run_checkpoint(step, cfg, target)
     if STEP_DIR.match(target.name):
         if not (target / COMPLETE).is_file():
@@ -134,7 +134,10 @@ def step_folders(target: Path) -> list[Path]:
         raise UserError(f"{target} is not a folder", "pass a run directory, its checkpoint folder or a step_N folder")
     if STEP_DIR.match(target.name):
         return [target]
-    root = target / load_job_config(target / RUN_CONFIG).checkpoint.dir if (target / RUN_CONFIG).is_file() else target
+    if (target / RUN_CONFIG).is_file():
+        root = checkpoint_root(target, load_job_config(target / RUN_CONFIG).checkpoint.dir)
+    else:
+        root = target
     folders = [path for _, path in step_dirs(root)]
     if not folders:
         raise UserError(f"{target} holds no checkpoint (no step_N folder in {root})", "pass a run directory")
@@ -159,7 +162,7 @@ def with_config(step: Path, root: Path) -> ForgeCheckpoint:
     run_dir = next((p for p in root.parents if (p / RUN_CONFIG).is_file()), None)
     if run_dir is not None:
         cfg = load_job_config(run_dir / RUN_CONFIG)
-        if (run_dir / cfg.checkpoint.dir).resolve() == root.resolve():
+        if (run_dir / cfg.checkpoint.dir).resolve() == root.resolve():  # only compared: nothing is read there
             return run_checkpoint(step, cfg, run_dir)
     raise UserError(
         f"cannot find the model config of checkpoint {step} (no {MODEL_CONFIG} in {root} and no run "

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.checkpoint.layout import COMPLETE
+from engine.safe_paths import UnsafePath, file_in
 
 CHECKSUMS = "checksums.json"
 CHUNK = 16 << 20  # bytes read at a time: a shard is never held in memory whole
@@ -59,21 +60,36 @@ def merge_checksums(path: Path, also: list[str]) -> None:
     (path / CHECKSUMS).write_text(json.dumps(dict(sorted(sums.items())), indent=1))
 
 
+def checksum_list(path: Path) -> dict[str, str]:
+    """Step folder `path`'s `checksums.json`: file name → checksum. A checkpoint may come from anywhere, so
+    every name must be a regular file's plain name inside the folder (`engine.safe_paths.file_in`: no
+    `../`, no absolute path, no device such as /dev/zero that would be read forever), else UnsafePath naming
+    the entry, before any file is read."""
+    listed = path / CHECKSUMS
+    sums = json.loads(listed.read_text())
+    if not isinstance(sums, dict) or not all(isinstance(value, str) for value in sums.values()):
+        raise ValueError(f"{listed} is not an object of file names and checksums")
+    for name in sums:
+        file_in(path, name, listed)
+    return sums
+
+
 def checksummed_bytes(path: Path) -> int:
     """How many bytes `verify_checkpoint` reads: for a progress bar."""
     try:
-        names = json.loads((path / CHECKSUMS).read_text())
-    except (OSError, ValueError):  # none, or damaged: `verify_checkpoint` says which
+        names = checksum_list(path)
+    except (OSError, ValueError):  # none, damaged or refused: `verify_checkpoint` says which
         return 0
     return sum(file.stat().st_size for name in names if (file := path / name).is_file())
 
 
 def verify_checkpoint(path: Path, progress: Callable[[int], None] | None = None) -> bool:
     """Raise ChecksumMismatch (naming the file) or FileNotFoundError if a file of step folder `path` is not
-    what was written; False when the checkpoint has no checksums to check (written before they existed)."""
+    what was written, UnsafePath if its checksum list names anything but a file in it; False when the
+    checkpoint has no checksums to check (written before they existed)."""
     if not (path / CHECKSUMS).is_file():
         return False
-    for name, expected in json.loads((path / CHECKSUMS).read_text()).items():
+    for name, expected in checksum_list(path).items():
         actual = file_checksum(path / name, progress)
         if actual != expected:
             raise ChecksumMismatch(f"{path / name} is damaged (checksum {actual}, written as {expected})")
@@ -108,6 +124,8 @@ def verify_folders(folders: list[Path], progress: Callable[[int, int], None] | N
             continue
         try:
             checked = verify_checkpoint(path, advance)
+        except UnsafePath:
+            raise  # not damage but a list naming files elsewhere: refused (exit 2), nothing else read
         except (ChecksumMismatch, OSError, ValueError) as err:
             verdicts.append(Verdict(path, "damaged", str(err)))
             continue

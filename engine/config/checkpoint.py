@@ -20,7 +20,11 @@ class KeepRule(Section):
 
 
 class CheckpointConfig(Section):
-    dir: str = Field("checkpoints", description="checkpoint folder; relative paths are inside the run directory")
+    dir: str = Field(
+        "checkpoints",
+        description="checkpoint folder: relative, inside the run directory (one leading out is refused); absolute, a "
+        "folder of this run's own (locked with it)",
+    )
     interval: int | None = Field(None, gt=0, description="save every N steps; a final checkpoint is always written")
     interval_minutes: float | None = Field(
         None,

@@ -25,6 +25,7 @@ from engine.data.shards import FORMAT_VERSION
 from engine.data.tokenize import write_encoded
 from engine.data.tokenizer import DEFAULT_EOS, Encoder
 from engine.errors import DataError
+from engine.safe_paths import cache_path
 
 CORPUS = Path(__file__).with_name("corpus") / "shakespeare.jsonl.gz"
 HELD_OUT = ("Hamlet", "The Tempest")  # titles of the validation split
@@ -63,10 +64,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FORGE_CACHE_DIR") or Path.home() / ".cache" / "forge")
 
 
+def cache_entry(kind: str, name: str) -> Path:
+    """`$FORGE_CACHE_DIR/kind/name`, refused (naming it) where either is a symbolic link: every cache writes,
+    replaces and deletes files in its entries, never in a link's target (`engine.safe_paths.cache_path`)."""
+    return cache_path(cache_dir(), kind, name)
+
+
 def embedded_corpus() -> EmbeddedCorpus:
     """The tokenized train/val directories of the embedded corpus, built on first use."""
     digest = hashlib.sha256(CORPUS.read_bytes() + json.dumps(RECIPE).encode()).hexdigest()
-    entry = cache_dir() / "corpus" / f"shakespeare-{digest[:16]}"
+    entry = cache_entry("corpus", f"shakespeare-{digest[:16]}")
     if not entry.is_dir():
         build(entry)
     return EmbeddedCorpus(entry / "train", entry / "val")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.data import DEFAULT_SHARD_TOKENS
-from engine.data.embedded import cache_dir
+from engine.data.embedded import cache_entry
 from engine.data.hub import HubSource
 from engine.data.shards import MANIFEST
 from engine.data.tokenize import Progress, ProgressFn, run_key, tokenize
@@ -68,7 +68,7 @@ def cached_shards(request: HubRequest, streaming: bool, tokenizer: Path, vocab_s
         source.check(r.text_field)
     except DataError as e:
         raise DataError(f"{r.field}: {e.message}", f"{e.hint} (config fields: {r.fields})") from None
-    entry = cache_dir() / "hf" / run_key(source, r.text_field, DEFAULT_SHARD_TOKENS, encoder, None, None)[:16]
+    entry = cache_entry("hf", run_key(source, r.text_field, DEFAULT_SHARD_TOKENS, encoder, None, None)[:16])
 
     def build() -> None:
         say(f"tokenizing {source} into {entry} (once: later runs reuse it)")
@@ -131,8 +131,13 @@ def locked(path: Path, waiting: str) -> Iterator[None]:
     error."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never a planted link's target
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DataError(
+                f"the Forge cache lock {path} is a symbolic link; Forge never writes through a link in its cache",
+                f"remove the link (rm {path}; its target is left alone)",
+            ) from None
         raise DataError(
             f"cannot write the Forge cache {path.parent} ({e.strerror})", "set FORGE_CACHE_DIR to a writable directory"
         ) from None

@@ -20,13 +20,14 @@ import hashlib
 import json
 from pathlib import Path
 
-from engine.data.embedded import cache_dir
+from engine.data.embedded import cache_entry
 from engine.data.hub_cache import built_once, say
 from engine.data.remote import FetchError, RemoteFile, filesystem, remote_file, retried, shown
 from engine.data.shards import MANIFEST, TOKENIZER_FILE, Manifest, manifest_from_json, open_shard
 from engine.data.tokenizer import file_sha256
 from engine.durable import atomic_write
 from engine.errors import DataError
+from engine.safe_paths import file_in
 
 COPY_BLOCK = 1 << 20  # bytes per write into the cache
 
@@ -55,7 +56,7 @@ def remote_manifest(url: str, field: str) -> tuple[Manifest, bytes]:
 def fetched_shards(url: str, field: str) -> Path:
     """The cache entry holding the data set at `url`, fetched on first use; errors name `field`."""
     manifest, raw = remote_manifest(url, field)
-    entry = cache_dir() / "remote" / hashlib.sha256(shown(url).encode() + b"\0" + raw).hexdigest()[:16]
+    entry = cache_entry("remote", hashlib.sha256(shown(url).encode() + b"\0" + raw).hexdigest()[:16])
 
     def build() -> None:
         say(f"fetching {shown(url)} into {entry} (once: later runs reuse it)")
@@ -75,7 +76,7 @@ def fetch_files(url: str, manifest: Manifest, entry: Path) -> None:
     fs, root = filesystem(url)
     root = root.rstrip("/")
     entry.mkdir(parents=True, exist_ok=True)
-    tokenizer, kept = root + "/" + TOKENIZER_FILE, entry / TOKENIZER_FILE
+    tokenizer, kept = root + "/" + TOKENIZER_FILE, file_in(entry, TOKENIZER_FILE, entry)
     if kept.is_file() and file_sha256(kept) == manifest.tokenizer_sha256:
         pass  # fetched and checked by an earlier, interrupted run
     elif retried(url, lambda: fs.exists(tokenizer)):
@@ -88,7 +89,7 @@ def fetch_files(url: str, manifest: Manifest, entry: Path) -> None:
                 "upload the tokenizer.json written beside the shards",
             )
     for info in manifest.shards:
-        target = entry / info.file
+        target = file_in(entry, info.file, f"{shown(url)}/{MANIFEST}")  # a plain name, checked with the manifest
         if not target.is_file():  # a file fetched by an earlier, interrupted run was checked before it was kept
             fetch(remote(fs, url, root, root + "/" + info.file), target)
         try:

@@ -18,6 +18,7 @@ import numpy as np
 
 from engine.durable import atomic_write
 from engine.errors import DataError
+from engine.safe_paths import file_in, plain_name
 
 FORMAT = "forge-token-shards"
 FORMAT_VERSION = 1
@@ -116,8 +117,13 @@ def problem(error: Exception) -> str:
 
 
 def manifest_from_json(raw: dict[str, Any]) -> Manifest:
+    """The manifest in `raw`; a ValueError (or KeyError, TypeError) for anything a reader cannot trust, a
+    shard named by anything but a plain file name included (`engine.safe_paths`: every reader joins the
+    names to the data set's folder, and a fetch into the cache writes and deletes them)."""
     tok = raw["tokenizer"]
-    shards = tuple(ShardInfo(str(s["file"]), int(s["tokens"]), int(s["documents"])) for s in raw["shards"])
+    shards = tuple(
+        ShardInfo(plain_name(s["file"], "its shard list"), int(s["tokens"]), int(s["documents"])) for s in raw["shards"]
+    )
     if not shards:
         raise ValueError("it lists no shards")
     manifest = Manifest(
@@ -142,7 +148,7 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
 
 def open_shard(directory: Path, info: ShardInfo, dtype: str) -> np.memmap:
     """Memory-map one shard and check it against its manifest entry (catches truncated or swapped files)."""
-    path = directory / info.file
+    path = file_in(directory, info.file, directory / MANIFEST)
     fix = f"delete {directory} and run forge tokenize again"
     if not path.is_file():
         raise DataError(f"shard {path} listed in {directory / MANIFEST} is missing", fix)

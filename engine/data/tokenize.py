@@ -46,6 +46,7 @@ from engine.data.sources import Document, FileSource
 from engine.data.tokenizer import DEFAULT_EOS, Encoder, check_vocab_size
 from engine.durable import TMP_SUFFIX, atomic_write, check_writable
 from engine.errors import DataError
+from engine.safe_paths import plain_name
 
 BATCH_CHARS = 4_000_000  # text per encode call: enough documents to keep every core busy
 STATE = "tokenize-state.json"
@@ -341,7 +342,7 @@ def read_state(out_dir: Path, key: str) -> RunState | None:
         raw = json.loads((out_dir / STATE).read_text())
         if raw["key"] != key:
             return None
-        shards = [ShardInfo(str(s["file"]), int(s["tokens"]), int(s["documents"])) for s in raw["shards"]]
+        shards = [ShardInfo(plain_name(s["file"], STATE), int(s["tokens"]), int(s["documents"])) for s in raw["shards"]]
         file, record, done = (int(x) for x in raw["resume"])
         return RunState(key, str(raw["tokenizer_sha256"]), str(raw["dtype"]), shards, (file, record, done))
     except (OSError, ValueError, KeyError, TypeError):

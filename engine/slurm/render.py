@@ -163,7 +163,8 @@ def template_context(
 
 
 def render(template: Path, context: dict[str, object]) -> str:
-    """Render with every `{{ value }}` shell-quoted (the template never sees an unquoted value)."""
+    """Render with every `{{ value }}` shell-quoted (the template never sees an unquoted value), and none that
+    would break a `#SBATCH` line (`checked_directives`)."""
     import jinja2
 
     if not template.is_file():
@@ -175,9 +176,48 @@ def render(template: Path, context: dict[str, object]) -> str:
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
-        finalize=lambda value: shlex.quote(str(value)),
+        finalize=marked_value,
     )
     try:
-        return env.from_string(template.read_text()).render(context)
+        script = env.from_string(template.read_text()).render(context)
     except jinja2.TemplateError as err:
         raise UserError(f"sbatch template {template}: {err}", "fix the template") from None
+    return checked_directives(script)
+
+
+# While a script is rendered, each value is wrapped in these two private-use characters, so that the check after
+# rendering knows which text came from a value and on which line it stands; they are removed before it is used.
+VALUE_START, VALUE_END = "\ue000", "\ue001"
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+# What the user changes when a directive's value is refused; the rest come from the option of the same name.
+DIRECTIVE_SOURCES = {
+    "--chdir": "the working directory (the job starts where forge slurm is run)",
+    "--output": "the --run-dir (or --out) the job's log is written under",
+}
+
+
+def marked_value(value: object) -> str:
+    text = str(value)
+    if VALUE_START in text or VALUE_END in text:
+        raise UserError(f"{text!r} holds the character U+E000 or U+E001, which Forge cannot render", "remove it")
+    return VALUE_START + shlex.quote(text) + VALUE_END
+
+
+def checked_directives(script: str) -> str:
+    """Refuse a control character (a line break above all) in any value of a `#SBATCH` line: sbatch reads a
+    directive to the end of its line, and no quoting carries a line break through it, so what follows it would
+    run as commands of the job. Elsewhere a shell-quoted value may hold any character. → the script, unmarked."""
+    for value in re.finditer(f"{VALUE_START}(.*?){VALUE_END}", script, re.DOTALL):
+        line = script[script.rfind("\n", 0, value.start()) + 1 : value.start()]
+        if line.lstrip().startswith("#SBATCH") and CONTROL_CHARACTER.search(value.group(1)):
+            directive = line.split("=")[0].removeprefix("#SBATCH").strip() or "--sbatch-arg"
+            source = DIRECTIVE_SOURCES.get(directive, directive)
+            raise UserError(
+                f"#SBATCH {directive} would get {shlex.split(value.group(1))[0]!r} from {source}, which holds a line break or "
+                "another control character: sbatch ends a directive at the end of its line and would run the rest "
+                "as commands",
+                "run forge slurm from a folder whose path has no line break or control character"
+                if directive == "--chdir"
+                else f"remove the control character from {source}",
+            )
+    return script.replace(VALUE_START, "").replace(VALUE_END, "")

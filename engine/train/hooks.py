@@ -21,14 +21,19 @@ has one), then raises `HookFailed` naming the hook (exit code 1 from `forge trai
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import logging
+import sys
 from dataclasses import dataclass
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from engine.config.train import HookSpec
 from engine.errors import ConfigError, ConfigIssue
+from engine.run_files import enclosing_run_dir
+from engine.safe_paths import resolves_inside
 
 if TYPE_CHECKING:
     from engine.train.job import Job
@@ -70,17 +75,23 @@ class HookFailed(RuntimeError):
     """A config hook raised: the run stopped (after a checkpoint) on every rank."""
 
 
-def hook_class(spec: HookSpec, index: int) -> type[TrainingHook]:
+def hook_class(
+    spec: HookSpec, index: int, run_dir: Path | None = None, allow_run_dir_code: bool = False
+) -> type[TrainingHook]:
     """The class `spec.target` names, checked: it imports, subclasses TrainingHook, declares its ranks, and
-    accepts `spec.args`. Any problem is a ConfigError naming the field (exit code 2, before training)."""
+    accepts `spec.args`. Any problem is a ConfigError naming the field (exit code 2, before training).
+
+    Before anything is imported, the module is located without running it (`check_hook_module`): one that
+    would be read from a run directory (`run_dir`, or any folder forge train wrote, e.g. the working directory
+    `python -m` puts first on sys.path) is refused unless `allow_run_dir_code` (--allow-code): a run
+    directory handed over by someone else must not run code by being trained in or from."""
     field = f"train.hooks[{index}]"
     module_name, _, class_name = spec.target.partition(":")
+    check_hook_module(spec, index, run_dir, allow_run_dir_code)
     try:
         found = getattr(importlib.import_module(module_name), class_name)
     except Exception as err:  # whatever importing research code raises
-        raise hook_error(
-            f"{field}.target", f"{spec.target!r} does not import: {err}", "put its package on PYTHONPATH"
-        ) from None
+        raise hook_error(f"{field}.target", f"{spec.target!r} does not import: {err}", PATH_HINT) from None
     if not (isinstance(found, type) and issubclass(found, TrainingHook)):
         raise hook_error(f"{field}.target", f"{spec.target!r} is not a subclass of engine.train.hooks.TrainingHook", "")
     if found.ranks not in ("all", "main"):
@@ -90,6 +101,55 @@ def hook_class(spec: HookSpec, index: int) -> type[TrainingHook]:
     except TypeError as err:
         raise hook_error(f"{field}.args", f"{spec.target} does not take these arguments: {err}", "") from None
     return found
+
+
+def check_hook_module(spec: HookSpec, index: int, run_dir: Path | None, allow_run_dir_code: bool) -> None:
+    """The module of `spec.target` can be found, and (unless allowed) none of its files, nor those of the
+    packages above it, lies in a run directory. Runs no code of it: `forge validate-config` calls this alone."""
+    module_name = spec.target.partition(":")[0]
+    field = f"train.hooks[{index}].target"
+    locations = module_files(module_name)
+    if locations is None:
+        raise hook_error(field, f"{spec.target!r} does not import: no module named {module_name!r}", PATH_HINT)
+    if allow_run_dir_code:
+        return
+    for location in locations:
+        found = run_dir if run_dir is not None and resolves_inside(location, run_dir) else enclosing_run_dir(location)
+        if found is not None:
+            raise hook_error(
+                field,
+                f"{spec.target!r} would be imported from {location}, inside the run directory {found}: code in a "
+                "run directory runs only when asked for",
+                "pass --allow-code if you trust that run directory, or put the hook's package on PYTHONPATH outside it",
+            )
+
+
+PATH_HINT = "put its package on PYTHONPATH"
+
+
+def module_files(module_name: str) -> list[Path] | None:
+    """The files and folders importing `module_name` would read code from (each package on the way, then the
+    module), found without importing anything: the top-level name through every finder on sys.meta_path
+    (which runs no module code), the names below it in their parent's folders. None when it cannot be found;
+    [] for a module already imported, or built in."""
+    if module_name in sys.modules:
+        return []
+    parts = module_name.split(".")
+    try:
+        found = importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):
+        return None
+    files: list[Path] = []
+    for depth in range(1, len(parts) + 1):
+        if found is None:
+            return None
+        if found.has_location and found.origin:
+            files.append(Path(found.origin))
+        folders = list(found.submodule_search_locations or [])
+        files += [Path(folder) for folder in folders]
+        if depth < len(parts):
+            found = PathFinder.find_spec(".".join(parts[: depth + 1]), folders) if folders else None
+    return files
 
 
 def hook_error(path: str, problem: str, hint: str) -> ConfigError:
@@ -107,8 +167,10 @@ class ConfigHooks:
     """The `[[train.hooks]]` of a run, built on the ranks they run on. Every rank calls the same call points
     at the same steps, and a failure on any rank is agreed on all of them, so that all stop together."""
 
-    def __init__(self, specs: list[HookSpec], is_main: bool) -> None:
-        classes = [hook_class(spec, i) for i, spec in enumerate(specs)]
+    def __init__(
+        self, specs: list[HookSpec], is_main: bool, run_dir: Path | None = None, allow_run_dir_code: bool = False
+    ) -> None:
+        classes = [hook_class(spec, i, run_dir, allow_run_dir_code) for i, spec in enumerate(specs)]
         self.hooks = [LoadedHook(f"train.hooks[{i}] ({spec.target})", spec.every, None) for i, spec in enumerate(specs)]
         for loaded, spec, cls in zip(self.hooks, specs, classes):
             if cls.ranks == "all" or is_main:

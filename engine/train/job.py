@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from engine import precision
 from engine.checkpoint.dcp import PARAMETRIZATION_KEY, TRAIN_STATE, complete_checkpoints, parametrization
+from engine.checkpoint.layout import checkpoint_root, step_dirs
 from engine.checkpoint.manager import Checkpointer, initialize_from
 from engine.checkpoint.rng import every_rank_rng_state, restore_rank_rng
 from engine.config.job import JobConfig
@@ -46,6 +47,8 @@ from engine.parallel.place import ProcessPlace, process_place
 from engine.parallel.tp import loss_context, uses_loss_parallel
 from engine.resilience.anomaly import StepGuard
 from engine.resilience.collectives import any_rank, on_rank0
+from engine.run_files import RUN_CONFIG
+from engine.safe_paths import resolves_inside
 from engine.train.balancing import attach_router_balancing
 from engine.train.ema import STATE_KEY as EMA_KEY
 from engine.train.ema import WeightAverage
@@ -90,6 +93,7 @@ class Job:
     model_metrics: tuple[Callable[[], dict[str, float]], ...] = ()  # logged with each step's (MoE routing)
     record: JobConfig | None = None  # what the run directory records: `cfg` as the user gave it (as_given)
     batch_plan: BatchPlan | None = None  # each step's size (a batch ramp), from train.global_batch_size
+    checkpoint_lock_dir: Path | None = None  # an absolute checkpoint.dir outside the run directory: locked with it
     start_step: int = 0
     tokens_seen: int = 0
     elapsed_sec: float = 0.0  # training time of earlier attempts of this run
@@ -144,8 +148,25 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def checkpoint_root(cfg: JobConfig, run_dir: Path) -> Path:
-    return run_dir / cfg.checkpoint.dir
+def check_checkpoint_root(cfg: JobConfig, run_dir: Path, resuming: bool) -> Path | None:
+    """An absolute `checkpoint.dir` (outside the run directory, where the run lock does not reach) must be this
+    run's own: not inside another run directory, and, for a new run, holding no checkpoints yet (a new run would
+    replace and prune them). → the folder to lock beside the run directory, or None when the run lock covers it."""
+    root = checkpoint_root(run_dir, cfg.checkpoint.dir)  # a relative one that leads out is refused here
+    if not Path(cfg.checkpoint.dir).is_absolute():
+        return None
+    owner = next((p for p in (root, *root.parents) if (p / RUN_CONFIG).is_file()), None)
+    if owner is not None and owner.resolve() != run_dir.resolve():
+        raise UserError(
+            f"checkpoint.dir = {cfg.checkpoint.dir!r} is inside another run directory, {owner}",
+            "give this run a checkpoint folder of its own (the default is the run directory's checkpoints/)",
+        )
+    if not resuming and step_dirs(root):
+        raise UserError(
+            f"checkpoint.dir = {cfg.checkpoint.dir!r} already holds checkpoints, and this is a new run in {run_dir}",
+            "give this run an empty checkpoint folder, or resume the run those checkpoints belong to",
+        )
+    return None if resolves_inside(root, run_dir) else root
 
 
 def check_device_support(cfg: JobConfig, device: torch.device) -> None:
@@ -176,6 +197,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
     eval_data = open_eval_data(cfg, dp_rank=dp_rank, dp_size=dims.dp, train=train_data)
     record = as_given(cfg, given)
     resuming = check_run_dir(record, run_dir)
+    checkpoint_lock_dir = check_checkpoint_root(cfg, run_dir, resuming)
     device = device_for(place)
     check_device_support(cfg, device)
     dtype = precision.compute_dtype(cfg.train.mixed_precision, device)
@@ -187,7 +209,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         assert mesh.dp_rank == dp_rank, "data_parallel_rank disagrees with the mesh"
     elif cfg.distributed.cpu_offload:  # FSDP2 offloads, and needs a process group (of this one process)
         join_single_process_group(cfg.distributed.backend, cfg.distributed.nccl_timeout_sec, device)
-    starts_fresh = not (resuming and complete_checkpoints(checkpoint_root(cfg, run_dir)))
+    starts_fresh = not (resuming and complete_checkpoints(checkpoint_root(run_dir, cfg.checkpoint.dir)))
     base_from_load_path = starts_fresh or base_rebuilt(cfg)
     if mesh is None:
         model = parallelize(initial_model(cfg, base_from_load_path).to(device), cfg, device=device)
@@ -211,7 +233,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         summary=job_summary(cfg, place.world_size),
         peak_flops=peak_flops(device, dtype),
         checkpointer=Checkpointer(
-            checkpoint_root(cfg, run_dir),
+            checkpoint_root(run_dir, cfg.checkpoint.dir),
             cfg.checkpoint,
             device,
             {EMA_KEY: ema} if ema is not None else None,
@@ -228,6 +250,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         model_metrics=moe_training(model, cfg, mesh, pipeline) + mtp_reporting(model, cfg, mesh, pipeline),
         warnings=(*float8_device_warnings(cfg.train.mixed_precision, device), *offload_device_warnings(cfg, device)),
         record=record,
+        checkpoint_lock_dir=checkpoint_lock_dir,
         batch_plan=batch_plan(cfg, dp=dims.dp),
     )
     restored = job.checkpointer.restore(model, optimizer) if resuming else None

@@ -37,6 +37,7 @@ class StepResult:
     problem: str | None  # why the update was skipped; None when it was applied
     source_losses: SourceLosses | None = None  # a mixture's per-source sums on this rank, reduced when logged
     stop_requested: bool = False  # a stop signal had reached some rank by this step's sync
+    tokens: int = 0  # target tokens of the micro-batches this data-parallel rank trained on (their shapes)
 
     def as_metrics(self, step: int) -> dict[str, Any]:
         """What a config hook's on_step_end receives: every step has these, not only the logged ones."""
@@ -57,9 +58,10 @@ def train_step(
     names = job.train_data.names
     tally = SourceLosses(names, job.device) if names else None
     if job.pipeline is not None:
-        loss_sum = pipeline_forward_backward(job, batches, tally)
+        loss_sum, tokens = pipeline_forward_backward(job, batches, tally)
     else:
-        loss_sum = forward_backward(job, batches, loss_fn, tally, job.train_data.layout.micro_steps(step - 1))
+        accum = job.train_data.layout.micro_steps(step - 1)
+        loss_sum, tokens = forward_backward(job, batches, loss_fn, tally, accum)
     hooks.after_backward(step, job)
     job.scaler.unscale_(job.optimizer)
     max_norm = job.cfg.train.grad_clip_norm or math.inf  # 0 = no clipping; the norm is still reported
@@ -88,7 +90,7 @@ def train_step(
         job.guard.accept(loss_value)
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
-    return StepResult(loss_value, norm_value, lr, problem, tally, stopping)
+    return StepResult(loss_value, norm_value, lr, problem, tally, stopping, tokens)
 
 
 def step_totals(loss: torch.Tensor, grad_norm: torch.Tensor, stop_requested: bool) -> tuple[float, float, bool]:
@@ -109,14 +111,17 @@ def step_totals(loss: torch.Tensor, grad_norm: torch.Tensor, stop_requested: boo
 
 def forward_backward(
     job: Job, batches: Iterator, loss_fn: ModelLoss, tally: SourceLosses | None, accum: int
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, int]:
     """Gradients of the step's mean loss per token, accumulated over its `accum` micro-batches; → that loss (not
-    synced). Every micro-batch holds batch_size × seq_len tokens and its loss is their mean, so dividing by the
+    synced) and the number of target tokens trained on: the labels' sizes, counted from their shapes on the
+    host (a tensor's values would cost a sync), of the whole windows (before a cp split). Every micro-batch holds batch_size × seq_len tokens and its loss is their mean, so dividing by the
     step's own number of micro-batches (it varies under a batch ramp) makes the sum the mean over the step's
     tokens. A mixture's batches carry each row's source: its tokens' losses go into `tally`."""
     loss_sum = torch.zeros((), device=job.device)
+    tokens = 0
     for _ in range(accum):
         inputs, labels, *sources = (t.to(job.device, non_blocking=True) for t in next(batches))
+        tokens += labels.numel()
         doc_ids = job.documents(inputs)  # of the whole windows: under cp, before the split (engine.parallel.context)
         inputs, labels = job.local_batch(inputs, labels)
         record = tally.recorder(sources[0]) if tally is not None else None
@@ -126,12 +131,12 @@ def forward_backward(
                 loss = loss / accum
             job.scaler.scale(loss).backward()
         loss_sum += local_value(loss.detach())
-    return loss_sum
+    return loss_sum, tokens
 
 
-def pipeline_forward_backward(job: Job, batches: Iterator, tally: SourceLosses | None) -> torch.Tensor:
+def pipeline_forward_backward(job: Job, batches: Iterator, tally: SourceLosses | None) -> tuple[torch.Tensor, int]:
     """The same through the pipeline schedule, which takes the step's micro-batches at once and splits them
-    again (in order, into as many); → the loss, on every pipeline rank. The last stage's per-token losses,
+    again (in order, into as many); → the loss, on every pipeline rank, and the step's target tokens. The last stage's per-token losses,
     one [rows, seq] per microbatch in order, line up with the concatenated batches' sources: a mixture's
     per-source losses come from the last stage and reach the others through SourceLosses' all-reduce.
     Packed windows' document ids go to every rank's stages (each rank holds the whole batch)."""
@@ -143,7 +148,7 @@ def pipeline_forward_backward(job: Job, batches: Iterator, tally: SourceLosses |
         loss = job.pipeline.step(inputs, labels, job.documents(inputs))
     if tally is not None and token_losses:  # only the last stage computes losses, one call per microbatch
         tally.add(torch.cat(token_losses[-len(micro) :]), sources[0])
-    return job.pipeline.step_loss(loss, job.device)
+    return job.pipeline.step_loss(loss, job.device), labels.numel()
 
 
 def local_value(value: torch.Tensor) -> torch.Tensor:

@@ -50,15 +50,21 @@ log = logging.getLogger("forge.train")
 
 
 def train(
-    cfg: JobConfig, run_dir: Path, reporter: Reporter | None = None, hooks: TrainHooks | None = None
+    cfg: JobConfig,
+    run_dir: Path,
+    reporter: Reporter | None = None,
+    hooks: TrainHooks | None = None,
+    allow_run_dir_code: bool = False,
 ) -> dict[str, Any]:
-    """Train `cfg` into `run_dir`, or continue the run there; return the final summary.
+    """Train `cfg` into `run_dir`, or continue the run there; return the final summary. A `[[train.hooks]]`
+    module found inside a run directory is refused unless `allow_run_dir_code` (engine/train/hooks.py).
 
     Raises `Preempted` after an emergency checkpoint when SIGTERM/SIGUSR1 arrives, `TrainingDiverged`
     when rollbacks cannot recover the loss, `CollectiveTimeout` when a rank stops answering,
     `CheckpointWriteError` when a checkpoint cannot be written, `HookFailed` after a checkpoint when a
     `[[train.hooks]]` hook raises (engine/train/hooks.py)."""
-    config_hooks = ConfigHooks(cfg.train.hooks, process_place().rank == 0)  # a bad hook fails before anything
+    # a bad hook fails before anything
+    config_hooks = ConfigHooks(cfg.train.hooks, process_place().rank == 0, run_dir, allow_run_dir_code)
     with StopRequest(cfg.train.shutdown_timeout_sec).installed() as stop, process_group_released():
         job = build_job(cfg, run_dir)  # a signal during setup counts too
         if job.start_step >= job.cfg.train.max_steps:
@@ -120,7 +126,16 @@ def open_run_dir_on_main(job: Job) -> RunOutputs:
     rank stops, instead of the others waiting in the first collective until the timeout."""
     record = job.record or job.cfg
     derived = job.cfg.train.max_steps if record.train.max_steps is None else None  # from max_epochs or max_tokens
-    attempt = partial(open_run_dir, record, job.run_dir, job.train_data, job.start_step, job.wandb_run_id, derived)
+    attempt = partial(
+        open_run_dir,
+        record,
+        job.run_dir,
+        job.train_data,
+        job.start_step,
+        job.wandb_run_id,
+        derived,
+        checkpoint_dir=job.checkpoint_lock_dir,
+    )
     return on_rank0(attempt, RunOutputs(MetricsLogger([])), job.device, "open the run directory")
 
 
@@ -206,7 +221,9 @@ def run_loop(
         with profiler.step(step):
             result = train_step(job, step, batches, loss_fn, hooks, lambda: stop.requested)
         merge_due_adapters(job, step)
-        tokens = job.batch_plan.tokens(step - 1) if job.batch_plan is not None else job.summary["tokens_per_step"]
+        # counted from what the step trained on, the same on every data-parallel rank (their batches have one
+        # shape); tensor- and context-parallel ranks share a rank's windows, pipeline stages the whole batch
+        tokens = result.tokens * job.summary["data_parallel"]
         progress.tokens_seen += tokens
         progress.window.tokens += tokens
         checkpoint_done(reporter, job.checkpointer.poll())

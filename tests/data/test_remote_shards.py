@@ -256,3 +256,40 @@ def test_max_epochs_counts_a_remote_data_set_from_its_manifest_alone(local: Path
     assert list(Store.gets) == ["/data/manifest.json"]  # no shard fetched to count the windows
     here = with_derived_length(load_job_config(DEBUG, [*overrides, f"data.dataset_path={local}"]).validate(), 1)
     assert remote.train.max_steps == here.train.max_steps > 1
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated"])
+def test_a_damaged_shard_is_refused_never_cached_and_fetched_again_once_the_store_is_fixed(
+    tmp_path: Path, local: Path, server: str, damage: str
+):
+    """A shard whose bytes changed (same size: its header's dtype signed) or that was cut short is
+    refused by the manifest check, is not kept in the entry (which gets no manifest, so is not complete), and
+    a run after the store serves the right bytes fetches it and trains."""
+    serve(local)
+    shards = read_manifest(local).shards
+    name = f"/data/{shards[1].file}"
+    good = Store.files[name]
+    if damage == "corrupt":  # the header's dtype changed in place: what the manifest check compares
+        bad = good.replace(b"'descr': '<u", b"'descr': '<i", 1)
+    else:
+        bad = good[: len(good) // 2]
+    assert (len(bad) == len(good)) == (damage == "corrupt") and bad != good
+    Store.files[name] = bad
+    url = f"{server}/data"
+    cli = [
+        "train",
+        str(DEBUG),
+        *(f"--{o}" for o in TINY),
+        f"--data.dataset_path={url}",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
+    result = CliRunner().invoke(app, cli, env={"NO_COLOR": "1", "COLUMNS": "300"})
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2, output
+    assert f"data.dataset_path: {url}/{shards[1].file} does not match its manifest" in output, output
+    entry = Path(re.search(rf"fetching {re.escape(url)} into (\S+) \(once", output)[1])
+    assert not (entry / MANIFEST).exists() and not (entry / shards[1].file).exists()  # not cached as complete
+    Store.files[name] = good
+    assert CliRunner().invoke(app, cli, env={"NO_COLOR": "1"}).exit_code == 0
+    assert (entry / MANIFEST).is_file() and (entry / shards[1].file).read_bytes() == good

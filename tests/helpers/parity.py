@@ -120,6 +120,14 @@ def forward_lengths(cfg, seq: int) -> list[int]:
     return block * cfg.n_layers + [cfg.dim, cfg.dim, cfg.vocab_size]
 
 
+def logits_tolerance(cfg, seq: int, scale: float) -> float:
+    """Two fp32 evaluations of a model's logits by different code (another library's kernels and sums): by the
+    statistical rounding model each logit is off by σ = rounding_sigma of the forward's reductions
+    (forward_lengths) relative to the logits' size `scale`; both computations err, hence SIGMAS·√2·σ·scale.
+    At the tests' sizes ~20× under model_bound's worst case (which a real fault of 1e-4 of a logit passes)."""
+    return SIGMAS * math.sqrt(2) * rounding_sigma(forward_lengths(cfg, seq)) * scale
+
+
 @dataclass
 class TrainingTolerance:
     """Tolerances for two fp32 runs of the same training steps (one process against a layout), from the

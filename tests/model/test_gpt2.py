@@ -5,6 +5,7 @@ Its layouts are in tests/parallel/test_gpt2_layouts.py, its memory estimate in t
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -27,7 +28,7 @@ from engine.parallel.memory import param_specs
 from forgecli.app import app
 from tests.conftest import REPO
 from tests.helpers.convert import make_run
-from tests.helpers.parity import FP64_TOL, SIGMAS, Parity, forward_lengths, rounding_sigma
+from tests.helpers.parity import FP64_TOL, SIGMAS, Parity
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,16 +75,12 @@ def test_the_spec_describes_the_built_model():
 
 
 def assert_logits_equal(parity: Parity, hf, model, what: str) -> None:
-    """fp32 logits of random tokens: two fp32 evaluations of one function whose reductions run in different
-    orders differ, by tests/helpers/parity.py's statistical rounding model, by σ = rounding_sigma of the forward's
-    reductions (forward_lengths: GPT-2's block has the transformer's, its MLP one linear fewer) relative to
-    the logits' size; both libraries err, hence SIGMAS·√2·σ·max|logit| (~3e-5 here)."""
+    """Logits of random tokens, in float64 on both sides (GPT-2 has no fp32 islands in either library: its
+    norms are LayerNorms, its positions a learned table): the same function, within parity.FP64_TOL."""
     tokens = torch.randint(0, VOCAB, (2, model.cfg.max_seq_len))
     with torch.no_grad():
-        ours = model(tokens)
-        sigma = rounding_sigma(forward_lengths(model.cfg, model.cfg.max_seq_len))
-        tolerance = SIGMAS * math.sqrt(2) * sigma * ours.abs().max().item()
-        parity.close(hf(tokens).logits, ours, atol=tolerance, what=what)
+        ours = copy.deepcopy(model).double()(tokens)
+        parity.close(copy.deepcopy(hf).double()(tokens).logits, ours, atol=FP64_TOL, what=what)
 
 
 def test_random_transformers_weights_import_to_the_same_logits(tmp_path, parity):
@@ -263,3 +260,32 @@ def test_the_trainer_trains_evaluates_and_checkpoints_a_gpt2_run(tmp_path):
     start = initial_model(cfg, True).state_dict()
     assert sorted(model.state_dict()) == sorted(start)
     assert not torch.equal(model.pos_embeddings.weight, start["pos_embeddings.weight"])
+
+
+def test_initialisation_is_gpt2s_closed_form():
+    """GPT-2's initialisation (Radford et al. 2019 §2.3; OpenAI's model.py and transformers' GPT2 `_init_weights`):
+    every embedding and linear weight Normal(0, init_std), the projections writing into the residual stream
+    (attention wo, MLP w2) at init_std/√(2·n_layers), every linear bias exactly zero, LayerNorms at weight 1
+    and bias 0. Each weight tensor's sample mean and standard deviation against the closed form: n draws of
+    Normal(0, s) have a sample mean of standard deviation s/√n and a sample std of relative standard deviation
+    1/√(2(n−1)), so SIGMAS of those (a 2e-9 chance of a false failure per check); with 8 layers the residual
+    projections' std is 4× smaller than the others', far outside that bound (≤ 10% here)."""
+    std, n_layers = 0.05, 8
+    torch.manual_seed(0)
+    model = build_model(gpt2_config(n_layers=n_layers, dim=64, tie_embeddings=False, init_std=std))
+    residual_std = std / math.sqrt(2 * n_layers)
+    checked = set()
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name:
+            assert torch.equal(p, torch.full_like(p, 1.0 if leaf == "weight" else 0.0)), name
+        elif leaf == "bias":
+            assert torch.equal(p, torch.zeros_like(p)), f"{name} is not zero"
+        else:
+            expected = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std
+            n = p.numel()
+            assert abs(p.mean().item()) <= SIGMAS * expected / math.sqrt(n), name
+            relative = abs(p.std().item() / expected - 1)
+            assert relative <= SIGMAS / math.sqrt(2 * (n - 1)), f"{name}: std off by {relative:.3g} of {expected}"
+        checked.add(name)
+    assert checked == set(model.state_dict()) and len(checked) == 2 + 16 * n_layers + 2 + 1

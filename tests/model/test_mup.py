@@ -28,11 +28,12 @@ from engine.errors import ConfigError, UserError
 from engine.model import build_model
 from engine.model.lora import apply_lora, is_adapter_weight
 from engine.model.mup import mup_plan
+from engine.model.rope import apply_rope
 from engine.train.losses import cross_entropy
 from engine.train.optim import build_optimizer, current_lr
 from engine.train.run_dir import run_config
 from engine.train.trainer import train
-from tests.helpers.parity import model_bound
+from tests.helpers.parity import FP64_TOL, model_bound
 
 WIDTHS = (64, 128, 256, 512, 1024)
 HEAD_DIM = 16
@@ -114,6 +115,48 @@ def test_coordinate_check_flat_under_mup_not_under_sp():
     assert abs(sp[worst_sp]) > 0.3, sp  # sp's activations grow (or its logits blow up) with width
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(dim=64, n_heads=4, mup_base_dim=16),  # head_dim 16
+        dict(dim=96, n_heads=2, n_kv_heads=1, attention_head_dim=12, mup_base_dim=32),  # head_dim ≠ dim / n_heads
+        dict(dim=128, n_heads=2, mup_base_dim=128),  # head_dim 64, at the base width
+    ],
+    ids=["head16", "head12-gqa", "head64-base"],
+)
+def test_attention_scores_are_scaled_by_the_closed_form(shape, parity):
+    """The attention kernel's scores are q·k · 1/head_dim under μP and q·k · 1/√head_dim under sp (TP V;
+    engine/model/mup.py: the same at every width, the base's included), from the config's head_dim: the
+    plan's attention_scale, and what the first block's attention computes: its core's output against
+    softmax(q·kᵀ·scale + causal mask)·v, with q and k the block's projections of its input after RoPE (before
+    any scaling), in float64 (the same function: within parity.FP64_TOL)."""
+    for parametrization in ("sp", "mup"):
+        fields = shape if parametrization == "mup" else {k: v for k, v in shape.items() if k != "mup_base_dim"}
+        cfg = ModelConfig(n_layers=1, vocab_size=VOCAB, parametrization=parametrization, **fields)
+        scale = 1 / cfg.head_dim if parametrization == "mup" else 1 / math.sqrt(cfg.head_dim)
+        if parametrization == "mup":
+            assert mup_plan(cfg).attention_scale == scale
+        torch.manual_seed(0)
+        model = build_model(cfg).double()
+        attention = model.layers["0"].attention
+        inputs, seen = [], []
+        attention.register_forward_pre_hook(lambda module, args, inputs=inputs: inputs.append(args[:3]))
+        attention.core.register_forward_hook(lambda module, args, out, seen=seen: seen.append((args[2], out)))
+        with torch.no_grad():
+            model(torch.randint(0, VOCAB, (BATCH, SEQ)))
+            [(x, cos, sin)], [(v, out)] = inputs, seen
+            q, k = (
+                apply_rope(w(x).view(BATCH, SEQ, -1, cfg.head_dim).transpose(1, 2), cos, sin)
+                for w in (attention.wq, attention.wk)
+            )
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = q @ k.transpose(-1, -2) * scale
+        causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+        expected = scores.masked_fill(~causal, -math.inf).softmax(-1) @ v
+        parity.close(out, expected, atol=FP64_TOL, what=f"{parametrization} attention")
+
+
 def test_the_plan_scales_hidden_matrices_by_their_fan_in_and_the_model_and_optimizer_apply_it():
     """dim 256 over a base of 64 (m = 4), FFN 3·dim: every hidden matrix reads a width 4× the base's, so init
     std × 1/2 and lr × 1/4; embeddings and norms × 1; the untied head starts at zero; logits × 1/4."""
@@ -178,8 +221,8 @@ def test_a_mup_export_gives_transformers_the_same_logits(tmp_path, cfg, parity):
         model.output.weight.normal_(0, 0.5)
     export_to_hf(make_run(tmp_path / "run", model.eval()), tmp_path / "hf")
     hf = hf_model(tmp_path / "hf")
-    # model_bound's rounding count holds: each fold rounds a weight once (relative U32), as the model's own
-    # multiplication by the same constant rounds its product once.
+    # Compared in float64 (assert_same_logits, within FP64_TOL): the folds multiply fp32 weights by powers of
+    # two here (the query scale 1/4 of sp's, the logit multiplier 1/4 or 1/2), exact in the exported fp32.
     assert_same_as_transformers(parity, hf, model, seq=40, prompt=8, new_tokens=24)
     assert not torch.equal(hf.model.norm.weight, model.norm.weight)  # the multiplier went into the export
 

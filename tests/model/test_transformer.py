@@ -10,6 +10,7 @@ import torch
 from engine.config.model import ModelConfig
 from engine.model.estimate import param_counts
 from engine.model.transformer import Transformer
+from tests.helpers.convert import assert_same_logits
 from tests.helpers.parity import model_bound
 
 SHAPES = [
@@ -172,8 +173,4 @@ def test_matches_transformers_llama(parity):
         for ours, theirs in names.items():
             hf_sd[f"model.layers.{i}.{theirs}.weight"] = model.state_dict()[f"layers.{i}.{ours}.weight"]
     hf.load_state_dict(hf_sd, strict=True)
-    tokens = torch.randint(0, 101, (2, 40))
-    with torch.no_grad():
-        theirs = hf(tokens).logits
-        bound = model_bound(model.cfg, theirs.abs().max().item())  # fp32, sums ordered by another library
-        parity.close(model(tokens), theirs, atol=bound, what="logits")
+    assert_same_logits(parity, hf, model, torch.randint(0, 101, (2, 40)))  # in float64, within FP64_TOL

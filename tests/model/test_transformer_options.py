@@ -2,7 +2,8 @@
 n_heads, q/k/v biases (Qwen2), RoPE scaling (linear, Llama 3.1's llama3) and a sliding window (Mistral).
 
 Each against `transformers` both ways — a Forge model exported and loaded by transformers, and a model with
-transformers' own random weights imported — with the same logits within parity.model_bound and, through
+transformers' own random weights imported — with the same logits (in float64 within parity.FP64_TOL, a mixture
+of experts in fp32 within parity.logits_tolerance: tests/helpers/convert.py's assert_same_logits) and, through
 generation's KV cache, the same greedy tokens; under FSDP, TP and PP (one launch, float64, for all the options
 in one model and for linear RoPE scaling in another) the per-step losses of one process; and the refusals of
 what cannot be computed or exported (exit 2, naming the fields)."""
@@ -24,6 +25,7 @@ from engine.model.transformer import Transformer
 from tests.helpers.convert import (
     VOCAB,
     assert_same_as_transformers,
+    assert_same_logits,
     forge,
     hf_model,
     make_run,
@@ -32,7 +34,7 @@ from tests.helpers.convert import (
     random_model,
     said,
 )
-from tests.helpers.parity import FP64_TOL, model_bound
+from tests.helpers.parity import FP64_TOL
 from tests.helpers.torchrun import torchrun
 
 transformers = pytest.importorskip("transformers")
@@ -160,10 +162,7 @@ def test_transformers_random_models_import_with_the_same_logits(tmp_path, name, 
     model = Transformer(cfg).eval()
     load_checkpoint(tmp_path / "ckpt" / "step_0", model)
     assert model.num_parameters() == sum(p.numel() for p in hf.parameters())
-    tokens = torch.randint(0, VOCAB, (2, 40))
-    with torch.no_grad():
-        ours = model(tokens)
-        parity.close(hf(tokens).logits, ours, atol=model_bound(cfg, ours.abs().max().item()), what="logits")
+    assert_same_logits(parity, hf, model, torch.randint(0, VOCAB, (2, 40)))
 
 
 def test_llama3_scaling_keeps_blends_and_divides_and_the_window_is_a_band():

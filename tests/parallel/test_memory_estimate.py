@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from engine.config import load_job_config
 from engine.config.job import JobConfig
 from engine.model import build_model
 from engine.model.estimate import param_counts
@@ -411,11 +412,19 @@ def test_cli_prints_the_estimate_for_32_ranks():
 
 
 def test_cli_prints_the_estimate_with_tensor_parallelism():
-    result = forge("validate-config", "presets/debug.toml", *LLAMA_70B, "--world-size", "32", "--distributed.tp=8")
-    if result.returncode == 2 and "tp > 1 is not supported yet" in result.stderr:
-        pytest.skip("config validation does not accept tp > 1 yet")
+    """tp = 8 under 32 ranks leaves dp_shard = 4: tensor parallelism splits every block matrix, the embedding
+    and the head 8 ways and FSDP 4 ways (1/32 of their fp32 bytes per rank), while the norms' weights are
+    replicated across tp and only FSDP-sharded (1/4 of theirs)."""
+    layout = ("validate-config", "presets/debug.toml", *LLAMA_70B, "--world-size", "32", "--distributed.tp=8")
+    result = forge(*layout)
     assert result.returncode == 0, result.stderr
     assert "dp_shard=4 × tp=8" in result.stdout
+    shown = forge(*layout, "--json")
+    assert shown.returncode == 0, shown.stderr
+    [stage] = json.loads(shown.stdout)["memory"]["stages"]
+    cfg = load_job_config(REPO / "presets" / "debug.toml", [arg.removeprefix("--") for arg in LLAMA_70B])
+    norms = (2 * cfg.model.n_layers + 1) * cfg.model.dim
+    assert stage["params"] == 4 * (param_counts(cfg.model)["total"] - norms) // 32 + 4 * norms // 4
 
 
 def test_cli_bad_layout_exits_2_naming_the_degrees():

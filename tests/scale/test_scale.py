@@ -24,8 +24,9 @@ from engine.config.model import ModelConfig
 from engine.model.estimate import param_counts
 from engine.resilience.signals import Preempted
 from engine.scale.family import DEPTH_EXPONENT, member
-from engine.scale.fit import Law, approach2, approach3
+from engine.scale.fit import CONFIDENCE, Law, approach2, approach3
 from engine.scale.plan import make_plan
+from engine.scale.study import RunPoint, fit_study, report
 from engine.train.hooks import TrainHooks
 from engine.train.summary import job_summary
 from engine.train.trainer import train
@@ -171,6 +172,47 @@ def test_approach3_reproduces_its_bootstrap_from_the_seed():
     assert approach3(n, d, loss, bootstrap=20, seed=8).as_dict()["intervals"] != first["intervals"]
 
 
+def noisy_study(seed: int) -> list[RunPoint]:
+    """Runs of a known law (3 budgets × 5 sizes, 0.2% noise) as `forge scale fit` reads them from run folders."""
+    n, d, c = isoflop_grid(CHINCHILLA, np.logspace(18, 20, 3), sizes=5, span=3.0)
+    loss = CHINCHILLA.loss(n, d) * np.exp(np.random.default_rng(seed).normal(0, 2e-3, len(n)))
+    return [
+        RunPoint(f"run{i}", f"/runs/{i}", int(n[i]), int(d[i]), float(c[i]), 6.0 * int(n[i]) * int(d[i]), loss[i])
+        for i in range(len(n))
+    ]
+
+
+def test_the_study_fit_resamples_with_the_seed_it_is_given():
+    """What `forge scale fit --seed S` calls (engine.scale.study.fit_study, then report): one seed gives the same
+    bootstrap intervals twice and reports itself, another seed other intervals (20 resamples of 15 runs: two
+    seeds drawing the same resamples has probability ~15^-300)."""
+    points = noisy_study(2)
+    first, again, other = (report(points, [], fit_study(points, 20, seed))["approach3"] for seed in (5, 5, 6))
+    assert first == again and first["bootstrap"] == {"resamples": 20, "seed": 5}
+    assert other["bootstrap"]["seed"] == 6
+    for name in first["intervals"]:
+        assert other["intervals"][name] != first["intervals"][name], name
+
+
+def test_the_reported_interval_covers_its_confidence_of_the_bootstrap_refits():
+    """The interval approach 3 reports as its `confidence` (95%, as `forge scale fit --help` and docs/scale.md
+    say) leaves (1 − 0.95)/2 of the bootstrap refits out on each side: counted on the refits themselves, each
+    parameter's, a's and the prediction's interval holds 0.95·B of the B values (linear interpolation between
+    order statistics puts each end between two refits: the count is exact to within one per end)."""
+    points = noisy_study(3)
+    fit = fit_study(points, 200, 0)["approach3"]
+    assert fit.as_dict()["confidence"] == CONFIDENCE == 0.95
+    values = {name: np.array([getattr(b, name) for b in fit.boots]) for name in [*fit.intervals()]}
+    intervals = dict(fit.intervals())
+    n, d = 1e10, 2e11
+    values["prediction"] = np.array([b.loss(n, d) for b in fit.boots])
+    intervals["prediction"] = fit.predict(n, d)[1]
+    for name, (low, high) in intervals.items():
+        refits = values[name]
+        below, above = (refits < low).sum(), (refits > high).sum()
+        assert abs(below - 0.025 * len(refits)) <= 1 and abs(above - 0.025 * len(refits)) <= 1, (name, below, above)
+
+
 def test_approach2_recovers_the_exponents_within_0_03():
     """A law with a = β/(α+β) = 3/7, 0.2% noise on the losses, 7 sizes per budget around its optimum: over 30
     seeds a's error has a standard deviation of ~0.005, so 0.03 is six of them."""
@@ -278,6 +320,10 @@ def test_fit_writes_the_fits_a_plot_and_a_prediction(study, tmp_path):
     assert predicted["loss"] == pytest.approx(expected, rel=1e-12)
     assert predicted["interval"][0] <= predicted["interval"][1]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 20_000
+
+    seeded = json.loads(forge("scale", "fit", str(study / "plan"), "--bootstrap", "20", "--seed", "3", "--json").stdout)
+    assert seeded["approach3"]["bootstrap"] == {"resamples": 20, "seed": 3}
+    assert seeded["approach3"]["law"] == law and seeded["approach3"]["intervals"] != out["approach3"]["intervals"]
 
     shown = forge("scale", "fit", str(study / "plan"), "--bootstrap", "20")
     assert shown.exit_code == 0, shown.output

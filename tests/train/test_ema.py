@@ -21,9 +21,9 @@ from engine.parallel.memory import estimate_memory
 from engine.train.ema import WeightAverage
 from engine.train.trainer import train
 from forgecli.dashboard import PlainReporter
-from tests.helpers.convert import forge, said
+from tests.helpers.convert import assert_same_logits, forge, said
 from tests.helpers.faults import Faults
-from tests.helpers.parity import U32, model_bound
+from tests.helpers.parity import U32
 
 PRESET = Path(__file__).parents[2] / "presets" / "debug.toml"
 TINY = [
@@ -186,11 +186,7 @@ def test_the_ema_export_loads_in_transformers_with_the_ema_weights(tmp_path, tie
     model, _ = load_model(run_dir, torch.device("cpu"), ema=True)  # what forge generate --ema samples from
     assert_same(dict(model.named_parameters()), ema, N_PARAMS - tied)  # tied: no separate head
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    tokens = torch.randint(0, model.cfg.vocab_size, (2, 32))
-    with torch.no_grad():
-        ours = model(tokens)
-        bound = model_bound(model.cfg, ours.abs().max().item())  # fp32, sums ordered by another library
-        parity.close(hf(tokens).logits, ours, atol=bound, what="logits")
+    assert_same_logits(parity, hf, model, torch.randint(0, model.cfg.vocab_size, (2, 32)))
 
 
 def test_ema_is_refused_where_the_run_kept_none(tmp_path):

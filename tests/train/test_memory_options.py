@@ -24,6 +24,7 @@ from engine.precision import cast_weights
 from engine.train.hooks import TrainHooks
 from engine.train.optim import hidden_matrices, param_groups
 from engine.train.trainer import train
+from tests.helpers.parity import TrainingTolerance
 
 DEBUG = Path(__file__).parents[2] / "presets" / "debug.toml"
 TINY = [
@@ -207,14 +208,38 @@ def assert_same_training(model_a, optimizer_a, model_b, optimizer_b) -> None:
 def test_int8_state_trains_close_to_fp32(tmp_path, eager_torchao):
     """Six steps of the toy debug model: 8-bit moments change each update by at most the codes' relative
     resolution, so the loss curve stays within a small fraction of fp32's loss drop. The longer run is
-    benchmarks/memory_options.py (results in benchmarks/results/memory_options.md)."""
+    benchmarks/memory_options.py (results in benchmarks/results/memory_options.md).
+
+    And the moments really are 8-bit: every hidden matrix's two moments are torchao's quantized state (uint8
+    codes, one fp32 scale per block; torchao leaves tensors under 4096 elements unquantized), and the curve leaves fp32's by more than fp32 rounding could (the loss
+    tolerance of two fp32 runs of these steps, TrainingTolerance): a quantization that quantizes nothing gives
+    fp32's curve back, bit for bit."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
     steps = ("train.max_steps=6",)
-    _, fp32 = run(tmp_path, "fp32", *steps)
-    _, int8 = run(tmp_path, "int8", *steps, "optimizer.state_dtype=int8")
+    fp32_run, fp32 = run(tmp_path, "fp32", *steps)
+    recorder, int8 = run(tmp_path, "int8", *steps, "optimizer.state_dtype=int8")
     assert len(fp32) == len(int8) == 6
     assert fp32[0] == int8[0]  # the first forward precedes any update
     drop = fp32[0] - fp32[-1]
     assert drop > 0.1
+    job = recorder.job
+    # torchao (as bitsandbytes) quantizes tensors of ≥ 4096 elements: per block wq, wo, w1, w2, w3, not wk, wv
+    quantized = [p for p in hidden_matrices(job.model) if p.numel() >= 4096]
+    assert len(quantized) == 2 * 5
+    for p in quantized:
+        for moment in ("exp_avg", "exp_avg_sq"):
+            state = job.optimizer.state[p][moment]
+            assert isinstance(state, OptimState8bit) and state.codes.dtype == torch.uint8, (tuple(p.shape), moment)
+            assert state.codes.numel() == p.numel() and state.scale.dtype == torch.float32
+    rounding = TrainingTolerance.of_run(job.cfg)
+    fp32_weights = dict(fp32_run.job.model.named_parameters())
+    lrs = [max(step) for step in recorder.lrs]
+    for name, p in job.model.named_parameters():
+        if any(p is q for q in quantized):
+            bound = rounding.weights(lrs, largest=p.abs().max().item())
+            departure = (p - fp32_weights[name]).abs().max().item()
+            assert departure > bound, (name, departure, bound)
     # Dettmers et al.'s dynamic map keeps ≥ 3 significant bits for values within 1/16 of a block's maximum:
     # a relative error ≤ 2^-4 in each moment, so ≤ 2^-4 + 2^-5 in the update m/√v, and to first order in the
     # loss drop it causes.

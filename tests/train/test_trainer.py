@@ -110,6 +110,31 @@ def test_checkpoint_of_a_checkpointed_model_loads_into_a_plain_one(tmp_path):
     assert state["step"] == 4 and state["tokens_seen"] == 4 * 4 * 64
 
 
+def test_tokens_seen_counts_the_tokens_each_step_trained_on(tmp_path, monkeypatch):
+    """tokens_seen is counted from the micro-batches trained on, not taken from the batch plan: a loader whose
+    batches come short (4, 3, 2, 4 rows of 64 tokens where the plan says 4) is logged and checkpointed with
+    the tokens it gave."""
+    from engine.checkpoint.dcp import load_checkpoint
+    from engine.data.loader import TrainData
+    from engine.model.transformer import Transformer
+
+    planned = TrainData.batches
+    rows = [4, 3, 2, 4]
+
+    def short_batches(self, start_step=0):
+        for step, (inputs, labels, *sources) in enumerate(planned(self, start_step)):
+            keep = rows[step % len(rows)]
+            yield (inputs[:keep], labels[:keep], *(s[:keep] for s in sources))
+
+    monkeypatch.setattr(TrainData, "batches", short_batches)
+    records = run(tmp_path, "short", "train.grad_accum_steps=1", "checkpoint.interval=4")
+    counted = [64 * sum(rows[:step]) for step in range(1, 5)]
+    assert [r["tokens_seen"] for r in records] == counted and counted != [4 * 64 * s for s in range(1, 5)]
+    cfg = load_job_config(tmp_path / "short" / "config.toml")
+    state = load_checkpoint(tmp_path / "short" / "checkpoints" / "step_4", Transformer(cfg.model))
+    assert state["step"] == 4 and state["tokens_seen"] == counted[-1]
+
+
 def test_damaged_shard_bytes_are_a_data_error(tmp_path):
     from engine.data.loader import open_train_data
     from tests.helpers.data_fixtures import job_config, tokenized
