@@ -1,11 +1,14 @@
 """Errors that mean "the user asked for something wrong", as opposed to a bug in Forge.
 
-The CLI turns a `UserError` into a short panel and exit code 2; anything else is an internal failure
-(exit 1, with a traceback). They subclass `ValueError` so library users can catch them the usual way.
+The CLI turns a `UserError` into a short panel and exit code 2, a `DiskFull` into one line and exit code 1 (the
+machine's doing, as for a checkpoint that cannot be written); anything else is an internal failure (exit 1, with
+a traceback). They subclass `ValueError` so library users can catch them the usual way.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 from dataclasses import dataclass
 
 
@@ -40,3 +43,19 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A data set, shard, manifest or tokenizer that cannot be used as asked."""
+
+
+class DiskFull(OSError):
+    """A write failed for want of space (a full disk, or a quota): neither a bug nor the user's input. An
+    OSError of errno ENOSPC still, raised from the original by `engine.durable.space_checked`, so code that
+    handles a failed write (`except OSError`, `checkpoint.manager.out_of_space`) handles this one alike."""
+
+    def __init__(self, path: object) -> None:
+        super().__init__(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        self.message = (
+            f"no space left on the disk writing {path}: free space (or write elsewhere) and run the command "
+            "again (training resumes from its last checkpoint, tokenizing from its last shard)"
+        )
+
+    def __str__(self) -> str:
+        return self.message

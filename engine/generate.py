@@ -7,6 +7,7 @@ them; `TextStream` turns the ids back into text piece by piece without ever spli
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -105,9 +106,10 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN passes `< 0`, and then every draw
             raise UserError(
-                f"--temperature {self.temperature} is negative", "use 0 for greedy decoding, or a value > 0"
+                f"--temperature {self.temperature} is not a finite number >= 0",
+                "use 0 for greedy decoding, or a value > 0",
             )
         if self.top_k < 0:
             raise UserError(f"--top-k {self.top_k} is negative", "use 0 to sample from every token")

@@ -7,6 +7,8 @@ A run's status:
               how its last attempt ended, as training recorded it in `attempts.jsonl` (`record_attempt`);
   failed      with "killed (no end recorded)": the last attempt recorded its start and no end (SIGKILL, the
               OOM killer, a lost node, the shutdown watchdog's exit), and nothing holds the lock any more.
+  unreadable  its config.toml is not UTF-8 TOML: listed with the problem as its detail, so that one damaged
+              run does not hide the others.
 A run directory from before `attempts.jsonl` is complete when its metrics reach `train.max_steps`, else failed.
 """
 
@@ -48,7 +50,7 @@ class RunSummary:
 
     name: str
     path: str
-    status: str  # running | complete | preempted | failed
+    status: str  # running | complete | preempted | failed | unreadable
     detail: str  # why: "pid 123", "SIGTERM at step 40", "killed: …", the error of a failed run
     step: int | None
     max_steps: int | None
@@ -80,9 +82,15 @@ def summarize_run(run_dir: Path, name: str | None = None) -> RunSummary:
     records = metric_records(run_dir)
     train = next((r for r in reversed(records) if "loss" in r), {})
     evals = next((r for r in reversed(records) if "eval_loss" in r), {})
-    config = run_config(run_dir)
+    try:
+        config, unreadable = run_config(run_dir), None
+    except UserError as problem:
+        config, unreadable = {}, problem.message
     max_steps = config.get("train", {}).get("max_steps") or derived_max_steps(run_dir)
-    status, detail = run_status(run_dir, train.get("step"), max_steps)
+    if unreadable is None:
+        status, detail = run_status(run_dir, train.get("step"), max_steps)
+    else:
+        status, detail = "unreadable", unreadable
     checkpoints = complete_checkpoints(run_dir / config.get("checkpoint", {}).get("dir", "checkpoints"))
     written = [(run_dir / f).stat().st_mtime for f in ACTIVITY_FILES if (run_dir / f).is_file()]
     return RunSummary(
@@ -174,11 +182,21 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
 
 
 def run_config(run_dir: Path) -> dict[str, Any]:
-    """The run's saved config as plain TOML data (not validated: an old run still lists after a schema change)."""
+    """The run's saved config as plain TOML data (not validated: an old run still lists after a schema change);
+    {} when there is none. One that is not UTF-8 TOML is a user error naming it rather than {}: read as empty,
+    the run would pass for another (no length, the default checkpoint folder, no model to compare)."""
+    path = run_dir / RUN_CONFIG
+    fix = "restore it from a copy, or move the run directory out of the folder"
     try:
-        return tomllib.loads((run_dir / RUN_CONFIG).read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError):
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
         return {}
+    except OSError as e:
+        raise UserError(f"{path} cannot be read: {e.strerror}", fix) from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})", fix) from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path} is not valid TOML: {e}", fix) from None
 
 
 def config_differences(run_dirs: list[Path]) -> dict[str, list[Any]]:

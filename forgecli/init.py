@@ -44,7 +44,9 @@ def init(
         autocompletion=complete_preset,
         help="Ask nothing: a commented copy of this preset.",
     ),
-    force: bool = typer.Option(False, "--force", help="Overwrite the file if it exists."),
+    force: bool = typer.Option(
+        False, "--force", help="Overwrite the file if it exists (a regular file only: never a device or a link)."
+    ),
 ) -> None:
     """Write a commented preset from a few questions and check it like validate-config.
 
@@ -62,11 +64,10 @@ def init(
 
     """
     from engine.config.writer import answers_from, build_preset, default_preset
-    from engine.durable import write_durably
+    from engine.durable import check_writable, write_durably
     from engine.errors import UserError
 
-    if preset.is_dir():
-        raise UserError(f"{preset} is a directory", "name the TOML file to write, e.g. my_run.toml")
+    check_writable(preset, "PRESET")  # --force replaces a regular file only, never a device or a link
     if preset.exists() and not force:
         raise UserError(f"{preset} already exists", "pass --force to overwrite it, or name another file")
     if not (defaults or base) and not stdin_is_terminal():

@@ -25,7 +25,13 @@ if TYPE_CHECKING:
 
     from engine.runs import RunSummary
 
-STATUS_STYLES = {"running": "bold cyan", "complete": "green", "preempted": "yellow", "failed": "bold red"}
+STATUS_STYLES = {
+    "running": "bold cyan",
+    "complete": "green",
+    "preempted": "yellow",
+    "failed": "bold red",
+    "unreadable": "bold red",
+}
 PLOTTED = {"loss": "training loss", "eval_loss": "eval loss", "lr": "learning rate", "tokens_per_sec": "tokens/s"}
 
 
@@ -55,7 +61,8 @@ def list_runs(
 ) -> None:
     """Every run under DIR: status (running, complete, preempted, failed), step of max, tokens, last training
     and eval loss, tokens/s, newest complete checkpoint, and how long ago it last wrote anything.
-    `forge runs DIR` is the same as `forge runs list DIR`.
+    `forge runs DIR` is the same as `forge runs list DIR`. A run whose config.toml cannot be read is listed
+    as unreadable with the problem as its detail, and the others as usual (exit code 0).
 
     [bold]Examples[/bold]
 

@@ -292,11 +292,7 @@ def fit(
             "forge scale fit needs SciPy, which is not installed", "pip install 'forge-lm[scale]'"
         ) from None
     points, unfinished = collect(run_dirs, strict)
-    target = (
-        prediction_target(predict, int(tokens) if tokens is not None else None, [Path(points[0].path)])
-        if predict
-        else None
-    )
+    target = prediction_target(predict, tokens, [Path(points[0].path)]) if predict else None
     fits = fit_study(points, bootstrap, seed)
     out = report(points, unfinished, fits)
     if target is not None:

@@ -62,15 +62,19 @@ def show_run_failure(message: str) -> None:
 
 
 def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn `engine.errors.UserError` raised by a command into a panel and exit code 2."""
+    """Turn `engine.errors.UserError` raised by a command into a panel and exit code 2, and `DiskFull` into one
+    line and exit code 1."""
 
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
-        from engine.errors import UserError
+        from engine.errors import DiskFull, UserError
         from engine.parallel.place import process_place
 
         try:
             return command(*args, **kwargs)
+        except DiskFull as err:
+            err_console.print(f"error: {err}", markup=False, highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
         except UserError as err:
             rank = process_place().rank
             if rank == 0:

@@ -13,15 +13,29 @@ from engine.config.base import Section
 if TYPE_CHECKING:
     from engine.model.spec import ModelSpec
 
+# Upper bounds of the fields that size the model's tensors: far beyond any model trained so far, and low enough
+# that a slip (`max_seq_len = 1e12`) is refused by name rather than passing validation and failing to allocate.
+MAX_WIDTH = 2**20  # dim, ffn_hidden_dim, attention_head_dim
+MAX_HEADS_OR_LAYERS = 2**14  # n_layers, n_heads, n_kv_heads
+MAX_VOCAB = 2**24
+MAX_SEQ_LEN = 2**24  # the RoPE table (gpt2: position embeddings) has this many rows
+MAX_EXPERTS = 2**16
+
 
 class ModelConfig(Section):
-    dim: int = Field(256, gt=0, description="hidden size")
-    n_layers: int = Field(4, gt=0, description="number of transformer blocks")
-    n_heads: int = Field(4, gt=0, description="attention heads")
-    n_kv_heads: int | None = Field(None, gt=0, description="key/value heads for GQA; unset = n_heads")
-    vocab_size: int = Field(32000, gt=0, description="embedding table size (>= the tokenizer's vocabulary)")
+    dim: int = Field(256, gt=0, le=MAX_WIDTH, description="hidden size")
+    n_layers: int = Field(4, gt=0, le=MAX_HEADS_OR_LAYERS, description="number of transformer blocks")
+    n_heads: int = Field(4, gt=0, le=MAX_HEADS_OR_LAYERS, description="attention heads")
+    n_kv_heads: int | None = Field(
+        None, gt=0, le=MAX_HEADS_OR_LAYERS, description="key/value heads for GQA; unset = n_heads"
+    )
+    vocab_size: int = Field(
+        32000, gt=0, le=MAX_VOCAB, description="embedding table size (>= the tokenizer's vocabulary)"
+    )
     ffn_dim_multiplier: float = Field(1.0, gt=0, description="scales the Llama-style FFN width")
-    ffn_hidden_dim: int | None = Field(None, gt=0, description="explicit FFN width; overrides the computed one")
+    ffn_hidden_dim: int | None = Field(
+        None, gt=0, le=MAX_WIDTH, description="explicit FFN width; overrides the computed one"
+    )
     norm_type: Literal["rmsnorm", "layernorm"] = Field(
         "rmsnorm", description="normalization of every block and the final norm"
     )
@@ -32,6 +46,7 @@ class ModelConfig(Section):
     max_seq_len: int = Field(
         2048,
         gt=0,
+        le=MAX_SEQ_LEN,
         description="length of the RoPE table (gpt2: of the learned position embeddings); train.seq_len must "
         "not exceed it",
     )
@@ -63,6 +78,7 @@ class ModelConfig(Section):
     attention_head_dim: int | None = Field(
         None,
         gt=0,
+        le=MAX_WIDTH,
         description="width of each attention head (even, for RoPE); unset = dim / n_heads. Set, q/k/v are "
         "n_heads × it wide whatever dim is (Hugging Face's head_dim; Qwen3 and Mistral NeMo decouple it)",
     )
@@ -99,7 +115,7 @@ class ModelConfig(Section):
 
     # Mixture of experts (engine/model/moe.py). The defaults give a dense model; every other MoE field is
     # read only when num_experts > 0 (config validation rejects them otherwise).
-    num_experts: int = Field(0, ge=0, description="routed experts per MoE block; 0 = dense model")
+    num_experts: int = Field(0, ge=0, le=MAX_EXPERTS, description="routed experts per MoE block; 0 = dense model")
     moe_top_k: int = Field(2, gt=0, description="experts each token is routed to (<= num_experts)")
     moe_frequency: int = Field(
         1,

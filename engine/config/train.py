@@ -15,6 +15,14 @@ ALTERNATIVES = {
 """Fields that say the same thing in different ways: a preset layer or override that sets one of a group drops
 what earlier layers set of the others (engine/config/loader.py)."""
 
+# Upper bounds of the fields that size a step's tensors or the run's length: far beyond any run so far, and low
+# enough that a slip (`max_steps = 10^30`) is refused by name rather than accepted as a run that never ends.
+MAX_BATCH = 2**20  # batch_size, global_batch_size, grad_accum_steps
+MAX_SEQ_LEN = 2**24  # as model.max_seq_len's bound (engine/config/model.py)
+MAX_STEPS = 10**12
+MAX_EPOCHS = 10**6
+MAX_TOKENS = 10**18
+
 
 class HookSpec(Section):
     """One `[[train.hooks]]` entry: a `TrainingHook` subclass (engine/train/hooks.py) to run in the loop."""
@@ -29,35 +37,40 @@ class HookSpec(Section):
 
 
 class TrainConfig(Section):
-    batch_size: int = Field(8, gt=0, description="sequences per device per micro-step")
-    seq_len: int = Field(512, gt=0, description="tokens per sequence")
+    batch_size: int = Field(8, gt=0, le=MAX_BATCH, description="sequences per device per micro-step")
+    seq_len: int = Field(512, gt=0, le=MAX_SEQ_LEN, description="tokens per sequence")
     max_steps: int | None = Field(
         None,
         gt=0,
+        le=MAX_STEPS,
         description="optimizer steps to train for; unset = derived from max_epochs or max_tokens, or 1000 "
         "when neither is set",
     )
     max_epochs: int | None = Field(
         None,
         gt=0,
+        le=MAX_EPOCHS,
         description="instead of max_steps: passes over the training windows (one data set; the steps are "
         "derived from its window count and the batch, shown by validate-config)",
     )
     max_tokens: int | None = Field(
         None,
         gt=0,
+        le=MAX_TOKENS,
         description="instead of max_steps: train until this many tokens are seen (the steps are derived "
         "from the batch and its ramp, rounded up)",
     )
     global_batch_size: int | None = Field(
         None,
         gt=0,
+        le=MAX_BATCH,
         description="sequences per optimizer step over all data-parallel ranks; grad_accum_steps is derived "
         "from it (= global_batch_size / (batch_size × data-parallel ranks), which must divide)",
     )
     grad_accum_steps: int | None = Field(
         None,
         gt=0,
+        le=MAX_BATCH,
         description="micro-steps accumulated per optimizer step; unset = derived from global_batch_size, or 1",
     )
     batch_ramp_start: int | None = Field(

@@ -44,7 +44,7 @@ from engine.data.shards import (
 )
 from engine.data.sources import Document, FileSource
 from engine.data.tokenizer import DEFAULT_EOS, Encoder, check_vocab_size
-from engine.durable import TMP_SUFFIX, atomic_write
+from engine.durable import TMP_SUFFIX, atomic_write, check_writable
 from engine.errors import DataError
 from engine.safe_paths import plain_name
 
@@ -317,10 +317,9 @@ def finished_output(out_dir: Path, key: str) -> Manifest | None:
 
 def check_out_dir(out_dir: Path) -> None:
     """`out_dir` may be written: missing, or a directory holding nothing but an earlier run's files."""
+    check_writable(out_dir, "--out", folder=True)
     if not out_dir.exists():
         return
-    if not out_dir.is_dir():
-        raise DataError(f"--out {out_dir} is a file", "pass a directory path (it is created if missing)")
     foreign = sorted(p.name for p in out_dir.iterdir() if not is_ours(p))
     if foreign:
         raise DataError(

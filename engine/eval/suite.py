@@ -68,6 +68,9 @@ def task_manager(specs: list[str], include_path: list[Path]) -> TaskManager:
     quiet_harness()
     paths = [FORGE_TASKS, *include_path]
     names = [spec for spec in specs if not is_yaml_path(spec)]
+    for spec in specs:
+        if is_yaml_path(spec):
+            check_task_file(Path(spec))
     manager = TaskManager(include_path=[str(p) for p in paths], include_defaults=False)
     if any(name not in manager.all_tasks for name in names):
         manager = TaskManager(include_path=[str(p) for p in paths])
@@ -88,6 +91,27 @@ def is_yaml_path(spec: str) -> bool:
     if not Path(spec).is_file():
         raise UserError(f"task file {spec} not found", "pass the path of a task YAML file, or a task name")
     return True
+
+
+def check_task_file(path: Path) -> None:
+    """A task YAML the harness can build a task from: YAML, a mapping (with its includes), and a task with a
+    data set (`dataset_path`, or `custom_dataset`) or a group of tasks. Read as the harness reads it, but
+    without importing its `!function`s; otherwise the harness fails with a parser error, a ValueError or a
+    TypeError far from the file."""
+    from lm_eval.tasks._yaml_loader import load_yaml  # the harness's own reader: the same includes and tags
+    from yaml import YAMLError
+
+    fix = (
+        "a task YAML is a mapping with task:, dataset_path: (or custom_dataset:) and doc_to_text:, as in lm-eval's docs"
+    )
+    try:
+        raw = load_yaml(path, resolve_func=False)
+    except YAMLError as err:
+        raise UserError(f"task file {path} is not YAML: {' '.join(str(err).split())}", fix) from None
+    except (ValueError, OSError) as err:  # a list or a scalar, an include cycle, a missing included file
+        raise UserError(f"task file {path} cannot be read as a task: {err}", fix) from None
+    if "group" not in raw and not ({"dataset_path", "custom_dataset"} & raw.keys()):
+        raise UserError(f"task file {path} names no data set (no dataset_path or custom_dataset)", fix)
 
 
 def load_tasks(manager: TaskManager, specs: list[str]) -> list[Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from torch import nn
 
 from engine.checkpoint.locate import locate_checkpoint
 from engine.data.tokenizer import Encoder
-from engine.durable import TMP_SUFFIX, write_durably
+from engine.durable import TMP_SUFFIX, check_writable, write_durably
 from engine.errors import UserError
 from engine.interp.attention import CORE, AttentionCapture, attention_targets
 from engine.interp.modules import ModuleOutput, first_tensor, probe_outputs, resolve_layers
@@ -278,6 +279,7 @@ class Extraction:
         return (self.out / MANIFEST).is_file()
 
     def check_out(self, wanted: bytes) -> None:
+        check_writable(self.out, "--out", folder=True)
         if self.out.exists() and not (self.out / REQUEST).is_file() and any(self.out.iterdir()):
             raise UserError(
                 f"--out {self.out} exists and is not a forge extract output",
@@ -451,8 +453,10 @@ def check_request(request: ExtractRequest) -> None:
         raise UserError(f"--format {request.storage!r} is not one of shards, npz", "e.g. --format npz")
     if request.batch_size < 1:
         raise UserError(f"--batch-size {request.batch_size} must be at least 1", "e.g. --batch-size 8")
-    if request.shard_mb <= 0:
-        raise UserError(f"--shard-mb {request.shard_mb} must be positive", f"e.g. --shard-mb {DEFAULT_SHARD_MB}")
+    if not (math.isfinite(request.shard_mb) and request.shard_mb > 0):  # NaN and inf have no byte count
+        raise UserError(
+            f"--shard-mb {request.shard_mb} must be a positive, finite size", f"e.g. --shard-mb {DEFAULT_SHARD_MB}"
+        )
     if request.seq_len is not None and request.seq_len < 1:
         raise UserError(f"--seq-len {request.seq_len} must be at least 1", "leave it out to use the model's context")
 

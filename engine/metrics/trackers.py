@@ -19,7 +19,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from engine.config.job import JobConfig
-from engine.durable import write_durably
+from engine.durable import space_checked, write_durably
 from engine.errors import UserError
 from engine.run_files import METRICS_FILE
 
@@ -99,15 +99,18 @@ class JsonlSink:
         path.parent.mkdir(parents=True, exist_ok=True)
         if resumed_from is not None and path.exists():
             keep_records_through(path, resumed_from)
+        self.path = path
         self.file = path.open("a", encoding="utf-8")
 
     def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
         record = {"step": step, "time": time.time(), **{k: finite_or_none(v) for k, v in metrics.items()}}
-        self.file.write(json.dumps(record, allow_nan=False) + "\n")
-        self.file.flush()
+        with space_checked(self.path):
+            self.file.write(json.dumps(record, allow_nan=False) + "\n")
+            self.file.flush()
 
     def close(self) -> None:
-        self.file.close()
+        with space_checked(self.path):  # closing flushes again what a full disk refused
+            self.file.close()
 
 
 def series(metrics: Mapping[str, float | None]) -> dict[str, float]:

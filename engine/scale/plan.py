@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -231,9 +231,44 @@ def read_plan(folder: Path) -> Plan:
     path = folder / PLAN_FILE
     if not path.is_file():
         raise UserError(f"{folder} holds no scaling plan ({path} is missing)", "write one with `forge scale plan`")
-    raw = json.loads(path.read_text())
-    points = [PlanPoint(**p) for p in raw.pop("points")]
-    return Plan(**raw, points=points)
+    fix = "write the plan again with `forge scale plan`"
+    try:
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not a JSON plan: {e}", fix) from None
+    check_shape(path, "", raw, Plan)
+    for i, point in enumerate(raw["points"]):
+        check_shape(path, f"points[{i}].", point, PlanPoint)
+    if not raw["points"]:
+        raise UserError(f"{path} has no points: there are no runs to train or fit", fix)
+    return Plan(**{**raw, "points": [PlanPoint(**p) for p in raw["points"]]})
+
+
+# What a plan.json field of each annotated type must hold (JSON has no int/float distinction for 2.0 → 2).
+JSON_TYPES = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v),
+    "list[float]": lambda v: isinstance(v, list) and all(JSON_TYPES["float"](x) for x in v),
+    "list[PlanPoint]": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
+}
+
+
+def check_shape(path: Path, prefix: str, raw: Any, kind: type) -> None:
+    """`raw` holds exactly `kind`'s fields, each of its type: a plan.json edited by hand or cut short is named
+    with its first wrong field, rather than failing as a TypeError or KeyError where the plan is used."""
+    fix = "write the plan again with `forge scale plan`"
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: {prefix.rstrip('.') or 'the plan'} is not a JSON object", fix)
+    expected = {f.name: f.type for f in fields(kind)}
+    unknown = sorted(raw.keys() - expected.keys())
+    if unknown:
+        raise UserError(f"{path}: {prefix}{unknown[0]} is not a field of a plan", fix)
+    for name, annotation in expected.items():
+        if name not in raw:
+            raise UserError(f"{path}: {prefix}{name} is missing", fix)
+        if not JSON_TYPES[annotation](raw[name]):
+            raise UserError(f"{path}: {prefix}{name} = {json.dumps(raw[name])[:60]} is not of type {annotation}", fix)
 
 
 def short(x: float) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from engine.config.job import JobConfig
 from engine.config.loader import load_job_config
 from engine.errors import UserError
 from engine.model.estimate import param_counts, training_flops_per_token
-from engine.run_files import RUN_CONFIG
+from engine.run_files import METRICS_FILE, RUN_CONFIG
 from engine.runs import metric_records, run_config, summarize_run
 from engine.scale.family import check_scalable, family_fields
 from engine.scale.fit import approach2, approach3, check_enough
@@ -73,10 +74,27 @@ def read_run(run_dir: Path) -> RunPoint | Unfinished:
             "train the study's runs with eval.enabled = true (`forge scale plan` sets it)",
         )
     check_scalable(cfg.model)
-    tokens = next(r["tokens_seen"] for r in reversed(records) if "tokens_seen" in r)
+    loss = measured(run_dir, "eval_loss", final[-1]["eval_loss"], float)
+    tokens = measured(
+        run_dir, "tokens_seen", next((r["tokens_seen"] for r in reversed(records) if "tokens_seen" in r), None), int
+    )
     params = param_counts(cfg.model)["total"]
     flops = float(training_flops_per_token(cfg.model, cfg.train.seq_len) * tokens)
-    return RunPoint(run_dir.name, str(run_dir), params, tokens, flops, 6.0 * params * tokens, final[-1]["eval_loss"])
+    return RunPoint(run_dir.name, str(run_dir), params, tokens, flops, 6.0 * params * tokens, loss)
+
+
+def measured(run_dir: Path, key: str, value: Any, kind: type) -> Any:
+    """A final loss or token count of a run's metrics, which the fits take logarithms of: a positive, finite
+    number (an int for a count). Anything else (a diverged run's NaN, a hand-edited or damaged metrics.jsonl)
+    is a user error naming the run, rather than a fit that fails deep in SciPy or fits nonsense."""
+    number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if not number or (kind is int and not isinstance(value, int)):
+        what = "a positive whole number" if kind is int else "a positive, finite number"
+        raise UserError(
+            f"{run_dir / METRICS_FILE}: the final {key} is {json.dumps(value)}, not {what}",
+            "leave this run out of the fit (a diverged run has no usable loss), or train it again",
+        )
+    return kind(value)
 
 
 def signatures(run_dir: Path) -> dict[str, dict[str, Any]]:
@@ -101,7 +119,7 @@ def check_same_study(run_dirs: list[Path]) -> None:
     """Every run shares the data, tokenizer and family of the most common one; the first that does not is
     named with the fields that differ."""
     signed = [(run, signatures(run)) for run in run_dirs]
-    for kind in ("data", "tokenizer", "family"):
+    for kind in ("data", "tokenizer", "family") if signed else ():  # no runs started: check_enough says so
         keys = [json.dumps(s[kind], sort_keys=True, default=str) for _, s in signed]
         common, _ = Counter(keys).most_common(1)[0]
         reference = next(s[kind] for (_, s), key in zip(signed, keys) if key == common)
@@ -168,7 +186,7 @@ def fit_study(points: list[RunPoint], bootstrap: int, seed: int) -> dict[str, An
     return {"approach2": approach2(n, d, c, loss), "approach3": approach3(n, d, loss, bootstrap, seed)}
 
 
-def prediction_target(preset: Path, tokens: int | None, runs: list[Path]) -> dict[str, Any]:
+def prediction_target(preset: Path, tokens: float | None, runs: list[Path]) -> dict[str, Any]:
     """N (and D: `tokens`, else the preset's own max_steps × tokens per step) of the config to predict; it must
     be of the runs' family."""
     cfg: JobConfig = load_job_config(preset)
@@ -181,9 +199,9 @@ def prediction_target(preset: Path, tokens: int | None, runs: list[Path]) -> dic
             f"--predict {preset} is not of the runs' family: model.{', model.'.join(differ)} differ",
             "predict for a preset of the same family (only dim, n_layers, n_heads, n_kv_heads may differ)",
         )
-    if tokens is not None and tokens <= 0:
-        raise UserError(f"--tokens {tokens} must be positive", "e.g. --tokens 2.6e10")
-    tokens = tokens or cfg.tokens_per_step() * cfg.train.max_steps
+    if tokens is not None and not (math.isfinite(tokens) and tokens >= 1):  # NaN and inf have no whole count
+        raise UserError(f"--tokens {tokens:g} must be a positive, finite number of tokens", "e.g. --tokens 2.6e10")
+    tokens = int(tokens) if tokens is not None else cfg.tokens_per_step() * cfg.train.max_steps
     params = param_counts(cfg.model)["total"]
     flops = float(training_flops_per_token(cfg.model, cfg.train.seq_len) * tokens)
     return {

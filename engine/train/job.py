@@ -9,6 +9,7 @@ newest checkpoint (`restore`; `train_state` is what a checkpoint holds for it).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import random
 from collections.abc import Callable
@@ -21,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from engine import precision
-from engine.checkpoint.dcp import PARAMETRIZATION_KEY, complete_checkpoints, parametrization
+from engine.checkpoint.dcp import PARAMETRIZATION_KEY, TRAIN_STATE, complete_checkpoints, parametrization
 from engine.checkpoint.layout import checkpoint_root, step_dirs
 from engine.checkpoint.manager import Checkpointer, initialize_from
 from engine.checkpoint.rng import every_rank_rng_state, restore_rank_rng
@@ -412,9 +413,51 @@ def stage_shapes(cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> St
     )
 
 
+# What `restore` reads of a checkpoint's train_state.json (`train_state` writes it) and the JSON types each may
+# hold; the optional ones are missing from checkpoints written before they existed.
+COUNT = (int,)
+TRAIN_STATE_FIELDS: dict[str, tuple[type, ...]] = {
+    "step": COUNT,
+    "tokens_seen": COUNT,
+    "elapsed_sec": (int, float),
+    "scheduler": (dict,),
+    "grad_scaler": (dict,),
+    "rng": (list, dict),  # a dict: rank 0's state alone, from before per-rank states
+    "wandb_run_id": (str, type(None)),
+}
+OPTIONAL_TRAIN_STATE_FIELDS: dict[str, tuple[type, ...]] = {
+    "tokens_per_step": COUNT,
+    "data": (str,),
+    "guard": (dict,),
+    EMA_KEY: (bool,),
+}
+
+
+def check_train_state(path: Path, state: Any) -> None:
+    """The train state has the keys and types `restore` reads, so that a train_state.json written by hand, by
+    another tool or an incompatible version is named with its first wrong field, not a KeyError or TypeError
+    halfway through restoring (its checksum only says the file is the one that was written)."""
+    where = path / TRAIN_STATE
+    fix = "resume from another checkpoint (checkpoint.load_path), or train into a new --run-dir"
+    if not isinstance(state, dict):
+        raise UserError(f"{where} holds a JSON {type(state).__name__}, not an object of the train state", fix)
+    for key, kinds in (TRAIN_STATE_FIELDS | OPTIONAL_TRAIN_STATE_FIELDS).items():
+        if key not in state:
+            if key in TRAIN_STATE_FIELDS:
+                raise UserError(f"{where} has no {key!r}", fix)
+            continue
+        value = state[key]
+        if isinstance(value, bool) is not (bool in kinds) or not isinstance(value, kinds):
+            allowed = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+            raise UserError(f"{where}: {key!r} is {json.dumps(value)[:60]}, not {allowed}", fix)
+        if kinds is COUNT and value < 0:
+            raise UserError(f"{where}: {key!r} is {value}, not a count (>= 0)", fix)
+
+
 def restore(job: Job, path: Path, state: dict[str, Any]) -> None:
     """Continue from checkpoint `path` (weights and optimizer already loaded, `state` its train state): the
     data position is the step, so nothing else needs saving."""
+    check_train_state(path, state)
     check_global_batch(job, path, state)
     check_same_data(job, path, state)
     if "guard" in state:  # checkpoints written before the bad-step detector existed have none

@@ -112,16 +112,18 @@ class RunOutputs:
     def close(self, ending: dict[str, Any]) -> None:
         """Close the sinks, record how this attempt ended (`engine.runs`: complete, preempted or failed, with
         details), then let go of the lock, so that a reader who finds the lock free finds the record too."""
-        self.trackers.close()
-        if self.run_dir is not None:
-            try:
-                record_attempt(self.run_dir, "end", **ending)
-            except OSError as err:  # a full disk must not hide why the run ended
-                log.warning("could not record the end of this attempt in %s: %s", self.run_dir, err)
-        for lock in (self.checkpoint_lock, self.lock):
-            if lock is not None:
-                lock.release()
-        self.lock = self.checkpoint_lock = None
+        try:
+            self.trackers.close()  # may fail (a full disk): the end is recorded and the locks let go all the same
+        finally:
+            if self.run_dir is not None:
+                try:
+                    record_attempt(self.run_dir, "end", **ending)
+                except OSError as err:  # a full disk must not hide why the run ended
+                    log.warning("could not record the end of this attempt in %s: %s", self.run_dir, err)
+            for lock in (self.checkpoint_lock, self.lock):
+                if lock is not None:
+                    lock.release()
+            self.lock = self.checkpoint_lock = None
 
 
 def open_run_dir(
