@@ -74,7 +74,7 @@ def plan(
 
       forge scale plan presets/125m.toml --budgets 1e18,3e18,1e19 --world-size 8 --out studies/125m
 
-      forge scale plan presets/debug.toml --budgets 3e12,1e13 --sizes-per-budget 3 --out studies/debug
+      forge scale plan presets/debug.toml --budgets 5e12,1e13 --sizes-per-budget 3 --span 3 --tokens-per-param 0.05 --out studies/debug
 
     """
     from engine.config import load_job_config
