@@ -78,6 +78,7 @@ from engine.data.tokenizer import Encoder, adds_special_tokens, parse_tokenizer
 from engine.durable import fsync_dir, fsync_file
 from engine.errors import UserError
 from engine.model.spec import spec_for
+from engine.safe_paths import file_in
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' own default shard size ("5GB")
@@ -416,7 +417,11 @@ def safetensors_files(hf_dir: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"{index} is not a valid safetensors index ({e})", "restore the file") from None
-        files = [hf_dir / name for name in dict.fromkeys(weight_map.values())]
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise UserError(f"{index}: weight_map is not a non-empty JSON object", "restore the file")
+        # The index names the weight files beside it; a name leading elsewhere (`/dev/zero`, `../other/x`) is
+        # refused before anything is opened.
+        files = [file_in(hf_dir, name, index) for name in dict.fromkeys(weight_map.values())]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise UserError(

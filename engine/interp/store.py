@@ -31,6 +31,7 @@ import torch
 
 from engine.durable import TMP_SUFFIX, atomic_write, fsync_dir, write_durably
 from engine.errors import UserError
+from engine.safe_paths import file_in
 
 FORMAT = "forge-activations"
 FORMAT_VERSION = 1
@@ -248,15 +249,29 @@ def load_activations(folder: str | Path) -> Activations:
             f"{folder} is not a finished forge extract output (no {MANIFEST})",
             "finish the extraction: rerun the same forge extract command, it resumes",
         )
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise UserError(f"{path} is not a forge extract manifest", "pass the --out folder of forge extract")
-    stream = np.load(folder / TOKENS, mmap_mode="r")
-    dtypes = {c["name"]: c["dtype"] for c in manifest["columns"]}
-    if manifest["storage"] == "npz":
-        with np.load(folder / NPZ, allow_pickle=False) as npz:
+    not_ours = f"{path} is not a forge extract manifest"
+    try:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{not_ours} ({e})", "pass the --out folder of forge extract") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise UserError(not_ours, "pass the --out folder of forge extract")
+    try:
+        dtypes = {c["name"]: c["dtype"] for c in manifest["columns"]}
+        storage, shard_names = manifest["storage"], manifest.get("shards", [])
+    except (KeyError, TypeError) as e:
+        raise UserError(
+            f"{path} is cut short or edited ({e!r} is wrong)", "rerun forge extract into a new --out"
+        ) from None
+    if not isinstance(shard_names, list):
+        raise UserError(f"{path}: shards is not a list", "rerun forge extract into a new --out")
+    # The manifest names files beside it: a shard name leading elsewhere is refused before it is opened.
+    shard_files = [file_in(folder, name, path) for name in shard_names]
+    stream = np.load(file_in(folder, TOKENS, path), mmap_mode="r")
+    if storage == "npz":
+        with np.load(file_in(folder, NPZ, path), allow_pickle=False) as npz:
             pieces = {name: [npz[name]] for name in dtypes}
     else:
-        shards = [read_shard(folder / name) for name in manifest["shards"]]
+        shards = [read_shard(shard) for shard in shard_files]
         pieces = {name: [shard[name] for shard in shards] for name in dtypes}
     return Activations(folder, manifest, {name: LayerArray(pieces[name], dtypes[name]) for name in dtypes}, stream)

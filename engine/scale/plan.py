@@ -21,6 +21,7 @@ from engine.config.job import JobConfig
 from engine.config.loader import dump_toml
 from engine.durable import write_durably
 from engine.errors import ConfigError, UserError
+from engine.safe_paths import file_in, plain_name, resolves_inside
 from engine.scale.family import Member, members
 
 PLAN_FILE = "plan.json"
@@ -241,7 +242,28 @@ def read_plan(folder: Path) -> Plan:
         check_shape(path, f"points[{i}].", point, PlanPoint)
     if not raw["points"]:
         raise UserError(f"{path} has no points: there are no runs to train or fit", fix)
+    for i, point in enumerate(raw["points"]):
+        check_point_paths(folder, path, i, point)
     return Plan(**{**raw, "points": [PlanPoint(**p) for p in raw["points"]]})
+
+
+def check_point_paths(folder: Path, path: Path, i: int, point: dict[str, Any]) -> None:
+    """A point's config and run folder are where `write_plan` puts them, `configs/NAME.toml` and `runs/NAME`
+    inside the plan folder: `forge scale run` trains into the run folder and `forge scale fit` reads it, so a
+    plan.json edited to name `/elsewhere` or `../other-run` is refused before anything is read or written."""
+    fix = "write the plan again with `forge scale plan`"
+    for key, parent, suffix in (("config", CONFIGS, ".toml"), ("run_dir", RUNS, "")):
+        value = point[key]
+        head, _, name = value.partition("/")
+        if head != parent or not name.endswith(suffix):
+            raise UserError(
+                f"{path}: points[{i}].{key} = {json.dumps(value)[:60]} is not {parent}/NAME{suffix} inside the plan",
+                fix,
+            )
+        plain_name(name, f"{path} (points[{i}].{key})")
+        if not resolves_inside(folder / parent, folder):
+            raise UserError(f"{folder / parent} leads out of the plan folder {folder} (a symbolic link)", fix)
+    file_in(folder / CONFIGS, point["config"].partition("/")[2], path)
 
 
 # What a plan.json field of each annotated type must hold (JSON has no int/float distinction for 2.0 → 2).

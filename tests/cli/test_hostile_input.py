@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 from typer.testing import CliRunner
 
 from engine.checkpoint.dcp import COMPLETE, TRAIN_STATE
@@ -278,6 +279,55 @@ def test_forge_eval_refuses_dcp_metadata_naming_a_file_outside_the_checkpoint(tm
     output = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 2, output
     assert f"{step / '.metadata'} names {name!r}, which is not a plain file name" in output, output
+
+
+@pytest.mark.parametrize("entry", ["absolute", "../outside/model.safetensors", "/dev/zero"])
+def test_an_hf_index_naming_a_file_outside_its_folder_is_refused(tmp_path: Path, entry: str):
+    """Before: `forge convert from-hf` opened every file a model.safetensors.index.json's weight_map named,
+    wherever it was, and imported an outside file's weights (exit 0)."""
+    from engine.checkpoint.hf import export_to_hf
+    from tests.helpers.convert import make_run, model_config, random_model
+
+    hf = tmp_path / "hf"
+    export_to_hf(make_run(tmp_path / "run", random_model(model_config(dim=32, n_layers=1, n_heads=2))), hf)
+    (tmp_path / "outside").mkdir()
+    moved = (hf / "model.safetensors").rename(tmp_path / "outside" / "model.safetensors")
+    name = str(moved) if entry == "absolute" else entry
+    with safe_open(moved, "pt") as weights:
+        index = {"metadata": {}, "weight_map": dict.fromkeys(weights.keys(), name)}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    before = files_under(tmp_path, leaving_out=tmp_path / "nothing")
+
+    result = run_forge("convert", "from-hf", str(hf), "--out", str(tmp_path / "ckpt"))
+
+    assert_refused(result, "model.safetensors.index.json names", "which is not a plain file name")
+    assert not (tmp_path / "ckpt").exists() and files_under(tmp_path, tmp_path / "nothing") == before
+
+
+@pytest.mark.parametrize("entry", ["/dev/zero", "../outside/shard-00000.safetensors", "tokens-link"])
+def test_an_extract_manifest_naming_a_shard_outside_its_folder_is_refused(tmp_path: Path, entry: str):
+    """Before: `load_activations` (and `forge extract compare`) opened whatever the manifest's shard list
+    named, a device included (reading /dev/zero never ends)."""
+    from engine.interp import load_activations
+    from engine.interp.store import FORMAT, MANIFEST, TOKENS
+
+    acts, outside = tmp_path / "acts", tmp_path / "outside"
+    acts.mkdir()
+    outside.mkdir()
+    (outside / "secret").write_bytes(PLANTED)
+    if entry == "tokens-link":  # a link where the token stream belongs, leading out of the folder
+        (acts / TOKENS).symlink_to(outside / "secret")
+        shards = []
+    else:
+        shards = [entry]
+    manifest = {"format": FORMAT, "version": 1, "columns": [], "storage": "shards", "shards": shards}
+    (acts / MANIFEST).write_text(json.dumps(manifest))
+
+    with pytest.raises(UnsafePath, match=r"which is not a plain file name|symbolic link leading out"):
+        load_activations(acts)
+    result = run_forge("extract", "compare", str(acts))
+    assert_refused(result, str(acts / MANIFEST))
+    assert (outside / "secret").read_bytes() == PLANTED
 
 
 # ---- run directories ----
@@ -603,6 +653,11 @@ def edit_plan(change):
         (edit_plan(lambda p: p["points"][1].update(max_steps="52")), 'points[1].max_steps = "52" is not of type int'),
         (edit_plan(lambda p: p["points"][0].update(extra=1)), "points[0].extra is not a field of a plan"),
         (lambda p: p["points"], "the plan is not a JSON object"),
+        (edit_plan(lambda p: p["points"][0].update(run_dir="../victim")), 'run_dir = "../victim" is not runs/NAME'),
+        (edit_plan(lambda p: p["points"][0].update(run_dir="/tmp/victim")), "is not runs/NAME inside the plan"),
+        (edit_plan(lambda p: p["points"][2].update(run_dir="runs/../../x")), "'../../x', which is not a plain file"),
+        (edit_plan(lambda p: p["points"][1].update(config="/etc/hostname")), 'config = "/etc/hostname" is not'),
+        (edit_plan(lambda p: p["points"][1].update(config="configs/../../x.toml")), "which is not a plain file"),
     ],
 )
 def test_scale_fit_names_what_is_wrong_with_a_plan(tmp_path, change, named):
@@ -611,6 +666,19 @@ def test_scale_fit_names_what_is_wrong_with_a_plan(tmp_path, change, named):
     before = tree(tmp_path)
     assert_refused(run_forge("scale", "fit", str(plan), "--bootstrap", "10"), f"{plan}/plan.json", named)
     assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("run_dir", ["../victim", "runs/../../victim"])
+def test_scale_run_never_trains_outside_its_plan(tmp_path, run_dir):
+    """Before: a plan.json edited to put a point's run elsewhere had `forge scale run` train (and write a
+    run directory) there."""
+    plan = plan_folder(tmp_path)
+    raw = json.loads((plan / "plan.json").read_text())
+    raw["points"][0]["run_dir"] = run_dir
+    (plan / "plan.json").write_text(json.dumps(raw))
+    before = tree(tmp_path)
+    assert_refused(run_forge("scale", "run", str(plan)), f"{plan}/plan.json", "points[0].run_dir")
+    assert tree(tmp_path) == before and not (tmp_path / "victim").exists()
 
 
 def test_scale_fit_of_a_plan_with_no_run_started_says_so(tmp_path):
