@@ -13,6 +13,7 @@ import typer
 from engine.data import DEFAULT_SHARD_TOKENS
 from forgecli.completion import OverrideCommand, complete_preset
 from forgecli.overrides import collect_overrides
+from forgecli.train import AllowCode
 from forgecli.ui import console, print_json, user_errors
 
 app = typer.Typer(
@@ -86,6 +87,7 @@ def submit(
     template: Template = None,
     dry_run: DryRun = False,
     as_json: bool = typer.Option(False, "--json", help="Print the job id and run directories as JSON."),
+    allow_code: AllowCode = False,
 ) -> None:
     """Submit a training job: checked for its world size, wired for preemption, requeued on its own.
 
@@ -98,13 +100,18 @@ def submit(
       forge slurm submit presets/debug.toml --gpus-per-node 8 --sweep optimizer.lr=1e-3,3e-4 --after-ok 1234
 
     """
+    from engine.config import load_job_config
     from engine.slurm.jobs import prepare
     from engine.slurm.jobs import submit as submit_job
     from engine.slurm.render import DEFAULT_TEMPLATE, SlurmRequest
+    from engine.train.run_dir import is_saved_config, refuse_saved_code
 
+    overrides = collect_overrides(ctx.args)
+    if is_saved_config(preset):  # the job's `forge train` would refuse it in the log: refuse it now
+        refuse_saved_code(load_job_config(preset, overrides), overrides, preset, allow_code)
     req = SlurmRequest(
         preset=preset.resolve(),
-        overrides=collect_overrides(ctx.args),
+        overrides=overrides,
         run_dir=(run_dir or Path("runs") / preset.stem).resolve(),
         nodes=nodes,
         gpus_per_node=gpus_per_node,
@@ -121,6 +128,7 @@ def submit(
         sweep=sweep,
         after=after,
         after_ok=after_ok,
+        allow_code=allow_code,
     )
     sub = prepare(req, template or DEFAULT_TEMPLATE, ["forge", *sys.argv[1:]])
     if dry_run:

@@ -44,6 +44,7 @@ class SlurmRequest:
     sweep: list[str] = field(default_factory=list)
     after: str | None = None
     after_ok: str | None = None
+    allow_code: bool = False  # the job's `forge train` gets --allow-code (the user passed it to submit)
 
     @property
     def tasks_per_node(self) -> int:
@@ -159,6 +160,7 @@ def template_context(
         "run_dir": req.run_dir,
         "python": sys.executable,
         "srun_wait": math.ceil(shutdown_timeout) + 60,
+        "allow_code": req.allow_code,
     }
 
 

@@ -399,6 +399,26 @@ def test_resume_runs_no_hook_named_by_the_saved_config(tmp_path):
     assert snapshot(run) == before
 
 
+def test_slurm_submit_of_a_saved_config_naming_code_needs_allow_code(tmp_path):
+    """Before: `forge slurm submit RUN/config.toml` rendered and submitted a job whose `forge train` then
+    refused the saved hook in the job's log (or, with a hand-edited script, ran it). Now the submission is
+    refused the same way `forge train` refuses it, and --allow-code reaches the job's command line."""
+    run = handed_over_run(tmp_path / "run", HOOKS_TOML)
+    before = snapshot(run)
+    args = ["slurm", "submit", str(run / "config.toml"), "--run-dir", str(tmp_path / "job"), "--dry-run"]
+    refused = forge(*args, **ROOT_PATH)
+    out = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == 2, out
+    assert "train.hooks[0].target" in out and "--allow-code" in out and "#!/bin/bash" not in out
+    assert snapshot(run) == before and not (tmp_path / "job").exists() and not (run / "RAN").exists()
+
+    allowed = forge(*args, "--allow-code", **ROOT_PATH)
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    (train_line,) = [line for line in allowed.stdout.splitlines() if "-m forgecli.app train" in line]
+    assert '--run-dir "$RUN_DIR" --allow-code' in train_line
+    assert not (run / "RAN").exists()  # submitting imports nothing either way
+
+
 def test_resume_with_allow_code_imports_the_saved_hook(tmp_path):
     """The user asks on the command line: then the saved hook is imported (and found not to be a hook)."""
     run = handed_over_run(tmp_path / "run", HOOKS_TOML)
