@@ -169,7 +169,7 @@ class ComponentRegistry(Registry[Component]):
             rank: dict[str, int] = {}
             for i, name in enumerate(self._order):
                 rank.setdefault(name, i)
-            fields = dict(sorted(fields.items(), key=lambda item: rank.get(item[0], len(rank))))
+            fields = dict(sorted(fields.items(), key=lambda item: rank.get(item[0], len(self._order))))
         names = tuple(self._builders)
         if names and self.name_field is not None:
             fields[self.name_field] = FieldInfo.merge_field_infos(
