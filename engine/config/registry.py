@@ -20,6 +20,12 @@ field is owned by the components whose class declares it; set away from its defa
 chosen, it is an error naming its owners (`owner_issues`), so no field is silently ignored, and a config that
 leaves it at its default (as every run directory's saved config.toml does) loads. What the chosen component reads
 is its own config object, `chosen(values)`: the section's values of the fields its class declares.
+
+Two sections are composed without a name field. `[data]` of the source kinds (`SOURCE_KINDS`, a
+`SourceKindRegistry`: a path's spelling or a kind's own location field picks the kind, and `forge tokenize` opens
+its `KIND:NAME` inputs through the same registry) and `[metrics]` of the metrics sinks (`METRICS_SINKS`, a
+`SinkRegistry`: several on at once, each by its own switch field). Both keep the key order their tables always had
+(`bind(order=...)`), and refuse a kind's or a sink's field where no source of that kind is named or the sink is off.
 """
 
 from __future__ import annotations
