@@ -647,7 +647,7 @@ def test_no_literal_in_engine_config_lists_a_registrys_names():
 
     for name in CONVERTED:
         names = set(getattr(registry, name).names())
-        assert len(names) >= 3, name
+        assert len(names) >= (3 if name == "METRICS_SINKS" else 4), name  # jsonl, tensorboard, wandb
         for path in sorted((REPO / "engine/config").glob("*.py")):
             for line, options in literal_options(path.read_text()):
                 assert not (len(options) >= 2 and options <= names), f"{path.name}:{line} lists {name}: {options}"
