@@ -1,4 +1,11 @@
-"""`[data]`: where training tokens come from; and the Hugging Face dataset fields `[data]` and `[eval]` share."""
+"""`[data]`: where training tokens come from.
+
+The fields every source kind shares (the path, the tokenizer, the mixture, the loader's) are declared here; each
+kind of source declares its own in the class it is registered with (engine/data/kinds.py: the `hf_*` fields are
+the Hugging Face kind's), and `DataConfig`, the `[data]` table, is composed of them all
+(engine/config/registry.py: `SOURCE_KINDS`). A kind's field set where no source of that kind reads it is a config
+error naming the kind (engine/data/rules.py), so no field is silently ignored.
+"""
 
 from __future__ import annotations
 
@@ -7,25 +14,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from engine.config.base import Section
-
-
-class HubDatasetFields(Section):
-    """A Hugging Face dataset a section reads instead of shards (`data.hf_*` to train on, `eval.hf_*` to
-    evaluate on): fields of the section itself, so the TOML and the error paths stay flat
-    (`eval.hf_dataset_split`). Pydantic puts a base's fields first; a section that wants fields before these
-    takes them from a base listed after this one (see DataConfig, EvalConfig)."""
-
-    hf_dataset_name: str | None = Field(
-        None,
-        description="a Hugging Face dataset (Hub id or local folder) instead of dataset_path: tokenized once "
-        "with data.tokenizer_path into the Forge cache, then read like shards. Also spelled hf_name, and each "
-        "hf_dataset_* field hf_*",
-    )
-    hf_dataset_config: str | None = Field(None, description="hf_dataset_name's configuration (subset)")
-    hf_dataset_split: str = Field("train", description="hf_dataset_name's split")
-    hf_dataset_revision: str | None = Field(
-        None, description="hf_dataset_name's Hub branch, tag or commit; a commit keeps a long run's data fixed"
-    )
+from engine.config.registry import SOURCE_KINDS
 
 
 class DataFiles(Section):
@@ -141,16 +130,9 @@ class Mixture(Section):
     )
 
 
-class DataConfig(Mixture, HubDatasetFields, DataFiles):
-    hf_dataset_text_field: str = Field(
-        "text",
-        description="the column that holds the text (also for eval.hf_dataset_name). Also spelled text_field",
-    )
-    hf_streaming: bool = Field(
-        False,
-        description="tokenize from a stream instead of downloading the dataset first (also for eval.hf_dataset_name "
-        "and the hf_name entries of data.datasets)",
-    )
+class DataFields(Mixture, DataFiles):
+    """The fields of `[data]` that no one kind of source owns."""
+
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
     pin_memory: bool = Field(False, description="pin host batches (GPU only)")
     prefetch_factor: int | None = Field(None, gt=0, description="batches prefetched per worker (needs num_workers > 0)")
@@ -161,7 +143,31 @@ class DataConfig(Mixture, HubDatasetFields, DataFiles):
     )
 
     @model_validator(mode="after")
-    def _prefetch_needs_workers(self) -> DataConfig:
+    def _prefetch_needs_workers(self) -> DataFields:
         if self.prefetch_factor is not None and self.num_workers == 0:
             raise ValueError("prefetch_factor needs num_workers > 0")
         return self
+
+
+class DataConfig(DataFields):
+    """The `[data]` table: the shared fields and every registered source kind's own ones (composed by
+    `SOURCE_KINDS.bind` below)."""
+
+
+LISTED = (
+    *DataFiles.model_fields,
+    "hf_dataset_name",
+    "hf_dataset_config",
+    "hf_dataset_split",
+    "hf_dataset_revision",
+    *Mixture.model_fields,
+    "hf_dataset_text_field",
+    "hf_streaming",
+)
+"""The order the resolved `[data]` has always listed its keys in (`forge validate-config`, every saved config.toml;
+the validate goldens pin it): the Hugging Face kind's fields amid the shared ones. The rest of the shared fields
+follow, then the fields of a kind registered later."""
+
+import engine.data.kinds  # noqa: E402, F401  (registers every source kind's fields: torch-free)
+
+SOURCE_KINDS.bind(DataConfig, DataFields, order=(*LISTED, *DataFields.model_fields))

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from engine.config.base import Section
-from engine.config.data import HubDatasetFields
+from engine.data.kinds import HubDatasetFields
 
 
 class EvalSchedule(Section):

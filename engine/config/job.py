@@ -27,7 +27,7 @@ from engine.config.metrics import MetricsConfig
 from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
 from engine.config.profiling import ProfilingConfig
-from engine.config.registry import OPTIMIZERS, SCHEDULERS
+from engine.config.registry import METRICS_SINKS, OPTIMIZERS, SCHEDULERS, SOURCE_KINDS
 from engine.config.scheduler import SchedulerConfig
 from engine.config.train import TrainConfig
 from engine.errors import ConfigError, ConfigIssue
@@ -78,7 +78,7 @@ class JobConfig(Section):
         return global_sequences(self, world_size) * self.train.seq_len
 
 
-for components in (OPTIMIZERS, SCHEDULERS):  # a component registered later (a test's toy) recomposes its section
+for components in (OPTIMIZERS, SCHEDULERS, SOURCE_KINDS, METRICS_SINKS):  # one registered later (a test's toy)
     components.rebuild_with(JobConfig)
 
 Rule = Callable[[JobConfig, int], list[ConfigIssue]]
@@ -89,6 +89,7 @@ def error_rules() -> tuple[Rule, ...]:
     """Every cross-section rule that refuses a config, in the order its errors are listed."""
     from engine.data import rules as data
     from engine.eval import rules as evaluation
+    from engine.metrics import rules as metrics
     from engine.model import rules as model
     from engine.parallel import rules as parallel
     from engine.train import rules as train
@@ -111,6 +112,7 @@ def error_rules() -> tuple[Rule, ...]:
         data.source_kind_issues,  # the source kinds path fields name (KIND:LOCATION)
         model.mtp_issues,  # multi-token prediction: its family, layouts and packing
         train.cpu_offload_issues,  # distributed.cpu_offload: data parallelism, fp32 optimizer state
+        metrics.sink_issues,  # the fields of a metrics sink that is off
     )
 
 

@@ -1,9 +1,10 @@
 """The configuration schema as a reference: each field's type, default, allowed values and description, and in a
-section composed of components (`[optimizer]`, `[scheduler]`) which components read it, read from the pydantic
-sections of `JobConfig`.
+section composed of components (`[optimizer]`, `[scheduler]`, `[data]` of the source kinds, `[metrics]` of the
+sinks) which components read it, read from the pydantic sections of `JobConfig`.
 
 The "read by" column of a composed section comes from the registry: the components whose config class declares
-the field (`ComponentRegistry.owners`), or "every NAME" for a field the section shares. It replaces the
+the field (`ComponentRegistry.owners`), or "every NAME" for a field the section shares (left empty in `[data]`
+and `[metrics]`, where a shared field is no kind's or sink's: the mixture, the loader, the logging cadence). It replaces the
 hand-written `readers` tables every section had (lists of engine modules, which drifted from the code); the other
 sections' tables have no such column.
 
@@ -84,11 +85,12 @@ def field_docs(section: str, model: type[BaseModel]) -> list[FieldDoc]:
 
 def read_by(model: type[BaseModel], name: str) -> tuple[str, ...]:
     """For a section composed of components: the components that read field `name` (`("every optimizer",)` for a
-    shared one); () for the other sections."""
+    shared one of a section that chooses one component; () for one of `[data]` or `[metrics]`, whose shared
+    fields no kind or sink reads as such); () for the other sections."""
     components = getattr(model, "components", None)
     if components is None:
         return ()
-    return components.owners().get(name, (f"every {components.kind}",))
+    return components.readers(name)
 
 
 def all_field_docs(job: type[BaseModel] = JobConfig) -> list[FieldDoc]:

@@ -20,6 +20,12 @@ field is owned by the components whose class declares it; set away from its defa
 chosen, it is an error naming its owners (`owner_issues`), so no field is silently ignored, and a config that
 leaves it at its default (as every run directory's saved config.toml does) loads. What the chosen component reads
 is its own config object, `chosen(values)`: the section's values of the fields its class declares.
+
+Two sections are composed without a name field. `[data]` of the source kinds (`SOURCE_KINDS`, a
+`SourceKindRegistry`: a path's spelling or a kind's own location field picks the kind, and `forge tokenize` opens
+its `KIND:NAME` inputs through the same registry) and `[metrics]` of the metrics sinks (`METRICS_SINKS`, a
+`SinkRegistry`: several on at once, each by its own switch field). Both keep the key order their tables always had
+(`bind(order=...)`), and refuse a kind's or a sink's field where no source of that kind is named or the sink is off.
 """
 
 from __future__ import annotations
@@ -88,10 +94,15 @@ class Component:
     build: str | Callable[..., Any] | None = None
 
     def implementation(self) -> Any:
-        if not isinstance(self.build, str):
-            return self.build
-        module, _, attribute = self.build.partition(":")
-        return getattr(importlib.import_module(module), attribute)
+        return resolved(self.build)
+
+
+def resolved(named: str | Callable[..., Any] | None) -> Any:
+    """What a "module:attribute" names, imported now; anything else as it is."""
+    if not isinstance(named, str):
+        return named
+    module, _, attribute = named.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 class ComponentRegistry(Registry[Component]):
@@ -102,6 +113,7 @@ class ComponentRegistry(Registry[Component]):
         self._section: type[Section] | None = None
         self._shared: type[Section] | None = None
         self._tail: tuple[str, ...] = ()
+        self._order: tuple[str, ...] = ()
         self._dependents: list[type[BaseModel]] = []
 
     def register(self, name: str, build: str | Callable[..., Any] | None = None) -> Callable[[type], type]:  # type: ignore[override]
@@ -122,11 +134,15 @@ class ComponentRegistry(Registry[Component]):
         """In registration order (the order the name field lists them)."""
         return iter(self._builders.values())
 
-    def bind(self, section: type[Section], shared: type[Section], tail: tuple[str, ...] = ()) -> None:
+    def bind(
+        self, section: type[Section], shared: type[Section], tail: tuple[str, ...] = (), order: tuple[str, ...] = ()
+    ) -> None:
         """Make `section` (a subclass of `shared` that adds nothing) the union of the components' fields:
         `shared`'s, then each component's own in registration order, and the fields named in `tail` last (the
-        order the resolved config has always had)."""
-        self._section, self._shared, self._tail = section, shared, tail
+        order the resolved config has always had). `order`, where given, lists the fields in the order the
+        resolved config has always had them (shared and component fields interleaved, as `[data]`'s are); a
+        field it does not list (a component registered later) follows them."""
+        self._section, self._shared, self._tail, self._order = section, shared, tail, order
         section.components = self  # the "read by" column of engine/config/reference.py
         self.compose()
 
@@ -135,7 +151,9 @@ class ComponentRegistry(Registry[Component]):
         self._dependents.append(model)
 
     @property
-    def name_field(self) -> str:
+    def name_field(self) -> str | None:
+        """The field that chooses one component by name; None where the section's values choose (which fields
+        are set) or several components are on at once."""
         return "name"
 
     def compose(self) -> None:
@@ -153,8 +171,13 @@ class ComponentRegistry(Registry[Component]):
             **{k: v for k, v in fields.items() if k not in self._tail},
             **{k: v for k, v in fields.items() if k in self._tail},
         }
+        if self._order:
+            rank: dict[str, int] = {}
+            for i, name in enumerate(self._order):
+                rank.setdefault(name, i)
+            fields = dict(sorted(fields.items(), key=lambda item: rank.get(item[0], len(self._order))))
         names = tuple(self._builders)
-        if names:
+        if names and self.name_field is not None:
             fields[self.name_field] = FieldInfo.merge_field_infos(
                 fields[self.name_field],
                 annotation=Literal[names],  # type: ignore[valid-type]
@@ -182,6 +205,10 @@ class ComponentRegistry(Registry[Component]):
                 if name not in shared:
                     found.setdefault(name, []).append(component.name)
         return {name: tuple(names) for name, names in found.items()}
+
+    def readers(self, field: str) -> tuple[str, ...]:
+        """What docs/configuration.md's "read by" column says of `field`: its owners, or every component."""
+        return self.owners().get(field, (f"every {self.kind}",))
 
     def foreign_fields(self, chosen: str) -> list[str]:
         """The fields other components own and `chosen` does not read (what `forge init` drops)."""
@@ -212,10 +239,153 @@ class ComponentRegistry(Registry[Component]):
         ]
 
 
+@dataclass(frozen=True)
+class SourceKind(Component):
+    """A kind of token source (engine/data/source_kinds.py: `SourceSpec.kind`). `config` holds its own `[data]`
+    fields (most kinds have none); `build`, "module:function" `(spec, cfg, tokenizer) -> Path`, gives training
+    its shard directory; `documents`, "module:function" `(location, options) -> Source`, opens `KIND:LOCATION`
+    as a `forge tokenize` input (None: not one), and `flags` are the forge tokenize options that apply to it.
+    `prefixed`: a path field, `--data` and forge tokenize may name it as `KIND:LOCATION`. `manifest` reads the
+    manifest without building or fetching the shards, where it can. `rule`, `(cfg) -> list[ConfigIssue]`,
+    refuses its fields where nothing reads them, for a kind whose fields are read more widely than by its own
+    sources (the Hugging Face fields of `[data]` also serve `[eval]`'s dataset); None: the generic check of
+    engine/data/rules.py (`kind_field_issues`)."""
+
+    describe: str = ""
+    example: str = ""
+    prefixed: bool = False
+    documents: str | Callable[..., Any] | None = None
+    flags: tuple[str, ...] = ()
+    manifest: str | Callable[..., Any] | None = None
+    rule: str | Callable[..., Any] | None = None
+
+
+class SourceKindRegistry(ComponentRegistry):
+    """The one registry of the kinds of token source, for training (engine/data/source_kinds.py resolves a config's
+    sources through it) and `forge tokenize` (engine/data/tokenize.py opens its `KIND:NAME` inputs through it).
+
+    It lives here, beside the optimizers', because its kinds' own fields make up `[data]` (bound in
+    engine/config/data.py); what a kind does is named "module:function" and imported only when used, so the
+    registrations (engine/data/kinds.py) are torch-free. No field chooses a kind: a path's spelling does
+    (`KIND:LOCATION`, a URL, a folder), or a kind's own location field (`hf_dataset_name`)."""
+
+    @property
+    def name_field(self) -> str | None:
+        return None
+
+    def register(  # type: ignore[override]
+        self,
+        name: str,
+        *,
+        directory: str | Callable[..., Any],
+        describe: str,
+        example: str = "",
+        prefixed: bool = False,
+        documents: str | Callable[..., Any] | None = None,
+        flags: tuple[str, ...] = (),
+        manifest: str | Callable[..., Any] | None = None,
+        rule: str | Callable[..., Any] | None = None,
+    ) -> Callable[[type], type]:
+        """Decorate the kind's config class (its own `[data]` fields; `Section` itself for none)."""
+
+        def add(config: type[Section]) -> type[Section]:
+            assert name not in self._builders, f"{self.kind} {name!r} registered twice"
+            kind = SourceKind(name, config, directory, describe, example, prefixed, documents, flags, manifest, rule)
+            self._builders[name] = kind
+            self.compose()
+            return config
+
+        return add
+
+    def readers(self, field: str) -> tuple[str, ...]:
+        return self.owners().get(field, ())
+
+    def prefixed(self) -> list[SourceKind]:
+        """The kinds a path field, `--data` or forge tokenize may name as `KIND:LOCATION`, in registration order."""
+        return [kind for kind in self.components() if kind.prefixed]  # type: ignore[misc]
+
+    def inputs(self) -> list[SourceKind]:
+        """The kinds forge tokenize opens as `KIND:NAME`."""
+        return [kind for kind in self.prefixed() if kind.documents is not None]
+
+
+@dataclass(frozen=True)
+class MetricsSink(Component):
+    """Where training metrics go (engine/metrics/trackers.py: `log(step, metrics)`, `close()`). `config` holds its
+    own `[metrics]` fields; `build`, "module:function" `(own config, SinkContext) -> sink`, starts it. `switch` is
+    its own boolean field that turns it on (None: always on, as metrics.jsonl is). `kept_while_off`: own fields a
+    config may hold while it is off without being refused: what names the run it would log into, so that one
+    preset runs with the sink turned on or off (tests/seed_presets/llama2_7b_fsdp.toml names its W&B run)."""
+
+    switch: str | None = None
+    kept_while_off: tuple[str, ...] = ()
+
+
+class SinkRegistry(ComponentRegistry):
+    """The metrics sinks, several on at once: each registered once with its own `[metrics]` fields (bound in
+    engine/config/metrics.py), started by `engine.metrics.trackers.build_trackers` for every sink that is on."""
+
+    @property
+    def name_field(self) -> str | None:
+        return None
+
+    def register(  # type: ignore[override]
+        self,
+        name: str,
+        *,
+        build: str | Callable[..., Any],
+        switch: str | None = None,
+        kept_while_off: tuple[str, ...] = (),
+    ) -> Callable[[type], type]:
+        """Decorate the sink's config class (its own `[metrics]` fields, its switch among them)."""
+
+        def add(config: type[Section]) -> type[Section]:
+            assert name not in self._builders, f"{self.kind} {name!r} registered twice"
+            assert switch is None or switch in config.model_fields, f"{name}'s switch {switch!r} is not its field"
+            self._builders[name] = MetricsSink(name, config, build, switch, kept_while_off)
+            self.compose()
+            return config
+
+        return add
+
+    def readers(self, field: str) -> tuple[str, ...]:
+        return self.owners().get(field, ())
+
+    def sinks(self) -> list[MetricsSink]:
+        return list(self.components())  # type: ignore[arg-type]
+
+    def enabled(self, values: Section) -> list[MetricsSink]:
+        """The sinks `values` (the `[metrics]` section) turns on, in registration order."""
+        return [sink for sink in self.sinks() if sink.switch is None or getattr(values, sink.switch)]
+
+    def own(self, sink: MetricsSink, values: Section) -> Any:
+        """`sink`'s own config object: `values`' fields that its class declares."""
+        return sink.config.model_construct(**{name: getattr(values, name) for name in sink.config.model_fields})
+
+    def owner_issues(self, section: str, values: Section) -> list[ConfigIssue]:
+        """One issue per field of a sink that is off, set away from its default (its `kept_while_off` excepted),
+        naming the sink and its switch."""
+        defaults = {n: info.get_default(call_default_factory=True) for n, info in type(values).model_fields.items()}
+        on = {sink.name for sink in self.enabled(values)}
+        return [
+            ConfigIssue(
+                f"{section}.{field}",
+                f"is set, but the {sink.name} sink is off (only {sink.name} reads it)",
+                f"set {section}.{sink.switch} = true, or remove it",
+            )
+            for sink in self.sinks()
+            if sink.name not in on
+            for field in sink.config.model_fields
+            if field not in (sink.switch, *sink.kept_while_off) and getattr(values, field) != defaults[field]
+        ]
+
+
 NORMS: Registry = Registry("norm")
 ACTIVATIONS: Registry = Registry("activation")
 OPTIMIZERS = ComponentRegistry("optimizer")
 SCHEDULERS = ComponentRegistry("scheduler")
+SOURCE_KINDS = SourceKindRegistry("source kind")
+METRICS_SINKS = SinkRegistry("metrics sink")
 LOSSES: Registry = Registry("loss")
 MODELS: Registry = Registry("model type")
 ROUTERS: Registry = Registry("MoE router")

@@ -10,16 +10,18 @@ import math
 import textwrap
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import tomlkit
 
 from engine.config.job import JobConfig
 from engine.config.loader import build_job_config, read_preset
 from engine.config.model import MOE_FIELDS
-from engine.config.registry import OPTIMIZERS, SCHEDULERS
+from engine.config.registry import OPTIMIZERS, SCHEDULERS, SOURCE_KINDS
 
-DataKind = Literal["embedded", "shards", "hf"]
+DataKind = str
+"""The source kind `forge init` asks for: one of the three it knows the questions of (forgecli/init.py: embedded,
+shards and hf, each a kind in engine/config/registry.py: SOURCE_KINDS)."""
 MOE_DEFAULTS = {"num_experts": 8, "moe_top_k": 2}
 """What a dense base model gets when MoE is asked for: every feed-forward a mixture of 8 experts, top-2 (the
 other MoE fields keep their defaults: softmax router, load-balance loss 0.01)."""
@@ -150,16 +152,7 @@ def apply_data(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, str
         answers.data != "hf" or data.get("tokenizer_path") == answers.tokenizer_path
     ):
         return  # the base's own source, with the rest of its [data] and [eval]
-    for key in (
-        "dataset_path",
-        "hf_dataset_name",
-        "hf_dataset_config",
-        "hf_dataset_split",
-        "hf_dataset_revision",
-        "hf_dataset_text_field",
-        "hf_streaming",
-        "tokenizer_path",
-    ):
+    for key in ("dataset_path", *SOURCE_KINDS.owners(), "tokenizer_path"):  # the base's source and its kind's fields
         data.pop(key, None)
     if answers.data == "shards":
         data["dataset_path"] = answers.dataset_path

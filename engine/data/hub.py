@@ -18,14 +18,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.data.sources import Document
 from engine.errors import DataError
 
+if TYPE_CHECKING:
+    from engine.data.tokenize import DatasetOptions
+
 PREFIX = "hf:"
 READ_BATCH_ROWS = 1024
 DEFAULT_SPLIT = "train"
+
+
+def open_input(name: str, options: DatasetOptions) -> HubSource:
+    """`forge tokenize hf:NAME` with its options: how the `hf` kind (engine/data/kinds.py) opens documents."""
+    return HubSource(name, options.config, options.split, options.streaming, options.revision)
 
 
 class HubSource:

@@ -1,6 +1,7 @@
 """The cross-section rules of the data a run reads (engine/data/): each source named in exactly one place,
-evaluation with data of its own, Hugging Face fields only beside a Hugging Face dataset, and mixtures whose
-phases name their sources, in order, inside the run.
+evaluation with data of its own, a source kind's fields only beside a source of that kind (the Hugging Face
+fields only beside a Hugging Face dataset), and mixtures whose phases name their sources, in order, inside the
+run.
 
 Torch-free, like every room's rules module: it imports engine.config's sections and helpers, and the
 registry of source kinds (engine/data/source_kinds.py, which imports what a kind needs only when it resolves
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.config.data import EMBEDDED_SPLITS, HubDatasetFields, MixtureSource
+from engine.config.data import EMBEDDED_SPLITS, MixtureSource
 from engine.config.fields import changed_fields
+from engine.data.kinds import HubDatasetFields
 from engine.errors import ConfigIssue
 
 if TYPE_CHECKING:
@@ -35,7 +37,62 @@ def source_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                 "set eval.dataset_path to held-out shards (or eval.hf_dataset_name), or eval.enabled = false",
             )
         )
-    return issues + hub_data_issues(cfg)
+    return issues + kind_field_issues(cfg)
+
+
+def kind_field_issues(cfg: JobConfig) -> list[ConfigIssue]:
+    """The fields of `[data]` a kind of source owns (engine/data/kinds.py), set where no source of that kind
+    reads them: each kind's own rule where its registration names one (the Hugging Face kind's fields also serve
+    `[eval]`), else refused naming the kinds that read them when no source the config names is of those kinds."""
+    from engine.config.registry import SOURCE_KINDS, resolved
+
+    named = named_kinds(cfg)
+    owners = SOURCE_KINDS.owners()
+    issues: list[ConfigIssue] = []
+    for kind in SOURCE_KINDS.components():
+        if kind.rule is not None:
+            issues += resolved(kind.rule)(cfg)
+            continue
+        for field in changed_fields(cfg.data, kind.config.model_fields):
+            readers = owners[field]
+            if readers[0] == kind.name and not named & set(readers):
+                listed = ", ".join(readers)
+                issues.append(
+                    ConfigIssue(
+                        f"data.{field}",
+                        f"is set, but no source is of kind {listed} (only {listed} sources read it)",
+                        f"name a source {kind.example or kind.describe}, or remove it",
+                    )
+                )
+    return issues
+
+
+def named_kinds(cfg: JobConfig) -> set[str]:
+    """The kinds of the sources the config names for training and evaluation (a spelling that names no kind
+    is left to `source_kind_issues`)."""
+    from engine.data.source_kinds import entry_source, parse_source, section_source
+    from engine.errors import UserError
+
+    named = [lambda: section_source(cfg, "data"), lambda: section_source(cfg, "eval")]
+    named += [
+        lambda i=i: entry_source(cfg, i)
+        for i, s in enumerate(cfg.data.datasets)
+        if any(getattr(s, location) is not None for location in MixtureSource.LOCATIONS)
+    ]
+    named += [
+        lambda i=i, text=s.eval_path: parse_source(text, f"data.datasets.{i}.eval_path")
+        for i, s in enumerate(cfg.data.datasets)
+        if s.eval_path is not None
+    ]
+    kinds = set()
+    for spec in named:
+        try:
+            found = spec()
+        except UserError:
+            continue
+        if found is not None:
+            kinds.add(found.kind)
+    return kinds
 
 
 def hub_data_issues(cfg: JobConfig) -> list[ConfigIssue]:

@@ -1,4 +1,4 @@
-"""One token source, however it is spelled, and the registry of the kinds of source.
+"""One token source, however it is spelled, and how the registry of source kinds resolves it.
 
 A source is named by the flat fields of `[data]` or `[eval]` (`dataset_path`, or `hf_dataset_name` with its
 `hf_dataset_*` fields), by an entry of `[[data.datasets]]` (`path`, `embedded`, or `hf_name` with its `hf_*`
@@ -6,9 +6,11 @@ fields; each section also takes the other spelling of these keys, engine/config/
 `forge extract` / `forge eval --data`. A path field and `--data` take one string spelling (`parse_source`):
 a local folder, a URL (`s3://…`, `gs://…`, `https://…`, `memory://…`), or `KIND:LOCATION` for a kind
 registered as nameable that way (`embedded:val`). Each spelling reads into one `SourceSpec`; the loader asks
-`source_directory` for the shard directory of any spec, which looks the spec's kind up in `SOURCE_KINDS`.
-The flat `[data]` fields are the one-entry list of `train_sources` (the embedded corpus's training split when
-they name nothing). A new kind of source is one `register_source_kind` call, not a branch in the loader.
+`source_directory` for the shard directory of any spec, which looks the spec's kind up in `SOURCE_KINDS`
+(engine/config/registry.py; the kinds are registered in engine/data/kinds.py, the one registry `forge tokenize`
+opens its `KIND:NAME` inputs through too). The flat `[data]` fields are the one-entry list of `train_sources`
+(the embedded corpus's training split when they name nothing). A new kind of source is one registration, not a
+branch in the loader.
 
 Torch-free and cheap to import (engine/data/rules.py checks kind names at validation): each kind imports
 what it needs when it resolves a spec.
@@ -22,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.config.data import HubDatasetFields, MixtureSource
+from engine.config.data import MixtureSource
+from engine.config.registry import SOURCE_KINDS, SourceKind, resolved
+from engine.data.kinds import HubDatasetFields
 from engine.errors import UserError
 
 if TYPE_CHECKING:
@@ -33,41 +37,21 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """Where one source's tokens are: its kind (a key of SOURCE_KINDS), what locates it (a path, a URL, an
+    """Where one source's tokens are: its kind (a name registered in SOURCE_KINDS), what locates it (a path, a URL, an
     embedded split, a dataset's name), and the config field (or flag) that names it, for errors."""
 
-    kind: str
+    kind: str  # a name in SOURCE_KINDS
     location: str
     field: str
     hub: HubRequest | None = None  # a Hugging Face dataset: which split, and the fields that shape it
 
 
-Directory = Callable[[SourceSpec, "JobConfig", Callable[[], Path]], Path]
-
-
-@dataclass(frozen=True)
-class SourceKind:
-    """How a kind of source becomes a shard directory. `prefixed`: a path field or `--data` may name it as
-    `KIND:LOCATION`. `manifest`, where given, reads the manifest without building or fetching the shards."""
-
-    directory: Directory
-    prefixed: bool = False
-    manifest: Callable[[SourceSpec], Manifest] | None = None
-
-
-SOURCE_KINDS: dict[str, SourceKind] = {}
 PREFIX = re.compile(r"([A-Za-z][A-Za-z0-9_+.-]*):(?!//)(.*)", re.DOTALL)
 
 
-def register_source_kind(
-    kind: str,
-    directory: Directory,
-    prefixed: bool = False,
-    manifest: Callable[[SourceSpec], Manifest] | None = None,
-) -> None:
-    """`directory(spec, cfg, tokenizer)` gives the shard directory of a spec of this kind; `tokenizer()` is the
-    tokenizer.json to tokenize with, for a kind that builds its shards on first use."""
-    SOURCE_KINDS[kind] = SourceKind(directory, prefixed, manifest)
+def prefixed_kind(name: str) -> SourceKind | None:
+    """The registered kind a path may name as `name:LOCATION`, if any."""
+    return next((kind for kind in SOURCE_KINDS.prefixed() if kind.name == name), None)
 
 
 def unknown_kind(text: str) -> str | None:
@@ -75,12 +59,11 @@ def unknown_kind(text: str) -> str | None:
     match = PREFIX.fullmatch(text)
     if match is None or "://" in text:
         return None
-    kind = SOURCE_KINDS.get(match.group(1))
-    return None if kind is not None and kind.prefixed else match.group(1)
+    return None if prefixed_kind(match.group(1)) is not None else match.group(1)
 
 
 def kinds_hint(leave_out: tuple[str, ...] = ()) -> str:
-    prefixed = [f"{name}:…" for name, kind in SOURCE_KINDS.items() if kind.prefixed and name not in leave_out]
+    prefixed = [f"{kind.name}:…" for kind in SOURCE_KINDS.prefixed() if kind.name not in leave_out]
     return f"write a folder, a URL (s3://, gs://, https://…) or one of {', '.join(prefixed)}"
 
 
@@ -149,17 +132,17 @@ def train_sources(cfg: JobConfig) -> list[SourceSpec]:
 
 def source_directory(cfg: JobConfig, spec: SourceSpec, tokenizer: Callable[[], Path]) -> Path:
     """The shard directory of `spec`, built (or fetched) on first use where its kind builds one."""
-    return SOURCE_KINDS[spec.kind].directory(spec, cfg, tokenizer)
+    return resolved(SOURCE_KINDS.get(spec.kind).build)(spec, cfg, tokenizer)
 
 
 def source_manifest(cfg: JobConfig, spec: SourceSpec) -> Manifest:
     """The manifest of `spec`'s shards: read from the store for a remote data set, without fetching it."""
     from engine.data.shards import read_manifest
 
-    kind = SOURCE_KINDS[spec.kind]
+    kind = SOURCE_KINDS.get(spec.kind)
     if kind.manifest is not None:
-        return kind.manifest(spec)
-    return read_manifest(kind.directory(spec, cfg, lambda: train_tokenizer_path(cfg)))
+        return resolved(kind.manifest)(spec)
+    return read_manifest(source_directory(cfg, spec, lambda: train_tokenizer_path(cfg)))
 
 
 def train_tokenizer_path(cfg: JobConfig) -> Path:
@@ -205,9 +188,3 @@ def remote_manifest(spec: SourceSpec) -> Manifest:
     from engine.data.remote_shards import remote_manifest
 
     return remote_manifest(spec.location, spec.field)[0]
-
-
-register_source_kind("shards", shards_directory)
-register_source_kind("embedded", embedded_directory, prefixed=True)
-register_source_kind("hf", hub_directory, prefixed=True)
-register_source_kind("remote", remote_directory, manifest=remote_manifest)

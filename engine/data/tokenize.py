@@ -27,9 +27,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engine.config.registry import SOURCE_KINDS, SourceKind, resolved
 from engine.data import DEFAULT_SHARD_TOKENS
-from engine.data.hub import PREFIX as HUB_PREFIX
-from engine.data.hub import HubSource
 from engine.data.parts import Part, PartSource, part_record
 from engine.data.shards import (
     MANIFEST,
@@ -120,7 +119,8 @@ def tokenize_files(inputs: Sequence[Path], out_dir: Path, **options: Any) -> Tok
 
 @dataclass(frozen=True)
 class DatasetOptions:
-    """The command-line options that shape a dataset input (configuration, split, streaming, revision)."""
+    """The command-line options that shape a dataset input (configuration, split, streaming, revision), handed to
+    the opener of the kind the input names; `given` spells them as flags, which a kind's registration lists."""
 
     config: str | None = None
     split: str | None = None
@@ -132,38 +132,24 @@ class DatasetOptions:
         return [flag for flag, value in {**flags, "--revision": self.revision}.items() if value]
 
 
-@dataclass(frozen=True)
-class InputKind:
-    """A kind of input named as `SCHEME:NAME` on the command line, opened as one source of its own. Whatever no
-    kind claims is files: local paths, or fsspec URLs (`s3://…`, which `engine.data.sources` reads)."""
-
-    scheme: str
-    describe: str  # for messages, e.g. "a Hugging Face dataset input (hf:NAME)"
-    example: str
-    open: Callable[[str, DatasetOptions], Source]  # NAME and the dataset options → the source
-
-
-INPUT_KINDS: dict[str, InputKind] = {}
-
-
-def register_input_kind(kind: InputKind) -> None:
-    INPUT_KINDS[kind.scheme] = kind
-
-
-register_input_kind(
-    InputKind(
-        HUB_PREFIX.rstrip(":"),
-        "a Hugging Face dataset input (hf:NAME)",
-        "hf:HuggingFaceFW/fineweb-edu",
-        lambda name, o: HubSource(name, o.config, o.split, o.streaming, o.revision),
-    )
-)
-
-
-def kind_of(text: str) -> InputKind | None:
-    """The registered kind `text` names by its scheme (`hf:NAME`; a URL's `scheme://` is fsspec's), if any."""
+def kind_of(text: str) -> SourceKind | None:
+    """The registered kind `text` names as an input by its prefix (`hf:NAME`; a URL's `scheme://` is fsspec's), if
+    any: one of `SOURCE_KINDS.inputs()`, the kinds that open documents (engine/data/kinds.py)."""
     scheme, sep, rest = text.partition(":")
-    return INPUT_KINDS.get(scheme) if sep and not rest.startswith("//") else None
+    if not sep or rest.startswith("//"):
+        return None
+    return next((kind for kind in SOURCE_KINDS.inputs() if kind.name == scheme), None)
+
+
+def flags_refusal(given: list[str]) -> DataError:
+    """`given` options apply to no input named: say which kinds of input they apply to (from the registry)."""
+    verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
+    takers = [kind for kind in SOURCE_KINDS.inputs() if set(given) & set(kind.flags)]
+    kinds = " or ".join(k.describe for k in takers)
+    examples = ", ".join(k.example for k in takers)
+    return DataError(
+        f"{', '.join(given)} {verb} only to {kinds}", f"name the dataset (e.g. {examples}), or drop {them}"
+    )
 
 
 def open_source(
@@ -174,19 +160,14 @@ def open_source(
     revision: str | None = None,
 ) -> Source:
     """The source the command line names: files, directories and URLs, or one input of a registered kind
-    (`hf:NAME`), whose options (configuration, split, streaming, revision) apply to it alone. A dataset is
+    (`hf:NAME`), whose options (configuration, split, streaming, revision: the flags its registration lists)
+    apply to it alone; a flag the named kind does not take is refused naming the kinds that do. A dataset is
     opened (and, when not streamed, downloaded) here, before any progress display starts."""
     options = DatasetOptions(hf_config, split, streaming, revision)
     claimed = [(text, kind) for text in inputs if (kind := kind_of(text)) is not None]
     if not claimed:
-        given = options.given()
-        if given:
-            verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
-            kinds = " or ".join(k.describe for k in INPUT_KINDS.values())
-            examples = ", ".join(k.example for k in INPUT_KINDS.values())
-            raise DataError(
-                f"{', '.join(given)} {verb} only to {kinds}", f"name the dataset (e.g. {examples}), or drop {them}"
-            )
+        if options.given():
+            raise flags_refusal(options.given())
         return FileSource(list(inputs))
     if len(inputs) > 1:
         raise DataError(
@@ -194,7 +175,10 @@ def open_source(
             "tokenize the dataset and the files into separate directories",
         )
     text, kind = claimed[0]
-    return kind.open(text[len(kind.scheme) + 1 :], options)
+    foreign = [flag for flag in options.given() if flag not in kind.flags]
+    if foreign:
+        raise flags_refusal(foreign)
+    return resolved(kind.documents)(text[len(kind.name) + 1 :], options)
 
 
 def check_request(

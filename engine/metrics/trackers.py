@@ -1,4 +1,5 @@
-"""Where training metrics go: always `RUN_DIR/metrics.jsonl`, plus TensorBoard and W&B when enabled.
+"""Where training metrics go: always `RUN_DIR/metrics.jsonl`, plus TensorBoard and W&B when enabled (the sinks
+and their fields are registered in engine/metrics/sinks.py; `build_trackers` starts every one that is on).
 
 Build one `MetricsLogger` in the process that reports (rank 0 of a distributed run) and call `log` at each
 logging step. A value of None means "not available" (MFU on a GPU missing from the peak table): it is
@@ -14,11 +15,13 @@ import json
 import math
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
 from engine.config.job import JobConfig
+from engine.config.registry import METRICS_SINKS
 from engine.durable import space_checked, write_durably
 from engine.errors import UserError
 from engine.run_files import METRICS_FILE
@@ -58,6 +61,18 @@ class MetricsLogger:
         self.close()
 
 
+@dataclass(frozen=True)
+class SinkContext:
+    """What every sink may start from besides its own config: the job, the run directory, the W&B run name
+    default (`run_name`), the step of the checkpoint a resumed run starts from, and the W&B run it logged into."""
+
+    cfg: JobConfig
+    run_dir: Path
+    run_name: str | None = None
+    resumed_from: int | None = None
+    wandb_run_id: str | None = None
+
+
 def build_trackers(
     cfg: JobConfig,
     run_dir: str | Path,
@@ -65,28 +80,36 @@ def build_trackers(
     resumed_from: int | None = None,
     wandb_run_id: str | None = None,
 ) -> MetricsLogger:
-    """The sinks `cfg.metrics` asks for, writing under `run_dir`.
+    """Every sink `cfg.metrics` turns on (engine/metrics/sinks.py: `METRICS_SINKS`), writing under `run_dir`, each
+    started from its own config object and a `SinkContext`.
 
     `run_name` names the W&B run when `metrics.wandb_run_name` is unset (default: the run directory's name).
     `resumed_from` is the step of the checkpoint a resumed run starts from; `wandb_run_id` the W&B run
     it logged into (its checkpoint records it). `metrics.wandb_run_id`, when set, names the W&B run to log
     into instead, e.g. to continue a run started elsewhere.
     """
-    run_dir = Path(run_dir)
-    m = cfg.metrics
+    context = SinkContext(cfg, Path(run_dir), run_name, resumed_from, wandb_run_id)
     sinks: list[Sink] = []
     try:
-        sinks.append(JsonlSink(run_dir / METRICS_FILE, resumed_from))
-        if m.enable_tensorboard:
-            sinks.append(TensorBoardSink(run_dir / (m.tensorboard_dir or "tensorboard"), resumed_from))
-        if m.enable_wandb:
-            sinks.append(
-                WandbSink(cfg, run_dir, m.wandb_run_name or run_name or run_dir.name, m.wandb_run_id or wandb_run_id)
-            )
+        for sink in METRICS_SINKS.enabled(cfg.metrics):
+            sinks.append(sink.implementation()(METRICS_SINKS.own(sink, cfg.metrics), context))
     except BaseException:
         MetricsLogger(sinks).close()
         raise
     return MetricsLogger(sinks)
+
+
+def start_jsonl(own: Any, context: SinkContext) -> JsonlSink:
+    return JsonlSink(context.run_dir / METRICS_FILE, context.resumed_from)
+
+
+def start_tensorboard(own: Any, context: SinkContext) -> TensorBoardSink:
+    return TensorBoardSink(context.run_dir / (own.tensorboard_dir or "tensorboard"), context.resumed_from)
+
+
+def start_wandb(own: Any, context: SinkContext) -> WandbSink:
+    name = own.wandb_run_name or context.run_name or context.run_dir.name
+    return WandbSink(context.cfg, context.run_dir, name, own.wandb_run_id or context.wandb_run_id)
 
 
 class JsonlSink:

@@ -19,7 +19,7 @@ from engine.checkpoint.hf_mapping import hf_config, hf_layout, model_config_from
 from engine.config.job import JobConfig
 from engine.config.loader import load_job_config
 from engine.config.optimizer import OptimizerFields
-from engine.config.registry import MODELS, OPTIMIZERS, SCHEDULERS
+from engine.config.registry import METRICS_SINKS, MODELS, OPTIMIZERS, SCHEDULERS, SOURCE_KINDS
 from engine.errors import ConfigError
 from engine.model import build_model
 from engine.model.estimate import param_counts, training_flops_per_token
@@ -37,7 +37,13 @@ TINY = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.vocab_size
 @pytest.fixture
 def registries():
     """Registrations made by a test are undone after it (and the sections composed of them recomposed)."""
-    with OPTIMIZERS.restored(), SCHEDULERS.restored(), MODELS.restored():
+    with (
+        OPTIMIZERS.restored(),
+        SCHEDULERS.restored(),
+        MODELS.restored(),
+        SOURCE_KINDS.restored(),
+        METRICS_SINKS.restored(),
+    ):
         yield
 
 
@@ -463,12 +469,162 @@ def test_the_toys_are_gone_after_the_test_that_registered_them():
         load_job_config(None, ["--optimizer.name=toy_sgd"])
 
 
+# ---------------------------------------------------------------- a source kind and a metrics sink of their own
+#
+# docs/architecture.md ("Adding a component"): a source kind is one config class of its own [data] fields and one
+# registration in SOURCE_KINDS, which both `forge tokenize` (its KIND:NAME inputs) and training (a path field's
+# KIND:LOCATION) resolve through; a metrics sink is one config class of its own [metrics] fields and one
+# registration in METRICS_SINKS, started by build_trackers when its switch is on. Both toys live here only.
+
+TOY_TEXT = "to be, or not to be, that is the question: whether tis nobler in the mind to suffer"
+
+
+@pytest.fixture
+def toy_source(registries, tmp_path):
+    """`toy:N`: N documents, each `data.toy_text` (forge tokenize has no config: its documents hold the default).
+    For training its shards are tokenized on first use into a folder of this test, like a Hub dataset's."""
+    from pydantic import Field
+
+    from engine.config.base import Section
+    from engine.data.sources import FileSource
+    from engine.data.tokenize import tokenize_texts
+    from engine.data.tokenizer import Encoder
+    from tests.helpers.data_fixtures import write_jsonl
+
+    def directory(spec, cfg, tokenizer):
+        out = tmp_path / "toy-shards" / f"{spec.location}-{abs(hash(cfg.data.toy_text))}"
+        if not out.exists():
+            texts = [cfg.data.toy_text] * int(spec.location)
+            tokenize_texts(texts, out, Encoder.from_file(tokenizer()), {"toy": spec.location}, shard_tokens=4096)
+        return out
+
+    def documents(location, options):
+        return FileSource([write_jsonl(tmp_path / f"toy-{location}.jsonl", [ToySource().toy_text] * int(location))])
+
+    @SOURCE_KINDS.register(
+        "toy", directory=directory, describe="a toy input (toy:N)", example="toy:8", prefixed=True, documents=documents
+    )
+    class ToySource(Section):
+        toy_text: str = Field(TOY_TEXT, min_length=1, description="toy only: the text each document holds")
+
+    return ToySource
+
+
+@pytest.fixture
+def toy_sink(registries):
+    """A sink that keeps what it receives, its keys prefixed by a field of its own."""
+    from pydantic import Field
+
+    from engine.config.base import Section
+
+    received: list[tuple[int, dict]] = []
+
+    class KeptMetrics:
+        def __init__(self, prefix: str) -> None:
+            self.prefix, self.closed = prefix, False
+
+        def log(self, step, metrics) -> None:
+            received.append((step, {self.prefix + key: value for key, value in metrics.items()}))
+
+        def close(self) -> None:
+            self.closed = True
+
+    @METRICS_SINKS.register("kept", build=lambda own, context: KeptMetrics(own.kept_prefix), switch="enable_kept")
+    class KeptFields(Section):
+        enable_kept: bool = Field(False, description="keep every logged step in memory (a test's sink)")
+        kept_prefix: str = Field("", description="kept only: put before every metric's name")
+
+    return received
+
+
+def embedded_tokenizer() -> Path:
+    from engine.data.embedded import embedded_corpus
+    from engine.data.shards import TOKENIZER_FILE
+
+    return embedded_corpus().split("train") / TOKENIZER_FILE
+
+
+def test_a_toy_source_kind_is_what_forge_tokenize_opens(toy_source, tmp_path):
+    from typer.testing import CliRunner
+
+    from engine.data.shards import read_manifest
+    from forgecli.app import app
+
+    runner = CliRunner()
+    out = tmp_path / "tokenized"
+    result = runner.invoke(app, ["tokenize", "toy:5", "--tokenizer", str(embedded_tokenizer()), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert sum(shard.documents for shard in read_manifest(out).shards) == 5
+    # A flag of another kind (the Hugging Face kind's --split) is refused naming that kind.
+    args = ["tokenize", "toy:5", "--split", "test", "--tokenizer", str(embedded_tokenizer()), "--out", str(out) + "2"]
+    refused = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert refused.exit_code == 2 and "--split applies only to a Hugging Face dataset input" in refused.output
+
+
+def test_a_toy_source_kinds_field_is_accepted_shown_and_refused_without_it(toy_source):
+    tokenizer = f"--data.tokenizer_path={embedded_tokenizer()}"
+    toy = ["--data.dataset_path=toy:40", "--data.toy_text=what light through yonder window breaks", tokenizer]
+    code, report = validate(*toy, "--eval.enabled=false")
+    assert code == 0 and report["valid"], report
+    assert report["config"]["data"]["toy_text"] == "what light through yonder window breaks"
+    code, report = validate("--data.toy_text=hello")  # the embedded corpus: no toy source reads it
+    assert code == 2
+    [error] = report["errors"]
+    assert error["field"] == "data.toy_text" and "no source is of kind toy" in error["problem"], error
+    code, report = validate(*toy, "--eval.enabled=false", "--data.hf_dataset_split=test")  # the hf kind's field
+    assert code == 2 and [e["field"] for e in report["errors"]] == ["data.hf_dataset_split"]
+    assert "data.hf_dataset_name is unset" in report["errors"][0]["problem"]
+    code, report = validate(*toy, "--eval.enabled=false", "--data.toy_text=")  # its own bounds
+    assert code == 2 and report["errors"][0]["field"] == "data.toy_text"
+    from engine.config import reference
+
+    table = reference.section_table("data", JobConfig.model_fields["data"].annotation)
+    assert "| `toy_text` | str |" in table and table.splitlines()[-1].endswith("| `toy` |")
+
+
+def test_a_toy_sinks_field_is_accepted_and_refused_while_it_is_off(toy_sink):
+    code, report = validate("--metrics.enable_kept=true", "--metrics.kept_prefix=kept/")
+    assert code == 0 and report["config"]["metrics"]["kept_prefix"] == "kept/", report
+    code, report = validate("--metrics.kept_prefix=kept/")
+    assert code == 2
+    [error] = report["errors"]
+    assert error["field"] == "metrics.kept_prefix" and "the kept sink is off" in error["problem"]
+    assert "metrics.enable_kept = true" in error["hint"]
+
+
+def test_training_reads_a_toy_source_and_a_toy_sink_receives_its_metrics(toy_source, toy_sink, tmp_path):
+    """Two steps on `toy:` shards (tokenized from data.toy_text on first use), the toy sink on beside metrics.jsonl:
+    it receives every record metrics.jsonl holds, the same steps and the same values (JSON keeps a float exactly)."""
+    from engine.data.shards import read_manifest
+    from engine.train.trainer import train
+    from tests.helpers.trainer import TINY as TINY_RUN
+
+    overrides = [
+        *TINY_RUN,
+        "train.max_steps=2",
+        "data.dataset_path=toy:40",
+        "data.toy_text=what light through yonder window breaks",
+        f"data.tokenizer_path={embedded_tokenizer()}",
+        "metrics.enable_kept=true",
+        "metrics.kept_prefix=kept/",
+    ]
+    cfg = load_job_config(REPO / "presets/debug.toml", [f"--{o}" for o in overrides])
+    train(cfg, tmp_path / "run")
+    [built] = list((tmp_path / "toy-shards").iterdir())
+    assert sum(shard.documents for shard in read_manifest(built).shards) == 40  # the toy's shards were trained on
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    kept = [(step, {key.removeprefix("kept/"): value for key, value in metrics.items()}) for step, metrics in toy_sink]
+    assert all(key.startswith("kept/") for _, metrics in toy_sink for key in metrics)
+    assert kept == [(r["step"], {k: v for k, v in r.items() if k != "time"}) for r in records]  # time: JSONL's own
+
+
 # ---------------------------------------------------------------- what engine/config/ may not hold
 
 
-CONVERTED = ("OPTIMIZERS", "SCHEDULERS")
-"""The registries whose components own their fields (the model families, source kinds and metrics sinks are not
-converted yet: `model.model_type` is still a Literal in engine/config/model.py)."""
+CONVERTED = ("OPTIMIZERS", "SCHEDULERS", "SOURCE_KINDS", "METRICS_SINKS")
+"""The registries whose components own their fields (the model families are not converted yet: `model.model_type`
+is still a Literal in engine/config/model.py)."""
 
 
 def literal_options(source: str) -> list[tuple[int, set[str]]]:
@@ -491,7 +647,7 @@ def test_no_literal_in_engine_config_lists_a_registrys_names():
 
     for name in CONVERTED:
         names = set(getattr(registry, name).names())
-        assert len(names) >= 4, name
+        assert len(names) >= (3 if name == "METRICS_SINKS" else 4), name  # jsonl, tensorboard, wandb
         for path in sorted((REPO / "engine/config").glob("*.py")):
             for line, options in literal_options(path.read_text()):
                 assert not (len(options) >= 2 and options <= names), f"{path.name}:{line} lists {name}: {options}"
@@ -506,7 +662,8 @@ import engine.config
 for m in pkgutil.iter_modules(engine.config.__path__):
     importlib.import_module("engine.config." + m.name)
 from engine.config import registry
-builds = [c.build for r in (registry.OPTIMIZERS, registry.SCHEDULERS) for c in r.components()]
+builds = [c.build for r in (registry.OPTIMIZERS, registry.SCHEDULERS, registry.METRICS_SINKS) for c in r.components()]
+builds += [b for k in registry.SOURCE_KINDS.components() for b in (k.build, k.documents, k.manifest, k.rule)]
 builds += [getattr(spec, "build", None) for spec in (registry.MODELS.get(n) for n in registry.MODELS.names())]
 modules = sorted({b.partition(":")[0] for b in builds if isinstance(b, str)})
 print(json.dumps({"torch": "torch" in sys.modules, "implementations": modules,
@@ -527,4 +684,5 @@ def test_engine_config_imports_no_components_implementation():
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert "engine.train.optim.muon" in report["implementations"]
+    assert {"engine.data.hub", "engine.data.source_kinds", "engine.metrics.trackers"} <= set(report["implementations"])
     assert report == {**report, "torch": False, "loaded": [], "build": False}

@@ -300,7 +300,17 @@ def test_every_field_has_a_description_and_composed_sections_say_who_reads_each(
                 assert doc.read_by == tuple(owners) and owners, doc
     muon_momentum = next(d for d in docs if d.section == "optimizer" and d.name == "muon_momentum")
     assert muon_momentum.read_by == ("muon",)
-    assert all(doc.read_by == () for doc in docs if doc.section not in ("optimizer", "scheduler"))
+    # [data] and [metrics] are composed of source kinds and sinks: an owned field names its owners, a shared none.
+    from engine.config.registry import METRICS_SINKS, SOURCE_KINDS
+
+    for section, components in (("data", SOURCE_KINDS), ("metrics", METRICS_SINKS)):
+        for doc in (d for d in docs if d.section == section):
+            owners = [c.name for c in components.components() if doc.name in c.config.model_fields]
+            assert doc.read_by == tuple(owners), doc
+    assert next(d for d in docs if d.section == "data" and d.name == "hf_streaming").read_by == ("hf",)
+    assert next(d for d in docs if d.section == "metrics" and d.name == "wandb_run_id").read_by == ("wandb",)
+    composed = ("optimizer", "scheduler", "data", "metrics")
+    assert all(doc.read_by == () for doc in docs if doc.section not in composed)
 
 
 def test_reference_goes_stale_when_a_field_is_added(tmp_path):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import load_job_config
-from engine.data import source_kinds
+from engine.config.base import Section
+from engine.config.registry import SOURCE_KINDS
 from engine.data.source_kinds import SourceSpec, section_source, source_directory, train_sources
 from tests.conftest import REPO
 from tests.helpers import source_golden
@@ -56,18 +57,19 @@ def test_every_preset_resolves_to_its_sources_and_data_identity_from_before():
     assert sum(entry["identity"] is not None for entry in now.values()) >= 16
 
 
-def test_the_loader_looks_source_kinds_up_in_the_registry(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(source_kinds, "SOURCE_KINDS", dict(source_kinds.SOURCE_KINDS))
+def test_the_loader_looks_source_kinds_up_in_the_registry(tmp_path: Path):
     asked = []
 
     def bucket(spec: SourceSpec, cfg, tokenizer) -> Path:
         asked.append((spec.location, tokenizer()))
         return tmp_path / spec.location
 
-    source_kinds.register_source_kind("bucket", bucket)
-    cfg = load_job_config(REPO / "presets" / "debug.toml")
-    got = source_directory(cfg, SourceSpec("bucket", "b1", "data.datasets.0.bucket"), lambda: tmp_path / "tok.json")
-    assert got == tmp_path / "b1" and asked == [("b1", tmp_path / "tok.json")]
-    assert sorted(source_kinds.SOURCE_KINDS) == ["bucket", "embedded", "hf", "remote", "shards"]
+    with SOURCE_KINDS.restored():
+        SOURCE_KINDS.register("bucket", directory=bucket, describe="a bucket")(Section)
+        cfg = load_job_config(REPO / "presets" / "debug.toml")
+        spec = SourceSpec("bucket", "b1", "data.datasets.0.bucket")
+        got = source_directory(cfg, spec, lambda: tmp_path / "tok.json")
+        assert got == tmp_path / "b1" and asked == [("b1", tmp_path / "tok.json")]
+        assert SOURCE_KINDS.names() == ["bucket", "embedded", "hf", "remote", "shards"]
     shards = source_directory(cfg, SourceSpec("shards", str(tmp_path / "s"), "data.dataset_path"), lambda: None)
     assert shards == tmp_path / "s"

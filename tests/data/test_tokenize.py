@@ -224,24 +224,34 @@ def test_refuses_to_write_into_a_directory_with_other_files(tmp_path: Path, tok:
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
 
 
-def test_input_kinds_are_a_registry_open_source_looks_up(tmp_path: Path, tok: Path, monkeypatch):
+def test_input_kinds_are_a_registry_open_source_looks_up(tmp_path: Path, tok: Path):
     """A kind registered under a scheme opens `SCHEME:NAME` inputs (with the dataset options); `hf:` is one such
     kind, and `SCHEME://` URLs and plain paths are files."""
+    from engine.config.base import Section
+    from engine.config.registry import SOURCE_KINDS
     from engine.data import tokenize as tokenize_module
     from engine.data.sources import FileSource
 
-    monkeypatch.setattr(tokenize_module, "INPUT_KINDS", dict(tokenize_module.INPUT_KINDS))
     opened = []
 
     def open_lines(name: str, options) -> FileSource:
         opened.append((name, options.split))
         return FileSource([write_jsonl(tmp_path / f"{name}.jsonl", TEXTS[:2])])
 
-    tokenize_module.register_input_kind(tokenize_module.InputKind("lines", "a lines input", "lines:x", open_lines))
-    source = tokenize_module.open_source(["lines:corpus"], split="train")
-    assert opened == [("corpus", "train")] and source.describe() == [str(tmp_path / "corpus.jsonl")]
-    assert tokenize_module.kind_of("hf:some/dataset").scheme == "hf"
-    assert tokenize_module.kind_of("hf://datasets/some/dataset") is None  # fsspec's URL: files
-    assert tokenize_module.kind_of(str(tmp_path / "a.jsonl")) is None
-    with pytest.raises(DataError, match="must be the only input"):
-        tokenize_module.open_source(["lines:corpus", str(tmp_path / "corpus.jsonl")])
+    with SOURCE_KINDS.restored():  # the kind is gone after the test
+        SOURCE_KINDS.register(
+            "lines",
+            directory=lambda spec, cfg, tokenizer: tmp_path,
+            describe="a lines input",
+            example="lines:x",
+            prefixed=True,
+            documents=open_lines,
+            flags=("--split",),
+        )(Section)
+        source = tokenize_module.open_source(["lines:corpus"], split="train")
+        assert opened == [("corpus", "train")] and source.describe() == [str(tmp_path / "corpus.jsonl")]
+        assert tokenize_module.kind_of("hf:some/dataset").name == "hf"
+        assert tokenize_module.kind_of("hf://datasets/some/dataset") is None  # fsspec's URL: files
+        assert tokenize_module.kind_of(str(tmp_path / "a.jsonl")) is None
+        with pytest.raises(DataError, match="must be the only input"):
+            tokenize_module.open_source(["lines:corpus", str(tmp_path / "corpus.jsonl")])
