@@ -24,14 +24,14 @@ from engine.checkpoint.manager import initialize_from
 from engine.data.tokenizer import Encoder, adds_special_tokens
 from engine.errors import UserError
 from engine.model import build_model
-from engine.model.transformer import Transformer
+from engine.model.spec import LanguageModel, spec_for
 
 
 def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def load_model(target: Path, device: torch.device, ema: bool = False) -> tuple[Transformer, Encoder]:
+def load_model(target: Path, device: torch.device, ema: bool = False) -> tuple[LanguageModel, Encoder]:
     """The model of a run directory / checkpoint folder / step_N (its newest complete checkpoint), or of a
     Hugging Face folder, in eval mode on `device`, with the tokenizer.json that goes with it. `ema`: with the
     EMA of the weights the run kept."""
@@ -65,7 +65,7 @@ def load_model(target: Path, device: torch.device, ema: bool = False) -> tuple[T
     return model.eval(), encoder
 
 
-def load_forge_weights(model: Transformer, ckpt: ForgeCheckpoint) -> None:
+def load_forge_weights(model: LanguageModel, ckpt: ForgeCheckpoint) -> None:
     """The checkpoint's weights, averaged for a schedule-free run (what its eval loss was measured on), or
     its EMA of them when asked for. A LoRA run's adapters are merged into their base weights (in fp32, also
     for a QLoRA run, whose base trained in NF4); an adapters-only checkpoint's base comes from the run's
@@ -127,7 +127,7 @@ class Sampling:
 
 @torch.no_grad()
 def generate(
-    model: Transformer,
+    model: LanguageModel,
     prompt: Sequence[int],
     max_new_tokens: int,
     sampling: Sampling,
@@ -141,7 +141,7 @@ def generate(
     made from `sampling.seed`.
     """
     check_lengths(model, len(prompt), max_new_tokens)
-    device = model.tok_embeddings.weight.device
+    device = spec_for(model.cfg).parts.embedding_of(model).weight.device
     generator = generator or sampling.generator(device)
     cache = model.new_kv_cache(batch=1, capacity=len(prompt) + max_new_tokens)
     tokens = torch.tensor([list(prompt)], device=device)
@@ -154,7 +154,7 @@ def generate(
         tokens = torch.tensor([[token]], device=device)
 
 
-def check_lengths(model: Transformer, prompt_len: int, max_new_tokens: int) -> None:
+def check_lengths(model: LanguageModel, prompt_len: int, max_new_tokens: int) -> None:
     """The model has RoPE positions for max_seq_len tokens; prompt and continuation must fit in them."""
     limit = model.cfg.max_seq_len
     if prompt_len == 0:

@@ -25,7 +25,7 @@ from engine.errors import UserError
 from engine.eval.scoring import score
 from engine.eval.split import ALONE, WorkSplit
 from engine.generate import Sampling, generate, prompt_ids
-from engine.model.transformer import Transformer
+from engine.model.spec import LanguageModel
 
 DEFAULT_MAX_GEN_TOKS = 256  # what the harness's models generate when a task does not say
 
@@ -42,7 +42,7 @@ class ForgeLM(TemplateLM):
 
     def __init__(
         self,
-        model: Transformer,
+        model: LanguageModel,
         encoder: Encoder,
         batch_size: int = 8,
         progress: Callable[[int], None] | None = None,

@@ -27,7 +27,7 @@ from engine.eval.scoring import Request, score
 from engine.eval.split import ALONE, WorkSplit
 from engine.generate import prompt_ids
 from engine.interp.tokens import TokenStream, open_tokens
-from engine.model.transformer import Transformer
+from engine.model.spec import LanguageModel
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def text_bytes(stream: TokenStream, encoder: Encoder) -> int:
 
 
 def perplexity(
-    model: Transformer,
+    model: LanguageModel,
     encoder: Encoder,
     data: str,
     stride: int | None = None,

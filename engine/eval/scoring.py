@@ -25,7 +25,7 @@ import torch
 
 from engine.errors import UserError
 from engine.eval.split import ALONE, WorkSplit
-from engine.model.transformer import Transformer
+from engine.model.spec import LanguageModel, spec_for
 
 Request = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids); the context is never empty
 
@@ -166,7 +166,7 @@ def layout(rows: list[list[Segment]], device: torch.device) -> Layout:
 
 @torch.no_grad()
 def score(
-    model: Transformer,
+    model: LanguageModel,
     requests: Sequence[Request],
     batch_size: int,
     progress: Callable[[int], None] | None = None,
@@ -186,14 +186,15 @@ def score(
     max_len = model.cfg.max_seq_len
     width = max(min(len(c) + len(t), max_len + 1) - 1 for c, t in requests)
     rows = pack(segments(requests, max_len, width), width)
-    device = model.tok_embeddings.weight.device
+    parts = spec_for(model.cfg).parts
+    device = parts.embedding_of(model).weight.device
     results: dict[int, tuple[float, bool]] = {}
     batches = range(0, len(rows), batch_size)
     for first in (batches[i] for i in split.mine(len(batches))):
         batch = layout(rows[first : first + batch_size], device)
         hidden = model(batch.tokens, positions=batch.positions, attention_mask=batch.mask, return_hidden=True)
         picked = hidden.flatten(0, 1)[batch.scored]
-        logits = model.output(picked)  # log-softmax in fp32 at least (in fp64 for an fp64 model)
+        logits = parts.head_of(model)(picked)  # log-softmax in fp32 at least (in fp64 for an fp64 model)
         logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
         chosen = logprobs.gather(1, batch.targets[:, None])[:, 0]
         greedy = logprobs.argmax(dim=-1) == batch.targets

@@ -1,8 +1,8 @@
 """Raw attention weights softmax(QKᵀ/√d) for chosen blocks, heads and query positions.
 
-SDPA never materialises the weights, and the model keeps calling it: a forward hook on the block's
-`attention.core` (engine/model/attention.py: AttentionCore, whose inputs are the queries, keys and values
-after RoPE and QK-norm) recomputes the weights explicitly for only the heads and query positions asked, so a
+SDPA never materialises the weights, and the model keeps calling it: a forward hook on the block's attention
+core (where the family's `ModelParts.attention` says, the transformer's `attention.core`, whose inputs are the
+queries, keys and values after RoPE and QK-norm) recomputes the weights explicitly for only the heads and query positions asked, so a
 request costs heads × queries × seq values per window instead of the whole S² for every head.
 """
 
@@ -19,12 +19,12 @@ from engine.errors import UserError
 from engine.interp.modules import ModuleOutput, matches
 from engine.interp.store import Column
 
-CORE = "attention.core"
 
-
-def attention_targets(patterns: Sequence[str], outputs: dict[str, ModuleOutput]) -> list[str]:
-    """Block names (`layers.N`) the patterns match, in model order; a pattern matching no block is a UserError."""
-    blocks = [name.removesuffix(f".{CORE}") for name in outputs if name.endswith(f".{CORE}")]
+def attention_targets(patterns: Sequence[str], outputs: dict[str, ModuleOutput], core: str | None) -> list[str]:
+    """Block names (`layers.N`) the patterns match, in model order: the modules whose attention core (at path
+    `core` inside them, the family's `ModelParts.attention`; None: the family has none) ran in the probe; a
+    pattern matching no block is a UserError."""
+    blocks = [] if core is None else [name.removesuffix(f".{core}") for name in outputs if name.endswith(f".{core}")]
     chosen: set[str] = set()
     for pattern in patterns:
         hit = [block for block in blocks if matches(block, pattern)]

@@ -26,7 +26,7 @@ from engine.checkpoint.locate import locate_checkpoint
 from engine.data.tokenizer import Encoder
 from engine.durable import TMP_SUFFIX, check_writable, write_durably
 from engine.errors import UserError
-from engine.interp.attention import CORE, AttentionCapture, attention_targets
+from engine.interp.attention import AttentionCapture, attention_targets
 from engine.interp.modules import ModuleOutput, first_tensor, probe_outputs, resolve_layers
 from engine.interp.routing import RoutingCapture, routing_targets
 from engine.interp.store import (
@@ -45,6 +45,7 @@ from engine.interp.store import (
     write_tokens,
 )
 from engine.interp.tokens import open_tokens
+from engine.model.spec import spec_for
 from engine.precision import compute_dtype
 
 STORED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -211,6 +212,7 @@ class Extraction:
         self.compute = compute_dtype("auto", self.device)
         self.stored = STORED_DTYPES[request.dtype] if request.dtype else self.compute
         outputs = probe_outputs(self.model)
+        self.parts = spec_for(self.model.cfg).parts
         self.layers = resolve_layers(request.layers, outputs) if request.layers else []
         self.seq_len = request.seq_len or self.model.cfg.max_seq_len
         if self.seq_len > self.model.cfg.max_seq_len:
@@ -219,13 +221,15 @@ class Extraction:
                 f"use --seq-len {self.model.cfg.max_seq_len} or less",
             )
         self.attention = AttentionCapture.make(
-            attention_targets(request.attention, outputs),
+            attention_targets(request.attention, outputs, self.parts.attention),
             request.heads,
             request.query_positions,
             self.model.cfg,
             self.seq_len,
         )
-        self.routing = RoutingCapture(tuple(routing_targets(request.routing, self.model)), self.model.cfg.moe_top_k)
+        self.routing = RoutingCapture(
+            tuple(routing_targets(request.routing, self.model)), self.model.cfg.moe_top_k, self.parts.router
+        )
         if not self.layers and not self.attention.blocks and not self.routing.blocks:
             raise UserError(
                 "nothing to extract",
@@ -385,7 +389,7 @@ class Extraction:
         for name in self.layers:
             jobs.setdefault(name, []).append(lambda a, kw, out, name=name: caught.__setitem__(name, first_tensor(out)))
         for block in self.attention.blocks:
-            jobs.setdefault(f"{block}.{CORE}", []).append(
+            jobs.setdefault(f"{block}.{self.parts.attention}", []).append(
                 lambda a, kw, out, block=block: self.attention.catch(block, a, kw, caught)
             )
         for name, block in self.routing.modules().items():

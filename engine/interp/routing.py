@@ -1,6 +1,7 @@
 """MoE routing per token: which experts each token was sent to, and with what weight.
 
-The router of a MoE block (`layers.N.feed_forward.router`) returns a `Routing` whose experts and weights are
+The router of a MoE block (where the family's `ModelParts.router` says, the transformer's
+`layers.N.feed_forward.router`) returns a `Routing` whose experts and weights are
 (tokens, k) over the batch's flattened positions; a forward hook on it reshapes them to (batch, seq, k), so
 they are stored as rows like any layer: `layers.N.routing.experts` (int32) and `layers.N.routing.weights`.
 """
@@ -16,13 +17,13 @@ from torch import nn
 from engine.errors import UserError
 from engine.interp.modules import matches
 from engine.interp.store import Column
-
-ROUTER = "feed_forward.router"
+from engine.model.spec import spec_for
 
 
 def routing_targets(patterns: Sequence[str], model: nn.Module) -> list[str]:
-    """Block names (`layers.N`) of MoE blocks the patterns match, in model order."""
-    blocks = [f"layers.{name}" for name in model.moe_layers()]
+    """Block names (`layers.N`) of the blocks with a router (`ModelParts.router`) the patterns match, in model order."""
+    parts = spec_for(model.cfg).parts
+    blocks = [f"{parts.blocks}.{name}" for name in parts.in_blocks(model, parts.router)]
     chosen: set[str] = set()
     for pattern in patterns:
         hit = [block for block in blocks if matches(block, pattern)]
@@ -37,6 +38,7 @@ def routing_targets(patterns: Sequence[str], model: nn.Module) -> list[str]:
 class RoutingCapture:
     blocks: tuple[str, ...]
     top_k: int
+    router: str | None  # the router's path inside a block (ModelParts.router)
 
     def columns(self, dtype: str) -> list[Column]:
         return [
@@ -50,7 +52,7 @@ class RoutingCapture:
 
     def modules(self) -> dict[str, str]:
         """Module name → block, for the hooks."""
-        return {f"{block}.{ROUTER}": block for block in self.blocks}
+        return {f"{block}.{self.router}": block for block in self.blocks}
 
     def catch(self, block: str, output: object, batch: int, caught: dict[str, torch.Tensor]) -> None:
         caught[f"{block}.routing.experts"] = output.experts.reshape(batch, -1, self.top_k)

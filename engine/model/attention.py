@@ -17,7 +17,6 @@ from engine.model.kv_cache import LayerKV
 from engine.model.mup import query_scale
 from engine.model.rope import apply_rope
 
-CPU_SDPA_BACKENDS = ("auto", "math", "flash")  # the kernels PyTorch has for CPU tensors
 SDPA_BACKENDS = {
     "math": SDPBackend.MATH,
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -47,12 +46,14 @@ class AttentionCore(nn.Module):
     ) -> torch.Tensor:
         if isinstance(mask, BlockMask):  # packed documents on CUDA (engine.model.documents)
             return flex_document_attention(q, k, v, mask)
-        with self._kernel():
+        with self.kernel():
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
             )
 
-    def _kernel(self) -> contextlib.AbstractContextManager:
+    def kernel(self) -> contextlib.AbstractContextManager:
+        """The SDPA kernel `model.sdpa_backend` chose (PyTorch's own choice for "auto"): part of the core's
+        contract (`ModelParts.attention`), which a context-parallel core keeps for its own SDPA calls."""
         if self.sdpa_backend == "auto":
             return contextlib.nullcontext()
         return sdpa_kernel(SDPA_BACKENDS[self.sdpa_backend])

@@ -1,4 +1,5 @@
-"""Which attention kernel packed windows (data.pack_sequences) use on a device, without torch: the model
+"""Which attention kernel packed windows (data.pack_sequences) use on a device, and which SDPA kernels a CPU
+has (`CPU_SDPA_BACKENDS`, what training checks `model.sdpa_backend` against), without torch: the model
 (engine/model/documents.py) builds its mask by this choice, and the memory estimate (engine/parallel/memory.py,
 read by validate-config without torch) counts that mask.
 
@@ -13,6 +14,7 @@ available when this was written (docs/data.md).
 
 from __future__ import annotations
 
+CPU_SDPA_BACKENDS = ("auto", "math", "flash")  # the kernels PyTorch has for CPU tensors
 FLEX_BLOCK = 128  # FlexAttention's default block size, which engine.model.documents uses
 FLEX_MIN_HEAD_DIM = 16
 PACKED_ATTENTION = {"cuda": "flex"}  # device type → kernel for packed windows; any other device: "sdpa"

@@ -5,8 +5,11 @@ it under its `model_type` (`MODELS.register(NAME)(SPEC)`). Everything outside th
 the family by name: the analytic counts (`engine/model/estimate.py`) and the memory estimate
 (`engine/parallel/memory.py`) call its functions; tensor parallelism (`engine/parallel/tp.py`) turns its plan
 of `TPStyle`s into DTensor styles, so the model code never meets sharding code; pipeline parallelism
-(`engine/parallel/pipeline.py`) cuts the model where `ModelParts` says; `forge convert`
-(`engine/checkpoint/hf_mapping.py`) reads `HFMapping`. This module and the spec's functions stay torch-free
+(`engine/parallel/pipeline.py`) cuts the model where `ModelParts` says, and FSDP, activation checkpointing,
+compile, context and expert parallelism, FP8, the optimizers' parameter groups, extraction, evaluation and
+generation find the modules they act on there too (with the model's own methods, `LanguageModel`: outside
+engine/model/ no code imports a family's modules, tests/model/test_model_contract.py checks it); `forge
+convert` (`engine/checkpoint/hf_mapping.py`) reads `HFMapping`. This module and the spec's functions stay torch-free
 (`forge validate-config` reads them); only `build` imports the family's torch module, when a model is built.
 
 What a family must keep so that the layouts apply to it: the model holds its `[model]` section as `cfg`
@@ -23,11 +26,12 @@ import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.config.model import ModelConfig
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 
@@ -51,9 +55,39 @@ class ParamSpec:
     @property
     def kind(self) -> str:
         """ "hidden_matrix" for a 2-D weight inside a block (what Muon orthogonalizes, as
-        engine.train.optim.groups.hidden_matrices picks them), else "other": optimizers whose state
+        ModelParts.is_hidden_matrix tells them in a built model), else "other": optimizers whose state
         differs by kind say so in their `OptimizerState`."""
         return "hidden_matrix" if isinstance(self.owner, int) and len(self.shape) == 2 else "other"
+
+
+class LanguageModel(Protocol):
+    """What a family's model (an `nn.Module`) is to the rest of Forge besides its `ModelParts`: the type that
+    annotations outside engine/model/ name, so that no room depends on one family's class.
+
+    - `cfg`: its `[model]` section (the layouts find the spec through it, `spec_for(model.cfg)`);
+    - called as `model(tokens, cache=None, *, return_hidden=False, doc_ids=None, ...)`: token ids [batch,
+      seq] (or, on a pipeline stage after the first, hidden states) → logits [batch, seq, vocab], or with
+      `return_hidden` the final-normed states the head takes; `doc_ids`: packed documents' ids per token;
+      `cache`: the KV cache of generation;
+    - `new_kv_cache(batch, capacity)`: the empty cache generation passes its forwards (engine/generate.py);
+      a family without attention has none, and generation then refuses the model;
+    - `reset_rope_tables()`: recompute what a model built on the meta device derives from its config after
+      `to_empty` (nothing, for a family without such tables).
+
+    A model with experts (`model.num_experts` > 0) also keeps what the MoE training reads
+    (engine/train/balancing.py, losses.py, moe_load.py; engine/model/routing_metrics.py): `moe_layers()` (block
+    name → its expert layer, whose `metrics(stats, window)` reports its routing), `moe_routers()` (block name →
+    router), `last_moe_stats` (block name → the stats of the last forward, with the `load` per expert) and
+    `moe_loss()` (the auxiliary losses of the last forward, or None).
+    """
+
+    cfg: ModelConfig
+
+    def __call__(self, tokens: torch.Tensor, cache: Any = None, **options: Any) -> torch.Tensor: ...
+
+    def new_kv_cache(self, batch: int, capacity: int) -> Any: ...
+
+    def reset_rope_tables(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -140,20 +174,96 @@ class TPPlan:
 
 @dataclass(frozen=True)
 class ModelParts:
-    """Where pipeline parallelism cuts the model: `blocks` (the ModuleDict of blocks, split by
-    engine/parallel/stages.py), the modules only the first stage holds (`first`) and only the last (`last`),
-    and with tied embeddings the (embedding, head) pair each end keeps a copy of. `mtp`: the family's
-    multi-token-prediction modules (engine/model/mtp.py), which run after the head on the last stage and look
-    tokens up in the embedding (`tied[0]`): that stage then keeps a copy of the embedding too."""
+    """The parts of a family's model that the rest of Forge may reach, by attribute name or by path inside a
+    block (dotted, as `nn.Module.get_submodule` takes it): the one place where `parallel/`, `train/`,
+    `interp/`, `eval/` and generation learn where things are, so none of them names a family's classes.
+
+    - `blocks`: the ModuleDict of blocks: what FSDP shards unit by unit, activation checkpointing wraps and
+      compile compiles, each one's parameters the hidden matrices (`is_hidden_matrix`), and what pipeline
+      parallelism splits (engine/parallel/stages.py);
+    - `first` / `last`: the modules only the first pipeline stage holds (embeddings) and only the last
+      (final norm, head); with tied embeddings `tied` is the (embedding, head) pair each end keeps a copy of;
+    - `embedding`: the token embedding, whose weight tells where and in which dtype the model computes
+      (generation's KV cache and evaluation's inputs are made there); `head`: the output head (a linear
+      from hidden states to the vocabulary), which the chunked loss and evaluation's scoring call on the
+      final-normed states themselves, and which FP8 leaves in high precision;
+    - `mtp`: the family's multi-token-prediction modules (engine/model/mtp.py), which run after the head on
+      the last stage and look tokens up in the embedding (`tied[0]`): that stage then keeps a copy of it too;
+    - `attention`: inside a block, its attention core: a parameterless module called as `core(q, k, v,
+      mask, causal)` on queries, keys and values (batch, heads, seq, head_dim) after position encoding, with
+      a `kernel()` context manager that picks its SDPA kernel. Context parallelism replaces it by a core that
+      attends across the cp ranks (and keeps the original as `local`), and `forge extract --attention`
+      recomputes the weights from its inputs. A family whose model also takes `positions` and
+      `attention_mask` in its forward (where context parallelism's hook passes them) gets context
+      parallelism through it. None: no attention to reach;
+    - `experts`: inside a block, its routed-experts module where the block has one (a dense block of an MoE
+      model has none): the seam of expert parallelism (engine/parallel/expert.py), called as
+      `experts(rows, counts, implementation, grad_factor)` on the rows sorted by expert and the rows per expert,
+      accepting `weights=` (this rank's shards as plain tensors, which the exchange passes it); its parameters
+      are held by the module itself, each [num_experts, …] (`ParamSpec.expert_parallel`, with the hidden
+      dimension tensor parallelism splits as `tp_dim`). None: no experts;
+    - `router`: inside a block, the router of its experts, whose output has `experts` and `weights`
+      [tokens, k] (what `forge extract --routing` stores);
+    - `compile_regions`: inside a block with experts, the modules compiled on their own when its routed
+      experts must run eagerly (engine/parallel/apply.py: `compiled_regions`); a path whose module is None in
+      a block (no shared experts) is skipped;
+    - `high_precision`: fnmatch patterns of module names (`layers.3.feed_forward.router.gate`) that FP8 leaves
+      unconverted besides the head (a router whose gate runs through the weight, not the module).
+    """
 
     blocks: str
     first: tuple[str, ...]
     last: tuple[str, ...]
+    embedding: str
+    head: str
     tied: tuple[str, str] | None = None
     mtp: str | None = None
+    attention: str | None = None
+    experts: str | None = None
+    router: str | None = None
+    compile_regions: tuple[str, ...] = ()
+    high_precision: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.mtp is None or self.tied is not None, "ModelParts.mtp looks tokens up in tied[0]: name it"
+        assert self.router is None or self.experts is not None, "ModelParts.router routes the blocks' experts"
+
+    def block_modules(self, model: nn.Module) -> dict[str, nn.Module]:
+        """Block name ("0", "1", …) → block of `model` (a whole model or a pipeline stage's), in model order."""
+        return dict(getattr(model, self.blocks).items())
+
+    def in_blocks(self, model: nn.Module, path: str | None) -> dict[str, nn.Module]:
+        """Block name → the module at `path` inside it (`inside`), for the blocks that have one (none for path
+        None), in model order."""
+        found = {name: inside(block, path) for name, block in self.block_modules(model).items()}
+        return {name: module for name, module in found.items() if module is not None}
+
+    def embedding_of(self, model: nn.Module) -> nn.Module:
+        """`model`'s token embedding (None on a pipeline stage that does not hold it)."""
+        return getattr(model, self.embedding)
+
+    def head_of(self, model: nn.Module) -> nn.Module:
+        """`model`'s output head (None on a pipeline stage that does not hold it)."""
+        return getattr(model, self.head)
+
+    def is_hidden_matrix(self, name: str, ndim: int) -> bool:
+        """A 2-D parameter inside the blocks (attention and MLP projections), by its name in
+        `named_parameters()` (the blocks' prefix survives activation checkpointing, compile and FSDP): what Muon
+        orthogonalizes, as `ParamSpec.kind` counts them. Embeddings, the head, norms and biases are not."""
+        return ndim == 2 and name.startswith(f"{self.blocks}.")
+
+
+def inside(module: nn.Module, path: str | None) -> nn.Module | None:
+    """The module at dotted `path` inside `module` (a block), or None where the path is None, ends at an
+    attribute that is None (no shared experts) or is missing (a dense block has no routed experts). Wrappers
+    around a block (activation checkpointing) pass attribute lookups on to it."""
+    if path is None:
+        return None
+    for attribute in path.split("."):
+        module = getattr(module, attribute, None)
+        if module is None:
+            return None
+    return module
 
 
 @dataclass(frozen=True)
@@ -234,7 +344,8 @@ class ModelSpec:
     - `norm_bytes(cfg, layout)`: saved per token by one of its norms (the final norm's, before the head);
     - `position_table_width(cfg)`: width of the per-position tables (RoPE's cos and sin) that packed
       documents give every sequence its own copy of; 0 for a family without such tables;
-    - `parts`, `tp_plan`: pipeline cut points and tensor-parallel plan; `hf`: conversion, None when the
+    - `parts`: the parts of the model the other rooms reach (blocks, embedding and head, pipeline cuts, the
+      modules context and expert parallelism, FP8 and extraction act on); `tp_plan`: tensor-parallel plan; `hf`: conversion, None when the
       family has no Hugging Face counterpart;
     - `refused_fields`: the `[model]` fields the family has no use for; a config that sets one away from its
       default is refused, naming the field and the family (engine/model/rules.py: family_issues);

@@ -3,7 +3,7 @@
 token embedding → n_layers × [x + attn(norm(x)); x + mlp(norm(x))] → norm → output head.
 With `model.num_experts > 0` the mlp of every `moe_frequency`-th block is a mixture of experts
 (engine/model/moe.py): such a block also returns its routing statistics, which the transformer keeps from
-the last forward (`moe_loss()` for the training loss; `engine.model.moe.moe_metrics` reports them). The
+the last forward (`moe_loss()` for the training loss; `engine.model.routing_metrics.moe_metrics` reports them). The
 sigmoid router's balancing bias is updated from outside, by hooks the trainer attaches
 (engine/train/balancing.py): this forward has no side effect on it.
 Parallelism (FSDP, TP, PP) is applied to this module from outside by `engine.parallel`; nothing here

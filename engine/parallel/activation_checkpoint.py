@@ -3,7 +3,7 @@
 Three modes (`train.activation_checkpointing`):
 
 - `none`: autograd keeps every tensor the backward needs.
-- `full`: each transformer block keeps only its input; the whole block forward runs again in backward.
+- `full`: each block (the family's `ModelParts.blocks`) keeps only its input; the whole block forward runs again in backward.
   Least memory, about one extra forward of compute (~33% more per step).
 - `selective`: an op-level policy (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) decides,
   op by op inside each block, whether its output is kept from the forward or recomputed in backward:
@@ -54,8 +54,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from engine.model.spec import spec_for
-from engine.model.transformer import Transformer
+from engine.model.spec import LanguageModel, spec_for
 
 AC_MODES = ("none", "full", "selective")
 
@@ -98,7 +97,7 @@ def selective_context() -> tuple[contextlib.AbstractContextManager, contextlib.A
     return create_selective_checkpoint_contexts(selective_policy)
 
 
-def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+def apply_activation_checkpointing(model: LanguageModel, mode: str) -> None:
     """Wrap every block of `model` in place for `mode` (none | full | selective).
 
     Blocks are wrapped one by one so that each block's recomputation happens just before its own backward,

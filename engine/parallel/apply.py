@@ -1,7 +1,8 @@
-"""Apply training transformations to a single-device `Transformer`, in a fixed order.
+"""Apply training transformations to a single-device model of any family, in a fixed order.
 
 The full order is TP → CP → EP → FP8 → activation checkpointing → compile → FSDP2, one function per stage
-(under TP, FP8 comes first: it swaps modules, and TP's hooks must be on the swapped ones):
+(under TP, FP8 comes first: it swaps modules, and TP's hooks must be on the swapped ones). Each stage finds
+what it acts on through the family's `ModelParts` (engine/model/spec.py), never by a family's classes:
 - tensor parallelism first, because every later stage must see the sharded (DTensor) linears;
 - context parallelism swaps each block's attention core before checkpointing and compile wrap the blocks,
   so recomputation and the compiled graph contain the cp collectives;
@@ -22,9 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from engine import precision
 from engine.config.job import JobConfig
 from engine.errors import UserError
-from engine.model.moe import MoE
-from engine.model.spec import spec_for
-from engine.model.transformer import Transformer
+from engine.model.spec import LanguageModel, ModelParts, inside, spec_for
 from engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from engine.parallel.compile_plan import moe_compiled_in_regions
 from engine.parallel.context import apply_context_parallel
@@ -34,21 +33,23 @@ from engine.parallel.mesh import ParallelMesh
 from engine.parallel.tp import apply_tensor_parallel, uses_loss_parallel
 
 
-def apply_compile(model: Transformer, moe_regions: bool = False) -> None:
+def apply_compile(model: LanguageModel, moe_regions: bool = False) -> None:
     """Compile block by block: blocks are identical, so one compiled graph is reused n_layers times.
 
     A block compiles whole, as one graph (`fullgraph`), checkpoint wrapper included, so that the graph holds
     the recomputation and compile applies the selective policy when it partitions forward and backward. With
     `moe_regions` (`check_compilable`), an MoE block compiles in regions instead (`compiled_regions`), each
     one full graph as well."""
-    for block in getattr(model, spec_for(model.cfg).parts.blocks).values():
-        for region in compiled_regions(block, moe_regions):
+    parts = spec_for(model.cfg).parts
+    for block in parts.block_modules(model).values():
+        for region in compiled_regions(block, parts, moe_regions):
             region.compile(fullgraph=True)
 
 
-def compiled_regions(block: nn.Module, moe_regions: bool) -> list[nn.Module]:
-    """What of one block compiles: the block itself, or with `moe_regions` in an
-    MoE block its attention and the MoE layer's router and shared experts, while the rest runs eagerly: the
+def compiled_regions(block: nn.Module, parts: ModelParts, moe_regions: bool) -> list[nn.Module]:
+    """What of one block compiles: the block itself, or with `moe_regions` in a block with routed experts
+    (`parts.experts`) the family's `compile_regions` (the transformer's: its attention and the MoE layer's
+    router and shared experts), while the rest runs eagerly: the
     routed experts with their sort and combine, the norms (torch's own modules, which compile only inside a
     caller) and the residual adds.
 
@@ -62,10 +63,11 @@ def compiled_regions(block: nn.Module, moe_regions: bool) -> list[nn.Module]:
     grouped matmul is one kernel either way."""
     if not moe_regions:
         return [block]
-    moe = block.feed_forward  # regions refuse checkpointing (`check_compilable`): the block is not wrapped
-    if not isinstance(moe, MoE):  # a dense block of an MoE model (moe_frequency)
+    # regions refuse checkpointing (`check_compilable`): the block is not wrapped
+    if inside(block, parts.experts) is None:  # a dense block of an MoE model (moe_frequency)
         return [block]
-    return [block.attention, moe.router, *([moe.shared] if moe.shared is not None else [])]
+    regions = [inside(block, path) for path in parts.compile_regions]
+    return [region for region in regions if region is not None]
 
 
 def check_compilable(cfg: JobConfig, device: torch.device) -> bool:
@@ -93,7 +95,7 @@ def check_compilable(cfg: JobConfig, device: torch.device) -> bool:
 
 
 def apply_fsdp(
-    model: Transformer,
+    model: LanguageModel,
     mesh: DeviceMesh,
     param_dtype: torch.dtype,
     *,
@@ -130,7 +132,7 @@ def apply_fsdp(
         fully_shard_experts(
             model, expert_mesh, mp_policy=policy, reshard_after_forward=not pipelined
         )  # (ep: no offload)
-    blocks = list(getattr(model, spec_for(model.cfg).parts.blocks).values())  # the family's blocks
+    blocks = list(spec_for(model.cfg).parts.block_modules(model).values())  # the family's blocks
     for index, block in enumerate(blocks):
         last = index == len(blocks) - 1
         fully_shard(
@@ -172,13 +174,13 @@ def float8_all_gather(cfg: JobConfig, mesh: ParallelMesh | None, device: torch.d
 
 
 def parallelize(
-    model: Transformer,
+    model: LanguageModel,
     cfg: JobConfig,
     mesh: ParallelMesh | None = None,
     *,
     device: torch.device | None = None,
     pipelined: bool = False,
-) -> Transformer:
+) -> LanguageModel:
     """The model (or one pipeline stage of it) ready to train on this rank's part of the mesh; `device`,
     where it will train, when the model is still on the meta device.
 

@@ -10,8 +10,8 @@ loss) works on a cp-th of the activations. Three parts, applied from outside the
   a late one, and every rank does the same work. The labels are split with the inputs, so each rank's loss is
   the mean over its positions; all ranks hold the same number, so the mean over the cp ranks (what FSDP's
   gradient reduction and the logged loss compute) is the whole sequence's mean.
-- **The positions**: a forward pre-hook on the `Transformer` passes the positions this rank holds, so RoPE
-  rotates each token by its place in the whole sequence.
+- **The positions**: a forward pre-hook on the model passes the positions this rank holds (its `positions`
+  argument), so RoPE or a position embedding places each token by its place in the whole sequence.
 - **Packed documents** (`data.pack_sequences`): the trainer computes the document ids from the whole window,
   before the split, and passes them whole (`doc_ids` [batch, seq]). The hook turns them into this rank's RoPE
   positions (each token's place in its document, `document_positions` of the whole window, then split) and
@@ -20,9 +20,9 @@ loss) works on a cp-th of the activations. Three parts, applied from outside the
   position) at the positions they already know, or for ulysses, which attends over the whole window in
   natural order, the one-process packed mask itself (a dense [batch, 1, seq, seq] mask, or on CUDA a
   FlexAttention BlockMask), built once per forward.
-- **The attention** (`CP_CORES`): each block's `attention.core` (SDPA on (batch, heads, seq, head_dim), after
-  RoPE) is replaced by a module that attends this rank's queries to the keys of the whole sequence, chosen by
-  `distributed.cp_method`:
+- **The attention** (`CP_CORES`): each block's attention core (the family's `ModelParts.attention`: SDPA on
+  (batch, heads, seq, head_dim), after RoPE) is replaced by a module that attends this rank's queries to the
+  keys of the whole sequence, chosen by `distributed.cp_method`, which keeps the family's core as `local`:
     `allgather`  gather K and V from the cp group (Llama 3's choice): one collective of the K/V size, then an
                  SDPA call per local chunk over the keys up to its end, causal at the bottom-right
                  (packed: a [chunk, end] boolean mask of the chunk's documents).
@@ -59,9 +59,8 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from engine.errors import UserError
-from engine.model.attention import AttentionCore
 from engine.model.documents import document_positions, packed_attention_mask
-from engine.model.transformer import Transformer
+from engine.model.spec import LanguageModel, inside, spec_for
 
 MASKED = -1e30  # finite: a query that sees no key of a ring block must give zero weight, not NaN gradients
 
@@ -104,7 +103,7 @@ class ContextParallel:
         return tensor.index_select(1, head_tail_indices(tensor.shape[1], self.size, self.rank, tensor.device))
 
     def positions_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Forward pre-hook of the Transformer: the positions of its (sharded) input in the whole sequence; for
+        """Forward pre-hook of the model: the positions of its (sharded) input in the whole sequence; for
         packed windows (`doc_ids` of the whole window) the positions in their documents, and the cores' mask."""
         if (args[1] if len(args) > 1 else kwargs.get("cache")) is not None:
             raise UserError(
@@ -125,16 +124,18 @@ class ContextParallel:
         return args, {**kwargs, "doc_ids": None, "positions": positions, "attention_mask": mask}
 
 
-class ContextParallelCore(AttentionCore):
+class ContextParallelCore(nn.Module):
     """SDPA across the cp group for queries, keys and values of this rank's positions, (batch, heads,
-    local seq, head_dim). Parameterless like the `AttentionCore` it replaces, whose kernel choice it keeps.
+    local seq, head_dim). Parameterless like the family's core it replaces (`ModelParts.attention`), which it
+    keeps as `local`: its kernel choice for every SDPA call here, and (ulysses) its one-process attention.
     Causal attention, or for packed windows (`mask`: what `window_mask` made of the whole window's document
     ids, passed by the positions hook) attention inside each document."""
 
     window_mask: WindowMask = staticmethod(document_ids_mask)
 
-    def __init__(self, core: AttentionCore, mesh: DeviceMesh) -> None:
-        super().__init__(core.sdpa_backend)
+    def __init__(self, core: nn.Module, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.local = core
         self.mesh, self.size, self.rank = mesh, mesh.size(), mesh.get_local_rank()
 
     def forward(
@@ -149,7 +150,7 @@ class ContextParallelCore(AttentionCore):
         raise NotImplementedError(f"{type(self).__name__} does not define attend()")
 
     def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
-        with self._kernel():
+        with self.local.kernel():
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1], **options)
 
     def causal_mask(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
@@ -207,7 +208,7 @@ def lower_right_causal(rows: int, cols: int, device: torch.device) -> torch.Tens
 class UlyssesCore(ContextParallelCore):
     """All-to-all to whole sequences of heads/cp heads, a causal SDPA in natural order, all-to-all back. Packed
     windows: the whole sequence in natural order is what one process attends over, so the mask and kernel are
-    the one-process ones (`packed_attention_mask`, applied by `AttentionCore.forward`)."""
+    the one-process ones (`packed_attention_mask`, applied by the family's own core, `local`)."""
 
     window_mask: WindowMask = staticmethod(packed_attention_mask)
 
@@ -219,7 +220,7 @@ class UlyssesCore(ContextParallelCore):
         if documents is None:
             out = self.sdpa(q, k, v, is_causal=True)
         else:
-            out = AttentionCore.forward(self, q, k, v, documents, causal=False)
+            out = self.local(q, k, v, documents, causal=False)
         return self.to_sequence(out.index_select(2, order))
 
     def to_heads(self, t: torch.Tensor) -> torch.Tensor:
@@ -328,23 +329,32 @@ CP_CORES: dict[str, type[ContextParallelCore]] = {
 
 
 def apply_context_parallel(
-    model: Transformer, cp_mesh: DeviceMesh, method: str, device: torch.device, packed: bool = False
+    model: LanguageModel, cp_mesh: DeviceMesh, method: str, device: torch.device, packed: bool = False
 ) -> None:
-    """Give every block a cp attention core and the model its positions hook. On CUDA, `ring` uses PyTorch's
-    own context-parallel SDPA (flash kernels, load-balanced like our split) where it applies. `packed`:
-    the run trains on packed windows (data.pack_sequences), which PyTorch's ring cannot mask."""
+    """Give every block a cp attention core in place of the family's (`ModelParts.attention`) and the model
+    its positions hook. On CUDA, `ring` uses PyTorch's own context-parallel SDPA (flash kernels,
+    load-balanced like our split) where it applies. `packed`: the run trains on packed windows
+    (data.pack_sequences), which PyTorch's ring cannot mask."""
+    parts = spec_for(model.cfg).parts
+    if parts.attention is None:
+        raise UserError(
+            f"context parallelism (distributed.cp > 1) swaps each block's attention core, and the "
+            f"{model.cfg.model_type} family declares none (ModelParts.attention)",
+            "set distributed.cp = 1",
+        )
+    owner_path, _, name = parts.attention.rpartition(".")
     core = CP_CORES[method]
     cp = ContextParallel(cp_mesh, core.window_mask)
     model.register_forward_pre_hook(cp.positions_hook, with_kwargs=True)
-    for block in model.layers.values():
-        attention = block.attention
+    for block in parts.block_modules(model).values():
+        owner = inside(block, owner_path) if owner_path else block
         if method == "ring" and torch_ring_applies(model, device, packed):
-            torch_ring(attention, cp_mesh)
+            torch_ring(owner, name, cp_mesh)
         else:
-            attention.core = core(attention.core, cp_mesh)
+            setattr(owner, name, core(getattr(owner, name), cp_mesh))
 
 
-def torch_ring_applies(model: Transformer, device: torch.device, packed: bool = False) -> bool:
+def torch_ring_applies(model: LanguageModel, device: torch.device, packed: bool = False) -> bool:
     """PyTorch's ring runs the CUDA flash/efficient/cuDNN kernels, which need one key/value head per query
     head (no GQA through its sharding rules) and take no attention mask (it raises "attn_bias is not
     supported"): packed windows run RingCore, whose blocks compute their [local, block] scores in fp32
@@ -352,8 +362,8 @@ def torch_ring_applies(model: Transformer, device: torch.device, packed: bool = 
     return device.type == "cuda" and model.cfg.kv_heads == model.cfg.n_heads and not packed
 
 
-def torch_ring(attention: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """PyTorch's `_ContextParallel` style on the SDPA core: q/k/v become DTensors sequence-sharded over the
+def torch_ring(owner: nn.Module, core: str, cp_mesh: DeviceMesh) -> None:
+    """PyTorch's `_ContextParallel` style on the SDPA core (`owner`'s module `core`): q/k/v become DTensors sequence-sharded over the
     cp mesh, and its dispatcher runs the ring (head-tail load balancing, the same split as ours)."""
     from torch.distributed.tensor.experimental._context_parallel import (
         _ContextParallel,
@@ -365,4 +375,4 @@ def torch_ring(attention: nn.Module, cp_mesh: DeviceMesh) -> None:
     set_rotate_method("alltoall")  # pass K/V blocks to the next rank (its default gathers them all at once)
     _enable_context_parallel_dispatcher()
     style = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA)
-    parallelize_module(attention, cp_mesh, {"core": style})
+    parallelize_module(owner, cp_mesh, {core: style})

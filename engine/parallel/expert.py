@@ -12,10 +12,11 @@ Routing, capacity, auxiliary losses and load statistics stay on the token's own 
 exactly what plain data parallelism (ep = 1) computes for its data.
 
 The exchange lives in PyTorch's own seam, as torchtitan's `ExpertParallel` does it: a `ParallelStyle` applied
-to each MoE layer's experts module with `parallelize_module`, whose `distribute_module` shards the module's
-parameters, sends the rows in a forward pre-hook on that module and sends the outputs back in its forward
-hook. The MoE's own code (engine/model/moe.py) is that of one device: it sorts its assignments by expert,
-calls the experts module on the sorted rows and their counts per expert, and combines what comes back.
+to each block's routed-experts module (the family's `ModelParts.experts`) with `parallelize_module`, whose
+`distribute_module` shards the module's parameters, sends the rows in a forward pre-hook on that module and
+sends the outputs back in its forward hook. The family's MoE code (the transformer's: engine/model/moe.py) is
+that of one device: it sorts its assignments by expert, calls the experts module on the sorted rows and their
+counts per expert, and combines what comes back.
 
 Expert parameters become DTensors sharded on the expert dimension over the ep mesh (`Shard(0)`): the state
 dict keeps the full [num_experts, …] tensors under the same names, so a DCP checkpoint loads under any ep.
@@ -44,27 +45,38 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from engine.errors import UserError
-from engine.model.moe import MoE, PackedExperts
+from engine.model.spec import LanguageModel, spec_for
 
 
-def moe_layers(model: nn.Module) -> list[MoE]:
-    return [module for module in model.modules() if isinstance(module, MoE)]
+def expert_modules(model: LanguageModel) -> dict[str, nn.Module]:
+    """Full name → routed-experts module of every block of `model` (a whole model or a pipeline stage) that
+    has one, where its family's `ModelParts.experts` says, in model order."""
+    parts = spec_for(model.cfg).parts
+    return {f"{parts.blocks}.{name}.{parts.experts}": m for name, m in parts.in_blocks(model, parts.experts).items()}
 
 
-def check_expert_parallel(moe: MoE, ep: int) -> None:
-    """What expert parallelism needs of an MoE layer; each failure is a configuration the user chose."""
-    if moe.num_experts % ep:
+def packed(experts: nn.Module) -> bool:
+    """Whether the experts module holds its parameters itself, one [num_experts, …] tensor per projection (what
+    the contract asks for sharding: `ModelParts.experts`), rather than in one module per expert."""
+    own = list(experts.parameters(recurse=False))
+    return bool(own) and len(own) == len(list(experts.parameters()))
+
+
+def check_expert_parallel(model: LanguageModel, experts: nn.Module, ep: int) -> None:
+    """What expert parallelism needs of a block's experts; each failure is a configuration the user chose."""
+    cfg = model.cfg
+    if cfg.num_experts % ep:
         raise UserError(
-            f"model.num_experts = {moe.num_experts} is not divisible by distributed.ep = {ep}",
+            f"model.num_experts = {cfg.num_experts} is not divisible by distributed.ep = {ep}",
             "choose an ep that divides the number of experts",
         )
-    if not isinstance(moe.experts, PackedExperts):
+    if not packed(experts):
         raise UserError(
             "distributed.ep > 1 needs model.moe_packed_experts = true: per-expert parameters cannot "
             "be sharded over the expert dimension",
             "set model.moe_packed_experts = true",
         )
-    if moe.gradient_scale:
+    if cfg.moe_gradient_scale:
         raise UserError(
             "model.moe_gradient_scale is not supported with distributed.ep > 1 yet: each expert's "
             "gradient would need the load of every rank that sent it tokens",
@@ -72,27 +84,27 @@ def check_expert_parallel(moe: MoE, ep: int) -> None:
         )
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> None:
-    """Shard the experts of every MoE layer of `model` over the 1-D `ep_mesh` (and within each expert over
+def apply_expert_parallel(model: LanguageModel, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> None:
+    """Shard the routed experts of every block of `model` that has them over the 1-D `ep_mesh` (and within each expert over
     `tp_mesh`, see `shard_experts`) and route tokens between its ranks. The model is either on the meta
     device (the trainer fills the shards afterwards from rank 0) or holds the same weights on every rank (the
     shards are then taken from rank 0's). Call after tensor parallelism and before FP8, activation
     checkpointing, compile and FSDP."""
     assert ep_mesh.ndim == 1, "expert parallelism takes a 1-D mesh"
     ep = ep_mesh.size()
-    layers = moe_layers(model)
+    layers = expert_modules(model)
     if not layers:
         raise UserError(
             f"distributed.ep = {ep} needs a mixture-of-experts model, but this one has no MoE layer",
             "set model.num_experts > 0, or distributed.ep = 1",
         )
-    for moe in layers:
-        check_expert_parallel(moe, ep)
+    for experts in layers.values():
+        check_expert_parallel(model, experts, ep)
     shard_experts(model, ep_mesh, tp_mesh)
 
 
-def shard_experts(model: nn.Module, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None) -> None:
-    """The routed experts of every MoE layer of `model` (a whole model or a pipeline stage, which may have
+def shard_experts(model: LanguageModel, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None) -> None:
+    """The routed experts of every block of `model` (a whole model or a pipeline stage, which may have
     none) over expert parallelism (`ep_mesh`: whole experts per rank, tokens exchanged) and/or tensor
     parallelism (`tp_mesh`: each expert's hidden units split, Megatron-style within the expert).
 
@@ -101,12 +113,13 @@ def shard_experts(model: nn.Module, ep_mesh: DeviceMesh | None, tp_mesh: DeviceM
     splitting the hidden units divides every expert's weights and FLOPs by tp at the price of one
     all-reduce of the experts' output rows, the same collective a dense MLP pays. Splitting whole experts over
     the tp ranks instead would need a token exchange and leave the ranks with uneven work. With ep > 1 both
-    apply: whole experts over ep, their hidden units over tp, as 2-D DTensors on the (ep, tp) mesh."""
-    layers = moe_layers(model)
+    apply: whole experts over ep, their hidden units over tp, as 2-D DTensors on the (ep, tp) mesh. Which
+    dimension of each parameter holds the hidden units is the family's `ParamSpec.tp_dim`."""
+    layers = expert_modules(model)
     if not layers or (ep_mesh is None and tp_mesh is None):
         return
-    for moe in layers:
-        if tp_mesh is not None and not isinstance(moe.experts, PackedExperts):
+    for experts in layers.values():
+        if tp_mesh is not None and not packed(experts):
             raise UserError(
                 "distributed.tp > 1 with an MoE model needs model.moe_packed_experts = true: the experts' "
                 "hidden units are split over the tensor-parallel ranks as one tensor per projection",
@@ -116,8 +129,10 @@ def shard_experts(model: nn.Module, ep_mesh: DeviceMesh | None, tp_mesh: DeviceM
         mesh = ep_mesh._get_root_mesh()[("ep", "tp")]  # both are named dimensions of the run's one mesh
     else:
         mesh = ep_mesh if ep_mesh is not None else tp_mesh
-    for moe in layers:
-        parallelize_module(moe.experts, mesh, ExpertParallel(ep_mesh, tp_mesh))
+    hidden = {p.name: p.tp_dim for p in spec_for(model.cfg).param_specs(model.cfg) if p.expert_parallel}
+    for name, experts in layers.items():
+        dims = {param: hidden[f"{name}.{param}"] for param, _ in experts.named_parameters(recurse=False)}
+        parallelize_module(experts, mesh, ExpertParallel(ep_mesh, tp_mesh, dims))
 
 
 class Exchange(NamedTuple):
@@ -129,15 +144,10 @@ class Exchange(NamedTuple):
     regroup: torch.Tensor
 
 
-# The dimension of each packed projection that tensor parallelism splits: the experts' hidden units
-# (w1, w3 [experts, dim, hidden]; w2 [experts, hidden, dim]).
-HIDDEN_DIM = {"w1": 2, "w3": 2, "w2": 1}
-
-
 class ExpertParallel(ParallelStyle):
-    """The experts module of one MoE layer over the ep ranks and/or within each expert over the tp ranks.
+    """The experts module of one block over the ep ranks and/or within each expert over the tp ranks.
     Its input, (rows sorted by expert, rows per expert [num_experts], implementation, grad_factor), are this
-    rank's assignments.
+    rank's assignments; `hidden_dims`: each of its parameters' dimension of hidden units (split over tp).
 
     With ep: the pre-hook sends each row to the rank holding its expert and gives the module instead the
     rows every rank sent to this rank's experts; the hook sends each output back to where its row came from,
@@ -151,9 +161,11 @@ class ExpertParallel(ParallelStyle):
     One instance per module: the exchange of the call in flight is kept from the pre-hook to the hook (a
     recomputation under activation checkpointing calls both again, in the same order)."""
 
-    def __init__(self, ep_mesh: DeviceMesh | None = None, tp_mesh: DeviceMesh | None = None) -> None:
+    def __init__(
+        self, ep_mesh: DeviceMesh | None = None, tp_mesh: DeviceMesh | None = None, hidden_dims: dict | None = None
+    ) -> None:
         super().__init__()
-        self.ep_mesh, self.tp_mesh = ep_mesh, tp_mesh
+        self.ep_mesh, self.tp_mesh, self.hidden_dims = ep_mesh, tp_mesh, hidden_dims or {}
         self.exchange: Exchange | None = None
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -165,18 +177,18 @@ class ExpertParallel(ParallelStyle):
         for param_name, param in list(module.named_parameters(recurse=False)):
             placements = [Shard(0)] if self.ep_mesh is not None else []
             if self.tp_mesh is not None:
-                placements.append(Shard(HIDDEN_DIM[param_name]))
+                placements.append(Shard(self.hidden_dims[param_name]))
             sharded = distribute_tensor(param.detach(), mesh, placements, src_data_rank=self.src_data_rank)
             module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
-    def dispatch(self, experts: PackedExperts, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    def dispatch(self, experts: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         """Forward pre-hook: with ep, this rank's rows out to their experts' ranks, the rows for this rank's
         experts in, grouped by local expert, and expert weight gradients scaled by 1/ep (see the module
         docstring); with tp, the rows as replicated over the tp ranks. The module then runs on them with its
         local weights. Under `fully_shard_experts`, FSDP's pre-hook (which runs first: it is registered to)
         has gathered the weights and cast the rows by then."""
         rows, counts, implementation, grad_factor = inputs
-        weights = tuple(w.to_local() for w in experts.stacked())
+        weights = tuple(w.to_local() for w in experts.parameters(recurse=False))  # in registration order
         if self.ep_mesh is not None:
             assert grad_factor is None, "moe_gradient_scale is rejected under expert parallelism"
             group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
@@ -195,7 +207,7 @@ class ExpertParallel(ParallelStyle):
             rows = replicated.to_local(grad_placements=[Partial()])
         return rows, counts, implementation, grad_factor, weights
 
-    def return_outputs(self, experts: PackedExperts, outputs: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    def return_outputs(self, experts: nn.Module, outputs: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         """Forward hook: with tp, the partial outputs summed over the tp ranks (their gradient is replicated,
         no collective in backward); with ep, the outputs of the received rows back to their ranks, in the
         order the rows left."""
@@ -210,12 +222,12 @@ class ExpertParallel(ParallelStyle):
         return all_to_all(outputs[regroup.argsort()], send, receive, self.ep_mesh.get_group())
 
 
-def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> None:
-    """FSDP for the experts of every MoE layer over `mesh`: the data-parallel ranks that hold the same
+def fully_shard_experts(model: LanguageModel, mesh: DeviceMesh, **fsdp_kwargs) -> None:
+    """FSDP for the routed experts of every block over `mesh`: the data-parallel ranks that hold the same
     experts (dp_shard / ep of them, from the same root mesh as the ep mesh). Call before `fully_shard` on
     the blocks (over all dp ranks), which then leave these already-sharded parameters to this group."""
-    for moe in moe_layers(model):
-        fully_shard(moe.experts, mesh=mesh, **fsdp_kwargs)
+    for experts in expert_modules(model).values():
+        fully_shard(experts, mesh=mesh, **fsdp_kwargs)
 
 
 def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

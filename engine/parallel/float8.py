@@ -1,4 +1,4 @@
-"""FP8 training: swap the transformer's linear layers for torchao's `Float8Linear`.
+"""FP8 training: swap a model's linear layers for torchao's `Float8Linear`.
 
 A converted linear casts its input, weight and output gradient to float8 (e4m3) with dynamic scales
 and runs its three matmuls (output, input gradient, weight gradient) through `torch._scaled_mm`; the
@@ -13,9 +13,10 @@ Recipes (`train.fp8_recipe`), from torchao's `Float8LinearConfig.from_recipe_nam
 Both run on CPU with torch >= 2.13 (torch._scaled_mm has a CPU kernel), which is what the tests use; on
 NVIDIA GPUs, float8 matmuls need compute capability 8.9 or newer (Ada, Hopper, Blackwell).
 
-Not converted: the output head (the logits' precision matters most for the loss, and torchao's own
-guidance keeps it in high precision), the MoE routers (their gate runs in fp32 through `F.linear` on the
-weight, never through the module) and MoE experts (plain parameters driven by grouped_mm, not
+Not converted: the output head (the family's `ModelParts.head`: the logits' precision matters most for the
+loss, and torchao's own guidance keeps it in high precision), the modules the family names in
+`ModelParts.high_precision` (the transformer's MoE routers, whose gate runs in fp32 through `F.linear` on the
+weight, never through the module), MoE experts (plain parameters driven by grouped_mm, not
 `nn.Linear`; torchao's float8 grouped-mm training is a GPU-only prototype), and linears with a dimension
 that is not a multiple of 16.
 """
@@ -24,24 +25,33 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
+import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from engine.errors import ConfigIssue, UserError
-from engine.model.transformer import Transformer
+from engine.model.spec import LanguageModel, ModelParts, spec_for
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 MIN_CUDA_CAPABILITY = (8, 9)
 
 
-def float8_filter(module: nn.Module, fqn: str) -> bool:
-    """Which modules `convert_to_float8_training` swaps (it passes each module and its qualified name)."""
-    if not isinstance(module, nn.Linear) or fqn == "output":
+def float8_filter(parts: ModelParts) -> Callable[[nn.Module, str], bool]:
+    """Which modules `convert_to_float8_training` swaps in a model of `parts` (it passes each module and its
+    qualified name)."""
+    return functools.partial(converts_to_float8, parts)
+
+
+def converts_to_float8(parts: ModelParts, module: nn.Module, fqn: str) -> bool:
+    """Whether the linear `module` at `fqn` runs in float8: not the head nor what the family keeps in high
+    precision, and both of its dimensions multiples of 16."""
+    if not isinstance(module, nn.Linear) or fqn == parts.head:
         return False
-    if "router" in fqn.split("."):
+    if any(fnmatch.fnmatchcase(fqn, pattern) for pattern in parts.high_precision):
         return False
     # torch._scaled_mm on GPUs (cuBLASLt float8) needs both dimensions of the weight to be multiples of 16:
     # in_features is the contracted dimension of the forward and input-gradient matmuls, out_features
@@ -106,7 +116,7 @@ def quiet_torchao_import() -> Iterator[None]:
 
 
 def convert_to_float8(
-    model: Transformer, recipe: str, *, fsdp_float8_all_gather: bool = False, device: torch.device | None = None
+    model: LanguageModel, recipe: str, *, fsdp_float8_all_gather: bool = False, device: torch.device | None = None
 ) -> list[str]:
     """Swap the eligible linears of `model` (see `float8_filter`) for `Float8Linear`, in place; → their names.
 
@@ -127,5 +137,5 @@ def convert_to_float8(
     config = Float8LinearConfig.from_recipe_name(recipe)
     if fsdp_float8_all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-    convert_to_float8_training(model, config=config, module_filter_fn=float8_filter)
+    convert_to_float8_training(model, config=config, module_filter_fn=float8_filter(spec_for(model.cfg).parts))
     return [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]

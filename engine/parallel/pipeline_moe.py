@@ -2,7 +2,7 @@
 and its routing metrics gathered from every stage.
 
 Auxiliary losses. On one device the training loss of a micro-batch is cross-entropy + the weighted
-auxiliary losses of all MoE layers (`Transformer.moe_loss()`, engine/train/losses.py), divided by the
+auxiliary losses of all MoE layers (the model's `moe_loss()`, engine/train/losses.py), divided by the
 number of micro-batches. In a pipeline each stage's layers produce their part of the auxiliary losses, but
 the schedule computes a loss (and starts backward) only on the last stage. So each stage carries its
 layers' auxiliary loss on its output (`carry_aux_loss`, Megatron's MoEAuxLossAutoScaler idea): an autograd
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.model.moe import moe_layer_metrics, with_moe_totals
+from engine.model.routing_metrics import moe_layer_metrics, with_moe_totals
 
 
 class CarryAuxLoss(torch.autograd.Function):

@@ -33,7 +33,7 @@ from torch import nn
 
 
 def attach_router_balancing(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Update the balancing bias of `model`'s routers (a Transformer, with whatever parallelism it has) per
+    """Update the balancing bias of `model`'s routers (a model with experts, `LanguageModel`, with whatever parallelism it has) per
     training forward; `group`: the data-parallel ranks whose loads are summed. Attach once, after the
     model is parallelized (FSDP's own forward hooks then run first, as they did around the old in-forward
     update; they touch parameters, not the routers' buffers)."""

@@ -31,11 +31,11 @@ from engine.data.batch_plan import BatchPlan, batch_plan
 from engine.errors import ConfigIssue, UserError
 from engine.metrics.mfu import peak_flops
 from engine.model import build_model, materialize
-from engine.model.attention import CPU_SDPA_BACKENDS
 from engine.model.documents import document_ids
 from engine.model.lora import apply_lora
-from engine.model.moe import moe_metrics
-from engine.model.transformer import Transformer
+from engine.model.packed_kernel import CPU_SDPA_BACKENDS
+from engine.model.routing_metrics import moe_metrics
+from engine.model.spec import LanguageModel, spec_for
 from engine.parallel.apply import float8_all_gather, parallelize
 from engine.parallel.context import ContextParallel
 from engine.parallel.float8 import float8_device_warnings
@@ -72,7 +72,7 @@ class Job:
     run_dir: Path
     device: torch.device
     dtype: torch.dtype
-    model: Transformer
+    model: LanguageModel
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
@@ -261,7 +261,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
 
 
 def moe_training(
-    model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None, pipeline: Pipeline | None
+    model: LanguageModel, cfg: JobConfig, mesh: ParallelMesh | None, pipeline: Pipeline | None
 ) -> tuple[Callable, ...]:
     """What training adds to an MoE model: the routers' balancing, over the global batch under data
     parallelism, on the whole model or on each pipeline stage (each routes its own layers); → the reporter of
@@ -281,7 +281,7 @@ def moe_training(
 
 
 def mtp_reporting(
-    model: Transformer, cfg: JobConfig, mesh: ParallelMesh | None, pipeline: Pipeline | None
+    model: LanguageModel, cfg: JobConfig, mesh: ParallelMesh | None, pipeline: Pipeline | None
 ) -> tuple[Callable, ...]:
     """The reporter of the main and multi-token-prediction losses (a model with `model.mtp_depth` > 0),
     averaged over the data-parallel ranks; in a pipeline the last stage's loss keeps them (on its stage
@@ -296,7 +296,7 @@ def mtp_reporting(
     )
 
 
-def initial_model(cfg: JobConfig, starts_fresh: bool) -> Transformer:
+def initial_model(cfg: JobConfig, starts_fresh: bool) -> LanguageModel:
     """The whole model, on the CPU, with the weights a run starts from: the seed's, or `checkpoint.load_path`'s
     for a new run (a resumed one loads its checkpoint later; one whose checkpoints lack the frozen base,
     `base_rebuilt`, passes starts_fresh = True to rebuild it). With `[lora]`, the loaded model is frozen and
@@ -363,7 +363,7 @@ def initial_state_on_main(cfg: JobConfig, device: torch.device) -> dict[str, Any
     return {"names": names[0], "tensors": tensors}
 
 
-def pipelined(model: Transformer, cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> Pipeline:
+def pipelined(model: LanguageModel, cfg: JobConfig, mesh: ParallelMesh, device: torch.device) -> Pipeline:
     """This rank's pipeline stages, each parallelized like a whole model would be. The pipeline's
     micro-batches are the step's `train.grad_accum_steps` micro-batches. The chunked loss projects the last
     stage's hidden states through that stage's head."""
@@ -379,9 +379,10 @@ def pipelined(model: Transformer, cfg: JobConfig, mesh: ParallelMesh, device: to
         stage_shapes(cfg, mesh, device),
         parallelize_stage=lambda part: parallelize(part, cfg, mesh, device=device, pipelined=True),
     )
-    last = next((part for part in pipeline.model_parts if part.output is not None), None)  # on the last stage's rank
+    head = spec_for(cfg.model).parts.head_of
+    last = next((part for part in pipeline.model_parts if head(part) is not None), None)  # on the last stage's rank
     if loss.takes_hidden and last is not None:
-        loss.bind_head(last.output)
+        loss.bind_head(head(last))
     if pipeline.predictions and last is not None:
         loss.bind_predictions(last)
     return pipeline

@@ -40,6 +40,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from engine.config.registry import LOSSES
 from engine.config.train import TrainConfig
+from engine.model.spec import spec_for
 
 TokenLosses = Callable[[torch.Tensor], None]  # receives each token's cross-entropy, [batch, seq] fp32, detached
 
@@ -443,7 +444,7 @@ def chunked_loss(cfg: TrainConfig) -> ModelLoss:
             hidden, extra = model(tokens, return_hidden=True, doc_ids=doc_ids, mtp=True)
         else:
             hidden, extra = model(tokens, return_hidden=True, doc_ids=doc_ids), []
-        weight = model.output.weight
+        weight = spec_for(model.cfg).parts.head_of(model).weight
         z_weight = cfg.z_loss_weight if z_loss else 0.0
         value = head_cross_entropy(hidden, weight, labels, cfg.ce_chunk_size, z_weight, on_token_losses)
         if extra:  # each module's final-normed states, as the main model's (sequence-sharded under tp)

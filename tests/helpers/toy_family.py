@@ -220,7 +220,12 @@ SPEC = ModelSpec(
     norm_bytes=norm_bytes,
     position_table_width=lambda cfg: 0,
     parts=ModelParts(
-        blocks="layers", first=("tok_embeddings",), last=("norm", "output"), tied=("tok_embeddings", "output")
+        blocks="layers",
+        first=("tok_embeddings",),
+        last=("norm", "output"),
+        embedding="tok_embeddings",
+        head="output",
+        tied=("tok_embeddings", "output"),
     ),
     tp_plan=TPPlan(
         outer={

@@ -15,7 +15,7 @@ from engine.config import load_job_config
 from engine.config.model import ModelConfig
 from engine.errors import ConfigError
 from engine.model.estimate import param_counts, training_flops_per_token
-from engine.model.moe import GROUPED_MM, MoE, grouped_experts, looped_experts, moe_metrics, within_capacity
+from engine.model.moe import GROUPED_MM, MoE, grouped_experts, looped_experts, within_capacity
 from engine.model.routers import (
     SigmoidTopK,
     SoftmaxTopK,
@@ -24,6 +24,7 @@ from engine.model.routers import (
     router_z_loss,
     sequence_balance_loss,
 )
+from engine.model.routing_metrics import moe_metrics
 from engine.model.transformer import Transformer
 from engine.parallel.apply import apply_activation_checkpointing
 from tests.helpers.parity import fp32_bound

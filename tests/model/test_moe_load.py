@@ -11,7 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from engine.config.model import ModelConfig
-from engine.model.moe import moe_metrics
+from engine.model.routing_metrics import moe_metrics
 from engine.model.transformer import Transformer
 from engine.train.balancing import attach_router_balancing
 from engine.train.moe_load import ExpertLoadWindow

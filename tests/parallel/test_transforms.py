@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine import precision
 from engine.config.model import ModelConfig
 from engine.config.train import TrainConfig
-from engine.model.moe import moe_metrics
+from engine.model.routing_metrics import moe_metrics
 from engine.model.transformer import Transformer
 from engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from engine.parallel.float8 import convert_to_float8

@@ -6,19 +6,22 @@ from torch import nn
 
 from engine.model.lora import clean_name, is_adapter_weight
 from engine.model.mup import mup_plan
+from engine.model.spec import spec_for
 
 
 def param_groups(model: nn.Module, weight_decay: float, exclude: frozenset[int] = frozenset()) -> list[dict]:
     """Two groups: ≥2-D weights other than embeddings decay; norms, biases and embedding tables do not.
 
-    A tied output head shares the embedding's parameter and so follows the embedding (no decay), also where
-    it is a copy of its own (the last pipeline stage's, whose model `cfg` says it is tied).
+    A tied output head (the family's `ModelParts.head`) shares the embedding's parameter and so follows the
+    embedding (no decay), also where it is a copy of its own (the last pipeline stage's, whose model `cfg` says
+    it is tied).
     Parameters whose id is in `exclude` (those another group of the optimizer owns) are left out.
     Under μP each of the two is split further by the parameters' learning-rate multipliers
     (`mup_lr_groups`).
     """
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    cfg, head = getattr(model, "cfg", None), getattr(model, "output", None)
+    cfg = getattr(model, "cfg", None)  # a model of a family (a bare module in some optimizer tests)
+    head = getattr(model, spec_for(cfg).parts.head, None) if cfg is not None else None
     if cfg is not None and cfg.tie_embeddings and head is not None:
         embeddings.add(id(head.weight))
     decay, no_decay = [], []
@@ -51,7 +54,8 @@ def mup_lr_groups(model: nn.Module, groups: list[dict]) -> list[dict]:
 
 
 def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
-    """The 2-D weights inside the transformer blocks (attention and MLP projections), whatever wraps the
-    blocks (activation checkpointing, compile and FSDP keep the `layers.` prefix). Embeddings, the output
-    head, norms and biases are not hidden matrices."""
-    return [p for name, p in model.named_parameters() if p.requires_grad and p.ndim == 2 and name.startswith("layers.")]
+    """The 2-D weights inside the family's blocks (attention and MLP projections), whatever wraps the
+    blocks (`ModelParts.is_hidden_matrix`). Embeddings, the output head, norms and biases are not hidden
+    matrices."""
+    parts = spec_for(model.cfg).parts
+    return [p for name, p in model.named_parameters() if p.requires_grad and parts.is_hidden_matrix(name, p.ndim)]
