@@ -27,7 +27,7 @@ from engine.config.metrics import MetricsConfig
 from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
 from engine.config.profiling import ProfilingConfig
-from engine.config.registry import OPTIMIZERS, SCHEDULERS
+from engine.config.registry import MODELS, OPTIMIZERS, SCHEDULERS
 from engine.config.scheduler import SchedulerConfig
 from engine.config.train import TrainConfig
 from engine.errors import ConfigError, ConfigIssue
@@ -78,7 +78,11 @@ class JobConfig(Section):
         return global_sequences(self, world_size) * self.train.seq_len
 
 
-for components in (OPTIMIZERS, SCHEDULERS):  # a component registered later (a test's toy) recomposes its section
+for components in (
+    MODELS,
+    OPTIMIZERS,
+    SCHEDULERS,
+):  # a component registered later (a test's toy) recomposes its section
     components.rebuild_with(JobConfig)
 
 Rule = Callable[[JobConfig, int], list[ConfigIssue]]

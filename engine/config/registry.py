@@ -1,11 +1,12 @@
 """Small name → entry registries for the components a config picks by string, and the registries of
 components that make up a section (`ComponentRegistry`).
 
-Most entries are builders or specs: a model family registers its `ModelSpec` (engine/model/spec.py), a norm or a
-router its builder. The optimizers and the schedules are components (`Component`): a torch-free config class of
-their own fields and what they build, and the `[optimizer]` / `[scheduler]` sections are composed from them.
+Most entries are builders: a norm or a router registers its builder. The optimizers, the schedules and the model
+families are components (`Component`): a torch-free config class of their own fields and what they build (a
+family: its `ModelSpec`, engine/model/spec.py), and the `[optimizer]`, `[scheduler]` and `[model]` sections are
+composed from them (`[model]` chooses by `model_type`, the others by `name`).
 
-A component's class derives from its section's shared fields (`OptimizerFields`, `SchedulerFields`) and declares
+A component's class derives from its section's shared fields (`OptimizerFields`, `SchedulerFields`, `ModelFields`) and declares
 the fields only it reads, in its own module beside its implementation (engine/train/optim/muon_config.py); one
 decorator registers it with the implementation it builds, named as "module:attribute" so that registering imports
 no torch:
@@ -86,6 +87,8 @@ class Component:
     name: str
     config: type[Section]
     build: str | Callable[..., Any] | None = None
+    spec: Any = None
+    """What the component says of itself besides its fields (a model family's `ModelSpec`: engine/model/spec.py)."""
 
     def implementation(self) -> Any:
         if not isinstance(self.build, str):
@@ -95,21 +98,27 @@ class Component:
 
 
 class ComponentRegistry(Registry[Component]):
-    """A registry of components whose entries also make up a section (`bind`)."""
+    """A registry of components whose entries also make up a section (`bind`); `name_field` is the section's
+    field that chooses one (`name`, or the model's `model_type`)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, name_field: str = "name") -> None:
         super().__init__(kind)
+        self._name_field = name_field
         self._section: type[Section] | None = None
         self._shared: type[Section] | None = None
+        self._order: tuple[str, ...] = ()
         self._tail: tuple[str, ...] = ()
         self._dependents: list[type[BaseModel]] = []
 
-    def register(self, name: str, build: str | Callable[..., Any] | None = None) -> Callable[[type], type]:  # type: ignore[override]
-        """Decorate a component's config class: registered under `name`, building `build`."""
+    def register(  # type: ignore[override]
+        self, name: str, build: str | Callable[..., Any] | None = None, spec: Any = None
+    ) -> Callable[[type], type]:
+        """Decorate a component's config class: registered under `name`, building `build` (and described by
+        `spec`, for a component that has one)."""
 
         def add(config: type[Section]) -> type[Section]:
             assert name not in self._builders, f"{self.kind} {name!r} registered twice"
-            self._builders[name] = Component(name, config, build)
+            self._builders[name] = Component(name, config, build, spec)
             self.compose()
             return config
 
@@ -122,11 +131,14 @@ class ComponentRegistry(Registry[Component]):
         """In registration order (the order the name field lists them)."""
         return iter(self._builders.values())
 
-    def bind(self, section: type[Section], shared: type[Section], tail: tuple[str, ...] = ()) -> None:
-        """Make `section` (a subclass of `shared` that adds nothing) the union of the components' fields:
-        `shared`'s, then each component's own in registration order, and the fields named in `tail` last (the
-        order the resolved config has always had)."""
-        self._section, self._shared, self._tail = section, shared, tail
+    def bind(
+        self, section: type[Section], shared: type[Section], tail: tuple[str, ...] = (), order: tuple[str, ...] = ()
+    ) -> None:
+        """Make `section` (a subclass of `shared` that adds no fields) the union of the components' fields:
+        `shared`'s, then each component's own in registration order, and the fields named in `tail` last; or,
+        where the resolved config has always interleaved them, the fields named in `order` first, in that order
+        (the key order of saved run configs and of validate-config's output, which no field's owner decides)."""
+        self._section, self._shared, self._tail, self._order = section, shared, tail, order
         section.components = self  # the "read by" column of engine/config/reference.py
         self.compose()
 
@@ -136,7 +148,7 @@ class ComponentRegistry(Registry[Component]):
 
     @property
     def name_field(self) -> str:
-        return "name"
+        return self._name_field
 
     def compose(self) -> None:
         if self._section is None or self._shared is None:
@@ -150,7 +162,8 @@ class ComponentRegistry(Registry[Component]):
                     continue
                 fields[name] = copy.copy(info)
         fields = {
-            **{k: v for k, v in fields.items() if k not in self._tail},
+            **{k: fields[k] for k in self._order if k in fields},
+            **{k: v for k, v in fields.items() if k not in self._tail and k not in self._order},
             **{k: v for k, v in fields.items() if k in self._tail},
         }
         names = tuple(self._builders)
@@ -217,5 +230,5 @@ ACTIVATIONS: Registry = Registry("activation")
 OPTIMIZERS = ComponentRegistry("optimizer")
 SCHEDULERS = ComponentRegistry("scheduler")
 LOSSES: Registry = Registry("loss")
-MODELS: Registry = Registry("model type")
+MODELS = ComponentRegistry("model type", name_field="model_type")
 ROUTERS: Registry = Registry("MoE router")

@@ -16,8 +16,9 @@ import tomlkit
 
 from engine.config.job import JobConfig
 from engine.config.loader import build_job_config, read_preset
-from engine.config.model import MOE_FIELDS
-from engine.config.registry import OPTIMIZERS, SCHEDULERS
+from engine.config.model import ModelFields
+from engine.config.registry import MODELS, OPTIMIZERS, SCHEDULERS
+from engine.model.moe_config import MOE_FIELDS
 
 DataKind = Literal["embedded", "shards", "hf"]
 MOE_DEFAULTS = {"num_experts": 8, "moe_top_k": 2}
@@ -124,7 +125,7 @@ def section(raw: dict[str, Any], name: str) -> dict[str, Any]:
 
 def apply_model(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, str]) -> None:
     """Custom dimensions replace the base's (and its GQA and FFN width, which were sized for them); MoE
-    fields come or go with the dense/MoE answer."""
+    fields come or go with the dense/MoE answer; fields the base's family does not read are dropped."""
     model = section(raw, "model")
     if answers.dims is not None:
         model["dim"], model["n_layers"], model["n_heads"] = answers.dims
@@ -139,6 +140,8 @@ def apply_model(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, st
     elif not answers.moe and is_moe:
         for key in ("num_experts", *MOE_FIELDS):
             model.pop(key, None)
+    for key in MODELS.foreign_fields(model.get("model_type", ModelFields.model_fields["model_type"].default)):
+        model.pop(key, None)
 
 
 def apply_data(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, str]) -> None:
