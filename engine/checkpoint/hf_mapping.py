@@ -44,7 +44,7 @@ def mapping(cfg: ModelConfig) -> HFMapping:
     """The Hugging Face mapping of `cfg`'s family, or a UserError when it has none."""
     hf = spec_for(cfg).hf
     if hf is None:
-        exporting = [name for name in MODELS.names() if MODELS.get(name).hf is not None]
+        exporting = [name for name in MODELS.names() if MODELS.get(name).spec.hf is not None]
         raise UserError(
             f"model.model_type = {cfg.model_type!r} has no Hugging Face counterpart",
             f"Hugging Face conversion exists for the model types {', '.join(exporting)}",
@@ -99,7 +99,7 @@ def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
 
 def families_with_hf() -> list[ModelSpec]:
     """The registered families that have a Hugging Face mapping (importing engine.model registered them)."""
-    return [MODELS.get(name) for name in MODELS.names() if MODELS.get(name).hf is not None]
+    return [MODELS.get(name).spec for name in MODELS.names() if MODELS.get(name).spec.hf is not None]
 
 
 def check_same_architecture(model_cfg: ModelConfig, hf_cfg: ModelConfig, source: str) -> None:

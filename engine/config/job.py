@@ -27,7 +27,7 @@ from engine.config.metrics import MetricsConfig
 from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
 from engine.config.profiling import ProfilingConfig
-from engine.config.registry import METRICS_SINKS, OPTIMIZERS, SCHEDULERS, SOURCE_KINDS
+from engine.config.registry import METRICS_SINKS, MODELS, OPTIMIZERS, SCHEDULERS, SOURCE_KINDS
 from engine.config.scheduler import SchedulerConfig
 from engine.config.train import TrainConfig
 from engine.errors import ConfigError, ConfigIssue
@@ -78,7 +78,13 @@ class JobConfig(Section):
         return global_sequences(self, world_size) * self.train.seq_len
 
 
-for components in (OPTIMIZERS, SCHEDULERS, SOURCE_KINDS, METRICS_SINKS):  # one registered later (a test's toy)
+for components in (
+    MODELS,
+    OPTIMIZERS,
+    SCHEDULERS,
+    SOURCE_KINDS,
+    METRICS_SINKS,
+):  # a later one (a test's toy) recomposes
     components.rebuild_with(JobConfig)
 
 Rule = Callable[[JobConfig, int], list[ConfigIssue]]

@@ -1,11 +1,12 @@
 """Small name → entry registries for the components a config picks by string, and the registries of
 components that make up a section (`ComponentRegistry`).
 
-Most entries are builders or specs: a model family registers its `ModelSpec` (engine/model/spec.py), a norm or a
-router its builder. The optimizers and the schedules are components (`Component`): a torch-free config class of
-their own fields and what they build, and the `[optimizer]` / `[scheduler]` sections are composed from them.
+Most entries are builders: a norm or a router registers its builder. The optimizers, the schedules and the model
+families are components (`Component`): a torch-free config class of their own fields and what they build (a
+family: its `ModelSpec`, engine/model/spec.py), and the `[optimizer]`, `[scheduler]` and `[model]` sections are
+composed from them (`[model]` chooses by `model_type`, the others by `name`).
 
-A component's class derives from its section's shared fields (`OptimizerFields`, `SchedulerFields`) and declares
+A component's class derives from its section's shared fields (`OptimizerFields`, `SchedulerFields`, `ModelFields`) and declares
 the fields only it reads, in its own module beside its implementation (engine/train/optim/muon_config.py); one
 decorator registers it with the implementation it builds, named as "module:attribute" so that registering imports
 no torch:
@@ -92,6 +93,8 @@ class Component:
     name: str
     config: type[Section]
     build: str | Callable[..., Any] | None = None
+    spec: Any = None
+    """What the component says of itself besides its fields (a model family's `ModelSpec`: engine/model/spec.py)."""
 
     def implementation(self) -> Any:
         return resolved(self.build)
@@ -106,22 +109,27 @@ def resolved(named: str | Callable[..., Any] | None) -> Any:
 
 
 class ComponentRegistry(Registry[Component]):
-    """A registry of components whose entries also make up a section (`bind`)."""
+    """A registry of components whose entries also make up a section (`bind`); `name_field` is the section's
+    field that chooses one (`name`, or the model's `model_type`)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, name_field: str = "name") -> None:
         super().__init__(kind)
+        self._name_field = name_field
         self._section: type[Section] | None = None
         self._shared: type[Section] | None = None
-        self._tail: tuple[str, ...] = ()
         self._order: tuple[str, ...] = ()
+        self._tail: tuple[str, ...] = ()
         self._dependents: list[type[BaseModel]] = []
 
-    def register(self, name: str, build: str | Callable[..., Any] | None = None) -> Callable[[type], type]:  # type: ignore[override]
-        """Decorate a component's config class: registered under `name`, building `build`."""
+    def register(  # type: ignore[override]
+        self, name: str, build: str | Callable[..., Any] | None = None, spec: Any = None
+    ) -> Callable[[type], type]:
+        """Decorate a component's config class: registered under `name`, building `build` (and described by
+        `spec`, for a component that has one)."""
 
         def add(config: type[Section]) -> type[Section]:
             assert name not in self._builders, f"{self.kind} {name!r} registered twice"
-            self._builders[name] = Component(name, config, build)
+            self._builders[name] = Component(name, config, build, spec)
             self.compose()
             return config
 
@@ -137,10 +145,10 @@ class ComponentRegistry(Registry[Component]):
     def bind(
         self, section: type[Section], shared: type[Section], tail: tuple[str, ...] = (), order: tuple[str, ...] = ()
     ) -> None:
-        """Make `section` (a subclass of `shared` that adds nothing) the union of the components' fields:
-        `shared`'s, then each component's own in registration order, and the fields named in `tail` last (the
-        order the resolved config has always had). `order`, where given, lists the fields in the order the
-        resolved config has always had them (shared and component fields interleaved, as `[data]`'s are); a
+        """Make `section` (a subclass of `shared` that adds no fields) the union of the components' fields:
+        `shared`'s, then each component's own in registration order, and the fields named in `tail` last; or,
+        where the resolved config has always interleaved them, the fields named in `order` first, in that order
+        (the key order of saved run configs and of validate-config's output, which no field's owner decides); a
         field it does not list (a component registered later) follows them."""
         self._section, self._shared, self._tail, self._order = section, shared, tail, order
         section.components = self  # the "read by" column of engine/config/reference.py
@@ -152,9 +160,9 @@ class ComponentRegistry(Registry[Component]):
 
     @property
     def name_field(self) -> str | None:
-        """The field that chooses one component by name; None where the section's values choose (which fields
-        are set) or several components are on at once."""
-        return "name"
+        """The field that chooses one component by name (`name`, the model's `model_type`); None where the
+        section's values choose (which fields are set) or several components are on at once."""
+        return self._name_field
 
     def compose(self) -> None:
         if self._section is None or self._shared is None:
@@ -168,14 +176,10 @@ class ComponentRegistry(Registry[Component]):
                     continue
                 fields[name] = copy.copy(info)
         fields = {
-            **{k: v for k, v in fields.items() if k not in self._tail},
+            **{k: fields[k] for k in self._order if k in fields},
+            **{k: v for k, v in fields.items() if k not in self._tail and k not in self._order},
             **{k: v for k, v in fields.items() if k in self._tail},
         }
-        if self._order:
-            rank: dict[str, int] = {}
-            for i, name in enumerate(self._order):
-                rank.setdefault(name, i)
-            fields = dict(sorted(fields.items(), key=lambda item: rank.get(item[0], len(self._order))))
         names = tuple(self._builders)
         if names and self.name_field is not None:
             fields[self.name_field] = FieldInfo.merge_field_infos(
@@ -290,7 +294,10 @@ class SourceKindRegistry(ComponentRegistry):
 
         def add(config: type[Section]) -> type[Section]:
             assert name not in self._builders, f"{self.kind} {name!r} registered twice"
-            kind = SourceKind(name, config, directory, describe, example, prefixed, documents, flags, manifest, rule)
+            kind = SourceKind(
+                name, config, directory, describe=describe, example=example, prefixed=prefixed,
+                documents=documents, flags=flags, manifest=manifest, rule=rule,
+            )  # fmt: skip
             self._builders[name] = kind
             self.compose()
             return config
@@ -342,7 +349,7 @@ class SinkRegistry(ComponentRegistry):
         def add(config: type[Section]) -> type[Section]:
             assert name not in self._builders, f"{self.kind} {name!r} registered twice"
             assert switch is None or switch in config.model_fields, f"{name}'s switch {switch!r} is not its field"
-            self._builders[name] = MetricsSink(name, config, build, switch, kept_while_off)
+            self._builders[name] = MetricsSink(name, config, build, switch=switch, kept_while_off=kept_while_off)
             self.compose()
             return config
 
@@ -387,5 +394,5 @@ SCHEDULERS = ComponentRegistry("scheduler")
 SOURCE_KINDS = SourceKindRegistry("source kind")
 METRICS_SINKS = SinkRegistry("metrics sink")
 LOSSES: Registry = Registry("loss")
-MODELS: Registry = Registry("model type")
+MODELS = ComponentRegistry("model type", name_field="model_type")
 ROUTERS: Registry = Registry("MoE router")

@@ -16,8 +16,9 @@ import tomlkit
 
 from engine.config.job import JobConfig
 from engine.config.loader import build_job_config, read_preset
-from engine.config.model import MOE_FIELDS
-from engine.config.registry import OPTIMIZERS, SCHEDULERS, SOURCE_KINDS
+from engine.config.model import ModelFields
+from engine.config.registry import MODELS, OPTIMIZERS, SCHEDULERS, SOURCE_KINDS
+from engine.model.moe_config import MOE_FIELDS
 
 DataKind = str
 """The source kind `forge init` asks for: one of the three it knows the questions of (forgecli/init.py: embedded,
@@ -126,7 +127,7 @@ def section(raw: dict[str, Any], name: str) -> dict[str, Any]:
 
 def apply_model(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, str]) -> None:
     """Custom dimensions replace the base's (and its GQA and FFN width, which were sized for them); MoE
-    fields come or go with the dense/MoE answer."""
+    fields come or go with the dense/MoE answer; fields the base's family does not read are dropped."""
     model = section(raw, "model")
     if answers.dims is not None:
         model["dim"], model["n_layers"], model["n_heads"] = answers.dims
@@ -141,6 +142,8 @@ def apply_model(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, st
     elif not answers.moe and is_moe:
         for key in ("num_experts", *MOE_FIELDS):
             model.pop(key, None)
+    for key in MODELS.foreign_fields(model.get("model_type", ModelFields.model_fields["model_type"].default)):
+        model.pop(key, None)
 
 
 def apply_data(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, str]) -> None:

@@ -14,8 +14,11 @@ from typing import TYPE_CHECKING
 
 from engine.config.fields import changed_fields, unread_field_issues
 from engine.config.lora import LoraConfig
-from engine.config.model import MOE_FIELDS, ROPE_SCALING_FIELDS, ModelConfig
+from engine.config.model import ModelConfig
+from engine.config.registry import MODELS
 from engine.errors import ConfigIssue
+from engine.model.families.transformer.config import ROPE_SCALING_FIELDS
+from engine.model.moe_config import MOE_FIELDS, ExpertFields
 from engine.model.spec import spec_for
 
 if TYPE_CHECKING:
@@ -38,10 +41,10 @@ def length_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
 
 def moe_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     """MoE fields only when the model has experts, and routing that can work. (What compiling an MoE model
-    allows is a layout rule: engine/parallel/rules.py.) A family without experts refuses them all in
-    `family_issues`, once."""
+    allows is a layout rule: engine/parallel/rules.py.) A family without experts (whose config class does not
+    derive from `ExpertFields`) refuses them all in `family_issues`, once."""
     m = cfg.model
-    if "num_experts" in spec_for(m).refused_fields:
+    if not issubclass(MODELS.get(m.model_type).config, ExpertFields):
         return []
     if not m.is_moe:
         return [
@@ -119,17 +122,15 @@ def expert_group_issues(m: ModelConfig) -> list[ConfigIssue]:
     return []
 
 
-MTP_FAMILIES = ("transformer",)
-"""The model families that have multi-token prediction modules (engine/model/mtp.py)."""
-
-
 def mtp_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
-    """Multi-token prediction (`model.mtp_depth`): its weight only with modules, a family that has them, a
-    window long enough, and what it does not run under yet: context parallelism (its modules read the tokens
+    """Multi-token prediction (`model.mtp_depth`): its weight only with modules, a window long enough, and what it does not run under yet: context parallelism (its modules read the tokens
     k positions further on, which a rank's share of the sequence does not hold at its ends), packed documents
     (the modules attend across the window), LoRA (its adapters would leave the modules frozen) and μP (no
-    multipliers derived for the modules)."""
+    multipliers derived for the modules). A family without the modules (whose config class does not declare
+    mtp_depth) refuses its fields in `family_issues`."""
     m, d = cfg.model, cfg.distributed
+    if "mtp_depth" not in MODELS.get(m.model_type).config.model_fields:
+        return []
     if not m.mtp_depth:
         return [
             ConfigIssue(
@@ -138,15 +139,6 @@ def mtp_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                 "set model.mtp_depth > 0, or remove it",
             )
             for field in changed_fields(m, ("mtp_loss_weight",))
-        ]
-    if m.model_type not in MTP_FAMILIES:
-        return [
-            ConfigIssue(
-                "model.mtp_depth",
-                f"model_type = {m.model_type!r} has no multi-token prediction modules "
-                f"(only {', '.join(MTP_FAMILIES)} has)",
-                "set model.mtp_depth = 0 for this family",
-            )
         ]
     issues = []
     if m.mtp_depth >= cfg.train.seq_len:
@@ -288,8 +280,9 @@ def lora_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
 
 
 def family_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
-    """The `[model]` fields the chosen family has no use for (its spec's `refused_fields`, e.g. RoPE, QK-norm
-    or expert fields with gpt2), set away from their defaults: refused, naming the field and the family."""
+    """The `[model]` fields the chosen family has no use for (fields only other families' config classes declare,
+    e.g. RoPE, QK-norm or expert fields with gpt2), set away from their defaults: refused, naming the field and
+    the family."""
     m = cfg.model
     return [
         ConfigIssue(
@@ -298,7 +291,7 @@ def family_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
             "model families)",
             f"remove model.{field}, or choose a model_type that uses it",
         )
-        for field in changed_fields(m, spec_for(m).refused_fields)
+        for field in changed_fields(m, MODELS.foreign_fields(m.model_type))
     ]
 
 

@@ -1,7 +1,11 @@
 """What a model family tells the rest of Forge, as data and small functions, without torch.
 
 A family is one folder under `engine/model/families/` whose `__init__.py` builds one `ModelSpec` and registers
-it under its `model_type` (`MODELS.register(NAME)(SPEC)`). Everything outside the folder reads the spec, never
+it under its `model_type` with the family's config class (`config.py`: the `[model]` fields only it reads), in
+one line: `MODELS.register(NAME, spec=SPEC)(NAMEConfig)`. What the family supports follows from that class (a
+mixture of experts: it derives from `ExpertFields`, engine/model/moe_config.py; multi-token prediction or μP: it
+declares `mtp_depth` or `parametrization`) and from the spec (its tensor-parallel plan, its pipeline cut points,
+LoRA). Everything outside the folder reads the spec, never
 the family by name: the analytic counts (`engine/model/estimate.py`) and the memory estimate
 (`engine/parallel/memory.py`) call its functions; tensor parallelism (`engine/parallel/tp.py`) turns its plan
 of `TPStyle`s into DTensor styles, so the model code never meets sharding code; pipeline parallelism
@@ -347,16 +351,15 @@ class ModelSpec:
     - `parts`: the parts of the model the other rooms reach (blocks, embedding and head, pipeline cuts, the
       modules context and expert parallelism, FP8 and extraction act on); `tp_plan`: tensor-parallel plan; `hf`: conversion, None when the
       family has no Hugging Face counterpart;
-    - `refused_fields`: the `[model]` fields the family has no use for; a config that sets one away from its
-      default is refused, naming the field and the family (engine/model/rules.py: family_issues);
     - `lora_adapters`: whether `[lora]` can adapt the family's linears (engine/model/lora.py adapts
       bias-free ones only; a family with biased linears says False, and config validation refuses LoRA).
     - `head_extra_bytes(cfg, layout, tokens)`: what autograd saves beyond the final norm, head and loss on the
       rank that computes the loss, over `tokens` tokens (the transformer's multi-token-prediction modules);
       0 for a family without any.
-    - `rotary`: whether attention rotates queries and keys (RoPE), which needs an even head_dim (the config
-      checks it); `default_ffn_dim(cfg)`: the MLP width when `model.ffn_hidden_dim` is unset, or None for the
-      gated MLP's 256 · ceil(8/3 · dim · ffn_dim_multiplier / 256) (`ModelConfig.ffn_dim`).
+
+    The `[model]` fields the family reads, and the sizes they derive (head width, FFN width, expert layers), are
+    its config class's, registered beside the spec: a field only other families declare is refused with it
+    (engine/model/rules.py: family_issues).
     """
 
     build: str | Callable[[ModelConfig], nn.Module]
@@ -370,11 +373,8 @@ class ModelSpec:
     parts: ModelParts
     tp_plan: TPPlan
     hf: HFMapping | None = None
-    refused_fields: tuple[str, ...] = ()
     lora_adapters: bool = True
     head_extra_bytes: Callable[[ModelConfig, ActivationLayout, int], int] = lambda cfg, layout, tokens: 0
-    rotary: bool = True
-    default_ffn_dim: Callable[[ModelConfig], int] | None = None
 
     def model_class(self) -> Callable[[ModelConfig], nn.Module]:
         """The builder named by `build`, imported now (this imports torch)."""
@@ -385,8 +385,7 @@ class ModelSpec:
 
 
 def spec_for(cfg: ModelConfig) -> ModelSpec:
-    """The registered spec of `cfg.model_type` (every family registers when engine.model is imported)."""
+    """The registered spec of `cfg.model_type` (every family registers when engine.config.model is imported)."""
     from engine.config.registry import MODELS
-    from engine.model import families  # noqa: F401  (registers the families)
 
-    return MODELS.get(cfg.model_type)
+    return MODELS.get(cfg.model_type).spec

@@ -72,7 +72,8 @@ def test_a_registered_model_type_is_what_every_builder_makes(registries):
             out = super().forward(tokens, cache, return_hidden=return_hidden)
             return out if return_hidden or self.output is None else out * 0.5
 
-    MODELS.register("toy")(dataclasses.replace(MODELS.get("transformer"), build=ToyTransformer))
+    transformer = MODELS.get("transformer")
+    MODELS.register("toy", spec=dataclasses.replace(transformer.spec, build=ToyTransformer))(transformer.config)
     cfg = load_job_config(None, TINY)
     toy = cfg.model_copy(update={"model": cfg.model.model_copy(update={"model_type": "toy"})})
     assert type(build_model(toy.model)) is ToyTransformer
@@ -98,7 +99,7 @@ def toy(registries):
 
 def toy_job(toy, optimizer: str = "adamw", **train) -> JobConfig:
     """A job of the toy family: validated as the config allows (its layout rules), then the toy's [model]
-    and optimizer put in, as a real family's name in the `model_type` Literal would allow directly."""
+    and optimizer put in."""
     cfg = JobConfig(
         model={"dim": 32, "n_layers": 4, "n_heads": 1, "vocab_size": 64, "ffn_hidden_dim": 48},
         train={"batch_size": 2, "seq_len": 8, "mixed_precision": "fp32", **train},
@@ -334,14 +335,14 @@ def test_the_toy_family_trains_under_tp_fsdp_and_pp_like_one_process(tmp_path):
 # [optimizer] / [scheduler], accepted when they are chosen, refused naming them when another one is.
 
 
-def validate(*overrides: str) -> tuple[int, dict]:
-    """`forge validate-config presets/debug.toml OVERRIDES --json` in this process (where the toys are registered):
-    the exit code and the JSON report."""
+def validate(*overrides: str, preset: Path = REPO / "presets/debug.toml") -> tuple[int, dict]:
+    """`forge validate-config PRESET OVERRIDES --json` in this process (where the toys are registered): the exit
+    code and the JSON report."""
     from typer.testing import CliRunner
 
     from forgecli.app import app
 
-    result = CliRunner().invoke(app, ["validate-config", str(REPO / "presets/debug.toml"), *overrides, "--json"])
+    result = CliRunner().invoke(app, ["validate-config", str(preset), *overrides, "--json"])
     return result.exit_code, json.loads(result.stdout)
 
 
@@ -619,12 +620,121 @@ def test_training_reads_a_toy_source_and_a_toy_sink_receives_its_metrics(toy_sou
     assert kept == [(r["step"], {k: v for k, v in r.items() if k != "time"}) for r in records]  # time: JSONL's own
 
 
+# ---------------------------------------------------------------- a toy family with a field of its own
+#
+# The toy family of tests/helpers/toy_family.py registers its config class (`ToyConfig`: the shared fields, the
+# choice of norm and `toy_residual_scale`) with its spec, in one line; `[model]` is then composed of it.
+
+TOY_PRESET = """
+[model]
+model_type = "toy_mlp"
+dim = 32
+n_layers = 2
+n_heads = 1
+vocab_size = 4096
+max_seq_len = 16
+ffn_hidden_dim = 48
+norm_type = "layernorm"
+
+[train]
+batch_size = 2
+seq_len = 16
+max_steps = 2
+mixed_precision = "fp32"
+
+[eval]
+enabled = false
+
+[metrics]
+log_interval = 1
+"""
+
+
+@pytest.fixture
+def toy_preset(toy, tmp_path) -> Path:
+    path = tmp_path / "toy.toml"
+    path.write_text(TOY_PRESET)
+    return path
+
+
+def test_a_toy_familys_own_field_is_accepted_shown_and_trains(toy, toy_preset, tmp_path):
+    code, report = validate("--model.toy_residual_scale=0.5", preset=toy_preset)
+    assert code == 0 and report["valid"], report
+    assert report["config"]["model"]["model_type"] == "toy_mlp"
+    assert report["config"]["model"]["toy_residual_scale"] == 0.5
+    code, report = validate("--model.toy_residual_scale=0", preset=toy_preset)  # its own bounds
+    assert code == 2 and report["errors"][0]["field"] == "model.toy_residual_scale"
+
+    from engine.train.trainer import train
+
+    cfg = load_job_config(toy_preset, ["--model.toy_residual_scale=0.5"])
+    assert build_model(cfg.model).layers["0"].residual_scale == 0.5  # the model reads its own field
+    train(cfg, tmp_path / "run")
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in steps if "loss" in r]
+    assert len(losses) == 2 and all(loss == loss and loss > 0 for loss in losses), steps
+
+
+def test_another_familys_field_is_refused_with_the_toy_and_the_toys_elsewhere(toy, toy_preset):
+    """Fields only the transformer declares (RoPE, an expert field, multi-token prediction) refused with the toy
+    chosen, each naming the field and the family (exit 2, every error at once); the toy's own field refused with
+    the transformer chosen; and gpt2, which declares neither, refuses both."""
+    code, report = validate(
+        "--model.rope_theta=500000", "--model.num_experts=4", "--model.mtp_depth=1", preset=toy_preset
+    )
+    assert code == 2 and not report["valid"]
+    errors = {e["field"]: e["problem"] for e in report["errors"]}
+    assert set(errors) == {"model.rope_theta", "model.num_experts", "model.mtp_depth"}, errors
+    assert all("model.model_type = 'toy_mlp' has no such setting" in problem for problem in errors.values())
+    code, report = validate("--model.toy_residual_scale=0.5")
+    assert code == 2
+    [error] = report["errors"]
+    assert error["field"] == "model.toy_residual_scale"
+    assert "model.model_type = 'transformer' has no such setting" in error["problem"]
+    gpt2 = REPO / "presets/gpt2_124m.toml"
+    code, report = validate(
+        "--world-size=8", "--model.toy_residual_scale=0.5", "--model.norm_type=layernorm", preset=gpt2
+    )
+    assert code == 2
+    assert {e["field"] for e in report["errors"]} == {"model.toy_residual_scale", "model.norm_type"}
+
+
+def test_the_toy_family_is_offered_documented_and_dropped_by_init(toy):
+    from engine.config import reference
+    from engine.config.writer import InitAnswers, apply_model
+    from forgecli.completion import complete_override
+
+    assert "toy_mlp" in [item.value for item in complete_override("", ["--model.model_type"])]
+    assert [item.value for item in complete_override("--model.toy", [])] == ["--model.toy_residual_scale="]
+    table = reference.section_table("model", JobConfig.model_fields["model"].annotation)
+    assert "toy_mlp" in table.splitlines()[[row.startswith("| `model_type`") for row in table.splitlines()].index(True)]
+    assert "| `toy_residual_scale` | float | `1.0` | > 0 |" in table and table.count("`toy_mlp` |") >= 2
+    # norm_type is read by the transformer and the toy (one mixin), rope_theta by the transformer alone
+    norm_row = next(row for row in table.splitlines() if row.startswith("| `norm_type`"))
+    assert norm_row.endswith("| `transformer`, `toy_mlp` |")
+    # forge init drops the fields the base's family does not read
+    raw = {"model": {"model_type": "gpt2", "dim": 64, "rope_theta": 1e6, "toy_residual_scale": 0.5}}
+    apply_model(raw, InitAnswers(), {})
+    assert raw["model"] == {"model_type": "gpt2", "dim": 64}
+    raw = {"model": {"model_type": "toy_mlp", "dim": 64, "rope_theta": 1e6, "toy_residual_scale": 0.5}}
+    apply_model(raw, InitAnswers(), {})
+    assert raw["model"] == {"model_type": "toy_mlp", "dim": 64, "toy_residual_scale": 0.5}
+
+
+def test_the_toy_family_is_gone_after_the_test_that_registered_it():
+    assert "toy_residual_scale" not in JobConfig.model_fields["model"].annotation.model_fields
+    assert "toy_mlp" not in typing.get_args(
+        JobConfig.model_fields["model"].annotation.model_fields["model_type"].annotation
+    )
+    with pytest.raises(ConfigError):
+        load_job_config(None, ["--model.model_type=toy_mlp"])
+
+
 # ---------------------------------------------------------------- what engine/config/ may not hold
 
 
-CONVERTED = ("OPTIMIZERS", "SCHEDULERS", "SOURCE_KINDS", "METRICS_SINKS")
-"""The registries whose components own their fields (the model families are not converted yet: `model.model_type`
-is still a Literal in engine/config/model.py)."""
+CONVERTED = {"MODELS": 2, "OPTIMIZERS": 4, "SCHEDULERS": 4, "SOURCE_KINDS": 4, "METRICS_SINKS": 3}
+"""The registries whose components own their fields, and how many components each has at least."""
 
 
 def literal_options(source: str) -> list[tuple[int, set[str]]]:
@@ -645,15 +755,17 @@ def literal_options(source: str) -> list[tuple[int, set[str]]]:
 def test_no_literal_in_engine_config_lists_a_registrys_names():
     from engine.config import registry
 
-    for name in CONVERTED:
+    for name, least in CONVERTED.items():
         names = set(getattr(registry, name).names())
-        assert len(names) >= (3 if name == "METRICS_SINKS" else 4), name  # jsonl, tensorboard, wandb
+        assert len(names) >= least, name
         for path in sorted((REPO / "engine/config").glob("*.py")):
             for line, options in literal_options(path.read_text()):
                 assert not (len(options) >= 2 and options <= names), f"{path.name}:{line} lists {name}: {options}"
     # The check can fail: the Literal the optimizer section used to have would be caught.
     [(_, old)] = literal_options('OptimizerName = Literal["adamw", "lion", "muon", "schedule_free_adamw"]')
     assert old <= set(registry.OPTIMIZERS.names())
+    [(_, old)] = literal_options('model_type: Literal["transformer", "gpt2"] = Field("transformer")')
+    assert old <= set(registry.MODELS.names())
 
 
 IMPORT_EVERY_CONFIG_MODULE = """
@@ -664,7 +776,7 @@ for m in pkgutil.iter_modules(engine.config.__path__):
 from engine.config import registry
 builds = [c.build for r in (registry.OPTIMIZERS, registry.SCHEDULERS, registry.METRICS_SINKS) for c in r.components()]
 builds += [b for k in registry.SOURCE_KINDS.components() for b in (k.build, k.documents, k.manifest, k.rule)]
-builds += [getattr(spec, "build", None) for spec in (registry.MODELS.get(n) for n in registry.MODELS.names())]
+builds += [c.spec.build for c in registry.MODELS.components()]
 modules = sorted({b.partition(":")[0] for b in builds if isinstance(b, str)})
 print(json.dumps({"torch": "torch" in sys.modules, "implementations": modules,
                   "loaded": sorted(m for m in modules if m in sys.modules),
@@ -673,8 +785,9 @@ print(json.dumps({"torch": "torch" in sys.modules, "implementations": modules,
 
 
 def test_engine_config_imports_no_components_implementation():
-    """Importing every module of engine/config/ (which registers every optimizer and schedule) loads no torch and
-    none of the modules the components build from (their builders are named, imported only when built)."""
+    """Importing every module of engine/config/ (which registers every optimizer, schedule and model family) loads
+    no torch and none of the modules the components build from (their builders are named, imported only when
+    built)."""
     import subprocess
     import sys
 
@@ -685,4 +798,5 @@ def test_engine_config_imports_no_components_implementation():
     report = json.loads(result.stdout)
     assert "engine.train.optim.muon" in report["implementations"]
     assert {"engine.data.hub", "engine.data.source_kinds", "engine.metrics.trackers"} <= set(report["implementations"])
+    assert {"engine.model.transformer", "engine.model.families.gpt2.model"} <= set(report["implementations"])
     assert report == {**report, "torch": False, "loaded": [], "build": False}

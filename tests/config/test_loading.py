@@ -287,11 +287,11 @@ def test_every_field_has_a_description_and_composed_sections_say_who_reads_each(
     """Replaces the `readers` checks (the hand-written tables are gone): every field has a description, and in the
     sections composed of components the "read by" column is the registry's: every component-owned field names the
     components whose config class declares it, every other field is shared."""
-    from engine.config.registry import OPTIMIZERS, SCHEDULERS
+    from engine.config.registry import MODELS, OPTIMIZERS, SCHEDULERS
 
     docs = reference.all_field_docs()
     assert all(doc.description for doc in docs)
-    for section, components in (("optimizer", OPTIMIZERS), ("scheduler", SCHEDULERS)):
+    for section, components in (("optimizer", OPTIMIZERS), ("scheduler", SCHEDULERS), ("model", MODELS)):
         for doc in (d for d in docs if d.section == section):
             owners = [c.name for c in components.components() if doc.name in c.config.model_fields]
             if len(owners) == len(components.names()):
@@ -309,7 +309,9 @@ def test_every_field_has_a_description_and_composed_sections_say_who_reads_each(
             assert doc.read_by == tuple(owners), doc
     assert next(d for d in docs if d.section == "data" and d.name == "hf_streaming").read_by == ("hf",)
     assert next(d for d in docs if d.section == "metrics" and d.name == "wandb_run_id").read_by == ("wandb",)
-    composed = ("optimizer", "scheduler", "data", "metrics")
+    rope_theta = next(d for d in docs if d.section == "model" and d.name == "rope_theta")
+    assert rope_theta.read_by == ("transformer",)
+    composed = ("optimizer", "scheduler", "data", "metrics", "model")
     assert all(doc.read_by == () for doc in docs if doc.section not in composed)
 
 

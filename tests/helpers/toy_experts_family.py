@@ -29,6 +29,7 @@ from torch import nn
 
 from engine.config.model import ModelConfig
 from engine.config.registry import MODELS
+from engine.model.moe_config import ExpertFields
 from engine.model.spec import ActivationLayout, ModelParts, ModelSpec, ParamSpec, TPPlan
 
 NAME = "toy_experts"
@@ -273,13 +274,16 @@ SPEC = ModelSpec(
     ),
     tp_plan=TPPlan(outer={}, block=lambda cfg, layer: {}),
     lora_adapters=False,
-    rotary=False,
 )
+
+
+class ToyExpertsConfig(ExpertFields):
+    """The toy's `[model]` fields: the shared ones and the experts' (it reads num_experts and the expert width)."""
 
 
 def register() -> None:
     """Register the toy family (a test undoes it with a registries fixture, or it lives in a torchrun script)."""
-    MODELS.register(NAME)(SPEC)
+    MODELS.register(NAME, spec=SPEC)(ToyExpertsConfig)
 
 
 def toy_config(**fields: Any) -> ModelConfig:

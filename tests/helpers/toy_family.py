@@ -7,8 +7,9 @@ The toy is a token-wise language model (no attention, so no position tables): em
 [x + down(relu(up(norm(x))))] → norm → head. Unlike the transformer its linears have biases (up's is sharded
 with its rows under tensor parallelism, down's replicated), and its Hugging Face names store the block's
 linears input-major (transposed, as GPT-2's Conv1D does), so the spec's vocabulary is exercised beyond what
-the built-in family uses. `register()` adds both; a real family would be a folder under
-engine/model/families/ with its name in `ModelConfig.model_type`.
+the built-in family uses. Its config class (`ToyConfig`) declares one field of its own, `toy_residual_scale`, which
+becomes a key of `[model]` when it is registered. `register()` adds both; a real family would be a folder under
+engine/model/families/ (its `config.py` and its spec) with the same one registration line.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from pydantic import Field
 from torch import nn
 
-from engine.config.model import ModelConfig
+from engine.config.model import ModelConfig, NormChoice
 from engine.config.optimizer import OptimizerFields, OptimizerState
 from engine.config.registry import MODELS, OPTIMIZERS
 from engine.model.norms import build_norm
@@ -55,9 +57,10 @@ class ToyBlock(nn.Module):
         super().__init__()
         self.norm = build_norm(cfg.norm_type, cfg.dim, cfg.norm_eps)
         self.mlp = ToyMLP(cfg)
+        self.residual_scale = cfg.toy_residual_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.norm(x))
+        return x + self.residual_scale * self.mlp(self.norm(x))
 
 
 class ToyLM(nn.Module):
@@ -205,9 +208,9 @@ def model_config(config: dict[str, Any], source: str) -> ModelConfig:
         norm_type=config["norm"],
         norm_eps=config["layer_norm_epsilon"],
         tie_embeddings=config["tie_word_embeddings"],
+        model_type=NAME,
     )
-    # A real family adds its name to ModelConfig.model_type's Literal; model_copy stands in for that edit.
-    return cfg.model_copy(update={"model_type": NAME})
+    return cfg
 
 
 SPEC = ModelSpec(
@@ -283,13 +286,22 @@ class ToyMomentumConfig(OptimizerFields):
         return TOY_STATE
 
 
+class ToyConfig(NormChoice):
+    """The toy family's `[model]` fields: the shared ones, the choice of norm, and one of its own."""
+
+    toy_residual_scale: float = Field(
+        1.0, gt=0, description="toy_mlp only: each block adds its MLP's output times this to the residual stream"
+    )
+
+
 def register() -> None:
     """Register the toy family and the toy optimizer (a test undoes it with the `registries` fixture)."""
-    MODELS.register(NAME)(SPEC)
+    MODELS.register(NAME, spec=SPEC)(ToyConfig)
     OPTIMIZERS.register(OPTIMIZER, build=build_toy_momentum)(ToyMomentumConfig)
 
 
 def toy_config(**fields: Any) -> ModelConfig:
     """A small `[model]` of the toy family."""
-    cfg = ModelConfig(**{"dim": 32, "n_layers": 4, "n_heads": 1, "vocab_size": 64, "ffn_hidden_dim": 48, **fields})
-    return cfg.model_copy(update={"model_type": NAME})
+    return ModelConfig(
+        **{"model_type": NAME, "dim": 32, "n_layers": 4, "n_heads": 1, "vocab_size": 64, "ffn_hidden_dim": 48, **fields}
+    )

@@ -22,8 +22,8 @@ from pydantic import ValidationError
 
 from engine.config.fields import changed_fields
 from engine.config.model import ModelConfig
+from engine.config.registry import MODELS
 from engine.errors import UserError
-from engine.model.families.gpt2.fields import REFUSED_FIELDS
 from engine.model.spec import HFMapping, Piece
 
 GPT2 = "GPT2LMHeadModel"
@@ -57,7 +57,7 @@ LAYER_NAMES = {
 def hf_architecture(cfg: ModelConfig) -> str:
     """GPT2LMHeadModel computes every gpt2 config that leaves the fields GPT-2 has no use for at their
     defaults (as config validation makes every run's config do)."""
-    refused = changed_fields(cfg, REFUSED_FIELDS)
+    refused = changed_fields(cfg, MODELS.foreign_fields("gpt2"))
     if refused:
         raise UserError(
             f"model.{refused[0]} is set, but model.model_type = 'gpt2' has no such setting, so no "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from engine.config.model import ModelConfig
 from engine.config.registry import MODELS
-from engine.model.families.transformer import activations, hf, shapes, tp_plan
+from engine.model.families.transformer import activations, config, hf, shapes, tp_plan
 from engine.model.spec import ModelParts, ModelSpec
 
 
@@ -22,32 +22,32 @@ def rope_width(cfg: ModelConfig) -> int:
     return cfg.head_dim
 
 
-SPEC = MODELS.register("transformer")(
-    ModelSpec(
-        build="engine.model.transformer:Transformer",
-        param_specs=shapes.param_specs,
-        param_counts=shapes.param_counts,
-        flops_per_token=shapes.training_flops_per_token,
-        block_activation_bytes=activations.block_activation_bytes,
-        checkpointed_block_bytes=activations.checkpointed_block_bytes,
-        norm_bytes=activations.norm_bytes,
-        position_table_width=rope_width,
-        parts=ModelParts(
-            blocks="layers",
-            first=("tok_embeddings",),
-            last=("norm", "output"),
-            embedding="tok_embeddings",
-            head="output",
-            tied=("tok_embeddings", "output"),
-            mtp="mtp",
-            attention="attention.core",
-            experts="feed_forward.experts",
-            router="feed_forward.router",
-            compile_regions=("attention", "feed_forward.router", "feed_forward.shared"),
-            high_precision=("*.router.*",),  # the gate runs in fp32 through F.linear on its weight
-        ),
-        tp_plan=tp_plan.PLAN,
-        hf=hf.MAPPING,
-        head_extra_bytes=activations.mtp_bytes,
-    )
+SPEC = ModelSpec(
+    build="engine.model.transformer:Transformer",
+    param_specs=shapes.param_specs,
+    param_counts=shapes.param_counts,
+    flops_per_token=shapes.training_flops_per_token,
+    block_activation_bytes=activations.block_activation_bytes,
+    checkpointed_block_bytes=activations.checkpointed_block_bytes,
+    norm_bytes=activations.norm_bytes,
+    position_table_width=rope_width,
+    parts=ModelParts(
+        blocks="layers",
+        first=("tok_embeddings",),
+        last=("norm", "output"),
+        embedding="tok_embeddings",
+        head="output",
+        tied=("tok_embeddings", "output"),
+        mtp="mtp",
+        attention="attention.core",
+        experts="feed_forward.experts",
+        router="feed_forward.router",
+        compile_regions=("attention", "feed_forward.router", "feed_forward.shared"),
+        high_precision=("*.router.*",),  # the gate runs in fp32 through F.linear on its weight
+    ),
+    tp_plan=tp_plan.PLAN,
+    hf=hf.MAPPING,
+    head_extra_bytes=activations.mtp_bytes,
 )
+
+MODELS.register("transformer", spec=SPEC)(config.TransformerConfig)
