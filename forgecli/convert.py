@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from forgecli.ui import LiveBar, PlainLines, console, err_console, print_json, user_errors
+from forgecli.ui import LiveBar, PlainLines, console, err_console, print_json, print_wide, user_errors
 
 if TYPE_CHECKING:  # the engine is imported when a command runs, not when `forge --help` loads the app
     from engine.checkpoint.hf import ConvertProgress, ConvertReport
@@ -166,7 +166,7 @@ def show(report: ConvertReport, as_json: bool, title: str) -> None:
     table.add_row("files", escape(", ".join(report.files)))
     for what in report.left_out:
         table.add_row("left out", escape(what))
-    console.print(table)
+    print_wide(table)
 
 
 def progress_view(target: Console, what: str) -> RichProgressView | PlainProgressView:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
+from rich.cells import cell_len
 from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -96,6 +97,9 @@ def eval_command(
       forge eval runs/big --tasks hellaswag --nproc-per-node 8
 
     """
+    # The harness's own progress bars (ours is below): tqdm reads this when it is first imported, which
+    # importing engine.eval does, so it is set first.
+    os.environ.setdefault("TQDM_DISABLE", "1")
     from engine.eval.evaluate import EvalRequest, evaluate, prepare
     from engine.parallel.place import process_place
 
@@ -110,7 +114,6 @@ def eval_command(
         max_tokens=max_tokens,
         record=not no_record,
     )
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the harness's own progress bars; ours is below
     if nproc_per_node > 1:
         from forgecli.train import check_not_launched
 
@@ -141,7 +144,7 @@ def show(report: EvalReport, as_json: bool) -> None:
         return
     title = f"{escape(report.checkpoint)}" + (f" (step {report.step})" if report.step is not None else "")
     if report.tasks is not None:
-        table = Table(title=title)
+        table = Table(title=title, min_width=cell_len(title))  # a checkpoint's path, never wrapped mid-name
         for column, justify in (("task", "left"), ("metric", "left"), ("value", "right"), ("stderr", "right")):
             table.add_column(column, justify=justify, no_wrap=True)
         for r in report.tasks.results:
@@ -152,7 +155,8 @@ def show(report: EvalReport, as_json: bool) -> None:
         print_wide(table)
     if report.perplexity is not None:
         p = report.perplexity
-        table = Table(title=f"{title}: {escape(p.data)}", show_header=False)
+        named = f"{title}: {escape(p.data)}"
+        table = Table(title=named, show_header=False, min_width=cell_len(named))
         table.add_column(style="bold")
         table.add_column(justify="right")
         table.add_row("perplexity", f"{p.perplexity:.4f}")

@@ -220,7 +220,7 @@ def show(summary: Summary, as_json: bool) -> None:
     for column in summary.columns:
         table.add_row(escape(column.name), f"({', '.join(map(str, column.shape))}) {column.dtype}")
     table.add_row("shards", f"{summary.shards_written} written, {summary.shards_skipped} already there")
-    console.print(table)
+    print_wide(table)
 
 
 def progress_view(shown: bool) -> RichProgressView | PlainProgressView | NoProgress:

@@ -12,7 +12,7 @@ import typer
 from rich.prompt import Confirm, IntPrompt, Prompt
 
 from forgecli.completion import complete_preset
-from forgecli.ui import console, user_errors
+from forgecli.ui import console, print_wide, user_errors
 
 if TYPE_CHECKING:
     from engine.config.writer import InitAnswers, WrittenPreset
@@ -203,7 +203,7 @@ def show(path: Path, written: WrittenPreset) -> None:
 
     cfg, world = written.config, written.world_size
     console.print(summary_table(job_summary(cfg, world)))
-    console.print(memory_table(estimate_memory(cfg, world), cfg, world, None))
+    print_wide(memory_table(estimate_memory(cfg, world), cfg, world, None))
     for key, why in written.derived.items():
         console.print(f"  [dim]derived[/dim] {key}: {why}", highlight=False)
     console.print(f"[green]✓ wrote {path}[/green], valid" + (f" for world size {world}" if world > 1 else ""))

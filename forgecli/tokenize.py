@@ -16,7 +16,7 @@ from rich.table import Table
 from typer.core import TyperCommand
 
 from engine.data import DEFAULT_SHARD_TOKENS
-from forgecli.ui import LiveBar, PlainLines, console, err_console, print_json, user_errors
+from forgecli.ui import LiveBar, PlainLines, console, err_console, print_json, print_wide, user_errors
 
 if TYPE_CHECKING:  # the engine is imported when the command runs, not when `forge --help` loads the app
     from engine.data.tokenize import Progress as TokenizeProgress
@@ -125,7 +125,7 @@ def tokenize(
     if as_json:
         print_json(report_json(report))
     else:
-        console.print(summary_table(report))
+        print_wide(summary_table(report))
 
 
 @user_errors
@@ -170,7 +170,7 @@ def merge(
     table.add_row("documents", f"{m.total_documents:,}")
     how = "" if report.already_complete else (" (hard links)" if report.linked else " (copied)")
     table.add_row("shards", f"{len(m.shards)} × {m.dtype}{how}")
-    console.print(table)
+    print_wide(table)
 
 
 def trained_vocab_size(train_tokenizer: bool, vocab_size: int | None) -> int | None:

@@ -5,16 +5,18 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Self
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.markup import escape
 from rich.measure import Measurement
 from rich.panel import Panel
 from rich.progress import Progress
 from rich.table import Table
+from rich.text import Text
 
 console = Console()
 err_console = Console(stderr=True)
@@ -40,11 +42,21 @@ def show_user_error(err: Exception) -> None:
         for issue in err.issues:
             table.add_row(escape(issue.path), escape(issue.problem), escape(issue.hint))
         title = f"{len(err.issues)} configuration error(s)" + (f" in {escape(err.source)}" if err.source else "")
-        err_console.print(Panel(table, title=title, border_style="red", expand=False))
+        print_titled(Panel(table, title=title, border_style="red", expand=False), title)
         return
     hint = getattr(err, "hint", "")
     body = escape(str(getattr(err, "message", err))) + (f"\n[dim]fix:[/dim] {escape(hint)}" if hint else "")
     err_console.print(Panel(body, title="error", border_style="red", expand=False))
+
+
+def print_titled(panel: Panel, title: str) -> None:
+    """An error panel on stderr whose title shows whole: off a terminal the panel is made as wide as its title
+    needs (the body still wraps at the console's width), on a terminal the terminal's width decides."""
+    if err_console.is_terminal and not err_console.is_dumb_terminal:
+        err_console.print(panel)
+        return
+    with widened(err_console, Text.from_markup(title).cell_len + 6):  # two corners, two spaces, two rules
+        err_console.print(panel)
 
 
 def show_config_warnings(warnings: list[Any], to: Console | None = None) -> None:
@@ -121,13 +133,28 @@ class PlainLines:
         return None
 
 
-def print_wide(table: Table) -> None:
-    """A table on stdout; off a terminal (a pipe, a log) at its natural width rather than cut to 80 columns."""
-    if is_interactive():
-        console.print(table)
+def print_wide(renderable: RenderableType, to: Console | None = None) -> None:
+    """A table printed whole: off a terminal (a pipe, a log) at its natural width, a row a line, rather than
+    at 80 columns, where Rich narrows columns below their longest word and ends it in `…` (it does not keep
+    a column's minimum when it shrinks one, so only the natural width is sure to cut nothing)."""
+    target = to or console
+    if target.is_terminal and not target.is_dumb_terminal:  # the terminal's width: a resize re-wraps it
+        target.print(renderable)
         return
-    natural = Measurement.get(console, console.options.update_width(10_000), table).maximum
-    Console(width=max(natural, console.width)).print(table)  # print(width=) can only narrow
+    with widened(target, Measurement.get(target, target.options.update_width(10_000), renderable).maximum):
+        target.print(renderable)
+
+
+@contextmanager
+def widened(target: Console, width: int) -> Iterator[None]:
+    """`target` at least `width` columns wide while the block prints (`print(width=)` can only narrow); its
+    other settings (colour, the stream it writes to) stay as they are."""
+    before = target.width
+    target.width = max(width, before)
+    try:
+        yield
+    finally:
+        target.width = before
 
 
 def print_json(data: Any) -> None:

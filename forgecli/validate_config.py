@@ -14,7 +14,7 @@ from rich.tree import Tree
 
 from forgecli.completion import complete_preset
 from forgecli.overrides import collect_overrides
-from forgecli.ui import console, print_json, show_config_warnings, user_errors
+from forgecli.ui import console, print_json, print_wide, show_config_warnings, user_errors
 
 
 @user_errors
@@ -91,10 +91,10 @@ def validate_config(
         return
     console.print(config_tree(cfg.model_dump(mode="json"), str(preset), sources if explain else None))
     console.print(summary_table(summary))
-    console.print(memory_table(stages, cfg, world_size, gpu_memory_gib))
+    print_wide(memory_table(stages, cfg, world_size, gpu_memory_gib))
     console.print(checkpoint_line(checkpoint_bytes(cfg), cfg.checkpoint.keep_last_n))
     if cfg.data.datasets:
-        console.print(phases_table(cfg, world_size))
+        print_wide(phases_table(cfg, world_size))
     console.print(lr_curve(cfg, world_size))
     show_config_warnings(warnings, console)
     console.print("[green]✓ config is valid[/green]" + (f" for world size {world_size}" if world_size > 1 else ""))

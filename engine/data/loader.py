@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from functools import cached_property
@@ -326,8 +327,42 @@ def verified(
 ) -> tuple[Path, Manifest, Path | None, TokenWindows]:
     """Everything a data set must satisfy before training starts; each failure names the file and field.
     Returns the first four fields of a `TokenData`."""
+    if not directory.is_dir():
+        raise DataError(
+            f"{path_field} {directory} is not a directory",
+            f"tokenize text into it first (forge tokenize INPUT… --out {directory}) or fix {path_field}",
+        )
+    with rebuilt_if_cache(directory):
+        manifest = read_manifest(directory)
+    if manifest.vocab_size > cfg.model.vocab_size:
+        raise DataError(
+            f"the tokenizer of {directory / MANIFEST} has {manifest.vocab_size} tokens, "
+            f"more than model.vocab_size = {cfg.model.vocab_size}",
+            f"set model.vocab_size to at least {manifest.vocab_size}",
+        )
+    with rebuilt_if_cache(directory) if cfg.data.tokenizer_path is None else nullcontext():
+        tokenizer_file = matching_tokenizer(directory, manifest, cfg.data.tokenizer_path)
+    shards = selected_shards(directory, manifest, pattern, pattern_field)
+    with rebuilt_if_cache(directory):
+        arrays = [open_shard(directory, info, manifest.dtype) for info in shards]
+    dataset = TokenWindows(arrays, [directory / s.file for s in shards], cfg.train.seq_len, manifest.vocab_size)
+    if len(dataset) == 0:
+        longest = max(s.tokens for s in shards)
+        raise DataError(
+            f"no shard of {directory} holds train.seq_len + 1 = {cfg.train.seq_len + 1} tokens "
+            f"(the longest has {longest})",
+            "lower train.seq_len or tokenize more text",
+        )
+    return directory, manifest, tokenizer_file, dataset
+
+
+@contextmanager
+def rebuilt_if_cache(directory: Path) -> Iterator[None]:
+    """A damaged embedded-corpus cache (its manifest, tokenizer or shards) is Forge's to rebuild, so the fix
+    is to delete it; a config that does not fit the corpus (vocab size, sequence length, file pattern) keeps
+    its own fix, which never names the cache."""
     try:
-        return verified_directory(directory, path_field, pattern, pattern_field, cfg)
+        yield
     except DataError as e:
         if not is_embedded_cache(directory):
             raise
@@ -338,35 +373,6 @@ def verified(
 
 def is_embedded_cache(directory: Path) -> bool:
     return directory.parent.parent == cache_dir() / "corpus"
-
-
-def verified_directory(
-    directory: Path, path_field: str, pattern: str, pattern_field: str, cfg: JobConfig
-) -> tuple[Path, Manifest, Path | None, TokenWindows]:
-    if not directory.is_dir():
-        raise DataError(
-            f"{path_field} {directory} is not a directory",
-            f"tokenize text into it first (forge tokenize INPUT… --out {directory}) or fix {path_field}",
-        )
-    manifest = read_manifest(directory)
-    if manifest.vocab_size > cfg.model.vocab_size:
-        raise DataError(
-            f"the tokenizer of {directory / MANIFEST} has {manifest.vocab_size} tokens, "
-            f"more than model.vocab_size = {cfg.model.vocab_size}",
-            f"set model.vocab_size to at least {manifest.vocab_size}",
-        )
-    tokenizer_file = matching_tokenizer(directory, manifest, cfg.data.tokenizer_path)
-    shards = selected_shards(directory, manifest, pattern, pattern_field)
-    arrays = [open_shard(directory, info, manifest.dtype) for info in shards]
-    dataset = TokenWindows(arrays, [directory / s.file for s in shards], cfg.train.seq_len, manifest.vocab_size)
-    if len(dataset) == 0:
-        longest = max(s.tokens for s in shards)
-        raise DataError(
-            f"no shard of {directory} holds train.seq_len + 1 = {cfg.train.seq_len + 1} tokens "
-            f"(the longest has {longest})",
-            "lower train.seq_len or tokenize more text",
-        )
-    return directory, manifest, tokenizer_file, dataset
 
 
 def matching_tokenizer(directory: Path, manifest: Manifest, tokenizer_path: str | None) -> Path | None:

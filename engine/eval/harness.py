@@ -76,6 +76,11 @@ class ForgeLM(TemplateLM):
             return self.encoder.tokenizer.encode(string, add_special_tokens=False).ids
         return prompt_ids(self.encoder, string)
 
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """The harness's tokenizing of the requests without its progress bar, which it draws whatever
+        TQDM_DISABLE says (it passes `disable` itself): the caller's `progress` reports the scoring."""
+        return super().loglikelihood(requests, disable_tqdm=True)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         pairs = [(ctx, cont) for _, ctx, cont in requests]
         return score(self.model, pairs, self.batch_size, self.progress, self.split)

@@ -88,7 +88,7 @@ def data_tokens(encoder: Encoder, data: str, max_tokens: int | None, text_field:
         return file_tokens(data, encoder, max_tokens, text_field)  # text, JSONL or Parquet files
     if spec.kind == "hf" or (spec.kind == "remote" and not remote_shards(data)):
         return file_tokens(data, encoder, max_tokens, text_field)
-    return shard_tokens(source_directory(JobConfig(), spec, built_by_none), encoder, max_tokens)
+    return shard_tokens(source_directory(JobConfig(), spec, built_by_none), encoder, max_tokens, f"--data {data}")
 
 
 def built_by_none() -> Path:
@@ -103,14 +103,19 @@ def remote_shards(url: str) -> bool:
     return bool(retried(url, lambda: fs.exists(root.rstrip("/") + "/" + MANIFEST)))
 
 
-def shard_tokens(folder: Path, encoder: Encoder, max_tokens: int | None) -> TokenStream:
-    """A `forge tokenize` output, memory-mapped; its tokenizer must be the run's (other ids mean other words)."""
+def shard_tokens(folder: Path, encoder: Encoder, max_tokens: int | None, named: str) -> TokenStream:
+    """A `forge tokenize` output, memory-mapped; its tokenizer must be the run's (other ids mean other words).
+    The fix for another tokenizer's shards names a new folder: `folder` may be one Forge manages (the
+    embedded corpus's cache, a fetched copy) that other runs read, and tokenizing over it would change theirs."""
     manifest = read_manifest(folder)
     if manifest.tokenizer_sha256 != encoder.sha256:
+        shown = named if named.endswith(str(folder)) else f"{named} ({folder})"
         raise DataError(
-            f"{folder} was tokenized with another tokenizer (sha256 {manifest.tokenizer_sha256[:12]}…) than the "
+            f"{shown} was tokenized with another tokenizer (sha256 {manifest.tokenizer_sha256[:12]}…) than the "
             f"model's ({encoder.sha256[:12]}…)",
-            f"tokenize the text again with the model's tokenizer: forge tokenize INPUT… --tokenizer RUN/tokenizer.json --out {folder}",
+            "pass held-out text of the model's own data: files (--data FILE…: text, JSONL or Parquet, tokenized "
+            "here with the model's tokenizer), or shards made with it in a new folder (forge tokenize INPUT… "
+            "--tokenizer RUN/tokenizer.json --out NEW_DIR, then --data NEW_DIR)",
         )
     pieces = [open_shard(folder, info, manifest.dtype) for info in manifest.shards]
     digest = hashlib.sha256((folder / MANIFEST).read_bytes()).hexdigest()

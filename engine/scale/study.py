@@ -25,7 +25,7 @@ from engine.model.estimate import param_counts, training_flops_per_token
 from engine.run_files import METRICS_FILE, RUN_CONFIG
 from engine.runs import metric_records, run_config, summarize_run
 from engine.scale.family import check_scalable, family_fields
-from engine.scale.fit import approach2, approach3, check_enough
+from engine.scale.fit import MIN_RUNS, approach2, approach3, check_enough
 
 # [data] fields that say how batches are loaded, not what they hold (and the tokenizer, compared on its own).
 LOADER_FIELDS = ("num_workers", "pin_memory", "prefetch_factor", "tokenizer_path")  # the last: see `tokenizer`
@@ -169,12 +169,22 @@ def collect(args: list[Path], strict: bool) -> tuple[list[RunPoint], list[Unfini
     points = [r for r in read if isinstance(r, RunPoint)]
     unfinished += [r for r in read if isinstance(r, Unfinished)]
     if strict and unfinished:
-        listed = "; ".join(f"{u.path} ({u.status}: {u.detail})" for u in unfinished)
         raise UserError(
-            f"--strict: {len(unfinished)} run(s) have not finished: {listed}", "finish them, or drop --strict"
+            f"--strict: {len(unfinished)} run(s) have not finished: {listed(unfinished)}",
+            "finish them, or drop --strict",
+        )
+    if unfinished and len(points) < MIN_RUNS:  # the runs to wait for are the answer, so they are named
+        raise UserError(
+            f"a scaling fit needs at least {MIN_RUNS} finished runs; got {len(points)}, and "
+            f"{len(unfinished)} run(s) have not finished: {listed(unfinished)}",
+            "finish them (`forge scale run PLAN_DIR` trains or continues a plan's runs), then fit again",
         )
     check_enough(len(points))
     return points, unfinished
+
+
+def listed(unfinished: list[Unfinished]) -> str:
+    return "; ".join(f"{u.path} ({u.status}: {u.detail})" for u in unfinished)
 
 
 def fit_study(points: list[RunPoint], bootstrap: int, seed: int) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -68,12 +69,39 @@ def require_tool(tool: str) -> str:
     return path
 
 
-def slurm(tool: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+SBATCH_REFUSED = (
+    "nothing was submitted and the folders made for the job were removed: fix what sbatch says (a partition, "
+    "account, QOS or limit of this cluster: --partition, --account, --qos, --time, --sbatch-arg) and submit "
+    "again; --dry-run prints the script"
+)
+
+
+def slurm(tool: str, *args: str, check: bool = True, hint: str = "") -> subprocess.CompletedProcess:
     """Run a SLURM client tool (argument list, no shell); a failure is a user error that quotes its message."""
     done = subprocess.run([require_tool(tool), *args], capture_output=True, text=True, timeout=TOOL_TIMEOUT)
     if check and done.returncode != 0:
-        raise UserError(f"{tool} {' '.join(args)} failed: {done.stderr.strip() or done.stdout.strip()}", "")
+        raise UserError(f"{tool} {' '.join(args)} failed: {done.stderr.strip() or done.stdout.strip()}", hint)
     return done
+
+
+@contextmanager
+def removed_on_failure(folders: list[Path]) -> Iterator[None]:
+    """The folders a submission is about to make (and the missing parents it makes with them), removed again
+    if the block fails, so that a refused sbatch leaves no empty run or sweep folders behind; a folder that
+    was there before is kept."""
+    made = list(dict.fromkeys(outermost_missing(folder) for folder in folders if not folder.exists()))
+    try:
+        yield
+    except BaseException:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def outermost_missing(folder: Path) -> Path:
+    while not folder.parent.exists():
+        folder = folder.parent
+    return folder
 
 
 @dataclass
@@ -134,11 +162,15 @@ def check_existing_run(cfg: JobConfig, run_dir: Path) -> None:
 def submit(sub: Submission) -> str:
     """Write the script, submit it (`sbatch --parsable`), keep a record in every run directory; the job id."""
     require_tool("sbatch")
-    for run_dir in [sub.request.run_dir, *sub.run_dirs]:
-        (run_dir / SLURM_DIR).mkdir(parents=True, exist_ok=True)
-        (run_dir / SLURM_DIR / STOP_MARKER).unlink(missing_ok=True)  # a new submission runs until told otherwise
-    sub.script_path.write_text(sub.script)
-    job_id = slurm("sbatch", "--parsable", str(sub.script_path)).stdout.strip().split(";")[0]
+    folders = [run_dir / SLURM_DIR for run_dir in [sub.request.run_dir, *sub.run_dirs]]
+    with removed_on_failure(folders):
+        for folder in folders:
+            folder.mkdir(parents=True, exist_ok=True)
+        sub.script_path.write_text(sub.script)
+        job_id = slurm("sbatch", "--parsable", str(sub.script_path), hint=SBATCH_REFUSED).stdout
+    job_id = job_id.strip().split(";")[0]
+    for folder in folders:
+        (folder / STOP_MARKER).unlink(missing_ok=True)  # a new submission runs until told otherwise
     record = {"job_id": job_id, "script": str(sub.script_path), "submitted_at": now(), "argv": sub.argv}
     if sub.points:
         record["points"] = [str(p.run_dir) for p in sub.points]

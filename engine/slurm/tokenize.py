@@ -15,9 +15,10 @@ from pathlib import Path
 
 from engine.data import DEFAULT_SHARD_TOKENS
 from engine.data.parts import Part
-from engine.data.tokenize import check_request
+from engine.data.sources import FileSource
+from engine.data.tokenize import check_request, kind_of
 from engine.errors import DataError, UserError
-from engine.slurm.jobs import SLURM_DIR, require_tool, slurm
+from engine.slurm.jobs import SBATCH_REFUSED, SLURM_DIR, removed_on_failure, require_tool, slurm
 from engine.slurm.render import check_directive, render
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "templates" / "slurm_tokenize.sbatch"
@@ -89,6 +90,8 @@ def prepare(job: TokenizeJob, template: Path = TEMPLATE) -> Scripts:
     directives) and render both scripts."""
     Part(0, job.count)
     check_request(job.out, job.tokenizer, None, job.eos_token, job.shard_tokens)
+    if not any(kind_of(text) for text in job.inputs):  # files, folders, URLs: checked as forge tokenize does
+        FileSource(job.inputs).check(job.text_field)  # (a dataset is left to the parts: opening it downloads)
     if job.out.exists():
         raise DataError(f"--out {job.out} already exists", "choose a new directory for the merged data set")
     for name, value in (("--time", job.time), ("--partition", job.partition), ("--account", job.account),
@@ -125,20 +128,27 @@ def prepare(job: TokenizeJob, template: Path = TEMPLATE) -> Scripts:
 def submit(scripts: Scripts) -> tuple[str, str]:
     """Write both scripts, submit the array, then the merge depending on it; the two job ids."""
     require_tool("sbatch")
-    scripts.directory.mkdir(parents=True, exist_ok=True)
-    (scripts.directory / ARRAY_SCRIPT).write_text(scripts.array)
-    (scripts.directory / MERGE_SCRIPT).write_text(scripts.merge)
-    array = job_id(slurm("sbatch", "--parsable", str(scripts.directory / ARRAY_SCRIPT)).stdout)
-    merge = job_id(
-        slurm(
+    with removed_on_failure([scripts.directory]):
+        scripts.directory.mkdir(parents=True, exist_ok=True)
+        (scripts.directory / ARRAY_SCRIPT).write_text(scripts.array)
+        (scripts.directory / MERGE_SCRIPT).write_text(scripts.merge)
+        array = job_id(slurm("sbatch", "--parsable", str(scripts.directory / ARRAY_SCRIPT), hint=SBATCH_REFUSED).stdout)
+        merged = slurm(
             "sbatch",
             "--parsable",
             f"--dependency=afterok:{array}",
             "--kill-on-invalid-dep=yes",
             str(scripts.directory / MERGE_SCRIPT),
-        ).stdout
-    )
-    return array, merge
+            check=False,
+        )
+        if merged.returncode != 0:  # parts nothing would merge: cancelled before they start
+            slurm("scancel", array, check=False)
+            raise UserError(
+                f"sbatch of the merge job failed: {merged.stderr.strip() or merged.stdout.strip()}; "
+                f"the array job {array} was cancelled",
+                SBATCH_REFUSED,
+            )
+    return array, job_id(merged.stdout)
 
 
 def job_id(parsable: str) -> str:

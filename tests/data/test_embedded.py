@@ -71,3 +71,18 @@ def test_unwritable_cache_is_a_data_error(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(DataError, match="cannot write the Forge cache") as err:
         embedded_corpus()
     assert "FORGE_CACHE_DIR" in err.value.hint
+
+
+def test_a_config_that_does_not_fit_the_corpus_keeps_its_own_fix_and_a_damaged_cache_is_rebuilt(cache: Path):
+    """Deleting the cache is the fix for a damaged cache only: a model.vocab_size below the corpus's says to
+    raise it (a rebuilt cache would be refused the same way), never to delete a folder Forge manages."""
+    with pytest.raises(DataError, match=r"more than model\.vocab_size = 1000") as small:
+        open_train_data(job_config(None, "model.vocab_size=1000"))
+    assert small.value.hint == "set model.vocab_size to at least 4096" and str(cache) not in small.value.hint
+
+    corpus = embedded_corpus()
+    shard = corpus.train / read_manifest(corpus.train).shards[0].file
+    shard.write_bytes(shard.read_bytes()[:-2])  # truncated, as a full disk or a killed copy leaves it
+    with pytest.raises(DataError, match=r"truncated|holds") as damaged:
+        open_train_data(job_config(None, "model.vocab_size=4096"))
+    assert damaged.value.hint.startswith(f"delete {corpus.train.parent} (the embedded corpus cache)")

@@ -29,6 +29,7 @@ from engine.eval.suite import load_tasks, run_tasks, task_manager
 from engine.generate import load_model
 from engine.model.transformer import Transformer
 from forgecli.app import app
+from tests.helpers.cli import forge as forge_process
 from tests.helpers.data_fixtures import corpus_texts, job_config, tokenized, tokenizer_file, write_jsonl
 
 MAX_SEQ_LEN = 64
@@ -245,6 +246,15 @@ def test_cli_records_results_that_forge_runs_shows(run, tasks):
     shipped = forge("eval", str(run), "--tasks", "forge_next_line", "--limit", "4", "--no-record", "--json")
     assert shipped.exit_code == 0, shipped.output
     assert json.loads(shipped.stdout)["samples"] == {"forge_next_line": 4}
+
+
+def test_piped_output_holds_no_progress_bar_frames(run):
+    """`forge eval … | cat` (its own process: tqdm reads TQDM_DISABLE when first imported): the harness's bars
+    would join their frames with carriage returns on one line; Forge's own progress is plain lines."""
+    piped = forge_process("eval", str(run), "--tasks", "forge_next_line", "--limit", "4", "--no-record")
+    assert piped.returncode == 0, piped.stderr
+    assert "\r" not in piped.stdout and "\r" not in piped.stderr, piped.stderr
+    assert "forge_next_line" in piped.stdout and "evaluating:" in piped.stdout
 
 
 def test_cli_refuses_bad_input_and_writes_nothing(run, tasks, tmp_path):

@@ -229,6 +229,17 @@ def test_bad_input_exits_2_and_writes_nothing(setup, tmp_path, args, needles):
     assert not (tmp_path / "out").exists()
 
 
+def test_another_tokenizers_corpus_is_refused_with_a_fix_that_writes_no_folder_forge_manages(setup, tmp_path):
+    """`--data embedded:val` for a model of another tokenizer: the fix says to tokenize into a new folder,
+    never over the embedded corpus's cache, which every run on it reads."""
+    _, run, _ = setup
+    result = forge("extract", run, "--layers", "norm", "--data", "embedded:val", "--out", tmp_path / "out")
+    assert result.exit_code == 2 and "--data embedded:val" in result.said and "another tokenizer" in result.said
+    fix = result.said.split("fix:", 1)[1]
+    assert "--out NEW_DIR" in fix and str(embedded_corpus().val) not in fix, fix
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_checkpoint_and_foreign_output_folder(setup, tmp_path):
     _, run, _ = setup
     result = forge("extract", tmp_path / "nope", "--layers", "norm", "--text", "hi", "--out", tmp_path / "out")

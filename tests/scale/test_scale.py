@@ -390,6 +390,27 @@ def test_too_few_runs_and_unfinished_runs(study, tmp_path):
     assert f"--strict: 1 run(s) have not finished: {runs[0]} (failed" in flat(strict.output)
 
 
+def test_fit_of_a_study_still_training_exits_2_naming_the_runs_to_wait_for(study, tmp_path):
+    """A freshly planned study (no run started) and one with a run still training (a start and no end): the
+    documented plan → run → fit order run too early is a user error listing what has not finished."""
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(TINY)
+    assert forge("scale", "plan", str(preset), *TINY_PLAN, "--out", str(tmp_path / "plan")).exit_code == 0
+    points = json.loads((tmp_path / "plan" / "plan.json").read_text())["points"]
+    fresh = forge("scale", "fit", str(tmp_path / "plan"))
+    assert fresh.exit_code == 2 and "Traceback" not in fresh.output, fresh.output
+    assert "got 0, and 6 run(s) have not finished" in flat(fresh.output)
+    for point in points:
+        assert f"{tmp_path / 'plan' / point['run_dir']} (not started: no run yet)" in flat(fresh.output)
+
+    runs = copy_runs(study, tmp_path / "copies")
+    attempts = runs[0] / "attempts.jsonl"
+    attempts.write_text("".join(attempts.read_text().splitlines(keepends=True)[:-1]))  # started, not ended
+    started = forge("scale", "fit", *map(str, runs[:4]), "--bootstrap", "10")
+    assert started.exit_code == 2 and "Traceback" not in started.output, started.output
+    assert f"got 3, and 1 run(s) have not finished: {runs[0]} (failed" in flat(started.output)
+
+
 def test_slurm_submission_is_one_array_of_the_points_own_configs(tmp_path):
     """--slurm --dry-run: one array task per point, each training its own config into its own run directory
     (bash itself reads the script's assignments); a job of another world size than the plan's is refused."""

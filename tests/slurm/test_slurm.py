@@ -518,6 +518,66 @@ def test_slurm_tokenize_refuses_bad_requests_before_anything_is_written(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "taken", "tok"]
 
 
+def test_slurm_tokenize_checks_its_inputs_as_forge_tokenize_does(tmp_path):
+    """Inputs that `forge tokenize` refuses (a missing folder, one without documents) are refused before the
+    scripts are rendered, not in the parts' logs."""
+    _, tok = tokenize_inputs(tmp_path)
+    (tmp_path / "no-docs").mkdir()
+    (tmp_path / "no-docs" / "notes.md").write_text("not a format forge tokenize reads")
+    for given, message in ((tmp_path / "corpus", "not found"), (tmp_path / "no-docs", "no documents found")):
+        args = [str(given), "--tokenizer", str(tok), "--num-shards", "2", "--out", str(tmp_path / "o")]
+        local = runner.invoke(app, ["tokenize", *args[:3], "--out", str(tmp_path / "o")], env={"NO_COLOR": "1"})
+        result = runner.invoke(app, ["slurm", "tokenize", *args, "--dry-run"], env={"NO_COLOR": "1"})
+        assert local.exit_code == 2 and message in local.output, local.output
+        assert result.exit_code == 2 and message in result.output and "#SBATCH" not in result.output, result.output
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.parts").exists()
+
+
+def refusing_sbatch(folder: Path) -> dict[str, str]:
+    """A PATH whose `sbatch` fails as a cluster refusing the job does (an unknown partition, say)."""
+    folder.mkdir()
+    sbatch = folder / "sbatch"
+    sbatch.write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: nope' >&2\nexit 1\n")
+    sbatch.chmod(0o755)
+    return {"PATH": f"{folder}:{os.environ['PATH']}", "NO_COLOR": "1", "COLUMNS": "200"}
+
+
+def test_a_refused_sbatch_leaves_nothing_behind_and_says_what_to_do(tmp_path):
+    env = refusing_sbatch(tmp_path / "bin")
+    runs = tmp_path / "runs"
+    submitted = runner.invoke(
+        app,
+        ["slurm", "submit", "presets/debug.toml", "--run-dir", str(runs / "lr"), "--sweep", "optimizer.lr=1e-3,3e-4"],
+        env=env,
+    )
+    assert submitted.exit_code == 2, submitted.output
+    assert "invalid partition specified" in submitted.output and "nothing was submitted" in submitted.output
+    assert not runs.exists()
+
+    source, tok = tokenize_inputs(tmp_path)
+    out = tmp_path / "data"
+    args = [str(source), "--tokenizer", str(tok), "--num-shards", "2", "--out", str(out)]
+    tokenized = runner.invoke(app, ["slurm", "tokenize", *args], env=env)
+    assert tokenized.exit_code == 2 and "nothing was submitted" in tokenized.output, tokenized.output
+    assert not (tmp_path / "data.parts").exists() and not out.exists()
+
+    from tests.helpers.scale import TINY
+
+    plan = tmp_path / "plan"
+    (tmp_path / "tiny.toml").write_text(TINY)
+    planned = runner.invoke(
+        app,
+        ["scale", "plan", str(tmp_path / "tiny.toml"), "--budgets", "1.6e10", "--sizes-per-budget", "3",
+         "--span", "2", "--tokens-per-param", "0.004", "--out", str(plan)],
+        env=env,
+    )  # fmt: skip
+    assert planned.exit_code == 0, planned.output
+    before = sorted(p.relative_to(plan) for p in plan.rglob("*"))
+    scaled = runner.invoke(app, ["scale", "run", str(plan), "--slurm"], env=env)
+    assert scaled.exit_code == 2 and "nothing was submitted" in scaled.output, scaled.output
+    assert sorted(p.relative_to(plan) for p in plan.rglob("*")) == before
+
+
 @pytest.mark.slurm
 def test_slurm_tokenize_runs_the_parts_and_merges_them(cluster, tmp_path):
     """Three array tasks and the merge job after them leave the data set one process would: the same tokens,
