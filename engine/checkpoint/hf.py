@@ -391,9 +391,8 @@ def import_from_hf(
 
 def read_hf_model_config(hf_dir: Path) -> ModelConfig:
     if not hf_dir.is_dir():
-        raise UserError(
-            f"{hf_dir} is not a folder", "pass a local Hugging Face model folder (config.json + *.safetensors)"
-        )
+        what = "is not a folder" if hf_dir.exists() else "does not exist"
+        raise UserError(f"{hf_dir} {what}", "pass a local Hugging Face model folder (config.json + *.safetensors)")
     path = hf_dir / "config.json"
     if not path.is_file():
         raise UserError(

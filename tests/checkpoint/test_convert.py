@@ -349,7 +349,8 @@ def test_from_hf_bad_input_exits_2_and_writes_nothing(tmp_path):
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
     cases = [
-        (tmp_path / "nowhere", "not a folder"),
+        (tmp_path / "nowhere", "nowhere does not exist"),
+        (broken / "config.json", "config.json is not a folder"),
         (tmp_path, "no config.json"),
         (neox, "'gpt_neox' (GPTNeoXForCausalLM)"),
         (gpt2, "config.json has no 'n_layer'"),
