@@ -165,8 +165,11 @@ class TensorBoardSink:
 class WandbSink:
     """A W&B run in `run_dir/wandb` with the resolved config; `WANDB_MODE=offline` logs locally (`wandb sync`).
 
-    Metrics are plotted against an explicit `step` metric, the training step.
+    Metrics are plotted against an explicit `step` metric, the training step. Its run id is its state: the
+    checkpoint keeps it under `name` (engine/metrics/callback.py), so a resumed run logs into the same W&B run.
     """
+
+    name = "wandb"
 
     def __init__(self, cfg: JobConfig, run_dir: Path, name: str, run_id: str | None) -> None:
         try:
@@ -197,6 +200,9 @@ class WandbSink:
 
     def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
         self.run.log({**series(metrics), "step": step})
+
+    def state_dict(self) -> dict[str, str]:
+        return {"run_id": self.run.id}
 
     def close(self) -> None:
         self.run.finish()
