@@ -126,7 +126,6 @@ def run_loop(loop: TrainLoop, stop: StopRequest) -> dict[str, Any]:
         result = train_step(job, step, batches, loop.loss_fn, loop, lambda: stop.requested)
         loop.count(result)
         with loop.saved_on_failure(step):
-            events.raise_failure(step, result.callback_failed)  # agreed in the step's sync
             events.emit("after_optimizer_step", step, step, result, loop)
             if result.problem is not None:
                 loop.skipped(step, result.problem)
@@ -135,6 +134,7 @@ def run_loop(loop: TrainLoop, stop: StopRequest) -> dict[str, Any]:
             if step % job.cfg.eval.interval == 0 or step == max_steps:
                 events.emit("on_eval_due", step, step, loop)
             events.emit("after_step", step, step, result, loop)
+            events.raise_failure(step, result.callback_failed)  # agreed in the step's sync
             # agreed in the step's one sync (a signal after it counts at the next step); the last step just finishes
             loop.stopping = result.stop_requested and step < max_steps
             if job.checkpointer.due(step, max_steps):

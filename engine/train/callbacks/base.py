@@ -31,9 +31,10 @@ lists, dicts); the checkpoint keeps it in its train state under the callback's `
 resumed run hands it to `load_state_dict` before the first event.
 
 A callback that raises (with `failure_saves`, the default) stops the run on every rank as a failing
-`[[train.hooks]]` hook does: the step is saved (unless it is), and `CallbackFailed` names the callback, the
-event and the error. A failure inside a step (before_step, before_optimizer_step) is raised once the step
-is done, so that the checkpoint holds a whole step. The engine's own callbacks set `failure_saves = False`:
+`[[train.hooks]]` hook does: a step is saved (unless it is), and `CallbackFailed` names the callback, the
+event and the error. Every rank learns of it in a step's one sync, at no extra cost: a failure inside step N
+(before_step, before_optimizer_step) stops the run after step N's `after_step`, one later in the step (or
+at the end of the run) after step N + 1's; the checkpoint holds that whole step, its metrics logged. The engine's own callbacks set `failure_saves = False`:
 their errors (a checkpoint that cannot be written, a rank that stopped answering) are the run's own.
 """
 

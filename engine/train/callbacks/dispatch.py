@@ -20,8 +20,9 @@ class Callbacks:
 
     A failure-saving callback that raises is logged and recorded, and the rest of that event skipped. Every
     rank learns of a failure on any rank in the next step's sync, which carries the vote at no cost
-    (engine.train.step.step_totals), and all raise `CallbackFailed` together (`raise_failure`): a failure
-    inside step N (before_step, before_optimizer_step) stops at step N, one after its sync at step N + 1. At
+    (engine.train.step.step_totals), and all raise `CallbackFailed` together (`raise_failure`, once the step's
+    events up to `after_step` are done, so that the step saved is whole, logs included): a failure inside step
+    N (before_step, before_optimizer_step) stops at step N, one after its sync at step N + 1. At
     the points no step follows (a preemption, the end) `settle` asks the ranks itself (one all-reduce, only
     when failure-saving callbacks exist). A callback that is not failure-saving raises through at once (the
     engine's own errors, and the config hooks' `HookFailed`, which they agree themselves)."""
