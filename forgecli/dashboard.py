@@ -1,18 +1,24 @@
-"""Training progress on the console: a live Rich dashboard on a terminal, plain log lines otherwise."""
+"""Training progress on the console: a live Rich dashboard on a terminal, plain log lines otherwise. Both
+are training-loop callbacks (engine/train/callbacks/base.py), on rank 0: they show every logged record, the
+step's, the evaluation's, the tasks' and whatever another callback logs."""
 
 from __future__ import annotations
 
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from engine.train.callbacks.base import PRIORITY, Callback
 from forgecli.ui import console, show_config_warnings
+
+if TYPE_CHECKING:
+    from engine.train.trainer import TrainLoop
 
 
 def fmt_metrics(metrics: dict[str, Any]) -> dict[str, str]:
@@ -42,6 +48,10 @@ def expert_load(metrics: dict[str, Any]) -> str:
     return text if not dead else f"{text}, {dead:.0f} dead experts"
 
 
+def fmt_value(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def start_line(info: dict[str, Any]) -> str:
     resumed = f", resuming after step {info['start_step']}" if info["start_step"] else ""
     params = info["parameters"]
@@ -56,7 +66,31 @@ def start_line(info: dict[str, Any]) -> str:
     )
 
 
-class PlainReporter:
+class Console(Callback):
+    """What both consoles share: where they run, and which record goes to which view."""
+
+    priority = PRIORITY["console"]
+    ranks = "main"
+    failure_saves = False  # a console that cannot write stops the run with its own error, as before
+
+    def on_start(self, loop: TrainLoop) -> None:
+        self.show_start(loop.info)
+
+    def on_metrics(self, step: int, metrics: dict[str, Any], kind: str, loop: TrainLoop) -> None:
+        view = {"train": self.on_log, "eval": self.on_eval}.get(kind)
+        if view is not None:
+            view(step, metrics)
+        else:
+            self.on_other(step, metrics, kind)
+
+    def on_checkpoint_written(self, step: int, path: Path, loop: TrainLoop) -> None:
+        self.on_checkpoint(step, path)
+
+    def on_end(self, summary: dict[str, Any], loop: TrainLoop) -> None:
+        self.show_end(summary)
+
+
+class PlainReporter(Console):
     """One line per event, no colour or cursor movement: for SLURM logs, CI and pipes."""
 
     def __init__(self, stream: TextIO = sys.stdout) -> None:
@@ -67,7 +101,7 @@ class PlainReporter:
     def _line(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
 
-    def on_start(self, info: dict[str, Any]) -> None:
+    def show_start(self, info: dict[str, Any]) -> None:
         self.max_steps, self.start_step = info["max_steps"], info["start_step"]
         self.started = time.perf_counter()
         show_config_warnings(info.get("warnings", []))
@@ -83,18 +117,21 @@ class PlainReporter:
         ema = f" ema_loss={metrics['eval_loss_ema']:.4f}" if "eval_loss_ema" in metrics else ""
         self._line(f"eval step {step} loss={metrics['eval_loss']:.4f} perplexity={metrics['eval_perplexity']:.2f}{ema}")
 
+    def on_other(self, step: int, metrics: dict[str, Any], kind: str) -> None:
+        self._line(f"{kind} step {step} " + " ".join(f"{k}={fmt_value(v)}" for k, v in metrics.items()))
+
     def on_checkpoint(self, step: int, path: Path) -> None:
         self._line(f"checkpoint step {step} → {path}")
 
-    def on_end(self, summary: dict[str, Any]) -> None:
+    def show_end(self, summary: dict[str, Any]) -> None:
         self._line(
             f"done: {summary['steps']} steps, {summary['tokens_seen']:,} tokens in {summary['train_time_sec']:.1f}s, "
             f"final loss {summary['final_loss']:.4f}"
         )
 
 
-class LiveDashboard:
-    """A progress bar with ETA and a table of the latest metrics, redrawn in place."""
+class LiveDashboard(Console):
+    """A progress bar with ETA and a table of the latest metrics (other callbacks' too), redrawn in place."""
 
     def __init__(self) -> None:
         self.progress = Progress(
@@ -107,20 +144,21 @@ class LiveDashboard:
         self.task = self.progress.add_task("train", total=1)
         self.metrics: dict[str, str] = {}
         self.eval: dict[str, str] = {}
+        self.other: dict[str, str] = {}  # the latest values other callbacks logged
         self.live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
 
     def _render(self) -> Table:
         table = Table.grid(padding=(0, 2))
         table.add_row(self.progress)
         metrics = Table(show_header=True, header_style="bold cyan", box=None)
-        for name in [*self.metrics, *self.eval]:
+        for name in [*self.metrics, *self.eval, *self.other]:
             metrics.add_column(name, justify="right")
-        if self.metrics or self.eval:
-            metrics.add_row(*self.metrics.values(), *self.eval.values())
+        if self.metrics or self.eval or self.other:
+            metrics.add_row(*self.metrics.values(), *self.eval.values(), *self.other.values())
         table.add_row(metrics)
         return table
 
-    def on_start(self, info: dict[str, Any]) -> None:
+    def show_start(self, info: dict[str, Any]) -> None:
         show_config_warnings(info.get("warnings", []))
         console.print(start_line(info), markup=False, highlight=False)
         self.progress.update(self.task, total=info["max_steps"], completed=info["start_step"])
@@ -137,10 +175,14 @@ class LiveDashboard:
             self.eval["eval loss (EMA)"] = f"{metrics['eval_loss_ema']:.4f}"
         self.live.update(self._render())
 
+    def on_other(self, step: int, metrics: dict[str, Any], kind: str) -> None:
+        self.other.update({k: fmt_value(v) for k, v in metrics.items()})
+        self.live.update(self._render())
+
     def on_checkpoint(self, step: int, path: Path) -> None:
         self.live.console.print(f"[dim]checkpoint step {step} → {escape(str(path))}[/dim]")
 
-    def on_end(self, summary: dict[str, Any]) -> None:
+    def show_end(self, summary: dict[str, Any]) -> None:
         self.live.update(self._render())
         self.live.stop()
         console.print(

@@ -195,11 +195,11 @@ def run_training(cfg: JobConfig, run_dir: Path, as_json: bool, allow_code: bool 
     from engine.resilience.anomaly import TrainingDiverged
     from engine.resilience.health import CollectiveTimeout
     from engine.resilience.signals import PREEMPTED_EXIT, Preempted
-    from engine.train.hooks import HookFailed
+    from engine.train.callbacks import CallbackFailed
 
     try:
         with progress_shown_by(cache_build_bar) if live else contextlib.nullcontext():
-            summary = train_job(cfg, run_dir, reporter, allow_run_dir_code=allow_code)
+            summary = train_job(cfg, run_dir, [reporter] if reporter else [], allow_run_dir_code=allow_code)
     except Preempted as stopped:
         if not main_rank:
             raise typer.Exit(PREEMPTED_EXIT) from None
@@ -212,7 +212,7 @@ def run_training(cfg: JobConfig, run_dir: Path, as_json: bool, allow_code: bool 
             soft_wrap=True,
         )
         raise typer.Exit(PREEMPTED_EXIT) from None
-    except (TrainingDiverged, CollectiveTimeout, CheckpointWriteError, HookFailed) as err:
+    except (TrainingDiverged, CollectiveTimeout, CheckpointWriteError, CallbackFailed) as err:
         show_run_failure(str(err))
         raise typer.Exit(1) from None
     finally:

@@ -36,8 +36,12 @@ class Sink(Protocol):
 class MetricsLogger:
     """Fans each `log` call out to every sink; usable as a context manager so sinks close on errors too."""
 
-    def __init__(self, sinks: list[Sink]) -> None:
-        self.sinks = sinks
+    def __init__(self, sinks: Mapping[str, Sink]) -> None:
+        self.named = dict(sinks)  # registry name (METRICS_SINKS) → the started sink: each one's callback name
+
+    @property
+    def sinks(self) -> list[Sink]:
+        return list(self.named.values())
 
     def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
         for sink in self.sinks:
@@ -50,7 +54,8 @@ class MetricsLogger:
     @property
     def wandb_run_id(self) -> str | None:
         """The W&B run's id, saved in checkpoints so a resumed run logs into the same W&B run."""
-        return next((sink.run.id for sink in self.sinks if isinstance(sink, WandbSink)), None)
+        wandb = self.named.get("wandb")
+        return wandb.run.id if wandb is not None else None
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -89,10 +94,10 @@ def build_trackers(
     into instead, e.g. to continue a run started elsewhere.
     """
     context = SinkContext(cfg, Path(run_dir), run_name, resumed_from, wandb_run_id)
-    sinks: list[Sink] = []
+    sinks: dict[str, Sink] = {}
     try:
         for sink in METRICS_SINKS.enabled(cfg.metrics):
-            sinks.append(sink.implementation()(METRICS_SINKS.own(sink, cfg.metrics), context))
+            sinks[sink.name] = sink.implementation()(METRICS_SINKS.own(sink, cfg.metrics), context)
     except BaseException:
         MetricsLogger(sinks).close()
         raise
@@ -188,7 +193,9 @@ class TensorBoardSink:
 class WandbSink:
     """A W&B run in `run_dir/wandb` with the resolved config; `WANDB_MODE=offline` logs locally (`wandb sync`).
 
-    Metrics are plotted against an explicit `step` metric, the training step.
+    Metrics are plotted against an explicit `step` metric, the training step. Its run id is its state: the
+    checkpoint keeps it under its registered name (engine/metrics/callback.py), so a resumed run logs into the
+    same W&B run.
     """
 
     def __init__(self, cfg: JobConfig, run_dir: Path, name: str, run_id: str | None) -> None:
@@ -220,6 +227,9 @@ class WandbSink:
 
     def log(self, step: int, metrics: Mapping[str, float | None]) -> None:
         self.run.log({**series(metrics), "step": step})
+
+    def state_dict(self) -> dict[str, str]:
+        return {"run_id": self.run.id}
 
     def close(self) -> None:
         self.run.finish()

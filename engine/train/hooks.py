@@ -1,12 +1,7 @@
-"""Extension points of training, of two kinds.
-
-`TrainHooks` reach inside one step, for library users (inspecting or editing gradients, registering
-forward hooks for one step, injecting faults in tests): passed to `engine.train.trainer.train`, every
-method on every rank. The CLI passes none.
-
-`TrainingHook` is the loop's call points, for research code named in the config without editing Forge:
-`[[train.hooks]] {target = "package.module:Class", every = N, args = {...}}`. The class is built once per
-process with `args` as keyword arguments, on the ranks its `ranks` attribute names, and called:
+"""`[[train.hooks]]`: research code named in the config, called at the loop's call points without editing
+Forge: `[[train.hooks]] {target = "package.module:Class", every = N, args = {...}}`. The class (a
+`TrainingHook`) is built once per process with `args` as keyword arguments, on the ranks its `ranks`
+attribute names, and called:
 
 - `on_step_end(step, metrics, job)` after steps N, 2N, … (metrics: step, loss, grad_norm, lr, skipped);
 - `on_eval(step, metrics, job)` after every evaluation (metrics: eval_loss, eval_perplexity, …);
@@ -16,6 +11,9 @@ process with `args` as keyword arguments, on the ranks its `ranks` attribute nam
 Within one step the order is on_eval, on_step_end, on_checkpoint. `step` counts from 1 as in the metrics; `job` is the `engine.train.job.Job` (model, optimizer, config, …).
 A hook that raises stops the run on every rank: the trainer saves a checkpoint of the step first (unless it
 has one), then raises `HookFailed` naming the hook (exit code 1 from `forge train`).
+
+All of a run's hooks are one loop callback, `ConfigHooks` (engine/train/callbacks/base.py); library code
+that can pass objects subclasses `Callback` itself.
 """
 
 from __future__ import annotations
@@ -34,22 +32,14 @@ from engine.config.train import HookSpec
 from engine.errors import ConfigError, ConfigIssue
 from engine.run_files import enclosing_run_dir
 from engine.safe_paths import resolves_inside
+from engine.train.callbacks.base import PRIORITY, Callback, CallbackFailed
 
 if TYPE_CHECKING:
     from engine.train.job import Job
+    from engine.train.step import StepResult
+    from engine.train.trainer import TrainLoop
 
 log = logging.getLogger("forge.train")
-
-
-class TrainHooks:
-    """Subclass and override what you need; each method runs on every rank."""
-
-    def before_step(self, step: int, job: Job) -> None:
-        """Before the first micro-batch of optimizer step `step`."""
-
-    def after_backward(self, step: int, job: Job) -> None:
-        """Gradients of step `step` are complete (still multiplied by the loss scale under fp16), before
-        unscaling, clipping and the update."""
 
 
 class TrainingHook:
@@ -71,7 +61,7 @@ class TrainingHook:
         """After the last step, with the run's summary."""
 
 
-class HookFailed(RuntimeError):
+class HookFailed(CallbackFailed):
     """A config hook raised: the run stopped (after a checkpoint) on every rank."""
 
 
@@ -163,9 +153,14 @@ class LoadedHook:
     hook: TrainingHook | None  # None on a rank the hook does not run on
 
 
-class ConfigHooks:
-    """The `[[train.hooks]]` of a run, built on the ranks they run on. Every rank calls the same call points
-    at the same steps, and a failure on any rank is agreed on all of them, so that all stop together."""
+class ConfigHooks(Callback):
+    """The `[[train.hooks]]` of a run, built on the ranks they run on: one callback. Every rank calls the
+    same call points at the same steps, and a failure on any rank is agreed on all of them (when a hook was
+    due), so that all stop together with `HookFailed`."""
+
+    name = "config_hooks"
+    priority = PRIORITY["config_hooks"]
+    failure_saves = False  # agreed here, only at the steps a hook is due: HookFailed is a CallbackFailed
 
     def __init__(
         self, specs: list[HookSpec], is_main: bool, run_dir: Path | None = None, allow_run_dir_code: bool = False
@@ -178,6 +173,19 @@ class ConfigHooks:
                     loaded.hook = cls(**spec.args)
                 except Exception as err:
                     raise HookFailed(f"hook {loaded.name} failed in __init__: {type(err).__name__}: {err}") from err
+
+    def after_step(self, step: int, result: StepResult, loop: TrainLoop) -> None:
+        self.step_end(step, result.as_metrics(step), loop.job)
+
+    def on_metrics(self, step: int, metrics: dict[str, Any], kind: str, loop: TrainLoop) -> None:
+        if kind == "eval":
+            self.eval(step, metrics, loop.job)
+
+    def on_checkpoint_saved(self, step: int, path: Path, loop: TrainLoop) -> None:
+        self.checkpoint(step, path, loop.job)
+
+    def on_end(self, summary: dict[str, Any], loop: TrainLoop) -> None:
+        self.run_end(summary["steps"], summary, loop.job)
 
     def step_end(self, step: int, metrics: dict[str, Any], job: Job) -> None:
         due = [h for h in self.hooks if step % h.every == 0]

@@ -13,7 +13,7 @@ import json
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from engine.checkpoint.rng import every_rank_rng_state, restore_rank_rng
 from engine.config.job import JobConfig
 from engine.data.batch_plan import BatchPlan, batch_plan
 from engine.errors import ConfigIssue, UserError
+from engine.metrics.callback import LEGACY_WANDB_RUN_ID, with_legacy_states
 from engine.metrics.mfu import peak_flops
 from engine.model import build_model, materialize
 from engine.model.documents import document_ids
@@ -97,7 +98,7 @@ class Job:
     start_step: int = 0
     tokens_seen: int = 0
     elapsed_sec: float = 0.0  # training time of earlier attempts of this run
-    wandb_run_id: str | None = None
+    callback_states: dict[str, Any] = field(default_factory=dict)  # a resumed run's, by callback name
     warnings: tuple[ConfigIssue, ...] = ()  # what this device makes of the config, shown at the start (rank 0)
 
     @property
@@ -424,13 +425,14 @@ TRAIN_STATE_FIELDS: dict[str, tuple[type, ...]] = {
     "scheduler": (dict,),
     "grad_scaler": (dict,),
     "rng": (list, dict),  # a dict: rank 0's state alone, from before per-rank states
-    "wandb_run_id": (str, type(None)),
 }
 OPTIONAL_TRAIN_STATE_FIELDS: dict[str, tuple[type, ...]] = {
     "tokens_per_step": COUNT,
     "data": (str,),
     "guard": (dict,),
     EMA_KEY: (bool,),
+    "callbacks": (dict,),  # each loop callback's state, by its name (engine/train/callbacks/base.py)
+    LEGACY_WANDB_RUN_ID: (str, type(None)),  # before callbacks kept state: the W&B sink's run id
 }
 
 
@@ -469,12 +471,13 @@ def restore(job: Job, path: Path, state: dict[str, Any]) -> None:
         job.ema.after_load(state)
     restore_rank_rng(state["rng"])
     job.start_step, job.tokens_seen, job.elapsed_sec = state["step"], state["tokens_seen"], state["elapsed_sec"]
-    job.wandb_run_id = state["wandb_run_id"]
+    job.callback_states = with_legacy_states(state)
     log.info("resuming from %s", path)
 
 
-def train_state(job: Job, step: int, tokens_seen: int, elapsed_sec: float, wandb_run_id: str | None) -> dict[str, Any]:
-    """What a checkpoint holds beside the weights and optimizer; everything is JSON."""
+def train_state(job: Job, step: int, tokens_seen: int, elapsed_sec: float, callbacks: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint holds beside the weights and optimizer; everything is JSON. `callbacks`: the loop
+    callbacks' states, by name (the W&B sink's run id among them)."""
     return {
         "step": step,
         "tokens_seen": tokens_seen,
@@ -484,7 +487,7 @@ def train_state(job: Job, step: int, tokens_seen: int, elapsed_sec: float, wandb
         "scheduler": schedule_state(job.scheduler),
         "grad_scaler": job.scaler.state_dict(),
         "rng": every_rank_rng_state(),
-        "wandb_run_id": wandb_run_id,
+        "callbacks": callbacks,
         "guard": job.guard.state_dict(),
         EMA_KEY: job.ema is not None,  # the checkpoint holds the EMA (`load_checkpoint` reads it only then)
         PARAMETRIZATION_KEY: parametrization(job.cfg.model),  # what its weights mean (checkpoint.load_path checks)

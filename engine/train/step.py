@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -22,7 +22,6 @@ from engine.metrics.memory import memory_stats
 from engine.metrics.mfu import mfu
 from engine.parallel.grad_norm import clip_grad_norm
 from engine.resilience.collectives import distributed
-from engine.train.hooks import TrainHooks
 from engine.train.job import Job
 from engine.train.losses import ModelLoss, StageCrossEntropy
 from engine.train.optim import current_lr, eval_mode
@@ -38,14 +37,24 @@ class StepResult:
     source_losses: SourceLosses | None = None  # a mixture's per-source sums on this rank, reduced when logged
     stop_requested: bool = False  # a stop signal had reached some rank by this step's sync
     tokens: int = 0  # target tokens of the micro-batches this data-parallel rank trained on (their shapes)
+    callback_failed: bool = False  # a loop callback had failed on some rank by this step's sync
 
     def as_metrics(self, step: int) -> dict[str, Any]:
         """What a config hook's on_step_end receives: every step has these, not only the logged ones."""
         return {"step": step, "loss": self.loss, "grad_norm": self.grad_norm, "lr": self.lr, "skipped": self.problem}
 
 
+class StepEvents(Protocol):
+    """The loop's events inside a step (engine/train/callbacks/base.py): the loop's callbacks hear them,
+    and whether one of them has failed since the last step rides the step's sync."""
+
+    def before_step(self, step: int) -> None: ...
+    def before_optimizer_step(self, step: int) -> None: ...
+    def callback_failed(self) -> bool: ...
+
+
 def train_step(
-    job: Job, step: int, batches: DeviceBatches, loss_fn, hooks: TrainHooks, stop_requested: Callable[[], bool] = bool
+    job: Job, step: int, batches: DeviceBatches, loss_fn, events: StepEvents, stop_requested: Callable[[], bool] = bool
 ) -> StepResult:
     """One optimizer step over grad_accum_steps micro-batches, or none when the step is bad (non-finite,
     or a loss spike): its batches are then consumed without an update, on every rank alike.
@@ -53,8 +62,9 @@ def train_step(
     The host waits for the device once, to read the loss and the gradient norm the bad-step guard needs
     (`step_totals`). Every rank takes the same decision without another collective: the guard sees the
     all-reduced loss and the global norm, and its history is built from those on every rank. Whether a stop
-    signal reached any rank (`stop_requested()`, asked just before the sync) rides the same all-reduce."""
-    hooks.before_step(step, job)
+    signal reached any rank (`stop_requested()`, asked just before the sync) rides the same all-reduce, and so
+    does whether a loop callback failed on any rank (`events.callback_failed()`)."""
+    events.before_step(step)
     names = job.train_data.names
     tally = SourceLosses(names, job.device) if names else None
     if job.pipeline is not None:
@@ -62,7 +72,7 @@ def train_step(
     else:
         accum = job.train_data.layout.micro_steps(step - 1)
         loss_sum, tokens = forward_backward(job, batches, loss_fn, tally, accum)
-    hooks.after_backward(step, job)
+    events.before_optimizer_step(step)
     job.scaler.unscale_(job.optimizer)
     max_norm = job.cfg.train.grad_clip_norm or math.inf  # 0 = no clipping; the norm is still reported
     pipeline = job.pipeline
@@ -75,7 +85,9 @@ def train_step(
     lr = current_lr(job.optimizer)
     if step < job.cfg.train.max_steps:  # the next step's first micro-batch, moved while the device computes
         batches.prefetch()
-    loss_value, norm_value, stopping = step_totals(loss_sum, grad_norm, stop_requested())
+    loss_value, norm_value, stopping, failed = step_totals(
+        loss_sum, grad_norm, stop_requested(), events.callback_failed()
+    )
     problem = job.guard.problem(loss_value, norm_value, scaler_handles_overflow=job.scaler.is_enabled())
     if problem is not None:
         if job.scaler.is_enabled():
@@ -85,28 +97,29 @@ def train_step(
         job.scaler.step(job.optimizer)
         job.scaler.update()
         job.refresh_float8_scales()
-        if job.ema is not None:
-            job.ema.update(step)
         job.guard.accept(loss_value)
     job.optimizer.zero_grad(set_to_none=True)
     job.scheduler.step()
-    return StepResult(loss_value, norm_value, lr, problem, tally, stopping, tokens)
+    return StepResult(loss_value, norm_value, lr, problem, tally, stopping, tokens, failed)
 
 
-def step_totals(loss: torch.Tensor, grad_norm: torch.Tensor, stop_requested: bool) -> tuple[float, float, bool]:
-    """(the step's loss averaged over all ranks, the global gradient norm, whether any rank was asked to stop),
-    brought to the host in the step's one sync. The loss and the stop votes share one all-reduce (a sum), in the
-    loss's dtype (float64 under pipeline parallelism, see Pipeline.step_loss), fp32 at least."""
+def step_totals(
+    loss: torch.Tensor, grad_norm: torch.Tensor, stop_requested: bool, callback_failed: bool = False
+) -> tuple[float, float, bool, bool]:
+    """(the step's loss averaged over all ranks, the global gradient norm, whether any rank was asked to stop,
+    whether a callback failed on any rank), brought to the host in the step's one sync. The loss and the votes
+    share one all-reduce (a sum), in the loss's dtype (float64 under pipeline parallelism, see
+    Pipeline.step_loss), fp32 at least."""
     dtype = torch.promote_types(loss.dtype, torch.float32)
-    stops = torch.tensor(float(stop_requested), dtype=dtype, device=loss.device)  # stack needs one device
-    values = torch.stack([loss.detach().reshape(()).to(dtype), stops])
+    votes = torch.tensor([float(stop_requested), float(callback_failed)], dtype=dtype, device=loss.device)
+    values = torch.cat([loss.detach().reshape(1).to(dtype), votes])
     if distributed():
         torch.distributed.all_reduce(values)  # a sum: gloo has no average
         values[0] /= torch.distributed.get_world_size()
     # the norm is on the host under distributed.cpu_offload (the gradients are), on the loss's device otherwise
     norm = grad_norm.reshape(1).to(device=values.device, dtype=dtype)
-    loss_value, stops, norm_value = torch.cat([values, norm]).tolist()
-    return loss_value, norm_value, stops > 0
+    loss_value, stops, failures, norm_value = torch.cat([values, norm]).tolist()
+    return loss_value, norm_value, stops > 0, failures > 0
 
 
 def forward_backward(

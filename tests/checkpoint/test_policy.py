@@ -332,14 +332,14 @@ def test_async_saves_sum_their_files_off_the_training_thread(tmp_path, monkeypat
 
 
 def test_the_training_loop_saves_by_the_clock(tmp_path, monkeypatch):
-    from engine.train.hooks import TrainHooks
+    from engine.train.callbacks import Callback
     from tests.helpers.trainer import run
 
     now = [0.0]
     monkeypatch.setattr(Checkpointer, "clock", staticmethod(lambda: now[0]))
 
-    class SlowSteps(TrainHooks):  # every step takes 25 s by the checkpointer's clock
-        def before_step(self, step, job):
+    class SlowSteps(Callback):  # every step takes 25 s by the checkpointer's clock
+        def before_step(self, step, loop):
             now[0] += 25.0
 
     run(
@@ -348,6 +348,6 @@ def test_the_training_loop_saves_by_the_clock(tmp_path, monkeypatch):
         "train.max_steps=10",
         "checkpoint.interval_minutes=1",
         "checkpoint.keep_last_n=20",
-        hooks=SlowSteps(),
+        callbacks=[SlowSteps()],
     )
     assert saved_steps(tmp_path / "timed" / "checkpoints") == [3, 6, 9, 10]

@@ -18,6 +18,7 @@ from engine.config import load_job_config
 from engine.data.mixture import SourceDraws, mixture_phases, temperature_weights
 from engine.data.sampler import BatchLayout, EpochOrder, MixtureBatchSampler
 from engine.errors import ConfigError
+from engine.train.callbacks import Callback
 from engine.train.schedules import learning_rate
 from tests.conftest import REPO
 from tests.helpers.parity import SIGMAS, U64, forward_lengths, rounding_sigma
@@ -269,17 +270,14 @@ def test_validate_config_prints_the_phase_table_and_the_scaled_lr(tmp_path):
     assert lr_rows["200"] == "2.000e-03" and lr_rows["201"] == "2.000e-04", lr_rows
 
 
-class WeightsBeforeEachStep:
-    """A TrainHooks that keeps a copy of the weights each step starts from."""
+class WeightsBeforeEachStep(Callback):
+    """A callback that keeps a copy of the weights each step starts from."""
 
     def __init__(self) -> None:
         self.weights: dict[int, dict] = {}
 
-    def before_step(self, step, job) -> None:
-        self.weights[step] = {k: v.detach().clone() for k, v in job.model.state_dict().items()}
-
-    def after_backward(self, step, job) -> None:
-        pass
+    def before_step(self, step, loop) -> None:
+        self.weights[step] = {k: v.detach().clone() for k, v in loop.job.model.state_dict().items()}
 
 
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", "chunked_cross_entropy"])
@@ -312,7 +310,7 @@ def test_per_source_loss_equals_a_recomputation_by_source(tmp_path, loss_fn, par
         ],
     )
     hooks = WeightsBeforeEachStep()
-    train(cfg, tmp_path / "run", hooks=hooks)
+    train(cfg, tmp_path / "run", callbacks=[hooks])
     rows = logged(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2] and sorted(hooks.weights) == [1, 2]
     cfg = cfg.validate()

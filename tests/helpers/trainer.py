@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from engine.config import load_job_config
-from engine.train.hooks import TrainHooks
+from engine.train.callbacks import Callback
 from engine.train.trainer import train
 
 TINY = [
@@ -27,14 +28,14 @@ TINY = [
 ]
 
 
-def run(tmp_path: Path, name: str, *overrides: str, hooks: TrainHooks | None = None) -> list[dict]:
+def run(tmp_path: Path, name: str, *overrides: str, callbacks: Sequence[Callback] = ()) -> list[dict]:
     cfg = load_job_config(Path(__file__).parents[2] / "presets" / "debug.toml", [*TINY, *overrides])
-    train(cfg, tmp_path / name, hooks=hooks)
+    train(cfg, tmp_path / name, callbacks=callbacks)
     lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "loss" in r]
 
 
-class ComputeDtypes(TrainHooks):
+class ComputeDtypes(Callback):
     """What each training forward computed the logits in: (autocast dtype in force or None when autocast is
     off, the output head's result dtype), from a forward hook on the head (outside any compiled block); and
     the largest root-mean-square of the logits, the scale of their rounding errors."""
@@ -44,9 +45,9 @@ class ComputeDtypes(TrainHooks):
         self.logits_rms = 0.0
         self.handle = None
 
-    def before_step(self, step, job) -> None:
+    def before_step(self, step, loop) -> None:
         if self.handle is None:
-            self.handle = job.model.output.register_forward_hook(self.record)
+            self.handle = loop.job.model.output.register_forward_hook(self.record)
 
     def record(self, module, args, out) -> None:
         self.seen.add((torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None, out.dtype))

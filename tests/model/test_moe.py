@@ -669,7 +669,7 @@ def test_compiled_moe_blocks_match_eager_under_bf16(tmp_path):
     def run(name: str, *extra: str) -> tuple[list[float], ComputeDtypes]:
         cfg = load_job_config(REPO / "presets" / "debug_moe.toml", [*TINY_MOE, "train.mixed_precision=bf16", *extra])
         dtypes = ComputeDtypes()
-        train(cfg, tmp_path / name, hooks=dtypes)
+        train(cfg, tmp_path / name, callbacks=[dtypes])
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         return [r["loss"] for r in map(json.loads, lines) if "loss" in r], dtypes
 

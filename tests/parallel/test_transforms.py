@@ -317,22 +317,22 @@ def test_fp8_on_a_cpu_warns_at_the_start_that_it_is_emulated(tmp_path, capsys):
 
     from engine.config import load_job_config
     from engine.parallel.float8 import float8_device_warnings
-    from engine.train.reporting import SilentReporter
+    from engine.train.callbacks import Callback
     from engine.train.trainer import train
     from forgecli.dashboard import PlainReporter
 
     assert float8_device_warnings("fp8", torch.device("cuda")) == []
     assert float8_device_warnings("bf16", torch.device("cpu")) == []
 
-    class Started(SilentReporter):
-        def on_start(self, info):
-            self.info = info
+    class Started(Callback):
+        def on_start(self, loop):
+            self.loop, self.info = loop, loop.info
 
     tiny = ["model.dim=64", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2", "train.seq_len=32"]
     tiny += ["model.max_seq_len=32", "train.batch_size=2", "train.max_steps=1", "eval.enabled=false"]
     cfg = load_job_config(Path(__file__).parents[2] / "presets" / "debug.toml", [*tiny, "train.mixed_precision=fp8"])
     reporter = Started()
-    train(cfg, tmp_path / "run", reporter)
+    train(cfg, tmp_path / "run", [reporter])
     [issue] = reporter.info["warnings"]
     assert issue.path == "train.mixed_precision" and '"fp8" on a CPU is emulated, for testing only' in issue.problem
     assert "741 s against 11 s" in issue.problem
@@ -340,7 +340,7 @@ def test_fp8_on_a_cpu_warns_at_the_start_that_it_is_emulated(tmp_path, capsys):
 
     capsys.readouterr()
     out = io.StringIO()
-    PlainReporter(out).on_start(reporter.info)
+    PlainReporter(out).on_start(reporter.loop)
     shown = " ".join(capsys.readouterr().err.split())
     assert shown.startswith('warning: train.mixed_precision: "fp8" on a CPU is emulated'), shown
     assert out.getvalue().startswith("training ")

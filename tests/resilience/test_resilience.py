@@ -160,7 +160,7 @@ TINY = [
 
 def faulty_run(tmp_path: Path, faults: Faults, *overrides: str) -> tuple[dict, list[dict]]:
     cfg = load_job_config(Path(__file__).parents[2] / "presets" / "debug.toml", [*TINY, *overrides])
-    summary = train(cfg, tmp_path / "run", hooks=faults)
+    summary = train(cfg, tmp_path / "run", callbacks=[faults])
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     return summary, [r for r in map(json.loads, lines) if "loss" in r]
 
@@ -182,11 +182,11 @@ class Snapshots(Faults):
         super().__init__(**faults)
         self.states: dict[int, dict[str, torch.Tensor]] = {}
 
-    def before_step(self, step, job) -> None:
-        super().before_step(step, job)
-        optimizer = job.optimizer.state_dict()["state"]
+    def before_step(self, step, loop) -> None:
+        super().before_step(step, loop)
+        optimizer = loop.job.optimizer.state_dict()["state"]
         self.states[step] = {
-            **{f"model.{k}": v.detach().clone() for k, v in job.model.state_dict().items()},
+            **{f"model.{k}": v.detach().clone() for k, v in loop.job.model.state_dict().items()},
             **{f"optimizer.{i}.{k}": v.clone() for i, state in optimizer.items() for k, v in state.items()},
         }
 
@@ -221,9 +221,9 @@ def test_consecutive_bad_steps_roll_back_to_the_last_checkpoint_and_the_run_comp
     seen = {}
 
     class Watch(Faults):
-        def before_step(self, step, job):
-            super().before_step(step, job)
-            seen[step] = job.model.norm.weight.detach().clone()
+        def before_step(self, step, loop):
+            super().before_step(step, loop)
+            seen[step] = loop.job.model.norm.weight.detach().clone()
 
     summary, records = faulty_run(tmp_path, Watch(nan_grad_steps=[6, 7]), "train.max_steps=10", "train.max_bad_steps=2")
     assert summary["skipped_steps"] == 2 and summary["rollbacks"] == 1 and summary["steps"] == 10

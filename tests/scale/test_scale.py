@@ -27,7 +27,7 @@ from engine.scale.family import DEPTH_EXPONENT, member
 from engine.scale.fit import CONFIDENCE, Law, approach2, approach3
 from engine.scale.plan import make_plan
 from engine.scale.study import RunPoint, fit_study, report
-from engine.train.hooks import TrainHooks
+from engine.train.callbacks import Callback
 from engine.train.summary import job_summary
 from engine.train.trainer import train
 from forgecli.app import app
@@ -236,13 +236,13 @@ def test_chinchilla_parameters_give_their_exponent_back_through_approach_2():
 # ----- a study end to end ------------------------------------------------------------------------------------
 
 
-class StopAt(TrainHooks):
+class StopAt(Callback):
     """Sends this process SIGTERM before step `step`, as SLURM or a user would."""
 
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def before_step(self, step: int, job) -> None:
+    def before_step(self, step: int, loop) -> None:
         if step == self.step:
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -259,7 +259,7 @@ def study(tmp_path_factory) -> Path:
     plan = json.loads((root / "plan" / "plan.json").read_text())
     first = plan["points"][0]
     with pytest.raises(Preempted):  # SIGTERM during step 5: an emergency checkpoint, as a preempted job leaves
-        train(load_job_config(root / "plan" / first["config"]), root / "plan" / first["run_dir"], hooks=StopAt(5))
+        train(load_job_config(root / "plan" / first["config"]), root / "plan" / first["run_dir"], callbacks=[StopAt(5)])
     ran = forge("scale", "run", str(root / "plan"))
     assert ran.exit_code == 0, ran.output
     (root / "run.log").write_text(ran.output)

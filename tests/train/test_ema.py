@@ -165,7 +165,7 @@ def test_a_rollback_restores_the_ema_with_the_weights(tmp_path):
     EMA included, and saves that."""
     run_dir = tmp_path / "run"
     cfg = load_job_config(PRESET, [*TINY, *EMA])
-    summary = train(cfg, run_dir, hooks=Faults(nan_weight_steps=[5]))
+    summary = train(cfg, run_dir, callbacks=[Faults(nan_weight_steps=[5])])
     assert summary["rollbacks"] == 1
     assert_same(saved(run_dir, "ema", 6), saved(run_dir, "ema", 3))
 

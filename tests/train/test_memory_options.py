@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from engine.config import load_job_config
 from engine.precision import cast_weights
-from engine.train.hooks import TrainHooks
+from engine.train.callbacks import Callback
 from engine.train.optim import hidden_matrices, param_groups
 from engine.train.trainer import train
 from tests.helpers.parity import TrainingTolerance
@@ -51,7 +51,7 @@ def eager_torchao(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
 
 
-class Recorder(TrainHooks):
+class Recorder(Callback):
     """The job, its initial weights, and per step the lr of each param group and the gradients the update
     received (no clipping and fp32: they are exactly what the optimizer steps with); and whether the forward
     ran under save_on_cpu's hooks."""
@@ -64,15 +64,15 @@ class Recorder(TrainHooks):
         self.offloaded: list[bool] = []
         self.rng: list[torch.Tensor] = []  # the generator's state before each update (stochastic rounding draws)
 
-    def before_step(self, step, job) -> None:
+    def before_step(self, step, loop) -> None:
         if self.job is None:
-            self.job = job
-            self.initial = {n: p.detach().clone() for n, p in job.model.named_parameters()}
-            job.model.norm.register_forward_hook(self.forward_hooks)  # the final norm
-        self.lrs.append([float(g["lr"]) for g in job.optimizer.param_groups])
+            self.job = loop.job
+            self.initial = {n: p.detach().clone() for n, p in loop.job.model.named_parameters()}
+            loop.job.model.norm.register_forward_hook(self.forward_hooks)  # the final norm
+        self.lrs.append([float(g["lr"]) for g in loop.job.optimizer.param_groups])
 
-    def after_backward(self, step, job) -> None:
-        self.grads.append({n: p.grad.clone() for n, p in job.model.named_parameters()})
+    def before_optimizer_step(self, step, loop) -> None:
+        self.grads.append({n: p.grad.clone() for n, p in loop.job.model.named_parameters()})
         self.rng.append(torch.get_rng_state())
 
     def forward_hooks(self, module, args, out) -> None:
@@ -82,7 +82,7 @@ class Recorder(TrainHooks):
 
 def run(tmp_path: Path, name: str, *overrides: str) -> tuple[Recorder, list[float]]:
     recorder = Recorder()
-    train(load_job_config(DEBUG, [*TINY, *overrides]), tmp_path / name, hooks=recorder)
+    train(load_job_config(DEBUG, [*TINY, *overrides]), tmp_path / name, callbacks=[recorder])
     lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
     return recorder, [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
@@ -188,7 +188,7 @@ def resume_in_two(tmp_path: Path, common: tuple[str, ...]) -> tuple[Recorder, li
 
     run(tmp_path, "parts", *common, "train.max_steps=2")
     parts = Recorder()
-    train(run_config(tmp_path / "parts", ["train.max_steps=4"]), tmp_path / "parts", hooks=parts)
+    train(run_config(tmp_path / "parts", ["train.max_steps=4"]), tmp_path / "parts", callbacks=[parts])
     lines = (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()
     return parts, [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
@@ -339,7 +339,7 @@ def test_cpu_offload_trains_like_no_offload_and_may_change_on_resume(tmp_path):
         resumed_cfg = run_config(tmp_path / name, ["train.max_steps=4", f"distributed.cpu_offload={then}"])
         assert resume_issues(load_job_config(DEBUG, [*TINY, *common]), resumed_cfg) == []
         parts = Recorder()
-        train(resumed_cfg, tmp_path / name, hooks=parts)
+        train(resumed_cfg, tmp_path / name, callbacks=[parts])
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         assert [r["loss"] for r in map(json.loads, lines) if "loss" in r] == plain_losses
         assert offloaded_by_fsdp(parts.job.model) == (then == "true")

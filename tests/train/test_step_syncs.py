@@ -18,8 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from engine.config import load_job_config
 from engine.resilience.collectives import distributed
-from engine.train.hooks import TrainHooks
-from engine.train.reporting import SilentReporter
+from engine.train.callbacks import Callback
 from engine.train.trainer import train
 from tests.conftest import REPO
 from tests.helpers.moe import HOST_READS, SYNC_OPS, CountSyncs
@@ -56,13 +55,13 @@ class Ops(CountSyncs):
         return func(*args, **(kwargs or {}))
 
 
-class StepMarks(TrainHooks):
+class StepMarks(Callback):
     """Where each step starts in the record of reads."""
 
     def __init__(self, reads: Reads, ops: Ops) -> None:
         self.reads, self.ops, self.starts = reads, ops, {}
 
-    def before_step(self, step, job):
+    def before_step(self, step, loop):
         self.starts[step] = (len(self.reads.calls), len(self.ops.calls), distributed())
 
 
@@ -80,7 +79,7 @@ def test_a_step_that_is_not_logged_reads_the_device_once(tmp_path):
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         with reads, ops:
-            summary = train(cfg, tmp_path / "run", SilentReporter(), marks)
+            summary = train(cfg, tmp_path / "run", [marks])
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

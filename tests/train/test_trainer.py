@@ -83,8 +83,8 @@ def test_reduced_precision_trains_close_to_fp32(tmp_path, precision):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     full, reduced_dtypes = ComputeDtypes(), ComputeDtypes()
     logits = "train.loss_fn=cross_entropy"  # the hook reads the logits, which the chunked loss never makes
-    plain = losses(run(tmp_path, "fp32", "train.mixed_precision=fp32", logits, hooks=full))
-    reduced = losses(run(tmp_path, precision, f"train.mixed_precision={precision}", logits, hooks=reduced_dtypes))
+    plain = losses(run(tmp_path, "fp32", "train.mixed_precision=fp32", logits, callbacks=[full]))
+    reduced = losses(run(tmp_path, precision, f"train.mixed_precision={precision}", logits, callbacks=[reduced_dtypes]))
     assert full.seen == {(None, torch.float32)} and reduced_dtypes.seen == {(dtype, dtype)}
     assert len(reduced) == len(plain) == 4 and all(math.isfinite(x) for x in reduced)
     tolerance = rounding_tolerance(dtype, full.logits_rms, tokens=4 * 64, steps=4)
