@@ -125,8 +125,8 @@ class PlainReporter(Console):
 
     def show_end(self, summary: dict[str, Any]) -> None:
         self._line(
-            f"done: {summary['steps']} steps, {summary['tokens_seen']:,} tokens in {summary['train_time_sec']:.1f}s, "
-            f"final loss {summary['final_loss']:.4f}"
+            f"done: {summary['steps']} steps, {summary['tokens_seen']:,} tokens in {summary['train_time_sec']:.1f}s "
+            f"of training (every attempt of the run), final loss {summary['final_loss']:.4f}"
         )
 
 
@@ -187,7 +187,7 @@ class LiveDashboard(Console):
         self.live.stop()
         console.print(
             f"[green]✓ done[/green]: {summary['steps']} steps, {summary['tokens_seen']:,} tokens in "
-            f"{summary['train_time_sec']:.1f}s, final loss {summary['final_loss']:.4f}"
+            f"{summary['train_time_sec']:.1f}s of training (every attempt of the run), final loss {summary['final_loss']:.4f}"
         )
 
     def stop(self) -> None:

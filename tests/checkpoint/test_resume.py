@@ -144,6 +144,8 @@ def test_resume_continues_and_refuses_unsafe_changes(tmp_path):
     assert extended.returncode == 0, extended.stderr
     assert sorted(losses(run_dir)) == [1, 2, 3, 4, 5, 6]
     assert "max_steps = 6" in (run_dir / "config.toml").read_text()
+    # The end line counts the whole run (both attempts), and says so rather than look like this attempt's time.
+    assert "done: 6 steps" in extended.stdout and "of training (every attempt of the run)" in extended.stdout
 
 
 def test_incomplete_newest_checkpoint_is_skipped(tmp_path):
