@@ -5,8 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, Self
 
 import typer
@@ -55,8 +54,7 @@ def print_titled(panel: Panel, title: str) -> None:
     if err_console.is_terminal and not err_console.is_dumb_terminal:
         err_console.print(panel)
         return
-    with widened(err_console, Text.from_markup(title).cell_len + 6):  # two corners, two spaces, two rules
-        err_console.print(panel)
+    widened(err_console, Text.from_markup(title).cell_len + 6).print(panel)  # two corners, spaces and rules
 
 
 def show_config_warnings(warnings: list[Any], to: Console | None = None) -> None:
@@ -141,20 +139,19 @@ def print_wide(renderable: RenderableType, to: Console | None = None) -> None:
     if target.is_terminal and not target.is_dumb_terminal:  # the terminal's width: a resize re-wraps it
         target.print(renderable)
         return
-    with widened(target, Measurement.get(target, target.options.update_width(10_000), renderable).maximum):
-        target.print(renderable)
+    widened(target, Measurement.get(target, target.options.update_width(10_000), renderable).maximum).print(renderable)
 
 
-@contextmanager
-def widened(target: Console, width: int) -> Iterator[None]:
-    """`target` at least `width` columns wide while the block prints (`print(width=)` can only narrow); its
-    other settings (colour, the stream it writes to) stay as they are."""
-    before = target.width
-    target.width = max(width, before)
-    try:
-        yield
-    finally:
-        target.width = before
+def widened(target: Console, width: int) -> Console:
+    """A console like `target` (its stream as of now, its colours) at least `width` columns wide, for one print
+    (`print(width=)` can only narrow). A copy, not `target.width = …` and back: setting the width pins it, so
+    `target` would stop following COLUMNS and the terminal for every later print in the process."""
+    return Console(
+        file=target.file,
+        width=max(width, target.width),
+        color_system=target.color_system,  # type: ignore[arg-type]  (the name it detected, or None)
+        no_color=target.no_color,
+    )
 
 
 def print_json(data: Any) -> None:

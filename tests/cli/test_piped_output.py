@@ -35,3 +35,22 @@ def test_an_error_panels_title_prints_whole_at_80_columns(tmp_path: Path):
     assert result.returncode == 2, result.stderr
     assert cut_lines(result.stderr) == [], result.stderr
     assert f"1 configuration error(s) in {preset}" in result.stderr.splitlines()[0]
+
+
+def test_printing_whole_leaves_the_consoles_following_columns(monkeypatch, capsys):
+    """Widening a console for one table or panel must not pin its width: a later command in the same process
+    (CliRunner, a library user) with another COLUMNS gets that width (a pinned 80 wrapped a message that a test
+    of another file then could not find)."""
+    from rich.panel import Panel
+    from rich.table import Table
+
+    from forgecli import ui
+
+    monkeypatch.setenv("COLUMNS", "80")
+    table = Table("a column whose header is long", "another")
+    table.add_row("x" * 120, "y")
+    ui.print_wide(table)
+    ui.print_titled(Panel("body", title="a title " * 20), "a title " * 20)
+    assert "x" * 120 in capsys.readouterr().out  # printed whole, off a terminal
+    monkeypatch.setenv("COLUMNS", "300")
+    assert ui.console.width == 300 and ui.err_console.width == 300
