@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config.model import ModelConfig
+from engine.config.model import ModelConfig, NormChoice
 from engine.config.registry import MODELS
 from engine.model.moe_config import ExpertFields
 from engine.model.spec import ActivationLayout, ModelParts, ModelSpec, ParamSpec, TPPlan
@@ -277,8 +277,8 @@ SPEC = ModelSpec(
 )
 
 
-class ToyExpertsConfig(ExpertFields):
-    """The toy's `[model]` fields: the shared ones and the experts' (it reads num_experts and the expert width)."""
+class ToyExpertsConfig(ExpertFields, NormChoice):
+    """The toy's `[model]` fields: the shared ones, the experts' (num_experts, the expert width) and its norm."""
 
 
 def register() -> None:
