@@ -205,7 +205,9 @@ class ModelParts:
       `experts(rows, counts, implementation, grad_factor)` on the rows sorted by expert and the rows per expert,
       accepting `weights=` (this rank's shards as plain tensors, which the exchange passes it); its parameters
       are held by the module itself, each [num_experts, …] (`ParamSpec.expert_parallel`, with the hidden
-      dimension tensor parallelism splits as `tp_dim`). None: no experts;
+      dimension tensor parallelism splits as `tp_dim`). Its output must depend on every weight it holds, an
+      expert handed no rows included: a weight left out of one rank's graph reorders that rank's FSDP
+      collectives against the others' and the job hangs. None: no experts;
     - `router`: inside a block, the router of its experts, whose output has `experts` and `weights`
       [tokens, k] (what `forge extract --routing` stores);
     - `compile_regions`: inside a block with experts, the modules compiled on their own when its routed

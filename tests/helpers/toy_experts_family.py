@@ -12,7 +12,8 @@ the `experts`/`weights` a `ModelParts.router` returns, so it declares no router.
   documents' or a context-parallel hook's) or the causal flag, and offers `kernel()` (PyTorch's own choice);
 - experts: top-1 routing by a softmax gate; the experts module holds `up` [E, dim, hidden] and `down`
   [E, hidden, dim] itself and runs each expert on its rows, sorted by expert, in a loop (the contract's call:
-  `experts(rows, counts, implementation, grad_factor, weights)`); `grad_factor` scales each expert's weight
+  `experts(rows, counts, implementation, grad_factor, weights)`), an expert with no rows included (see
+  `ToyExperts.forward`); `grad_factor` scales each expert's weight
   gradients (expert parallelism passes 1/ep), through `ScaleGrad`;
 - the MoE training protocol (`LanguageModel`'s `moe_layers`, `moe_routers`, `last_moe_stats`, `moe_loss`): the
   toy keeps no routing statistics and has no auxiliary loss, so the metrics report nothing for it.
@@ -96,10 +97,9 @@ class ToyExperts(nn.Module):
         up, down = (self.up, self.down) if weights is None else weights
         if grad_factor is not None:
             up, down = ScaleGrad.apply(up, grad_factor), ScaleGrad.apply(down, grad_factor)
-        outs = [
-            torch.relu(part @ up[e]) @ down[e] for e, part in enumerate(rows.split(counts.tolist())) if part.numel()
-        ]
-        return torch.cat(outs) if outs else rows.new_zeros(0, down.shape[-1])
+        # Every expert runs, an empty one on its 0 rows: its weights stay in the graph, so each rank's backward
+        # reaches every FSDP group in the same order (skipping one deadlocked FSDP + ep on the expert's rank).
+        return torch.cat([torch.relu(part @ up[e]) @ down[e] for e, part in enumerate(rows.split(counts.tolist()))])
 
 
 class ToyFFN(nn.Module):
