@@ -6,19 +6,25 @@ from __future__ import annotations
 
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from rich.columns import Columns
+from rich.console import Group
 from rich.live import Live
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
-from rich.table import Table
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from engine.train.callbacks.base import PRIORITY, Callback
 from forgecli.ui import console, show_config_warnings
 
 if TYPE_CHECKING:
     from engine.train.trainer import TrainLoop
+
+
+EXPERT_LOAD = "expert imbalance: the worst MoE layer's max/mean tokens per expert, 1 = balanced"
 
 
 def fmt_metrics(metrics: dict[str, Any]) -> dict[str, str]:
@@ -32,6 +38,8 @@ def fmt_metrics(metrics: dict[str, Any]) -> dict[str, str]:
         "MFU": f"{100 * mfu:.1f}%" if mfu is not None else "n/a",
         "memory": f"{memory:.2f} GiB" if memory is not None else "n/a",
     }
+    if "batch_sequences" in metrics:  # under a batch ramp: this step's global batch
+        shown["batch"] = f"{metrics['batch_sequences']:,} seqs"
     for key, value in metrics.items():  # a mixture: each source's loss in the step (engine/train/source_losses.py)
         if key.startswith("loss/"):
             shown[f"loss {key.removeprefix('loss/')}"] = f"{value:.4f}"
@@ -41,11 +49,15 @@ def fmt_metrics(metrics: dict[str, Any]) -> dict[str, str]:
 
 
 def expert_load(metrics: dict[str, Any]) -> str:
-    """The worst MoE layer's max/mean tokens per expert, which layer, what it means, and how many experts got
-    no token since the last logged step (docs/moe.md#metrics)."""
-    text = f"{metrics['moe/imbalance']:.2f} (layer {metrics['moe/imbalance_layer']}; max/mean tokens per expert, 1 = balanced)"
+    """The worst MoE layer's max/mean tokens per expert and which layer it is (EXPERT_LOAD says it once), and
+    how many experts got no token since the last logged step (docs/moe.md#metrics)."""
+    text = f"{metrics['moe/imbalance']:.2f} (layer {metrics['moe/imbalance_layer']})"
     dead = metrics.get("moe/dead_experts")
-    return text if not dead else f"{text}, {dead:.0f} dead experts"
+    return text if not dead else f"{text}, {dead:.0f} dead"
+
+
+def eta_text(seconds: float | None) -> str:
+    return "-:--:--" if seconds is None else str(timedelta(seconds=round(seconds)))
 
 
 def fmt_value(value: Any) -> str:
@@ -97,6 +109,7 @@ class PlainReporter(Console):
         self.stream = stream
         self.max_steps = self.start_step = 0
         self.started = time.perf_counter()
+        self.explained = False  # EXPERT_LOAD printed
 
     def _line(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
@@ -110,7 +123,11 @@ class PlainReporter(Console):
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
         elapsed = time.perf_counter() - self.started
         eta = elapsed / (step - self.start_step) * (self.max_steps - step)
-        fields = " ".join(f"{k.replace(' ', '_')}={v}" for k, v in fmt_metrics(metrics).items())
+        shown = fmt_metrics(metrics)
+        if "expert imbalance" in shown and not self.explained:
+            self._line(EXPERT_LOAD)
+            self.explained = True
+        fields = " ".join(f"{k.replace(' ', '_')}={v}" for k, v in shown.items())
         self._line(f"step {step}/{self.max_steps} {fields} eta={eta:.0f}s")
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
@@ -131,42 +148,48 @@ class PlainReporter(Console):
 
 
 class LiveDashboard(Console):
-    """A progress bar with ETA and a table of the latest metrics (other callbacks' too), redrawn in place."""
+    """A progress line (step, bar, elapsed time, ETA) over the latest metrics (other callbacks' too) as
+    `name value` cells that wrap to the terminal's width, redrawn in place; it fits 80 columns. The elapsed time
+    ticks between logged steps, so a slow step never looks like a hang. The ETA is measured from the first
+    logged step on: the steps since the start over the time they took (compilation and start-up included)."""
 
     def __init__(self) -> None:
         self.progress = Progress(
             TextColumn("[bold]step {task.completed}/{task.total}"),
-            BarColumn(),
+            BarColumn(bar_width=20),
             TaskProgressColumn(),
-            TimeRemainingColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta {task.fields[eta]}"),
             console=console,
         )
-        self.task = self.progress.add_task("train", total=1)
+        self.task = self.progress.add_task("train", total=1, eta=eta_text(None))
+        self.started, self.start_step, self.max_steps = time.perf_counter(), 0, 1
         self.metrics: dict[str, str] = {}
         self.eval: dict[str, str] = {}
         self.other: dict[str, str] = {}  # the latest values other callbacks logged
         self.live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
 
-    def _render(self) -> Table:
-        table = Table.grid(padding=(0, 2))
-        table.add_row(self.progress)
-        metrics = Table(show_header=True, header_style="bold cyan", box=None)
-        for name in [*self.metrics, *self.eval, *self.other]:
-            metrics.add_column(name, justify="right")
-        if self.metrics or self.eval or self.other:
-            metrics.add_row(*self.metrics.values(), *self.eval.values(), *self.other.values())
-        table.add_row(metrics)
-        return table
+    def _render(self) -> Group:
+        shown = {**self.metrics, **self.eval, **self.other}
+        cells = [Text.assemble((name, "bold cyan"), " ", value) for name, value in shown.items()]
+        parts: list[Any] = [self.progress]
+        if cells:
+            parts.append(Columns(cells, padding=(0, 2)))
+        if "expert imbalance" in self.metrics:
+            parts.append(Text(EXPERT_LOAD, style="dim"))
+        return Group(*parts)
 
     def show_start(self, info: dict[str, Any]) -> None:
         show_config_warnings(info.get("warnings", []))
         console.print(start_line(info), markup=False, highlight=False)
-        self.progress.update(self.task, total=info["max_steps"], completed=info["start_step"])
+        self.started, self.start_step, self.max_steps = time.perf_counter(), info["start_step"], info["max_steps"]
+        self.progress.update(self.task, total=self.max_steps, completed=self.start_step)
         self.live.start()
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
         self.metrics = fmt_metrics(metrics)
-        self.progress.update(self.task, completed=step)
+        per_step = (time.perf_counter() - self.started) / max(step - self.start_step, 1)
+        self.progress.update(self.task, completed=step, eta=eta_text(per_step * (self.max_steps - step)))
         self.live.update(self._render())
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:

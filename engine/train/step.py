@@ -263,12 +263,20 @@ def step_metrics(
         "flops_per_sec": job.summary["flops_per_token"] * tokens_per_sec,
         "tokens_seen": tokens_seen,
         "elapsed_sec": time.perf_counter() - started,
+        **ramp_metrics(job, step),
         **job.guard.metrics(),
         **job.train_data.metrics(step),
         **(result.source_losses.metrics() if result.source_losses is not None else {}),
         **memory_per_rank(job.device),
         **{k: v for report in job.model_metrics for k, v in report().items()},
     }
+
+
+def ramp_metrics(job: Job, step: int) -> dict[str, int]:
+    """Under a batch ramp, the sequences logged step `step` trained on (over all data-parallel ranks): a record's
+    batch size is otherwise fixed by the config and not repeated in every line."""
+    plan = job.batch_plan
+    return {"batch_sequences": plan.sequences(step - 1)} if plan is not None and plan.ramp is not None else {}
 
 
 def memory_per_rank(device: torch.device) -> dict[str, float]:
