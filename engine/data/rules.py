@@ -187,7 +187,8 @@ def mixture_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                 ConfigIssue(
                     start_field,
                     f"{start} is not before train.max_steps ({max_steps})",
-                    "start the phase inside the run",
+                    f"move it below {max_steps} too (--{start_field}=N): a phase starts at a step, it does not "
+                    "scale with train.max_steps",
                 )
             )
         unknown = sorted(set(weights) - set(names))

@@ -9,6 +9,7 @@ engine/config/job.py calls these functions in the order it lists.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from engine.config.fields import changed_fields
@@ -63,10 +64,17 @@ def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
             ConfigIssue(
                 "distributed.tp",
                 f"n_heads ({m.n_heads}) and n_kv_heads ({m.kv_heads}) must be divisible by tp ({d.tp})",
+                f"use a tp that divides both: {', '.join(map(str, divisors(math.gcd(m.n_heads, m.kv_heads))))}",
             )
         )
     if d.pp > m.n_layers:
-        issues.append(ConfigIssue("distributed.pp", f"pp ({d.pp}) exceeds model.n_layers ({m.n_layers})"))
+        issues.append(
+            ConfigIssue(
+                "distributed.pp",
+                f"pp ({d.pp}) exceeds model.n_layers ({m.n_layers})",
+                f"use at most {m.n_layers} pipeline stages: each holds at least one block",
+            )
+        )
     if d.tp > 1:
         issues += tensor_parallel_issues(cfg)
     if d.pp > 1:
@@ -75,6 +83,10 @@ def layout_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
         issues += expert_parallel_issues(cfg, dp_shard)
     issues += context_parallel_issues(cfg)
     return issues
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def context_parallel_issues(cfg: JobConfig) -> list[ConfigIssue]:
@@ -146,6 +158,7 @@ def tensor_parallel_issues(cfg: JobConfig) -> list[ConfigIssue]:
                 "train.seq_len",
                 f"{t.seq_len} must be divisible by distributed.tp ({tp}): "
                 "sequence parallelism splits the positions over the tensor-parallel ranks",
+                f"use a multiple of {tp}",
             )
         )
     if m.is_moe and m.expert_ffn_dim % tp:
