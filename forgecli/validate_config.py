@@ -178,7 +178,7 @@ def memory_table(stages: list[Any], cfg: Any, world_size: int, gpu_memory_gib: f
     """Estimated GiB per rank, one row per pipeline rank (engine.parallel.memory explains each column); "in
     flight" is the number of micro-batch forwards whose activations the rank holds at its peak."""
     precision = cfg.train.mixed_precision
-    dtype = "bf16 (auto, as on a bf16 GPU)" if precision == "auto" else precision
+    dtype = "bf16 (auto: as on a bf16 GPU; a CPU computes in fp32)" if precision == "auto" else precision
     table = Table(
         title=f"Estimated memory per rank, GiB ({layout(cfg, world_size)})",
         expand=False,
