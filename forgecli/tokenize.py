@@ -102,6 +102,7 @@ def tokenize(
 
     """
     from engine.data.parts import part_of
+    from engine.data.sources import skipped_under
     from engine.data.tokenize import check_request, open_source
     from engine.data.tokenize import tokenize as tokenize_source
 
@@ -109,6 +110,7 @@ def tokenize(
     part = part_of(num_shards, shard_index)
     check_request(out, tokenizer, train_vocab_size, eos_token, shard_tokens, part)  # before a dataset downloads
     source = open_source(inputs, hf_config, split, streaming, revision)
+    say_skipped(skipped_under(inputs), err_console if as_json else console)
     view = progress_view(err_console if as_json else console)
     with view:
         report = tokenize_source(
@@ -129,6 +131,18 @@ def tokenize(
 
 
 @user_errors
+def say_skipped(files: list[Path], to: Console) -> None:
+    """One note for the files of the input folders that are not read (their extension is not one forge
+    tokenize reads), naming the first few."""
+    if files:
+        names = ", ".join(str(f) for f in files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+        to.print(
+            f"[yellow]note:[/yellow] skipped {len(files)} file(s) that are not .txt, .jsonl or .parquet: "
+            f"{escape(names)} (rename a text file to .txt to include it)",
+            soft_wrap=True,
+        )
+
+
 def merge(
     parts: list[Path] = typer.Argument(
         ..., metavar="PART_DIR", show_default=False, help="The parts' output directories, in any order."

@@ -101,6 +101,19 @@ def files_under(directory: Path) -> list[Path]:
     return found
 
 
+def skipped_under(inputs: Sequence[Path | str]) -> list[Path]:
+    """The files under the local directories of `inputs` that `find_input_files` leaves out for their extension
+    (a README.md beside the .txt files), hidden ones aside: the command says it skipped them."""
+    skipped: list[Path] = []
+    for given in inputs:
+        item = Path(given)
+        if not is_url(str(given)) and item.is_dir():
+            skipped += sorted(
+                p for p in item.rglob("*") if p.suffix not in SUFFIXES and p.is_file() and not hidden(p, item)
+            )
+    return skipped
+
+
 def hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 

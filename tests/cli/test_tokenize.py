@@ -73,6 +73,22 @@ def test_tokenize_json(tmp_path: Path):
     assert report["reused_shards"] == 0 and not report["already_complete"]
 
 
+def test_files_of_an_input_folder_that_are_not_read_are_named(tmp_path: Path):
+    """A folder of .txt documents with a README.md and notes.rst beside them: both are named as skipped, the
+    .txt files are tokenized, and a hidden file is neither read nor named."""
+    folder = write_txt(tmp_path / "docs", TEXTS)
+    (folder / "README.md").write_text("# about these documents")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "notes.rst").write_text("notes")
+    (folder / ".cache").write_text("hidden")
+    code, output = forge(folder, "--out", tmp_path / "out", "--tokenizer", tok(tmp_path))
+    assert code == 0, output
+    said = " ".join(output.split())
+    assert "skipped 2 file(s) that are not .txt, .jsonl or .parquet" in said, said
+    assert "README.md" in said and "notes.rst" in said and ".cache" not in said
+    assert f"{len(TEXTS)} documents" in output.replace("│", "")
+
+
 def tok(tmp: Path) -> Path:
     return tokenizer_file(tmp / "tok")
 
