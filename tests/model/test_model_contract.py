@@ -9,33 +9,14 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.helpers.imports import imported_modules
+
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
 FAMILY_CODE = ("transformer", "attention", "moe", "routers", "mlp", "mtp", "families")
 # The modules outside engine/model/ allowed to import a family: the one that registers them all. `[model]` is
 # composed of the families' config classes, so engine/config/model.py imports engine.model.families (whose
 # __init__ files are torch-free: config classes, specs, shapes) before it binds the section.
 REGISTRATIONS = {"engine/config/model.py"}
-
-
-def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
-    """(line, dotted module) of every import in `tree`, nested ones included; `from engine.model import x`
-    counts as `engine.model.x`, and `importlib.import_module("name")` with a literal name as `name`."""
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.lineno, node.module))
-            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
-        elif (
-            isinstance(node, ast.Call)
-            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-        ):
-            found.append((node.lineno, node.args[0].value))
-    return found
 
 
 def family_imports(root: Path) -> set[str]:
