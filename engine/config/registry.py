@@ -110,9 +110,10 @@ def resolved(named: str | Callable[..., Any] | None) -> Any:
 
 class ComponentRegistry(Registry[Component]):
     """A registry of components whose entries also make up a section (`bind`); `name_field` is the section's
-    field that chooses one (`name`, or the model's `model_type`)."""
+    field that chooses one (`name`, or the model's `model_type`), None where the section's values choose (which
+    fields are set: the source kinds) or several components are on at once (the metrics sinks)."""
 
-    def __init__(self, kind: str, name_field: str = "name") -> None:
+    def __init__(self, kind: str, name_field: str | None = "name") -> None:
         super().__init__(kind)
         self._name_field = name_field
         self._section: type[Section] | None = None
@@ -128,12 +129,16 @@ class ComponentRegistry(Registry[Component]):
         `spec`, for a component that has one)."""
 
         def add(config: type[Section]) -> type[Section]:
-            assert name not in self._builders, f"{self.kind} {name!r} registered twice"
-            self._builders[name] = Component(name, config, build, spec)
-            self.compose()
+            self.add(Component(name, config, build, spec))
             return config
 
         return add
+
+    def add(self, component: Component) -> None:
+        """Register `component` under its name (once) and recompose the section: what every `register` ends in."""
+        assert component.name not in self._builders, f"{self.kind} {component.name!r} registered twice"
+        self._builders[component.name] = component
+        self.compose()
 
     def changed(self) -> None:
         self.compose()
@@ -160,8 +165,7 @@ class ComponentRegistry(Registry[Component]):
 
     @property
     def name_field(self) -> str | None:
-        """The field that chooses one component by name (`name`, the model's `model_type`); None where the
-        section's values choose (which fields are set) or several components are on at once."""
+        """The field that chooses one component by name (`name`, the model's `model_type`), or None."""
         return self._name_field
 
     def compose(self) -> None:
@@ -211,17 +215,23 @@ class ComponentRegistry(Registry[Component]):
         return {name: tuple(names) for name, names in found.items()}
 
     def readers(self, field: str) -> tuple[str, ...]:
-        """What docs/configuration.md's "read by" column says of `field`: its owners, or every component."""
-        return self.owners().get(field, (f"every {self.kind}",))
+        """What docs/configuration.md's "read by" column says of `field`: its owners; a shared field, every
+        component where one is chosen by name (nothing more to say where none is)."""
+        return self.owners().get(field, (f"every {self.kind}",) if self.name_field is not None else ())
 
     def foreign_fields(self, chosen: str) -> list[str]:
         """The fields other components own and `chosen` does not read (what `forge init` drops)."""
         return [field for field, names in self.owners().items() if chosen not in names]
 
-    def chosen(self, values: Section) -> Any:
-        """The chosen component's own config object: `values`' fields that its class declares."""
-        config = self.get(getattr(values, self.name_field)).config
+    def own(self, component: Component, values: Section) -> Any:
+        """`component`'s own config object: `values`' fields that its class declares."""
+        config = component.config
         return config.model_construct(**{name: getattr(values, name) for name in config.model_fields})
+
+    def chosen(self, values: Section) -> Any:
+        """The chosen component's own config object."""
+        assert self.name_field is not None, f"no field chooses one {self.kind}"
+        return self.own(self.get(getattr(values, self.name_field)), values)
 
     def owner_issues(self, section: str, values: Section) -> list[ConfigIssue]:
         """One issue per component-owned field set away from its default although the chosen one does not read
@@ -273,10 +283,6 @@ class SourceKindRegistry(ComponentRegistry):
     registrations (engine/data/kinds.py) are torch-free. No field chooses a kind: a path's spelling does
     (`KIND:LOCATION`, a URL, a folder), or a kind's own location field (`hf_dataset_name`)."""
 
-    @property
-    def name_field(self) -> str | None:
-        return None
-
     def register(  # type: ignore[override]
         self,
         name: str,
@@ -293,19 +299,13 @@ class SourceKindRegistry(ComponentRegistry):
         """Decorate the kind's config class (its own `[data]` fields; `Section` itself for none)."""
 
         def add(config: type[Section]) -> type[Section]:
-            assert name not in self._builders, f"{self.kind} {name!r} registered twice"
-            kind = SourceKind(
+            self.add(SourceKind(
                 name, config, directory, describe=describe, example=example, prefixed=prefixed,
                 documents=documents, flags=flags, manifest=manifest, rule=rule,
-            )  # fmt: skip
-            self._builders[name] = kind
-            self.compose()
+            ))  # fmt: skip
             return config
 
         return add
-
-    def readers(self, field: str) -> tuple[str, ...]:
-        return self.owners().get(field, ())
 
     def prefixed(self) -> list[SourceKind]:
         """The kinds a path field, `--data` or forge tokenize may name as `KIND:LOCATION`, in registration order."""
@@ -332,10 +332,6 @@ class SinkRegistry(ComponentRegistry):
     """The metrics sinks, several on at once: each registered once with its own `[metrics]` fields (bound in
     engine/config/metrics.py), started by `engine.metrics.trackers.build_trackers` for every sink that is on."""
 
-    @property
-    def name_field(self) -> str | None:
-        return None
-
     def register(  # type: ignore[override]
         self,
         name: str,
@@ -347,16 +343,11 @@ class SinkRegistry(ComponentRegistry):
         """Decorate the sink's config class (its own `[metrics]` fields, its switch among them)."""
 
         def add(config: type[Section]) -> type[Section]:
-            assert name not in self._builders, f"{self.kind} {name!r} registered twice"
             assert switch is None or switch in config.model_fields, f"{name}'s switch {switch!r} is not its field"
-            self._builders[name] = MetricsSink(name, config, build, switch=switch, kept_while_off=kept_while_off)
-            self.compose()
+            self.add(MetricsSink(name, config, build, switch=switch, kept_while_off=kept_while_off))
             return config
 
         return add
-
-    def readers(self, field: str) -> tuple[str, ...]:
-        return self.owners().get(field, ())
 
     def sinks(self) -> list[MetricsSink]:
         return list(self.components())  # type: ignore[arg-type]
@@ -364,10 +355,6 @@ class SinkRegistry(ComponentRegistry):
     def enabled(self, values: Section) -> list[MetricsSink]:
         """The sinks `values` (the `[metrics]` section) turns on, in registration order."""
         return [sink for sink in self.sinks() if sink.switch is None or getattr(values, sink.switch)]
-
-    def own(self, sink: MetricsSink, values: Section) -> Any:
-        """`sink`'s own config object: `values`' fields that its class declares."""
-        return sink.config.model_construct(**{name: getattr(values, name) for name in sink.config.model_fields})
 
     def owner_issues(self, section: str, values: Section) -> list[ConfigIssue]:
         """One issue per field of a sink that is off, set away from its default (its `kept_while_off` excepted),
@@ -391,8 +378,8 @@ NORMS: Registry = Registry("norm")
 ACTIVATIONS: Registry = Registry("activation")
 OPTIMIZERS = ComponentRegistry("optimizer")
 SCHEDULERS = ComponentRegistry("scheduler")
-SOURCE_KINDS = SourceKindRegistry("source kind")
-METRICS_SINKS = SinkRegistry("metrics sink")
+SOURCE_KINDS = SourceKindRegistry("source kind", name_field=None)
+METRICS_SINKS = SinkRegistry("metrics sink", name_field=None)
 LOSSES: Registry = Registry("loss")
 MODELS = ComponentRegistry("model type", name_field="model_type")
 ROUTERS: Registry = Registry("MoE router")
