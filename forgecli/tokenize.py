@@ -131,18 +131,6 @@ def tokenize(
 
 
 @user_errors
-def say_skipped(files: list[Path], to: Console) -> None:
-    """One note for the files of the input folders that are not read (their extension is not one forge
-    tokenize reads), naming the first few."""
-    if files:
-        names = ", ".join(str(f) for f in files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
-        to.print(
-            f"[yellow]note:[/yellow] skipped {len(files)} file(s) that are not .txt, .jsonl or .parquet: "
-            f"{escape(names)} (rename a text file to .txt to include it)",
-            soft_wrap=True,
-        )
-
-
 def merge(
     parts: list[Path] = typer.Argument(
         ..., metavar="PART_DIR", show_default=False, help="The parts' output directories, in any order."
@@ -326,3 +314,15 @@ class WithMerge(TyperCommand):
             command = typer.main.get_command(merger)
             return command.make_context(f"{info_name} merge", args[1:], parent=parent, **extra)
         return super().make_context(info_name, args, parent=parent, **extra)
+
+
+def say_skipped(files: list[Path], to: Console) -> None:
+    """One note for the files of the input folders that are not read (their extension is not one forge
+    tokenize reads), naming the first few."""
+    if files:
+        names = ", ".join(str(f) for f in files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+        to.print(
+            f"[yellow]note:[/yellow] skipped {len(files)} file(s) that are not .txt, .jsonl or .parquet: "
+            f"{escape(names)} (rename a text file to .txt to include it)",
+            soft_wrap=True,
+        )
