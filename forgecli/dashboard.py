@@ -56,6 +56,11 @@ def expert_load(metrics: dict[str, Any]) -> str:
     return text if not dead else f"{text}, {dead:.0f} dead"
 
 
+def eta_seconds(started: float, start_step: int, step: int, max_steps: int) -> float:
+    """The time per step since `started` (this attempt's first step `start_step` + 1) times the steps left."""
+    return (time.perf_counter() - started) / max(step - start_step, 1) * (max_steps - step)
+
+
 def eta_text(seconds: float | None) -> str:
     return "-:--:--" if seconds is None else str(timedelta(seconds=round(seconds)))
 
@@ -121,8 +126,7 @@ class PlainReporter(Console):
         self._line(start_line(info))
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
-        elapsed = time.perf_counter() - self.started
-        eta = elapsed / (step - self.start_step) * (self.max_steps - step)
+        eta = eta_seconds(self.started, self.start_step, step, self.max_steps)
         shown = fmt_metrics(metrics)
         if "expert imbalance" in shown and not self.explained:
             self._line(EXPERT_LOAD)
@@ -188,8 +192,8 @@ class LiveDashboard(Console):
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
         self.metrics = fmt_metrics(metrics)
-        per_step = (time.perf_counter() - self.started) / max(step - self.start_step, 1)
-        self.progress.update(self.task, completed=step, eta=eta_text(per_step * (self.max_steps - step)))
+        eta = eta_seconds(self.started, self.start_step, step, self.max_steps)
+        self.progress.update(self.task, completed=step, eta=eta_text(eta))
         self.live.update(self._render())
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:

@@ -94,8 +94,13 @@ def find_input_files(inputs: Sequence[Path | str]) -> list[InputFile]:
     return [InputFile.at(p) for p in unique]
 
 
+def visible_files(directory: Path) -> list[Path]:
+    """The files under `directory`, recursively and sorted, hidden entries skipped."""
+    return sorted(p for p in directory.rglob("*") if p.is_file() and not hidden(p, directory))
+
+
 def files_under(directory: Path) -> list[Path]:
-    found = sorted(p for p in directory.rglob("*") if p.suffix in SUFFIXES and p.is_file() and not hidden(p, directory))
+    found = [p for p in visible_files(directory) if p.suffix in SUFFIXES]
     if not found:
         raise DataError(f"no documents found: no .txt, .jsonl or .parquet files under {directory}", FORMATS_HINT)
     return found
@@ -108,9 +113,7 @@ def skipped_under(inputs: Sequence[Path | str]) -> list[Path]:
     for given in inputs:
         item = Path(given)
         if not is_url(str(given)) and item.is_dir():
-            skipped += sorted(
-                p for p in item.rglob("*") if p.suffix not in SUFFIXES and p.is_file() and not hidden(p, item)
-            )
+            skipped += [p for p in visible_files(item) if p.suffix not in SUFFIXES]
     return skipped
 
 
