@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from engine.plan import check_config
+
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("allgather", "ring", "ulysses")
 MODEL = [
@@ -40,7 +42,7 @@ def job_config(seq_len: int, cp: int, method: str):
 
     layout = ["--distributed.cp=2", "--distributed.dp_shard=1", f"--distributed.cp_method={method}"] if cp > 1 else []
     overrides = [*MODEL, f"--train.seq_len={seq_len}", f"--model.max_seq_len={seq_len}", *layout]
-    return load_job_config(None, overrides).validate(world_size=cp)
+    return check_config(load_job_config(None, overrides), world_size=cp)
 
 
 def saved_bytes(model, loss_fn, tokens, labels) -> int:

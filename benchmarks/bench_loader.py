@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.plan import check_config
+
 EOS = 0
 VOCAB = 4096
 
@@ -59,17 +61,19 @@ def mixture_config(root: Path, seq_len: int, batch_size: int):
     from engine.config import load_job_config
 
     sources = ", ".join(f'{{name="s{i}", path="{root / f"s{i}"}", weight={w}}}' for i, w in enumerate((6, 3, 1)))
-    return load_job_config(
-        "presets/debug.toml",
-        [
-            f"--data.datasets=[{sources}]",
-            "--data.mix_temperature=2.0",
-            "--data.pack_sequences=true",
-            "--eval.enabled=false",
-            f"--train.seq_len={seq_len}",
-            f"--train.batch_size={batch_size}",
-        ],
-    ).validate()
+    return check_config(
+        load_job_config(
+            "presets/debug.toml",
+            [
+                f"--data.datasets=[{sources}]",
+                "--data.mix_temperature=2.0",
+                "--data.pack_sequences=true",
+                "--eval.enabled=false",
+                f"--train.seq_len={seq_len}",
+                f"--train.batch_size={batch_size}",
+            ],
+        )
+    )
 
 
 def packed(inputs):

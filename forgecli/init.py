@@ -1,5 +1,5 @@
 """`forge init`: write a commented preset from a few questions (or none: --defaults, --from), then show it
-checked like `forge validate-config` does. The document itself is built by `engine.config.writer`."""
+checked like `forge validate-config` does. The document itself is built by `engine.plan.writer`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from forgecli.completion import complete_preset
 from forgecli.ui import console, print_wide, user_errors
 
 if TYPE_CHECKING:
-    from engine.config.writer import InitAnswers, WrittenPreset
+    from engine.plan.writer import InitAnswers, WrittenPreset
 
 CUSTOM = "custom"
 DATA_CHOICES = {
@@ -63,9 +63,9 @@ def init(
       forge init debug_commented.toml --from presets/debug.toml --force
 
     """
-    from engine.config.writer import answers_from, build_preset, default_preset
     from engine.durable import check_writable, write_durably
     from engine.errors import UserError
+    from engine.plan.writer import answers_from, build_preset, default_preset
 
     check_writable(preset, "PRESET")  # --force replaces a regular file only, never a device or a link
     if preset.exists() and not force:
@@ -95,14 +95,14 @@ def stdin_is_terminal() -> bool:
 def preset_choices() -> dict[str, Path]:
     """Presets to take a model size from: ./presets, then the presets shipped beside the engine."""
     import engine
-    from engine.config.writer import find_presets
+    from engine.plan.writer import find_presets
 
     return find_presets([Path("presets"), Path(engine.__file__).resolve().parents[1] / "presets"])
 
 
 def ask(presets: dict[str, Path]) -> InitAnswers:
     """The questions, each with the answer of the chosen base preset as its default."""
-    from engine.config.writer import answers_from, default_preset
+    from engine.plan.writer import answers_from, default_preset
 
     console.print("[bold]forge init[/bold]: a few questions; Enter takes the default in brackets.")
     size = Prompt.ask(
@@ -183,7 +183,7 @@ def positive(question: str, default: int) -> int:
 
 def ask_budget(answers: InitAnswers) -> InitAnswers:
     """Steps, or tokens with a unit; asked again until it parses."""
-    from engine.config.writer import with_budget
+    from engine.plan.writer import with_budget
 
     while True:
         budget = Prompt.ask(
@@ -197,13 +197,12 @@ def ask_budget(answers: InitAnswers) -> InitAnswers:
 
 def show(path: Path, written: WrittenPreset) -> None:
     """What validate-config shows for the written preset: size and cost, memory per rank."""
-    from engine.parallel.memory import estimate_memory
-    from engine.train.summary import job_summary
+    from engine.plan.summary import job_summary
     from forgecli.validate_config import memory_table, summary_table
 
-    cfg, world = written.config, written.world_size
-    console.print(summary_table(job_summary(cfg, world)))
-    print_wide(memory_table(estimate_memory(cfg, world), cfg, world, None))
+    cfg, world = written.job.config, written.world_size
+    console.print(summary_table(job_summary(written.job)))
+    print_wide(memory_table(written.job.memory, cfg, world, None))
     for key, why in written.derived.items():
         console.print(f"  [dim]derived[/dim] {key}: {why}", highlight=False)
     console.print(f"[green]✓ wrote {path}[/green], valid" + (f" for world size {world}" if world > 1 else ""))

@@ -92,10 +92,11 @@ def launch(cfg: JobConfig, nproc: int) -> None:
     """Check the layout for `nproc` processes here (a bad one exits 2 before anything starts), then run
     this same command line once per process and exit with the run's exit code."""
     from engine.parallel.launch import launch_local_workers
+    from engine.plan import resolve
     from engine.resilience.signals import PREEMPTED_EXIT, SIGNALS
 
     check_not_launched()
-    cfg.validate(world_size=nproc)
+    resolve(cfg, nproc)  # each process resolves its own when it starts
     check_gpus_for(nproc)
     code = launch_local_workers(
         nproc, "forgecli.app", worker_argv(sys.argv[1:]), cfg.train.shutdown_timeout_sec, PREEMPTED_EXIT, tuple(SIGNALS)
@@ -177,12 +178,14 @@ def run_training(cfg: JobConfig, run_dir: Path, as_json: bool, allow_code: bool 
     """Train with the console output that fits; shared by `forge train` and `forge resume`. `allow_code`:
     hook modules inside a run directory may be imported (--allow-code)."""
     from engine.parallel.place import process_place
+    from engine.plan import resolve
     from engine.train.trainer import train as train_job
 
     place = process_place()
     main_rank = place.rank == 0  # the other ranks of a multi-process run print nothing
+    resolved = resolve(cfg, place.world_size)
     if main_rank:
-        show_config_warnings(cfg.warnings(place.world_size))
+        show_config_warnings(list(resolved.warnings))
     live = main_rank and not as_json and is_interactive()
     if not main_rank:
         reporter = None
@@ -199,7 +202,9 @@ def run_training(cfg: JobConfig, run_dir: Path, as_json: bool, allow_code: bool 
 
     try:
         with progress_shown_by(cache_build_bar) if live else contextlib.nullcontext():
-            summary = train_job(cfg, run_dir, [reporter] if reporter else [], allow_run_dir_code=allow_code)
+            summary = train_job(
+                cfg, run_dir, [reporter] if reporter else [], allow_run_dir_code=allow_code, resolved=resolved
+            )
     except Preempted as stopped:
         if not main_rank:
             raise typer.Exit(PREEMPTED_EXIT) from None

@@ -48,21 +48,21 @@ def validate_config(
     from engine.config import load_job_config
     from engine.config.loader import field_sources
     from engine.errors import UserError
-    from engine.parallel.memory import checkpoint_bytes, estimate_memory
-    from engine.train.length import with_derived_length
-    from engine.train.summary import job_summary
+    from engine.parallel.memory import checkpoint_bytes
+    from engine.plan import resolve
+    from engine.plan.summary import job_summary
 
     overrides = collect_overrides(ctx.args)
     try:
-        cfg = with_derived_length(load_job_config(preset, overrides).validate(world_size), world_size)
-        warnings = cfg.warnings(world_size)
+        job = resolve(load_job_config(preset, overrides), world_size)
+        cfg, warnings = job.config, job.warnings
         if cfg.train.hooks:  # found, never imported: importing research code is what training does
             from engine.train.hooks import check_hook_module
 
             for index, spec in enumerate(cfg.train.hooks):
                 check_hook_module(spec, index, None, allow_run_dir_code=True)
-        summary = job_summary(cfg, world_size)
-        stages = estimate_memory(cfg, world_size)
+        summary = job_summary(job)
+        stages = job.memory
         sources = field_sources(cfg, preset, overrides)
     except UserError as err:
         if as_json:  # the errors on stdout for scripts; the panel still goes to stderr, and the exit code is 2

@@ -14,15 +14,12 @@ asked of the chosen family's config object (`ModelConfig.family_config()`), whic
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from engine.config.base import Section
 from engine.config.registry import MODELS
-
-if TYPE_CHECKING:
-    from engine.model.spec import ModelSpec
 
 # Upper bounds of the fields that size the model's tensors: far beyond any model trained so far, and low enough
 # that a slip (`max_seq_len = 1e12`) is refused by name rather than passing validation and failing to allocate.
@@ -108,13 +105,6 @@ class ModelFields(Section):
     @property
     def moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
-
-    def family(self) -> ModelSpec:
-        """The registered spec of `model_type` (engine/model/spec.py, torch-free): what the family says of
-        itself besides its fields."""
-        from engine.model.spec import spec_for  # the families import this module: import at use
-
-        return spec_for(self)
 
 
 class NormChoice(ModelFields):

@@ -189,7 +189,7 @@ class TrainConfig(Section):
     @classmethod
     def _length_defaults(cls, data: Any) -> Any:
         """Today's defaults where nothing derives them: 1000 steps unless max_epochs or max_tokens says how
-        long, one micro-step unless global_batch_size sets the accumulation (engine/train/length.py derives
+        long, one micro-step unless global_batch_size sets the accumulation (engine/plan/length.py derives
         both once the world size and the data are known)."""
         if not isinstance(data, dict):
             return data

@@ -6,7 +6,7 @@ G (train.global_batch_size, or batch_size × grad_accum_steps × dp). With a ram
 B0, batch_ramp_increment = I, k = (G - B0) / I rises over batch_ramp_steps or batch_ramp_tokens = L) the
 batch grows linearly and is rounded down to the increment: at position x (steps done, or tokens trained
 on before the step) it is B0 + I · min(k, floor(k · x / L)), and G from x = L on. B0, I and G are multiples
-of U (the rules in engine/train/length_rules.py), so a step's batch is always whole micro-batches, and it
+of U (the rules in engine/plan/length_rules.py), so a step's batch is always whole micro-batches, and it
 is the same for every layout: the data order (engine.data.sampler) does not depend on the layout.
 
 The plan is a list of segments (first step, sequences per step, samples before the first step), built once
@@ -139,3 +139,18 @@ def batch_plan(cfg: JobConfig, world_size: int = 1, dp: int | None = None) -> Ba
         assert length is not None, "validation requires batch_ramp_steps or batch_ramp_tokens"
         ramp = Ramp(t.batch_ramp_start, t.batch_ramp_increment or t.batch_ramp_start, length, in_tokens)
     return BatchPlan(t.batch_size * dp, global_sequences(cfg, world_size, dp), t.seq_len, ramp)
+
+
+def accumulation(cfg: JobConfig, world_size: int = 1) -> int:
+    """Micro-batches per optimizer step at the full global batch: train.grad_accum_steps, or what
+    train.global_batch_size comes to on the data-parallel ranks (engine/plan/length.py fills it in)."""
+    if cfg.train.grad_accum_steps is not None:
+        return cfg.train.grad_accum_steps
+    plan = batch_plan(cfg, world_size)
+    return plan.full // plan.unit
+
+
+def tokens_per_step(cfg: JobConfig, world_size: int = 1) -> int:
+    """Tokens one optimizer step trains on at the full global batch (after any ramp), summed over the
+    data-parallel ranks."""
+    return global_sequences(cfg, world_size) * cfg.train.seq_len

@@ -5,7 +5,7 @@ run.
 
 Torch-free, like every room's rules module: it imports engine.config's sections and helpers, and the
 registry of source kinds (engine/data/source_kinds.py, which imports what a kind needs only when it resolves
-one), `JobConfig` for its types alone; engine/config/job.py calls these functions in the order it lists.
+one), `JobConfig` for its types alone; engine/plan/checks.py runs these functions in the order it lists.
 """
 
 from __future__ import annotations

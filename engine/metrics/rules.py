@@ -1,7 +1,7 @@
 """The rules of the metrics sinks (engine/metrics/): a sink's own fields only where the sink is on.
 
 Torch-free, like every room's rules module: it imports engine.config's registry, `JobConfig` for its types alone;
-engine/config/job.py calls it in the order it lists.
+engine/plan/checks.py runs it in the order it lists.
 """
 
 from __future__ import annotations

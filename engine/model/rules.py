@@ -4,7 +4,7 @@ with yet, RoPE scaling fields that agree, a sliding window on a kernel that take
 the model's family has no use for; and the warning for a capacity factor of 0.
 
 Torch-free, like every room's rules module: it imports engine.config's sections and helpers only (`JobConfig`
-for its types alone), and engine/config/job.py calls these functions in the order it lists.
+for its types alone), and engine/plan/checks.py runs these functions in the order it lists.
 """
 
 from __future__ import annotations

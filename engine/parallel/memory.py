@@ -58,11 +58,11 @@ from engine.config.job import JobConfig
 from engine.config.model import ModelConfig
 from engine.config.optimizer import optimizer_state
 from engine.config.optimizer import weight_bytes as trained_weight_bytes
+from engine.data.batch_plan import accumulation
 from engine.model.packed_kernel import FLEX_BLOCK, packed_attention_backend
 from engine.model.spec import ActivationLayout, ParamSpec, spec_for
 from engine.parallel.lora_memory import trains, weight_bytes, with_adapters
 from engine.parallel.stages import stage_layers, stages_per_rank
-from engine.train.length import with_derived_length
 
 FP32 = 4
 INT64 = 8
@@ -292,14 +292,17 @@ def buffer_bytes(cfg: JobConfig, stage: list[ParamSpec], tokens: int, has_head: 
 def estimate_memory(cfg: JobConfig, world_size: int) -> list[StageMemory]:
     """Per-rank memory of each pipeline rank for `cfg`'s layout on `world_size` processes.
 
-    Pure arithmetic on the config; call it on a validated config (`cfg.validate(world_size)`), whose
-    degrees multiply to the world size. The accumulation a global batch implies is derived here.
+    Pure arithmetic on the config; call it on a checked config (`engine.plan.check_config`), whose degrees
+    multiply to the world size (`ResolvedJob.memory` is this). The accumulation a global batch implies is
+    derived here: the run's length is not needed.
     """
-    cfg = with_derived_length(cfg, world_size)
+    train = cfg.train.model_copy(update={"grad_accum_steps": accumulation(cfg, world_size)})
     dp_shard = cfg.distributed.resolved_dp_shard(world_size)
     if dp_shard < 1:
         raise ValueError(f"the parallel degrees do not divide the world size {world_size}; validate the config first")
-    cfg = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"dp_shard": dp_shard})})
+    cfg = cfg.model_copy(
+        update={"train": train, "distributed": cfg.distributed.model_copy(update={"dp_shard": dp_shard})}
+    )
     d, t, m = cfg.distributed, cfg.train, cfg.model
     specs = with_adapters(param_specs(m), cfg.lora)  # [lora]: frozen base + trained adapters
     per_rank = stages_per_rank(d.pp_schedule) if d.pp > 1 else 1

@@ -4,7 +4,7 @@ what compiling an MoE model allows; and the warning for a dp_shard written in th
 
 Torch-free, like every room's rules module: it imports engine.config's sections and helpers and the
 torch-free parallel/stages.py and parallel/compile_plan.py only (`JobConfig` for its types alone), and
-engine/config/job.py calls these functions in the order it lists.
+engine/plan/checks.py runs these functions in the order it lists.
 """
 
 from __future__ import annotations

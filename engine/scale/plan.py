@@ -21,6 +21,7 @@ from engine.config.job import JobConfig
 from engine.config.loader import dump_toml
 from engine.durable import write_durably
 from engine.errors import ConfigError, UserError
+from engine.plan import check_config, resolve
 from engine.safe_paths import file_in, plain_name, resolves_inside
 from engine.scale.family import Member, members
 
@@ -103,8 +104,8 @@ def make_plan(
         raise UserError(f"--span {span:g} must be > 1 (the factor from the optimum to the end sizes)", "e.g. 3")
     if tokens_per_param <= 0:
         raise UserError(f"--tokens-per-param {tokens_per_param:g} must be positive", "e.g. 20 (Chinchilla)")
-    cfg = cfg.validate(world_size)
-    tokens_per_step = cfg.tokens_per_step(world_size)
+    base = resolve(cfg, world_size)
+    cfg, tokens_per_step = base.given, base.tokens_per_step
     plan = Plan(preset, world_size, tokens_per_step, sizes, span, tokens_per_param, budgets)
     configs: dict[str, JobConfig] = {}
     for budget in budgets:
@@ -213,7 +214,7 @@ def point_config(cfg: JobConfig, m: Member, steps: int, world_size: int, name: s
     data["train"]["max_steps"] = steps
     data["eval"].update(enabled=True, interval=steps)
     try:
-        return JobConfig.model_validate(data).validate(world_size)
+        return check_config(JobConfig.model_validate(data), world_size)
     except ConfigError as err:
         raise ConfigError(err.issues, f"scaling point {name}") from None
 

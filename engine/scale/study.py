@@ -20,6 +20,7 @@ import numpy as np
 
 from engine.config.job import JobConfig
 from engine.config.loader import load_job_config
+from engine.data.batch_plan import tokens_per_step
 from engine.errors import UserError
 from engine.model.estimate import param_counts, training_flops_per_token
 from engine.run_files import METRICS_FILE, RUN_CONFIG
@@ -211,7 +212,7 @@ def prediction_target(preset: Path, tokens: float | None, runs: list[Path]) -> d
         )
     if tokens is not None and not (math.isfinite(tokens) and tokens >= 1):  # NaN and inf have no whole count
         raise UserError(f"--tokens {tokens:g} must be a positive, finite number of tokens", "e.g. --tokens 2.6e10")
-    tokens = int(tokens) if tokens is not None else cfg.tokens_per_step() * cfg.train.max_steps
+    tokens = int(tokens) if tokens is not None else tokens_per_step(cfg) * cfg.train.max_steps
     params = param_counts(cfg.model)["total"]
     flops = float(training_flops_per_token(cfg.model, cfg.train.seq_len) * tokens)
     return {

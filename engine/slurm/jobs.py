@@ -128,7 +128,7 @@ def prepare(req: SlurmRequest, template: Path, argv: list[str], points: list[Swe
     `points`: the array's tasks when the caller has them already (`forge scale run --slurm`); by default
     those of `req.sweep`, or none (one job)."""
     from engine.config import load_job_config
-    from engine.parallel.memory import estimate_memory
+    from engine.plan import resolve
 
     if points is None:
         points = sweep_points(req.sweep, req.run_dir) if req.sweep else []
@@ -138,8 +138,8 @@ def prepare(req: SlurmRequest, template: Path, argv: list[str], points: list[Swe
         if points
         else [(req.preset, req.overrides, req.run_dir)]
     ):
-        cfg = load_job_config(preset, overrides).validate(req.world_size)
-        stages = estimate_memory(cfg, req.world_size)
+        job = resolve(load_job_config(preset, overrides), req.world_size)
+        cfg, stages = job.given, job.memory
         check_signal_lead(req.signal_lead, cfg.train.shutdown_timeout_sec, max(s.params + s.optimizer for s in stages))
         check_existing_run(cfg, run_dir)
         shutdown = max(shutdown, cfg.train.shutdown_timeout_sec)

@@ -27,7 +27,7 @@ from engine.checkpoint.layout import checkpoint_root, step_dirs
 from engine.checkpoint.manager import Checkpointer, initialize_from
 from engine.checkpoint.rng import every_rank_rng_state, restore_rank_rng
 from engine.config.job import JobConfig
-from engine.data.batch_plan import BatchPlan, batch_plan
+from engine.data.batch_plan import BatchPlan
 from engine.errors import ConfigIssue, UserError
 from engine.metrics.callback import LEGACY_WANDB_RUN_ID, with_legacy_states
 from engine.metrics.mfu import peak_flops
@@ -46,6 +46,9 @@ from engine.parallel.pipeline import Pipeline, StageShapes, build_pipeline, stag
 from engine.parallel.pipeline_moe import pipeline_moe_metrics
 from engine.parallel.place import ProcessPlace, process_place
 from engine.parallel.tp import loss_context, uses_loss_parallel
+from engine.plan import ResolvedJob, resolve
+from engine.plan.length import as_given
+from engine.plan.summary import job_summary
 from engine.resilience.anomaly import StepGuard
 from engine.resilience.collectives import any_rank, on_rank0
 from engine.run_files import RUN_CONFIG
@@ -53,14 +56,12 @@ from engine.safe_paths import resolves_inside
 from engine.train.balancing import attach_router_balancing
 from engine.train.ema import STATE_KEY as EMA_KEY
 from engine.train.ema import WeightAverage
-from engine.train.length import as_given, with_derived_length
 from engine.train.losses import StageCrossEntropy, mtp_metrics
 from engine.train.moe_load import ExpertLoadWindow
 from engine.train.offload import activation_offload, offload_device_warnings
 from engine.train.optim import build_optimizer
 from engine.train.run_dir import check_run_dir
 from engine.train.schedules import job_scheduler, schedule_state, with_pinned_schedule
-from engine.train.summary import job_summary
 
 log = logging.getLogger("forge.train")
 
@@ -69,7 +70,7 @@ log = logging.getLogger("forge.train")
 class Job:
     """Everything the loop needs, built once before the first step."""
 
-    cfg: JobConfig  # with the derived lengths filled in (engine/train/length.py)
+    cfg: JobConfig  # with the derived lengths filled in (engine/plan/length.py)
     run_dir: Path
     device: torch.device
     dtype: torch.dtype
@@ -185,13 +186,17 @@ def data_parallel_rank(dims: ParallelDims, rank: int) -> int:
     return rank // (dims.cp * dims.tp) % dims.dp
 
 
-def build_job(cfg: JobConfig, run_dir: Path) -> Job:
-    """Everything checkable is checked before the process group starts and before anything is written."""
+def build_job(cfg: JobConfig, run_dir: Path, resolved: ResolvedJob | None = None) -> Job:
+    """Everything checkable is checked before the process group starts and before anything is written.
+    `resolved`: what `cfg` resolved to for this world size, when the caller has it (the CLI, which shows its
+    warnings first); otherwise it is resolved here."""
     from engine.data.loader import open_eval_data, open_train_data
 
     place = process_place()
-    given = cfg.validate(world_size=place.world_size)
-    cfg = with_pinned_schedule(with_derived_length(given, place.world_size), place.world_size)
+    planned = resolve(cfg, place.world_size) if resolved is None else resolved
+    assert planned.world_size == place.world_size, "a job resolved for another world size"
+    given = planned.given
+    cfg = with_pinned_schedule(planned.config, place.world_size)
     dims = ParallelDims.from_config(cfg.distributed, place.world_size)
     dp_rank = data_parallel_rank(dims, place.rank)
     train_data = open_train_data(cfg, dp_rank=dp_rank, dp_size=dims.dp)
@@ -231,7 +236,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         train_data=train_data,
         eval_data=eval_data,
         data_identity=train_data.identity(),
-        summary=job_summary(cfg, place.world_size),
+        summary=job_summary(planned),
         peak_flops=peak_flops(device, dtype),
         checkpointer=Checkpointer(
             checkpoint_root(run_dir, cfg.checkpoint.dir),
@@ -252,7 +257,7 @@ def build_job(cfg: JobConfig, run_dir: Path) -> Job:
         warnings=(*float8_device_warnings(cfg.train.mixed_precision, device), *offload_device_warnings(cfg, device)),
         record=record,
         checkpoint_lock_dir=checkpoint_lock_dir,
-        batch_plan=batch_plan(cfg, dp=dims.dp),
+        batch_plan=planned.batches,
     )
     restored = job.checkpointer.restore(model, optimizer) if resuming else None
     if restored is not None:

@@ -4,7 +4,7 @@ and the warning for a warmup as long as the run.
 
 Torch-free, like every room's rules module (engine/train/optim/ imports torch, so the optimizer's rules live
 here): it imports engine.config's sections and helpers only (`JobConfig` for its types alone), and
-engine/config/job.py calls these functions in the order it lists.
+engine/plan/checks.py runs these functions in the order it lists.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def read_at(multiplier: Callable[[int], float], position: Callable[[int], int]) 
 
 def schedule_axis(cfg: JobConfig, world_size: int = 1) -> tuple[Callable[[int], int] | None, int]:
     """(step → position in scheduler.unit, or None for steps; the run's length in that unit) of a config whose
-    max_steps is derived (engine/train/length.py)."""
+    max_steps is derived (engine/plan/length.py)."""
     if cfg.scheduler.unit == "steps":
         return None, cfg.train.max_steps
     plan = batch_plan(cfg, world_size)

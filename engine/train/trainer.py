@@ -33,6 +33,7 @@ from engine.metrics.callback import SinkCallback, saved_wandb_run_id
 from engine.metrics.trackers import MetricsLogger
 from engine.parallel.launch import leave_process_group
 from engine.parallel.place import process_place
+from engine.plan.job import ResolvedJob
 from engine.resilience.collectives import distributed, on_rank0
 from engine.resilience.signals import Preempted, StopRequest
 from engine.train.callbacks.base import Callback, CallbackFailed
@@ -59,10 +60,12 @@ def train(
     run_dir: Path,
     callbacks: Sequence[Callback] = (),
     allow_run_dir_code: bool = False,
+    resolved: ResolvedJob | None = None,
 ) -> dict[str, Any]:
     """Train `cfg` into `run_dir`, or continue the run there; return the final summary. `callbacks`: the
     caller's own (a console, a probe; the same list on every rank), beside the engine's. A `[[train.hooks]]`
     module found inside a run directory is refused unless `allow_run_dir_code` (engine/train/hooks.py).
+    `resolved`: `cfg` resolved for this process's world size (engine/plan/job.py), when the caller has it.
 
     Raises `Preempted` after an emergency checkpoint when SIGTERM/SIGUSR1 arrives, `TrainingDiverged`
     when rollbacks cannot recover the loss, `CollectiveTimeout` when a rank stops answering,
@@ -71,7 +74,7 @@ def train(
     # a bad hook fails before anything
     config_hooks = ConfigHooks(cfg.train.hooks, process_place().rank == 0, run_dir, allow_run_dir_code)
     with StopRequest(cfg.train.shutdown_timeout_sec).installed() as stop, process_group_released():
-        job = build_job(cfg, run_dir)  # a signal during setup counts too
+        job = build_job(cfg, run_dir, resolved)  # a signal during setup counts too
         if job.start_step >= job.cfg.train.max_steps:
             return {
                 "steps": job.start_step,

@@ -18,7 +18,8 @@ import tomlkit
 from typer.testing import CliRunner
 
 from engine.config import load_job_config
-from engine.config.writer import InitAnswers, answers_from, build_preset, with_budget
+from engine.plan import check_config
+from engine.plan.writer import InitAnswers, answers_from, build_preset, with_budget
 from forgecli import init as init_command
 from forgecli.app import app
 from tests.conftest import REPO
@@ -64,7 +65,7 @@ def test_defaults_write_a_commented_preset_that_validates_and_trains(tmp_path):
     assert "wrote" in result.output and "parameters (total)" in result.output and "Estimated memory" in result.output
     text = out.read_text()
     assert "# hidden size\ndim = 192" in text and f"forge train {out}" in text
-    assert load_job_config(out).validate(1).model_dump() == load_job_config(DEBUG).model_dump()
+    assert check_config(load_job_config(out), 1).model_dump() == load_job_config(DEBUG).model_dump()
     summary = train(out, tmp_path / "run", "--scheduler.warmup_steps=1")  # the preset's 20 exceed 2 steps
     assert summary["steps"] == 2 and summary["final_loss"] > 0
 
@@ -78,7 +79,7 @@ def test_prompts_write_what_was_answered_and_mark_what_was_derived(tmp_path, mon
     result = forge_init(str(out), answers=answers)
     assert result.exit_code == 0, result.output
     assert "Model size" in result.output and "Optimizer" in result.output
-    cfg = load_job_config(out).validate(1)
+    cfg = check_config(load_job_config(out), 1)
     assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.num_experts) == (64, 2, 4, 8)
     assert cfg.train.mixed_precision == "fp32" and cfg.optimizer.name == "lion"
     assert cfg.optimizer.lr == pytest.approx(2e-3 / 3, rel=1e-2) and cfg.optimizer.weight_decay == pytest.approx(0.3)
@@ -98,7 +99,7 @@ def test_wrong_answers_are_asked_again(tmp_path, monkeypatch):
     result = forge_init(str(out), answers=answers)
     assert result.exit_code == 0, result.output
     assert "must be at least 1" in result.output and "neither a number of steps" in result.output
-    cfg = load_job_config(out).validate(2)
+    cfg = check_config(load_job_config(out), 2)
     assert cfg.train.max_steps == -(-150_000 // (8 * 256 * 2)) and cfg.distributed.dp_shard == -1
     assert "--nproc-per-node 2" in out.read_text()
 
@@ -140,7 +141,7 @@ tp = 2
     out = tmp_path / "copy.toml"
     result = forge_init(str(out), "--from", str(rich))
     assert result.exit_code == 0, result.output
-    assert load_job_config(out).validate(8).model_dump() == load_job_config(rich).validate(8).model_dump()
+    assert check_config(load_job_config(out), 8).model_dump() == check_config(load_job_config(rich), 8).model_dump()
     cfg = load_job_config(out)
     assert (cfg.optimizer.name, cfg.scheduler.name, cfg.scheduler.warmup_steps, cfg.eval.hf_dataset_name) == (
         "lion",
@@ -254,7 +255,7 @@ def test_prompts_on_a_real_terminal(tmp_path):
     process.wait(timeout=10)
     os.close(main)
     assert process.returncode == 0, seen.decode(errors="replace")[-2000:]
-    assert load_job_config(out).validate(1).model_dump() == load_job_config(DEBUG).model_dump()
+    assert check_config(load_job_config(out), 1).model_dump() == load_job_config(DEBUG).model_dump()
 
 
 def test_a_changed_optimizer_trains(tmp_path):

@@ -25,6 +25,7 @@ from engine.model import build_model
 from engine.model.estimate import param_counts, training_flops_per_token
 from engine.model.transformer import Transformer
 from engine.parallel.memory import estimate_memory, param_specs
+from engine.plan import check_config
 from engine.train.job import initial_model
 from engine.train.losses import build_loss
 from engine.train.optim import build_optimizer, param_groups
@@ -100,10 +101,13 @@ def toy(registries):
 def toy_job(toy, optimizer: str = "adamw", **train) -> JobConfig:
     """A job of the toy family: validated as the config allows (its layout rules), then the toy's [model]
     and optimizer put in."""
-    cfg = JobConfig(
-        model={"dim": 32, "n_layers": 4, "n_heads": 1, "vocab_size": 64, "ffn_hidden_dim": 48},
-        train={"batch_size": 2, "seq_len": 8, "mixed_precision": "fp32", **train},
-    ).validate(1)
+    cfg = check_config(
+        JobConfig(
+            model={"dim": 32, "n_layers": 4, "n_heads": 1, "vocab_size": 64, "ffn_hidden_dim": 48},
+            train={"batch_size": 2, "seq_len": 8, "mixed_precision": "fp32", **train},
+        ),
+        1,
+    )
     model = toy.toy_config(norm_type="layernorm")
     return cfg.model_copy(update={"model": model, "optimizer": cfg.optimizer.model_copy(update={"name": optimizer})})
 
@@ -392,7 +396,7 @@ def test_a_toy_optimizers_own_field_is_accepted_shown_and_read(toy_components):
     toy_cfg = load_job_config(
         None, [*TINY, "--optimizer.name=toy_sgd", "--train.mixed_precision=fp32", "--train.seq_len=8"]
     )
-    [stage] = estimate_memory(toy_cfg.validate(1), 1)
+    [stage] = estimate_memory(check_config(toy_cfg, 1), 1)
     assert stage.optimizer == FP32_BYTES * sum(p.numel() for p in model.parameters())
 
 
@@ -454,7 +458,7 @@ def test_the_toys_are_offered_by_completion_and_documented_by_the_reference(toy_
     )
     assert "toy_sgd" in table.splitlines()[2]  # the name field's choices
     # forge init drops the toy's field when another optimizer is chosen
-    from engine.config.writer import InitAnswers, build_preset
+    from engine.plan.writer import InitAnswers, build_preset
 
     written = build_preset(InitAnswers(optimizer="lion"))
     assert "toy_dampening" not in written.text
@@ -701,7 +705,7 @@ def test_another_familys_field_is_refused_with_the_toy_and_the_toys_elsewhere(to
 
 def test_the_toy_family_is_offered_documented_and_dropped_by_init(toy):
     from engine.config import reference
-    from engine.config.writer import InitAnswers, apply_model
+    from engine.plan.writer import InitAnswers, apply_model
     from forgecli.completion import complete_override
 
     assert "toy_mlp" in [item.value for item in complete_override("", ["--model.model_type"])]

@@ -15,6 +15,7 @@ from engine.config import JobConfig, dump_toml, load_job_config, reference
 from engine.config.loader import parse_literal
 from engine.config.model import ModelConfig
 from engine.errors import ConfigError
+from engine.plan import check_config, config_warnings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +31,7 @@ def paths(err: ConfigError) -> list[str]:
 
 
 def test_debug_preset_loads_and_validates():
-    cfg = load_job_config(REPO / "presets" / "debug.toml").validate(1)
+    cfg = check_config(load_job_config(REPO / "presets" / "debug.toml"), 1)
     assert cfg.model.vocab_size == 4096 and cfg.data.dataset_path is None
 
 
@@ -84,7 +85,7 @@ enable_tensorboard = false
 [profiling]
 enable = false
 """
-    cfg = load_job_config(write(tmp_path, text)).validate(1)
+    cfg = check_config(load_job_config(write(tmp_path, text)), 1)
     assert cfg.optimizer.betas == (0.9, 0.95) and cfg.checkpoint.keep_last_n == 2
 
 
@@ -170,17 +171,17 @@ def test_cross_section_rules_all_reported():
         ],
     )
     with pytest.raises(ConfigError) as info:
-        cfg.validate(1)
+        check_config(cfg, 1)
     assert set(paths(info.value)) == {"train.seq_len", "eval.dataset_path"}
 
 
 def test_each_rooms_rules_import_first_and_without_torch():
-    """The cross-section rules live beside their rooms (engine/*/rules.py), and engine/config/job.py imports
-    them only when it validates: each module imports first, with no engine module loaded before it (no import
+    """The cross-section rules live beside their rooms (engine/*/rules.py), and engine/plan/checks.py lists
+    them (engine.config imports none of them): each module imports first, with no engine module loaded before it (no import
     cycle through `engine.config`), and pulls in no torch, so validate-config stays torch-free."""
-    from engine.config.job import error_rules, warning_rules
+    from engine.plan.checks import ERROR_RULES, WARNING_RULES
 
-    modules = sorted({rule.__module__ for rule in (*error_rules(), *warning_rules())})
+    modules = sorted({rule.__module__ for rule in (*ERROR_RULES, *WARNING_RULES)})
     rooms = ["engine.data.rules", "engine.model.rules", "engine.parallel.rules", "engine.train.rules"]
     assert set(rooms) <= set(modules) and all(re.fullmatch(r"engine\.\w+\.rules", name) for name in modules), modules
     code = (
@@ -200,15 +201,18 @@ def test_each_rooms_rules_import_first_and_without_torch():
 def test_seed_schema_values_are_warnings_not_errors():
     """A warmup as long as the run and a capacity factor of 0 (dropless) are the seed schema's presets'
     values: they validate, with a warning that says what they mean."""
-    cfg = load_job_config(
-        REPO / "presets" / "debug_moe.toml",
-        ["--scheduler.warmup_steps=50", "--train.max_steps=20", "--model.moe_capacity_factor=0"],
-    ).validate(1)
-    warnings = {w.path: w.problem for w in cfg.warnings(1)}
+    cfg = check_config(
+        load_job_config(
+            REPO / "presets" / "debug_moe.toml",
+            ["--scheduler.warmup_steps=50", "--train.max_steps=20", "--model.moe_capacity_factor=0"],
+        ),
+        1,
+    )
+    warnings = {w.path: w.problem for w in config_warnings(cfg, 1)}
     assert sorted(warnings) == ["model.moe_capacity_factor", "scheduler.warmup_steps"]
     assert "dropless" in warnings["model.moe_capacity_factor"]
     assert cfg.model.moe_capacity is None
-    assert load_job_config(REPO / "presets" / "debug.toml").warnings(1) == []
+    assert config_warnings(load_job_config(REPO / "presets" / "debug.toml"), 1) == []
     with pytest.raises(ConfigError, match="moe_capacity_factor"):
         load_job_config(REPO / "presets" / "debug_moe.toml", ["--model.moe_capacity_factor=-1"])
 
@@ -216,11 +220,11 @@ def test_seed_schema_values_are_warnings_not_errors():
 def test_layout_against_world_size():
     cfg = load_job_config(None, ["--distributed.dp_shard=2"])
     with pytest.raises(ConfigError) as info:
-        cfg.validate(3)
+        check_config(cfg, 3)
     assert "distributed" in paths(info.value)
     assert "does not multiply" in str(info.value)
     with pytest.raises(ConfigError, match="tp"):
-        load_job_config(None, ["--distributed.tp=3"]).validate(3)
+        check_config(load_job_config(None, ["--distributed.tp=3"]), 3)
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -259,7 +263,7 @@ def test_registries_cover_every_choice():
 
 
 def test_job_config_defaults_are_valid():
-    JobConfig().validate(1)
+    check_config(JobConfig(), 1)
 
 
 def test_configuration_doc_lists_every_field():
@@ -369,11 +373,11 @@ def test_reference_goes_stale_when_a_field_is_added(tmp_path):
 def test_layout_rules(overrides, world, expected):
     cfg = load_job_config(None, overrides)
     with pytest.raises(ConfigError) as info:
-        cfg.validate(world)
+        check_config(cfg, world)
     assert set(paths(info.value)) == expected
 
 
 def test_valid_layouts_pass():
     moe_tp = ["--distributed.tp=2", "--model.num_experts=4", "--distributed.ep=2"]
     for overrides, world in [(["--distributed.tp=2"], 4), (["--distributed.dp_replicate=2"], 4), ([], 8), (moe_tp, 4)]:
-        load_job_config(None, overrides).validate(world)
+        check_config(load_job_config(None, overrides), world)

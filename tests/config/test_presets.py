@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from engine.config.loader import load_job_config
-from engine.config.presets_table import PRESETS, declared, main
 from engine.model.estimate import param_counts
 from engine.parallel.memory import estimate_memory
+from engine.plan import check_config
+from engine.plan.presets_table import PRESETS, declared, main
 from tests.conftest import REPO
 from tests.helpers.cli import forge
 
@@ -46,7 +47,7 @@ def test_the_big_presets_declare_real_layouts_that_fit_an_h100():
     worlds = {}
     for preset in ALL:
         decl = declared(preset)
-        cfg = load_job_config(preset, decl.overrides).validate(decl.world_size)
+        cfg = check_config(load_job_config(preset, decl.overrides), decl.world_size)
         worlds[preset.stem] = decl.world_size
         if decl.world_size > 1:
             peak = max(stage.total for stage in estimate_memory(cfg, decl.world_size))
@@ -99,7 +100,7 @@ def test_presets_doc_is_up_to_date(capsys: pytest.CaptureFixture[str]):
 
 
 def test_presets_doc_check_fails_when_stale(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    from engine.config import presets_table
+    from engine.plan import presets_table
 
     stale = tmp_path / "presets.md"
     stale.write_text((REPO / "docs" / "presets.md").read_text().replace("70.6 G", "70 G"))

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from engine.config.loader import dump_toml, load_job_config
+from engine.plan import check_config
 from tests.conftest import REPO
 
 GOLDEN = REPO / "tests" / "golden" / "run_configs"
@@ -36,7 +37,7 @@ def test_both_families_have_a_saved_config():
 
 @pytest.mark.parametrize("saved", SAVED, ids=lambda path: path.stem)
 def test_a_config_saved_before_loads_and_saves_again_as_it_was(saved):
-    cfg = load_job_config(saved).validate(1)
+    cfg = check_config(load_job_config(saved), 1)
     assert cfg.model.model_type == saved.stem
     assert dump_toml(cfg) == saved.read_text()
 

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 
 from engine.config import load_job_config
+from engine.data.batch_plan import tokens_per_step
 from engine.errors import ConfigError
 from engine.parallel.memory import estimate_memory
+from engine.plan import check_config, config_warnings
 
 SEED_PRESETS = Path(__file__).parents[1] / "seed_presets"
 PRESETS = sorted(SEED_PRESETS.glob("*.toml"))
@@ -40,7 +42,7 @@ def declared_world_size(path: Path) -> int:
 def test_seed_preset_validates_for_its_world_size_and_fits_80_gib(path):
     assert set(tomllib.loads(path.read_text())) <= SEED_SECTIONS, "a seed-layout preset uses the seed's sections"
     world = declared_world_size(path)
-    cfg = load_job_config(path).validate(world)
+    cfg = check_config(load_job_config(path), world)
     stages = estimate_memory(cfg, world)
     assert len(stages) == cfg.distributed.pp
     assert all(0 < stage.total < 80 * GIB for stage in stages), [stage.total / GIB for stage in stages]
@@ -64,7 +66,8 @@ def test_the_gallery_covers_the_seed_layouts():
 
 def test_seed_conventions_validate_with_a_warning_that_says_what_they_mean():
     warnings = {
-        path.stem: {w.path for w in load_job_config(path).warnings(declared_world_size(path))} for path in PRESETS
+        path.stem: {w.path for w in config_warnings(load_job_config(path), declared_world_size(path))}
+        for path in PRESETS
     }
     assert warnings["llama2_7b_tp2_benchmark"] == {"scheduler.warmup_steps"}  # warmup 50, 20 steps
     assert warnings["moe_16x1b_tp4"] == {"model.moe_capacity_factor"}  # 0 = dropless
@@ -73,13 +76,13 @@ def test_seed_conventions_validate_with_a_warning_that_says_what_they_mean():
     # dp_shard 4 × tp 4 × ep 2 on 32 ranks: FSDP over 8 ranks, as dp_shard = -1 would give.
     seed_dp = load_job_config(SEED_PRESETS / "moe_8x7b_tp4_ep2_seed_dp.toml")
     assert seed_dp.distributed.resolved_dp_shard(32) == 8
-    assert seed_dp.tokens_per_step(32) == 8 * 4 * 4096  # 8 data-parallel ranks × 4 micro-batches × 4096
+    assert tokens_per_step(seed_dp, 32) == 8 * 4 * 4096  # 8 data-parallel ranks × 4 micro-batches × 4096
 
 
 def test_the_seed_dp_shard_convention_needs_the_seeds_product():
     """The seed reading applies only where Forge's own does not fill the world: dp_shard 8 × tp 4 with ep 2
     on 32 ranks stays Forge's (experts over 2 of the 8), and a product that is neither is refused."""
     forge_way = load_job_config(SEED_PRESETS / "moe_8x7b_tp4_ep2_seed_dp.toml", ["--distributed.dp_shard=8"])
-    assert forge_way.validate(32).distributed.resolved_dp_shard(32) == 8 and forge_way.warnings(32) == []
+    assert check_config(forge_way, 32).distributed.resolved_dp_shard(32) == 8 and config_warnings(forge_way, 32) == []
     with pytest.raises(ConfigError, match="does not multiply to the world size 48"):
-        forge_way.validate(48)
+        check_config(forge_way, 48)

@@ -20,6 +20,7 @@ from engine.data.hub import HubSource
 from engine.data.source_kinds import section_source, source_directory
 from engine.data.tokenize import STATE, open_source, tokenize, tokenize_files
 from engine.errors import DataError
+from engine.plan import check_config
 from tests.conftest import REPO
 from tests.helpers.data_fixtures import (
     Interrupt,
@@ -330,7 +331,7 @@ def test_a_named_dataset_needs_a_tokenizer_and_its_fields_need_a_name():
 
     def issues(*overrides: str) -> list[str]:
         with pytest.raises(ConfigError) as error:
-            load_job_config(None, list(overrides)).validate(1)
+            check_config(load_job_config(None, list(overrides)), 1)
         return [issue.path for issue in error.value.issues]
 
     assert issues("data.hf_dataset_name=org/set") == ["data.tokenizer_path"]
@@ -361,15 +362,18 @@ def test_a_named_dataset_needs_a_tokenizer_and_its_fields_need_a_name():
     assert issues("data.hf_dataset_name=org/set", "data.tokenizer_path=t.json", "eval.enabled=true") == [
         "eval.dataset_path"
     ]  # held-out data of its own, as with dataset_path
-    load_job_config(
-        None,
-        [
-            "data.hf_dataset_name=org/set",
-            "data.tokenizer_path=t.json",
-            "eval.enabled=true",
-            "eval.hf_dataset_name=org/set",
-        ],
-    ).validate(1)
+    check_config(
+        load_job_config(
+            None,
+            [
+                "data.hf_dataset_name=org/set",
+                "data.tokenizer_path=t.json",
+                "eval.enabled=true",
+                "eval.hf_dataset_name=org/set",
+            ],
+        ),
+        1,
+    )
 
 
 BUILD_SCRIPT = """

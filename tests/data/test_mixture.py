@@ -18,6 +18,7 @@ from engine.config import load_job_config
 from engine.data.mixture import SourceDraws, mixture_phases, temperature_weights
 from engine.data.sampler import BatchLayout, EpochOrder, MixtureBatchSampler
 from engine.errors import ConfigError
+from engine.plan import check_config
 from engine.train.callbacks import Callback
 from engine.train.schedules import learning_rate
 from tests.conftest import REPO
@@ -146,7 +147,7 @@ def test_same_global_batches_under_any_layout_and_after_a_resume():
 )
 def test_bad_mixtures_name_the_field(override, field):
     with pytest.raises(ConfigError) as raised:
-        mixture(override).validate()
+        check_config(mixture(override))
     assert field in [issue.path for issue in raised.value.issues], raised.value.issues
 
 
@@ -227,7 +228,7 @@ def test_bad_sources_are_refused_naming_the_field(tmp_path):
 
     missing = load_job_config(None, [f'--data.datasets=[{{name="gone", path="{tmp_path / "nowhere"}"}}]'])
     with pytest.raises(DataError) as raised:
-        open_train_data(missing.validate())
+        open_train_data(check_config(missing))
     assert "data.datasets.0.path" in raised.value.message
     own = tokenized(tmp_path)  # the test tokenizer (vocab 400), not the embedded corpus's
     cfg = load_job_config(
@@ -238,7 +239,7 @@ def test_bad_sources_are_refused_naming_the_field(tmp_path):
         ],
     )
     with pytest.raises(DataError) as raised:
-        open_train_data(cfg.validate())
+        open_train_data(check_config(cfg))
     assert "data.datasets.1.embedded" in raised.value.message and "different tokenizer" in raised.value.message
 
 
@@ -313,7 +314,7 @@ def test_per_source_loss_equals_a_recomputation_by_source(tmp_path, loss_fn, par
     train(cfg, tmp_path / "run", callbacks=[hooks])
     rows = logged(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2] and sorted(hooks.weights) == [1, 2]
-    cfg = cfg.validate()
+    cfg = check_config(cfg)
     batches = open_train_data(cfg).batches()
     model = Transformer(cfg.model)
     for row in rows:

@@ -15,6 +15,7 @@ import torch
 from engine.config.model import ModelConfig
 from engine.model.documents import document_block_mask, document_ids, document_mask, document_positions
 from engine.model.transformer import Transformer
+from engine.plan import check_config
 from tests.helpers.parity import FP64_TOL, model_bound
 from tests.helpers.torchrun import torchrun
 
@@ -205,7 +206,9 @@ def test_memory_estimate_counts_what_packing_saves():
 
     args = [f"--model.{k}={v}" for k, v in CFG.items()] + ["--train.seq_len=32", "--train.batch_size=4"]
     args += ["--train.mixed_precision=fp32"]
-    plain, packed = (load_job_config(None, [*args, f"--data.pack_sequences={p}"]).validate() for p in ("false", "true"))
+    plain, packed = (
+        check_config(load_job_config(None, [*args, f"--data.pack_sequences={p}"])) for p in ("false", "true")
+    )
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**CFG))
     tokens = torch.randint(1, CFG["vocab_size"], (4, 32))
@@ -241,7 +244,7 @@ def test_memory_estimate_counts_each_pipeline_stage_s_packed_micro_batches():
     args += ["--train.mixed_precision=fp32", "--distributed.pp=2", "--train.grad_accum_steps=2"]
     args += ["--distributed.pp_schedule=1f1b"]
     plain, packed = (
-        load_job_config(None, [*args, f"--data.pack_sequences={p}"]).validate(2) for p in ("false", "true")
+        check_config(load_job_config(None, [*args, f"--data.pack_sequences={p}"]), 2) for p in ("false", "true")
     )
     rows = estimate_memory(packed, 2)
     assert [row.microbatches_in_flight for row in rows] == [2, 1]
@@ -327,7 +330,7 @@ def test_packing_is_accepted_under_pipeline_and_context_parallelism():
 
     for layout in (["--distributed.pp=2", "--train.grad_accum_steps=2"], ["--distributed.cp=2"]):
         for packed in ("true", "false"):
-            load_job_config(None, [f"--data.pack_sequences={packed}", *layout]).validate(world_size=2)
+            check_config(load_job_config(None, [f"--data.pack_sequences={packed}", *layout]), world_size=2)
 
 
 @pytest.mark.parametrize("mode", ["none", "full"])
@@ -357,7 +360,7 @@ def test_the_boolean_mask_outlives_the_forward_only_under_checkpointing(mode):
     assert masks[-1]() is None  # backward let go of it
     args = [f"--model.{k}={v}" for k, v in CFG.items()] + ["--train.seq_len=32", "--train.batch_size=2"]
     args += ["--train.mixed_precision=fp32", f"--train.activation_checkpointing={mode}"]
-    cfg = load_job_config(None, [*args, "--data.pack_sequences=true"]).validate()
+    cfg = check_config(load_job_config(None, [*args, "--data.pack_sequences=true"]))
     rope = 2 * 4 * (2 - 1) * 32 * 8
     blocks = 2 if mode == "none" else 1  # additive fp32 masks kept: every block's, or the one being recomputed
     assert packing_bytes(cfg, "cpu") == blocks * 4 * 2 * 32**2 + (2 * 32**2 if held else 0) + rope

@@ -24,7 +24,8 @@ from engine.data.source_kinds import SourceSpec, entry_source, section_source, t
 from engine.data.tokenizer import Encoder
 from engine.errors import ConfigError, DataError, UserError
 from engine.interp.tokens import open_tokens
-from engine.train.length import with_derived_length
+from engine.plan import check_config
+from engine.plan.length import with_derived_length
 from engine.train.trainer import train
 from forgecli.app import app
 from tests.conftest import REPO
@@ -252,9 +253,11 @@ def test_a_store_that_serves_another_tokenizer_is_refused_naming_the_field(
 def test_max_epochs_counts_a_remote_data_set_from_its_manifest_alone(local: Path, server: str):
     serve(local)
     overrides = [o for o in TINY if not o.startswith("train.max_steps")] + ["train.max_epochs=1"]
-    remote = with_derived_length(load_job_config(DEBUG, [*overrides, f"data.dataset_path={server}/data"]).validate(), 1)
+    remote = with_derived_length(
+        check_config(load_job_config(DEBUG, [*overrides, f"data.dataset_path={server}/data"])), 1
+    )
     assert list(Store.gets) == ["/data/manifest.json"]  # no shard fetched to count the windows
-    here = with_derived_length(load_job_config(DEBUG, [*overrides, f"data.dataset_path={local}"]).validate(), 1)
+    here = with_derived_length(check_config(load_job_config(DEBUG, [*overrides, f"data.dataset_path={local}"])), 1)
     assert remote.train.max_steps == here.train.max_steps > 1
 
 

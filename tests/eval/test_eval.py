@@ -28,6 +28,7 @@ from engine.eval.scoring import score
 from engine.eval.suite import load_tasks, run_tasks, task_manager
 from engine.generate import load_model
 from engine.model.transformer import Transformer
+from engine.plan import check_config
 from forgecli.app import app
 from tests.helpers.cli import forge as forge_process
 from tests.helpers.data_fixtures import corpus_texts, job_config, tokenized, tokenizer_file, write_jsonl
@@ -450,8 +451,8 @@ def test_task_settings_without_tasks_are_refused(field):
     from engine.errors import ConfigError
 
     with pytest.raises(ConfigError, match=rf"eval\.{field.split('=')[0]}.*eval\.tasks is empty"):
-        job_config(None, "eval.enabled=true", f"eval.{field}").validate()
-    job_config(None, "eval.enabled=true", f"eval.{field}", 'eval.tasks=["forge_next_line"]').validate()
+        check_config(job_config(None, "eval.enabled=true", f"eval.{field}"))
+    check_config(job_config(None, "eval.enabled=true", f"eval.{field}", 'eval.tasks=["forge_next_line"]'))
 
 
 def test_nproc_per_node_inside_a_launched_process_is_refused(tmp_path, monkeypatch):

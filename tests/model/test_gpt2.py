@@ -25,6 +25,7 @@ from engine.model.documents import document_ids
 from engine.model.estimate import param_counts, training_flops_per_token
 from engine.model.families.gpt2.model import GPT2
 from engine.parallel.memory import param_specs
+from engine.plan import check_config
 from forgecli.app import app
 from tests.conftest import REPO
 from tests.helpers.convert import make_run
@@ -197,11 +198,11 @@ def test_fields_gpt2_has_no_use_for_are_refused_naming_field_and_family():
     """Each field of another family, set with gpt2, is one issue naming it and the family (an MoE field once:
     not also as a dense model's), and LoRA, whose adapters drop biases, is refused as a combination."""
     with pytest.raises(ConfigError) as caught:
-        load_job_config(PRESET, [f"{k}={v}" for k, v in REFUSED.items()] + ["lora.enabled=true"]).validate(8)
+        check_config(load_job_config(PRESET, [f"{k}={v}" for k, v in REFUSED.items()] + ["lora.enabled=true"]), 8)
     issues = {issue.path: issue.problem for issue in caught.value.issues}
     assert sorted(issues) == sorted([*REFUSED, "lora.enabled"]), issues
     assert all("model.model_type = 'gpt2'" in problem for problem in issues.values())
-    load_job_config(PRESET).validate(8)  # and the preset itself validates for the layout it declares
+    check_config(load_job_config(PRESET), 8)  # and the preset itself validates for the layout it declares
 
 
 def test_a_refused_field_exits_2_from_the_cli():

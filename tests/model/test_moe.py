@@ -27,6 +27,7 @@ from engine.model.routers import (
 from engine.model.routing_metrics import moe_metrics
 from engine.model.transformer import Transformer
 from engine.parallel.apply import apply_activation_checkpointing
+from engine.plan import check_config
 from tests.helpers.parity import fp32_bound
 
 REPO = Path(__file__).resolve().parents[2]
@@ -246,14 +247,17 @@ def test_proportional_bias_update_moves_each_expert_by_its_distance_from_the_mea
     router.apply_bias_update()  # nothing pending: no update, no count
     assert int(router.updates) == 2
     with pytest.raises(ConfigError, match="moe_bias_update"):
-        load_job_config(
-            REPO / "presets" / "debug_moe.toml",
-            [
-                "model.moe_router=softmax_topk",
-                "model.moe_bias_schedule=[[0,0.001]]",
-                "model.moe_bias_update=proportional",
-            ],
-        ).validate(1)
+        check_config(
+            load_job_config(
+                REPO / "presets" / "debug_moe.toml",
+                [
+                    "model.moe_router=softmax_topk",
+                    "model.moe_bias_schedule=[[0,0.001]]",
+                    "model.moe_bias_update=proportional",
+                ],
+            ),
+            1,
+        )
 
 
 def test_losses_equal_their_formulas_on_hand_made_inputs():
@@ -465,7 +469,7 @@ def test_router_state_survives_a_state_dict_round_trip():
 )
 def test_config_rejects_moe_fields_that_would_do_nothing_or_cannot_work(overrides, field):
     with pytest.raises(ConfigError) as err:
-        load_job_config(REPO / "presets" / "debug.toml", overrides).validate()
+        check_config(load_job_config(REPO / "presets" / "debug.toml", overrides))
     assert field in str(err.value)
 
 
@@ -603,15 +607,15 @@ def test_checkpointing_an_moe_model_compiled_in_regions_is_refused(layout):
 
     world = 2 if layout else 1
     with pytest.raises(ConfigError, match=r"train\.activation_checkpointing"):
-        config("train.mixed_precision=fp32").validate(world)
+        check_config(config("train.mixed_precision=fp32"), world)
     cfg = config("train.mixed_precision=bf16")
     if layout:
         with pytest.raises(ConfigError, match=r"train\.activation_checkpointing"):
-            cfg.validate(world)
+            check_config(cfg, world)
         return
-    cfg.validate(world)  # bf16 on one device: the blocks compile whole, checkpoint wrapper included
+    check_config(cfg, world)  # bf16 on one device: the blocks compile whole, checkpoint wrapper included
     auto = config()
-    auto.validate(world)
+    check_config(auto, world)
     with pytest.raises(UserError, match=r"train\.activation_checkpointing"):
         parallelize(Transformer(moe_config()), auto)
 
@@ -631,9 +635,9 @@ def test_compiling_an_moe_model_under_tensor_parallelism_is_accepted():
     test_expert_parallel.py's `tp_compile*` cases train it against one process, cold and warm."""
     overrides = ["train.compile_model=true", "distributed.tp=2", "distributed.dp_shard=1"]
     for precision in ("fp32", "bf16"):  # in regions, and whole
-        load_job_config(
-            REPO / "presets" / "debug_moe.toml", [*overrides, f"train.mixed_precision={precision}"]
-        ).validate(2)
+        check_config(
+            load_job_config(REPO / "presets" / "debug_moe.toml", [*overrides, f"train.mixed_precision={precision}"]), 2
+        )
 
 
 def test_validate_config_reports_total_and_active_parameters():

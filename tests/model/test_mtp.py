@@ -16,6 +16,7 @@ from engine.config.model import ModelConfig
 from engine.config.train import TrainConfig
 from engine.errors import ConfigError
 from engine.model.transformer import Transformer
+from engine.plan import check_config
 from engine.train.losses import build_loss
 
 REPO = Path(__file__).resolve().parents[2]
@@ -172,7 +173,7 @@ def exported_and_sampled_without_the_modules(run_dir: Path, out: Path) -> None:
 )
 def test_combinations_multi_token_prediction_does_not_run_are_refused(overrides, fields):
     with pytest.raises(ConfigError) as err:
-        load_job_config(REPO / "presets" / "debug.toml", overrides).validate(2)
+        check_config(load_job_config(REPO / "presets" / "debug.toml", overrides), 2)
     named = [issue.path for issue in err.value.issues]
     assert all(field in named for field in fields), named
     assert "mtp" in str(err.value)
@@ -183,5 +184,5 @@ def test_tensor_and_pipeline_parallelism_take_multi_token_prediction(layout):
     """tp = 2 and pp = 2 validate with the modules (their parity with one process: tests/parallel/test_tensor_parallel.py's *_mtp
     cases, tests/parallel/test_pipeline_mtp.py)."""
     overrides = ["model.mtp_depth=2", *layout, "distributed.dp_shard=1"]
-    cfg = load_job_config(REPO / "presets" / "debug.toml", overrides).validate(2)
+    cfg = check_config(load_job_config(REPO / "presets" / "debug.toml", overrides), 2)
     assert cfg.model.mtp_depth == 2 and max(cfg.distributed.tp, cfg.distributed.pp) == 2

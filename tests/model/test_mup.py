@@ -29,6 +29,7 @@ from engine.model import build_model
 from engine.model.lora import apply_lora, is_adapter_weight
 from engine.model.mup import mup_plan
 from engine.model.rope import apply_rope
+from engine.plan import check_config
 from engine.train.losses import cross_entropy
 from engine.train.optim import build_optimizer, current_lr
 from engine.train.run_dir import run_config
@@ -291,7 +292,7 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_bad_mup_settings_are_refused(overrides, needle):
     preset = Path(__file__).parents[2] / "presets" / "debug.toml"
     with pytest.raises(ConfigError, match=needle):
-        load_job_config(preset, ["model.parametrization='mup'", *overrides]).validate()
+        check_config(load_job_config(preset, ["model.parametrization='mup'", *overrides]))
 
 
 def test_a_mup_lora_adapter_export_gives_peft_our_logits(tmp_path, parity):

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.plan import resolve
+
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden" / "specs"
 PRESETS = sorted((REPO / "presets").glob("*.toml")) + sorted((REPO / "tests" / "seed_presets").glob("*.toml"))
@@ -57,15 +59,15 @@ def declared_world_size(preset: Path) -> int:
 def estimate(preset: Path, overrides: list[str], world_size: int) -> dict:
     """What validate-config --json reports of the model and layout (torch-free, in process)."""
     from engine.config.loader import load_job_config
-    from engine.parallel.memory import checkpoint_bytes, estimate_memory
-    from engine.train.summary import job_summary
+    from engine.parallel.memory import checkpoint_bytes
+    from engine.plan.summary import job_summary
 
-    cfg = load_job_config(preset, overrides).validate(world_size)
-    summary = job_summary(cfg, world_size)
+    job = resolve(load_job_config(preset, overrides), world_size)
+    cfg, summary = job.config, job_summary(job)
     numbers = {
         "parameters": summary["parameters"],
         "flops_per_token": summary["flops_per_token"],
-        "memory": [stage.as_dict() for stage in estimate_memory(cfg, world_size)],
+        "memory": [stage.as_dict() for stage in job.memory],
         "checkpoint_bytes": checkpoint_bytes(cfg),
     }
     return json.loads(json.dumps(numbers))  # as the JSON output holds them (tuples become lists)

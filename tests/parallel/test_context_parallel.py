@@ -33,6 +33,7 @@ from engine.parallel.context import (
     torch_ring_applies,
 )
 from engine.parallel.memory import estimate_memory, packing_bytes
+from engine.plan import check_config
 from tests.helpers.parity import FP64_TOL, Parity, model_bound
 from tests.helpers.torchrun import torchrun
 
@@ -41,6 +42,7 @@ import copy, json, sys
 import torch, torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from engine.config import load_job_config
+from engine.plan import check_config
 from engine.model.documents import document_ids
 from engine.model.transformer import Transformer
 from engine.parallel.apply import parallelize
@@ -102,7 +104,7 @@ def packing_memory(cfg, mesh, cp, tokens, ids):
 
 results = {}
 for name, overrides in cases.items():
-    cfg = load_job_config(None, TINY + overrides).validate(world_size=dist.get_world_size())
+    cfg = check_config(load_job_config(None, TINY + overrides), dist.get_world_size())
     dims = ParallelDims.from_config(cfg.distributed, dist.get_world_size())
     mesh = build_mesh(dims, "cpu")
     torch.manual_seed(0)
@@ -380,7 +382,7 @@ def test_memory_estimate_of_packing_masks_under_cp():
     cp2 = ["--distributed.cp=2", "--distributed.dp_shard=1"]
 
     def term(overrides: list[str], world: int, device: str = "cuda") -> int:
-        return packing_bytes(load_job_config(None, base + overrides).validate(world), device)
+        return packing_bytes(check_config(load_job_config(None, base + overrides), world), device)
 
     seq, batch, layers, local = 4096, 2, 8, 2048
     rope = 2 * 4 * (batch - 1) * local * 64
@@ -411,7 +413,7 @@ def test_layouts_context_parallelism_cannot_run_are_refused(overrides, field, me
     base = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=2", "--model.vocab_size=64", "--train.seq_len=32"]
     cfg = load_job_config(None, base + overrides)
     with pytest.raises(ConfigError) as caught:
-        cfg.validate(world_size=cfg.distributed.cp * cfg.distributed.pp)
+        check_config(cfg, world_size=cfg.distributed.cp * cfg.distributed.pp)
     issues = [issue for issue in caught.value.issues if issue.path == field]
     assert len(issues) == 1 and message in issues[0].problem, caught.value.issues
 
@@ -424,7 +426,7 @@ def test_memory_estimate_divides_activations_by_cp():
     cp2 = ["--distributed.cp=2", "--distributed.dp_shard=1"]
 
     def activations(overrides: list[str], world: int) -> int:
-        [stage] = estimate_memory(load_job_config(None, base + overrides).validate(world), world)
+        [stage] = estimate_memory(check_config(load_job_config(None, base + overrides), world), world)
         return stage.activations
 
     one = activations([], 1)

@@ -28,6 +28,7 @@ import copy, json, sys
 import torch, torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from engine.config import load_job_config
+from engine.plan import check_config
 from engine.model import build_model
 from engine.parallel.apply import parallelize
 from engine.parallel.context import ContextParallel
@@ -63,7 +64,7 @@ def randomized(model):
 
 results = {}
 for name, overrides in cases.items():
-    cfg = load_job_config(None, TINY + overrides).validate(world_size=world)
+    cfg = check_config(load_job_config(None, TINY + overrides), world)
     dims = ParallelDims.from_config(cfg.distributed, world)
     mesh = build_mesh(dims, "cpu")
     torch.manual_seed(0)

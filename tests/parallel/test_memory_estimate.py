@@ -26,6 +26,7 @@ from engine.parallel.memory import estimate_memory, layer_activation_bytes, para
 from engine.parallel.mesh import ParallelDims, build_mesh
 from engine.parallel.stages import stage_layer_counts, stage_layers
 from engine.parallel.tp import loss_context, uses_loss_parallel
+from engine.plan import check_config
 from engine.precision import cast_weights
 from engine.train.losses import build_loss
 from engine.train.optim import build_optimizer
@@ -261,7 +262,7 @@ def local_bytes(tensors) -> int:
 def test_sharded_params_grads_and_optimizer_state_equal_what_rank_0_holds(model, layout, world_size):
     """The model parallelized as `forge train` does (engine.parallel.apply) after one optimizer step, measured
     on rank 0: its local parameters, gradients and optimizer state in bytes."""
-    cfg = job(model, distributed=layout).validate(world_size)
+    cfg = check_config(job(model, distributed=layout), world_size)
     with fake_ranks(world_size):
         torch.manual_seed(0)
         mesh = build_mesh(ParallelDims.from_config(cfg.distributed, world_size), "cpu")
@@ -490,7 +491,7 @@ def test_expert_parallelism_with_compile_is_estimated_like_eager():
     (a compiled region saves no more than eager). Against plain data parallelism over the same 4 ranks, each
     rank holds the same share of the experts' weights (4 experts ÷ 2 ep ranks, FSDP over the 2 holding them)."""
     layout = {"dp_shard": 4, "ep": 2}
-    compiled = job(MOE, train={"compile_model": True}, distributed=layout).validate(4)
+    compiled = check_config(job(MOE, train={"compile_model": True}, distributed=layout), 4)
     assert estimate_memory(compiled, 4) == estimate_memory(job(MOE, distributed=layout), 4)
     (data_parallel,) = estimate_memory(job(MOE, distributed={"dp_shard": 4}), 4)
     assert estimate_memory(compiled, 4)[0].params == data_parallel.params

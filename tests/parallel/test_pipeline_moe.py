@@ -30,6 +30,7 @@ from engine.model.transformer import Transformer
 from engine.parallel.memory import estimate_memory
 from engine.parallel.pipeline import stage_model
 from engine.parallel.pipeline_moe import StageAuxLosses
+from engine.plan import check_config
 from engine.train.losses import cross_entropy
 from tests.helpers.layouts import (
     MOE,
@@ -153,10 +154,10 @@ def test_full_checkpointing_with_a_balancing_bias_is_refused_in_a_pipeline():
     full recomputation would route with the moved bias; selective checkpointing keeps the routing decisions."""
     args = [*MOE, *PIPELINE, "--train.activation_checkpointing=full"]
     with pytest.raises(ConfigError, match=r"train\.activation_checkpointing: .full. with distributed\.pp = 2"):
-        load_job_config(None, args).validate(2)
-    load_job_config(None, [*args, "--train.activation_checkpointing=selective"]).validate(2)
+        check_config(load_job_config(None, args), 2)
+    check_config(load_job_config(None, [*args, "--train.activation_checkpointing=selective"]), 2)
     softmax = [a for a in args if not a.startswith(("--model.moe_router=", "--model.moe_bias_schedule="))]
-    load_job_config(None, [*softmax, "--model.moe_router=softmax_topk"]).validate(2)
+    check_config(load_job_config(None, [*softmax, "--model.moe_router=softmax_topk"]), 2)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -167,11 +168,14 @@ def test_memory_estimate_of_each_stage_is_what_its_moe_stage_holds(precision):
     copy as in tests/parallel/test_memory_estimate.py)."""
     model_cfg = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 128, "max_seq_len": 32}
     train = {"batch_size": 2, "seq_len": 32, "mixed_precision": precision, "grad_accum_steps": 2, "z_loss_weight": 0}
-    cfg = JobConfig(
-        model={**model_cfg, "sdpa_backend": "flash", "num_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1},
-        train={**train, "loss_fn": "cross_entropy"},
-        distributed={"pp": 2},
-    ).validate(2)
+    cfg = check_config(
+        JobConfig(
+            model={**model_cfg, "sdpa_backend": "flash", "num_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1},
+            train={**train, "loss_fn": "cross_entropy"},
+            distributed={"pp": 2},
+        ),
+        2,
+    )
     rows = estimate_memory(cfg, 2)
     assert [row.microbatches_in_flight for row in rows] == [2, 1]  # 1F1B's warm-up depth
     torch.manual_seed(0)

@@ -23,6 +23,7 @@ from engine.model import materialize
 from engine.model.transformer import Transformer
 from engine.parallel.memory import estimate_memory, last_stage_output_bytes
 from engine.parallel.pipeline import send_predictions, stage_model, stage_union
+from engine.plan import check_config
 from engine.train.losses import StageCrossEntropy, build_loss
 from tests.helpers.layouts import PIPELINE_LAYOUT, assert_step_6_weights_and_resume, forge, records, tolerance
 from tests.helpers.memory import ACTIVATION_TOLERANCE
@@ -135,7 +136,7 @@ def test_memory_estimate_of_the_last_stage_counts_the_modules_and_the_embedding_
     train = {"batch_size": 2, "seq_len": 16, "grad_accum_steps": 2, "loss_fn": loss_fn, "z_loss_weight": 0}
     train["mixed_precision"] = "fp32"  # the measurement runs without autocast
     chunk = {"ce_chunk_size": 8} if loss_fn == "chunked_cross_entropy" else {}
-    cfg = JobConfig(model=model_cfg, train={**train, **chunk}, distributed={"pp": 2}).validate(2)
+    cfg = check_config(JobConfig(model=model_cfg, train={**train, **chunk}, distributed={"pp": 2}), 2)
     torch.manual_seed(0)
     model = Transformer(cfg.model)
     rows = estimate_memory(cfg, 2)

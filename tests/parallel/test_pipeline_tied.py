@@ -12,6 +12,7 @@ import torch
 
 from engine.config import load_job_config
 from engine.parallel.memory import estimate_memory
+from engine.plan import check_config
 from tests.helpers.layouts import PIPELINE, assert_same_run, forge, records, tolerance, weights
 
 pytestmark = pytest.mark.slow
@@ -38,6 +39,6 @@ def test_tied_embeddings_pipelined_match_one_process_and_resume_in_one(tmp_path,
 
 def test_the_copy_of_a_tied_head_is_in_the_memory_estimate():
     base = ["--distributed.pp=2", "--train.grad_accum_steps=2"]
-    tied = estimate_memory(load_job_config(None, [*base, "--model.tie_embeddings=true"]).validate(2), 2)
-    untied = estimate_memory(load_job_config(None, base).validate(2), 2)
+    tied = estimate_memory(check_config(load_job_config(None, [*base, "--model.tie_embeddings=true"]), 2), 2)
+    untied = estimate_memory(check_config(load_job_config(None, base), 2), 2)
     assert [s.params for s in tied] == [s.params for s in untied]  # the last stage holds the head either way

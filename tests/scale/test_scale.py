@@ -22,13 +22,14 @@ from typer.testing import CliRunner
 from engine.config import load_job_config
 from engine.config.model import ModelConfig
 from engine.model.estimate import param_counts
+from engine.plan import resolve
+from engine.plan.summary import job_summary
 from engine.resilience.signals import Preempted
 from engine.scale.family import DEPTH_EXPONENT, member
 from engine.scale.fit import CONFIDENCE, Law, approach2, approach3
 from engine.scale.plan import make_plan
 from engine.scale.study import RunPoint, fit_study, report
 from engine.train.callbacks import Callback
-from engine.train.summary import job_summary
 from engine.train.trainer import train
 from forgecli.app import app
 from tests.conftest import REPO
@@ -91,7 +92,7 @@ def test_plan_points_spend_their_budget_by_forges_own_count(tmp_path):
         assert ratios == sorted(ratios, reverse=True) and ratios[0] > 20 > ratios[-1]
         for p in points:
             point_cfg = configs[p.name]
-            summary = job_summary(point_cfg, world_size=8)
+            summary = job_summary(resolve(point_cfg, 8))
             assert summary["parameters"]["total"] == p.params
             assert summary["flops_per_token"] == p.flops_per_token
             assert summary["total_tokens"] == p.tokens == p.max_steps * plan.tokens_per_step

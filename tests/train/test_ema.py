@@ -18,6 +18,7 @@ from engine.errors import ConfigError, UserError
 from engine.generate import load_model
 from engine.model.transformer import Transformer
 from engine.parallel.memory import estimate_memory
+from engine.plan import check_config
 from engine.train.ema import WeightAverage
 from engine.train.trainer import train
 from forgecli.dashboard import PlainReporter
@@ -218,13 +219,13 @@ def test_ema_is_refused_where_the_run_kept_none(tmp_path):
 def test_unsupported_ema_settings_are_refused(overrides, field, message):
     cfg = load_job_config(PRESET, [*TINY, *overrides])
     with pytest.raises(ConfigError) as err:
-        cfg.validate(world_size=2)
+        check_config(cfg, world_size=2)
     assert any(issue.path == field and message in issue.problem for issue in err.value.issues), err.value.issues
 
 
 def test_the_memory_estimate_counts_the_ema_as_an_fp32_copy_of_the_sharded_params():
-    plain = estimate_memory(load_job_config(PRESET, TINY).validate(world_size=2), 2)[0]
-    with_ema = estimate_memory(load_job_config(PRESET, [*TINY, *EMA]).validate(world_size=2), 2)[0]
+    plain = estimate_memory(check_config(load_job_config(PRESET, TINY), world_size=2), 2)[0]
+    with_ema = estimate_memory(check_config(load_job_config(PRESET, [*TINY, *EMA]), world_size=2), 2)[0]
     assert with_ema.optimizer == plain.optimizer + plain.params
     assert with_ema.total == plain.total + plain.params
 

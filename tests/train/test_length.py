@@ -21,8 +21,9 @@ from engine.data.loader import TokenWindows, open_train_data
 from engine.data.mixture import Phase, SourceDraws
 from engine.data.sampler import BatchLayout, EpochOrder, EvalBatchSampler, MixtureBatchSampler
 from engine.errors import ConfigError
+from engine.plan import check_config
+from engine.plan.length import with_derived_length
 from engine.runs import summarize_run
-from engine.train.length import with_derived_length
 from engine.train.schedules import learning_rate
 from engine.train.step import weighted_mean
 from engine.train.trainer import train
@@ -134,7 +135,7 @@ def test_the_lr_schedule_in_tokens_is_its_closed_form_at_every_step_of_a_ramp():
         "scheduler.min_lr_ratio=0.1",
         "optimizer.lr=0.001",
     ]
-    cfg = with_derived_length(load_job_config(REPO / "presets" / "debug.toml", overrides).validate(1), 1)
+    cfg = with_derived_length(check_config(load_job_config(REPO / "presets" / "debug.toml", overrides), 1), 1)
     sizes = ramp_by_definition(8, 8, 32, 6000, True, 32, 200)
     before = [sum(sizes[:s]) * 32 for s in range(200)]
     steps = next(s for s in range(200) if before[s] >= 40000)
@@ -152,11 +153,19 @@ def test_the_lr_schedule_in_tokens_is_its_closed_form_at_every_step_of_a_ramp():
 
 
 def test_a_schedule_in_steps_is_unchanged_by_the_ramp():
-    plain = load_job_config(REPO / "presets" / "debug.toml", ["train.max_steps=50"]).validate(1)
-    ramp = load_job_config(
-        REPO / "presets" / "debug.toml",
-        ["train.max_steps=50", "train.global_batch_size=32", "train.batch_ramp_start=8", "train.batch_ramp_steps=10"],
-    ).validate(1)
+    plain = check_config(load_job_config(REPO / "presets" / "debug.toml", ["train.max_steps=50"]), 1)
+    ramp = check_config(
+        load_job_config(
+            REPO / "presets" / "debug.toml",
+            [
+                "train.max_steps=50",
+                "train.global_batch_size=32",
+                "train.batch_ramp_start=8",
+                "train.batch_ramp_steps=10",
+            ],
+        ),
+        1,
+    )
     assert [learning_rate(with_derived_length(ramp, 1), s) for s in range(50)] == [
         learning_rate(with_derived_length(plain, 1), s) for s in range(50)
     ]
@@ -268,9 +277,12 @@ def test_global_batch_size_is_bitwise_the_explicit_accumulation(tmp_path):
     # checked above: warmup in tokens at 0, 256 and 768 tokens before the step
     cfg = load_job_config(REPO / "presets" / "debug.toml", [*TINY, "train.batch_size=8", "train.max_steps=3", *RAMP])
     cfg = with_derived_length(
-        cfg.model_copy(
-            update={"scheduler": cfg.scheduler.model_copy(update={"unit": "tokens", "warmup_steps": 500})}
-        ).validate(1),
+        check_config(
+            cfg.model_copy(
+                update={"scheduler": cfg.scheduler.model_copy(update={"unit": "tokens", "warmup_steps": 500})}
+            ),
+            1,
+        ),
         1,
     )
     assert lrs == [learning_rate(cfg, s) for s in range(3)]
@@ -282,14 +294,14 @@ def test_a_later_layer_says_the_length_or_batch_its_own_way(tmp_path):
     max_steps or grad_accum_steps an earlier layer set; within one layer, both are an error."""
     cfg = load_job_config(REPO / "presets" / "debug.toml", ["train.max_tokens=100000", "train.global_batch_size=32"])
     assert (cfg.train.max_steps, cfg.train.grad_accum_steps) == (None, None)
-    assert with_derived_length(cfg.validate(1), 1).train.grad_accum_steps == 4
+    assert with_derived_length(check_config(cfg, 1), 1).train.grad_accum_steps == 4
     base = tmp_path / "base.toml"
     base.write_text("[train]\nmax_steps = 10\ngrad_accum_steps = 2\n")
     (tmp_path / "child.toml").write_text('include = ["base.toml"]\n[train]\nmax_tokens = 5000\n')
     assert load_job_config(tmp_path / "child.toml").train.max_steps is None
     (tmp_path / "both.toml").write_text("[train]\nmax_tokens = 5000\nmax_steps = 3\n")
     with pytest.raises(ConfigError, match=r"train\.max_tokens: and train\.max_steps are both set"):
-        load_job_config(tmp_path / "both.toml").validate(1)
+        check_config(load_job_config(tmp_path / "both.toml"), 1)
 
 
 def forge(*args: str) -> subprocess.CompletedProcess:

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from engine.config import load_job_config
+from engine.plan import check_config
 from engine.precision import cast_weights
 from engine.train.callbacks import Callback
 from engine.train.optim import hidden_matrices, param_groups
@@ -360,4 +361,4 @@ def test_offload_options_are_refused_where_untested(overrides, field):
     from tests.conftest import REPO
 
     with pytest.raises(ConfigError, match=field):
-        load_job_config(REPO / "presets" / "debug.toml", [o.removeprefix("--") for o in overrides]).validate(2)
+        check_config(load_job_config(REPO / "presets" / "debug.toml", [o.removeprefix("--") for o in overrides]), 2)

@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from engine.config.optimizer import OptimizerConfig
+from engine.plan import check_config
 from engine.train.optim import build_optimizer, eval_mode, hidden_matrices
 from engine.train.optim.lion import Lion
 from engine.train.optim.muon import Muon, orthogonalize
@@ -463,7 +464,7 @@ def test_fields_the_choice_does_not_read_are_errors(overrides, field):
     from engine.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
-        load_job_config(None, overrides).validate(1)
+        check_config(load_job_config(None, overrides), 1)
     assert [i.path for i in info.value.issues] == [field]
 
 
@@ -488,7 +489,7 @@ def test_valid_combinations_pass():
         ["--train.loss_fn=chunked_cross_entropy", "--train.ce_chunk_size=64", "--train.z_loss_weight=1e-4"],
         ["--scheduler.name=none", "--scheduler.decay_steps=99"],
     ):  # pinned by every run directory
-        load_job_config(None, overrides).validate(1)
+        check_config(load_job_config(None, overrides), 1)
 
 
 def forge_cli(*args: str):

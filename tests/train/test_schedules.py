@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.config.scheduler import SchedulerConfig
+from engine.plan import check_config
 from engine.train.schedules import build_scheduler, lr_multiplier
 
 
@@ -114,28 +115,34 @@ def test_learning_rate_includes_schedule_free_warmup_and_key_steps():
     from engine.config import load_job_config
     from engine.train.schedules import key_steps, learning_rate
 
-    cfg = load_job_config(
-        None,
-        [
-            "--optimizer.name=schedule_free_adamw",
-            "--scheduler.name=constant",
-            "--optimizer.lr=0.01",
-            "--optimizer.schedule_free_warmup_steps=4",
-            "--train.max_steps=20",
-        ],
-    ).validate(1)
+    cfg = check_config(
+        load_job_config(
+            None,
+            [
+                "--optimizer.name=schedule_free_adamw",
+                "--scheduler.name=constant",
+                "--optimizer.lr=0.01",
+                "--optimizer.schedule_free_warmup_steps=4",
+                "--train.max_steps=20",
+            ],
+        ),
+        1,
+    )
     assert [learning_rate(cfg, s) for s in range(5)] == pytest.approx([0.0025, 0.005, 0.0075, 0.01, 0.01])
     assert key_steps(cfg) == [0, 3, 19]
-    wsd = load_job_config(
-        None,
-        [
-            "--scheduler.name=wsd",
-            "--scheduler.warmup_steps=5",
-            "--scheduler.stable_steps=20",
-            "--scheduler.decay_steps=10",
-            "--train.max_steps=100",
-        ],
-    ).validate(1)
+    wsd = check_config(
+        load_job_config(
+            None,
+            [
+                "--scheduler.name=wsd",
+                "--scheduler.warmup_steps=5",
+                "--scheduler.stable_steps=20",
+                "--scheduler.decay_steps=10",
+                "--train.max_steps=100",
+            ],
+        ),
+        1,
+    )
     assert key_steps(wsd) == [0, 4, 5, 25, 35, 99]
 
 
@@ -218,22 +225,25 @@ def test_cycles_are_validated():
     with pytest.raises(ConfigError, match="rewarmup_steps"):
         load_job_config(None, ["--scheduler.rewarmup_steps=3"])
     with pytest.raises(ConfigError, match=r"scheduler\.cycles"):
-        load_job_config(None, ["--scheduler.cycles=[50]", "--train.max_steps=50"]).validate(1)
+        check_config(load_job_config(None, ["--scheduler.cycles=[50]", "--train.max_steps=50"]), 1)
 
 
 def test_key_steps_mark_every_rewarmup():
     from engine.config import load_job_config
     from engine.train.schedules import key_steps
 
-    cfg = load_job_config(
-        None,
-        [
-            "--scheduler.warmup_steps=5",
-            "--scheduler.cycles=[40, 70]",
-            "--scheduler.rewarmup_steps=3",
-            "--train.max_steps=100",
-        ],
-    ).validate(1)
+    cfg = check_config(
+        load_job_config(
+            None,
+            [
+                "--scheduler.warmup_steps=5",
+                "--scheduler.cycles=[40, 70]",
+                "--scheduler.rewarmup_steps=3",
+                "--train.max_steps=100",
+            ],
+        ),
+        1,
+    )
     assert key_steps(cfg) == [0, 4, 5, 39, 40, 42, 43, 69, 70, 72, 73, 99]
 
 
@@ -241,7 +251,7 @@ def test_run_directory_pins_a_number_of_cycles_to_its_boundaries():
     from engine.config import load_job_config
     from engine.train.schedules import with_pinned_schedule
 
-    cfg = load_job_config(None, ["--scheduler.cycles=3", "--train.max_steps=90"]).validate(1)
+    cfg = check_config(load_job_config(None, ["--scheduler.cycles=3", "--train.max_steps=90"]), 1)
     pinned = with_pinned_schedule(cfg).scheduler
     assert pinned.cycles == [30, 60] and pinned.decay_steps is None
     longer = pinned.model_copy(update={"cycles": pinned.cycles})
@@ -259,5 +269,5 @@ def test_inv_sqrt_takes_no_decay_steps_and_the_run_directory_adds_none():
 
     with pytest.raises(ValueError, match="no decay_steps"):
         SchedulerConfig(name="inv_sqrt", decay_steps=10)
-    cfg = load_job_config(None, ["--scheduler.name=inv_sqrt", "--scheduler.warmup_steps=4"]).validate(1)
+    cfg = check_config(load_job_config(None, ["--scheduler.name=inv_sqrt", "--scheduler.warmup_steps=4"]), 1)
     assert with_pinned_schedule(cfg).scheduler.decay_steps is None

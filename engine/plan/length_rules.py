@@ -1,6 +1,6 @@
 """The rules for a run's length and batch (train.max_steps | max_epochs | max_tokens, global_batch_size and its
 ramp, scheduler.unit, eval.steps = "all"), torch-free. `issues` is what `JobConfig.validate` adds for them; the
-other cross-field rules read the derived max_steps and grad_accum_steps (engine/train/length.py), so they run
+other cross-field rules read the derived max_steps and grad_accum_steps (engine/plan/length.py), so they run
 once these pass. `warnings` likewise for `JobConfig.warnings`."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def length_issues(cfg: JobConfig) -> list[ConfigIssue]:
             )
         )
     else:
-        from engine.train.length import train_windows
+        from engine.plan.length import train_windows
 
         try:
             windows = train_windows(cfg)
@@ -197,7 +197,7 @@ def unsupported_issues(cfg: JobConfig) -> list[ConfigIssue]:
 
 
 def warnings(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
-    """`cfg` derived (engine/train/length.py): a schedule in tokens that never leaves its warmup."""
+    """`cfg` derived (engine/plan/length.py): a schedule in tokens that never leaves its warmup."""
     from engine.data.batch_plan import batch_plan
 
     s = cfg.scheduler

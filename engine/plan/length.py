@@ -14,7 +14,7 @@ from __future__ import annotations
 from fnmatch import fnmatch
 from typing import TYPE_CHECKING
 
-from engine.data.batch_plan import batch_plan
+from engine.data.batch_plan import accumulation, batch_plan
 
 if TYPE_CHECKING:
     from engine.config.job import JobConfig
@@ -53,8 +53,7 @@ def with_derived_length(cfg: JobConfig, world_size: int, windows: int | None = N
     t = cfg.train
     update = {}
     if t.grad_accum_steps is None:
-        plan = batch_plan(cfg, world_size)
-        update["grad_accum_steps"] = plan.full // plan.unit
+        update["grad_accum_steps"] = accumulation(cfg, world_size)
     if t.max_steps is None:
         update["max_steps"] = derived_steps(cfg, world_size, windows)
     if not update:

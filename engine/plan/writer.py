@@ -18,7 +18,9 @@ from engine.config.job import JobConfig
 from engine.config.loader import build_job_config, read_preset
 from engine.config.model import ModelFields
 from engine.config.registry import MODELS, OPTIMIZERS, SCHEDULERS, SOURCE_KINDS
+from engine.data.batch_plan import tokens_per_step
 from engine.model.moe_config import MOE_FIELDS
+from engine.plan.job import ResolvedJob, resolve
 
 DataKind = str
 """The source kind `forge init` asks for: one of the three it knows the questions of (forgecli/init.py: embedded,
@@ -60,13 +62,20 @@ class InitAnswers:
 
 @dataclass
 class WrittenPreset:
-    """A preset ready to be written: its text, the validated config it loads to, and the world size it was
-    checked for."""
+    """A preset ready to be written: its text, and the job it resolves to on the world size it was checked for."""
 
     text: str
-    config: JobConfig
-    world_size: int
+    job: ResolvedJob
     derived: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def config(self) -> JobConfig:
+        """The config as the preset gives it (loaded and checked)."""
+        return self.job.given
+
+    @property
+    def world_size(self) -> int:
+        return self.job.world_size
 
 
 def find_presets(folders: list[Path]) -> dict[str, Path]:
@@ -117,8 +126,8 @@ def build_preset(answers: InitAnswers, name: str = "preset") -> WrittenPreset:
     for step in (apply_model, apply_data, apply_layout, apply_precision, apply_optimizer, apply_budget):
         step(raw, answers, derived)
     text = render(raw, answers, derived, name)
-    cfg = build_job_config(tomlkit.parse(text).unwrap(), name).validate(answers.world_size)
-    return WrittenPreset(text, cfg, answers.world_size, derived)
+    job = resolve(build_job_config(tomlkit.parse(text).unwrap(), name), answers.world_size)
+    return WrittenPreset(text, job, derived)
 
 
 def section(raw: dict[str, Any], name: str) -> dict[str, Any]:
@@ -229,7 +238,7 @@ def apply_budget(raw: dict[str, Any], answers: InitAnswers, derived: dict[str, s
     train, scheduler, optimizer = section(raw, "train"), section(raw, "scheduler"), section(raw, "optimizer")
     before = train.get("max_steps", JobConfig().train.max_steps)
     if answers.tokens is not None:
-        per_step = build_job_config(raw).tokens_per_step(answers.world_size)
+        per_step = tokens_per_step(build_job_config(raw), answers.world_size)
         train["max_steps"] = max(1, math.ceil(answers.tokens / per_step))
         derived["train.max_steps"] = f"{answers.tokens:,} tokens / {per_step:,} tokens per step, rounded up"
     elif answers.max_steps is not None:
