@@ -19,7 +19,7 @@ import functools
 from collections.abc import Callable
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 from engine.model.packed_kernel import FLEX_BLOCK, packed_attention_backend
 
@@ -95,11 +95,19 @@ def compiled_create_block_mask():
     return torch.compile(create_block_mask, dynamic=False)
 
 
-def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:
+def flex_document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """Attention of q [batch, heads, seq, head_dim] over k, v (fewer heads: grouped-query) under a document
-    block mask. Compiled on CUDA, where eager FlexAttention would materialise the whole score matrix."""
+    block mask. Compiled on CUDA, where eager FlexAttention would materialise the whole score matrix.
+    With sink logits [heads] (model.attention_sinks), each query's softmax denominator Z = exp(lse) gains
+    exp(sink): the output is FlexAttention's times Z / (Z + exp(sink)) = sigmoid(lse − sink)."""
     kernel = compiled_flex_attention() if q.is_cuda else flex_attention
-    return kernel(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    gqa = k.shape[1] != q.shape[1]
+    if sinks is None:
+        return kernel(q, k, v, block_mask=mask, enable_gqa=gqa)
+    out, aux = kernel(q, k, v, block_mask=mask, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    return out * torch.sigmoid(aux.lse - sinks.to(aux.lse.dtype)[None, :, None]).unsqueeze(-1).to(out.dtype)
 
 
 @functools.cache

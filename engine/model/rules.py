@@ -1,6 +1,7 @@
 """The cross-section rules of the model (engine/model/): sequences within its RoPE table, MoE fields only
 for a model with experts and routing that can work, what LoRA adapters (model/lora.py) cannot be combined
-with yet, RoPE scaling fields that agree, a sliding window on a kernel that takes its mask and no field
+with yet, RoPE scaling fields that agree, a sliding window on a kernel that takes its mask, sinks on the
+kernel that takes them, and no field
 the model's family has no use for; and the warning for a capacity factor of 0.
 
 Torch-free, like every room's rules module: it imports engine.config's sections and helpers only (`JobConfig`
@@ -348,7 +349,21 @@ def attention_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                 "set model.sdpa_backend to 'auto', 'efficient' or 'math', or unset model.sliding_window",
             )
         )
+    if m.attention_sinks and m.sdpa_backend not in SINK_BACKENDS:
+        issues.append(
+            ConfigIssue(
+                "model.attention_sinks",
+                f"with model.sdpa_backend = {m.sdpa_backend!r}: no SDPA kernel takes a sink logit in the softmax's "
+                "denominator, so sink attention runs its own eager kernel (FlexAttention for packed windows on CUDA)",
+                "set model.sdpa_backend to 'auto' or 'math' (both run the sink kernel), or unset model.attention_sinks",
+            )
+        )
     return issues
+
+
+SINK_BACKENDS = ("auto", "math")
+"""The `sdpa_backend` values a model with attention sinks accepts: the sink kernel is neither SDPA's flash,
+memory-efficient nor cuDNN one, and a pinned kernel it would not run is refused rather than ignored."""
 
 
 def lora_biased_targets(cfg: JobConfig) -> list[str]:

@@ -153,6 +153,7 @@ TP_KINDS = (
     "rowwise_replicate",
     "sequence_parallel",
     "head_sharded_norm",
+    "head_sharded_vector",
     "gather_sequence",
     "vocab_embedding",
     "vocab_head",

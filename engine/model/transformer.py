@@ -225,6 +225,8 @@ class Transformer(nn.Module):
             nn.init.normal_(attention.wo.weight, std=out_std)
             for bias in attention.biases():  # q/k/v biases (model.attention_qkv_bias) start at 0
                 nn.init.zeros_(bias)
+            if attention.sinks is not None:  # drawn like the weights, as GPT-OSS initializes its sinks
+                nn.init.normal_(attention.sinks.weight, std=std)
             for weight in feed_forward.output_weights():
                 nn.init.normal_(weight, std=out_std)
         if self.output is not None and not self.cfg.tie_embeddings:

@@ -91,8 +91,8 @@ def divisors(n: int) -> list[int]:
 
 def context_parallel_issues(cfg: JobConfig) -> list[ConfigIssue]:
     """Context parallelism splits every sequence into 2·cp chunks (head-tail), whose halves tensor
-    parallelism splits again, and does not compose with pipelines, mixture-of-experts routing or a sliding
-    window yet."""
+    parallelism splits again, and does not compose with pipelines, mixture-of-experts routing, a sliding
+    window or attention sinks yet."""
     m, t, d = cfg.model, cfg.train, cfg.distributed
     if d.cp == 1:
         if "cp_method" in changed_fields(d, ["cp_method"]):
@@ -127,6 +127,11 @@ def context_parallel_issues(cfg: JobConfig) -> list[ConfigIssue]:
             "model.sliding_window",
             f"sliding-window attention (model.sliding_window = {m.sliding_window}: its cores attend over whole "
             "chunks of keys)",
+        ),
+        (
+            m.attention_sinks,
+            "model.attention_sinks",
+            "attention sinks (model.attention_sinks: its cores' softmax has no sink logit)",
         ),
     ]:
         if applies:

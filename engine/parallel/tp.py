@@ -18,6 +18,8 @@ What each style does:
 - "head_sharded_norm": a norm over head_dim of head-sharded plain q or k: its weight is replicated and the
   input treated as sharded on the head dimension, so the weight's gradient is the sum over all heads as on
   one device;
+- "head_sharded_vector": a module holding one value per query head (attention sinks) as `weight`: sharded
+  on dim 0 over the TP ranks as wq shards the heads, the module's output being this rank's shard;
 - "vocab_head": the output head, column-sharded over the vocabulary. With loss parallel its logits stay
   vocabulary-sharded (`Shard(-1)`), and cross-entropy (inside `loss_context(True)`) never gathers them;
   otherwise they are all-gathered into plain full logits;
@@ -191,6 +193,24 @@ class ReplicatedRouter(ParallelStyle):
         return (inputs[0], module.gate.weight.to_local())
 
 
+class HeadShardedVector(ParallelStyle):
+    """A per-head vector (`module.weight`, [n_heads]) as a Shard(0) DTensor over the TP ranks, whose module
+    returns it: the output is made this rank's local shard, the logits of the heads its wq computes (DTensor
+    sums nothing: each rank's gradient is its own heads')."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self.shard_heads, output_fn=self.local)
+
+    def shard_heads(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        if name == "":
+            sharded = distribute_tensor(module.weight, mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            module.register_parameter("weight", nn.Parameter(sharded))
+
+    @staticmethod
+    def local(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        return output.to_local()
+
+
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
     """Wrap forward + loss + backward in this when TP runs with loss parallel: F.cross_entropy on
     vocabulary-sharded logits then reduces the softmax over ranks instead of gathering the logits."""
@@ -209,6 +229,7 @@ STYLES: dict[str, type[ParallelStyle] | partial] = {
     "rowwise_replicate": partial(RowwiseParallel, output_layouts=Replicate()),
     "sequence_parallel": SequenceParallel,
     "head_sharded_norm": partial(SequenceParallel, sequence_dim=2, use_local_output=True),
+    "head_sharded_vector": HeadShardedVector,
     "vocab_embedding": SequenceShardedEmbedding,
     "full_tokens": FullTokens,
     "replicated_router": ReplicatedRouter,

@@ -312,6 +312,11 @@ LAYOUT_MODELS = {
     "all_options_llama3": LAYOUT_MODEL,
     # the other RoPE scaling: positions divided by 4 (0 … 3.75 in sequences of 16), the rest plain Llama
     "rope_linear": dict(GQA, vocab_size=64, max_seq_len=16, rope_scaling="linear", rope_scaling_factor=4.0),
+    # issue 51's options (tests/model/test_attention_options.py): the gate sharded with wq's heads, the sinks by
+    # head; weights drawn wider (init_std 0.1) so that attention, halved by the gates at init, moves the losses
+    "gate_sinks_qk_norm": dict(
+        GQA, vocab_size=64, max_seq_len=16, qk_norm=True, attention_output_gate=True, attention_sinks=True, init_std=0.1
+    ),
 }
 
 

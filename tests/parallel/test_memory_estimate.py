@@ -35,12 +35,14 @@ from tests.helpers.memory import ACTIVATION_TOLERANCE, job, saved_activation_byt
 from tests.helpers.torchrun import torchrun
 
 MOE = {"num_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1}
+SINKS_GATE = {"attention_sinks": True, "attention_output_gate": True, "sdpa_backend": "auto"}  # sinks refuse flash
 GPT2 = {"model_type": "gpt2", "n_kv_heads": None, "tie_embeddings": True}  # LayerNorm, biases, learned positions
 """Measured estimate/saved-tensor ratios on CPU (torch 2.13): 1.000 for dense blocks in fp32 and under bf16
 autocast (rmsnorm and layernorm, tied or not, either loss, flash or math SDPA) and under tp = 2 (4 bytes
 apart), 0.985 (fp32) and 0.962 (bf16) for MoE blocks, 0.965 for QK-norm under bf16, 0.999 for GPT-2 (fp32
 and bf16, tied or not, either loss, flash or math SDPA: ~260 bytes apart, about the position lookup's
-indices, which the estimate leaves out)."""
+indices, which the estimate leaves out), 1.000 for the output gate and the sink kernel (fp32 and bf16; with
+QK-norm under bf16 0.99)."""
 
 
 def one_step(cfg: JobConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -121,6 +123,10 @@ def cpu_rmsnorm_extra(cfg: JobConfig) -> int:
         ),
         ({"mtp_depth": 2}, "cross_entropy"),
         ({"mtp_depth": 1, **MOE}, "chunked_cross_entropy"),
+        ({"attention_output_gate": True}, "cross_entropy"),
+        ({"attention_sinks": True, "sdpa_backend": "auto"}, "cross_entropy"),
+        ({**SINKS_GATE, "qk_norm": True}, "cross_entropy"),
+        ({**SINKS_GATE, "sliding_window": 8, "n_kv_heads": 4}, "chunked_cross_entropy"),
     ],
     ids=[
         "dense",
@@ -138,6 +144,10 @@ def cpu_rmsnorm_extra(cfg: JobConfig) -> int:
         "moe-grouped",
         "mtp",
         "mtp-moe-chunked",
+        "gate",
+        "sinks",
+        "gate-sinks-qknorm",
+        "gate-sinks-window-chunked",
     ],
 )
 def test_activations_match_the_saved_tensors(model, loss, precision):
@@ -201,7 +211,7 @@ end_process(0)  # leave without interpreter teardown while gloo's threads live (
 """
 
 
-@pytest.mark.parametrize("model", [{"mtp_depth": 1}, MOE], ids=["dense-mtp", "moe"])
+@pytest.mark.parametrize("model", [{"mtp_depth": 1}, MOE, SINKS_GATE], ids=["dense-mtp", "moe", "gate-sinks"])
 def test_tensor_parallel_activations_match_the_saved_tensors(tmp_path, model):
     """Under TP + sequence parallelism each rank keeps a 1/tp share of everything but the all-gathered inputs
     of the projections and of the head, and of MoE layers, which route all tokens on every rank (checked on

@@ -26,11 +26,23 @@ def math_attention(m: ModelConfig, lay: ActivationLayout) -> bool:
     return (lay.compute == FP32 or m.sliding_window is not None) and m.kv_heads < m.n_heads
 
 
+def sink_attention_bytes(m: ModelConfig, lay: ActivationLayout) -> int:
+    """Per token, what the eager sink kernel (engine.model.attention.sink_attention, model.attention_sinks)
+    keeps for its backward: q and k, v repeated to every head (c·3q, the matmuls' inputs), the softmax's fp32
+    weights with the sink's column 4·heads·(seq_len + 1), and below fp32 their copy in the compute dtype that
+    the values' matmul reads, c·heads·seq_len (measured in tests/parallel/test_memory_estimate.py)."""
+    c, heads, seq = lay.compute, m.n_heads, lay.seq_len
+    return c * 3 * m.attention_dim + FP32 * heads * (seq + 1) + (c * heads * seq if c < FP32 else 0)
+
+
 def window_bytes(m: ModelConfig, lay: ActivationLayout) -> int:
     """What a sliding window adds to one block: SDPA keeps the additive [seq, seq] mask it makes of the band
     (compute dtype; measured on CPU in tests/parallel/test_memory_estimate.py), except that the math kernel's saved
     weights already hold it, and packed windows' masks (engine/parallel/memory.py) already have the band.
-    Attention runs on the whole sequence on every tp rank."""
+    Attention runs on the whole sequence on every tp rank. The sink kernel keeps a boolean [seq, seq] mask
+    instead, with or without a window (the causal one it makes, or the band), except for packed windows."""
+    if m.attention_sinks:
+        return 0 if lay.packed else lay.seq_len**2
     if m.sliding_window is None or lay.packed or math_attention(m, lay):
         return 0
     return lay.compute * lay.seq_len**2
@@ -51,7 +63,10 @@ def block_activation_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, to
                        RoPE, SDPA's output, which wo reads without a copy) + 4·heads (logsumexp); when SDPA
                        runs its math kernel (`math_attention`) c·(r·h + q) + 4·(3q + heads·seq_len)
                        (q, k and v repeated to all heads, and the attention weights, in fp32); a sliding
-                       window adds the additive [seq, seq] mask SDPA makes of its band (`window_bytes`)
+                       window adds the additive [seq, seq] mask SDPA makes of its band (`window_bytes`);
+                       with sinks c·q + the eager sink kernel's (`sink_attention_bytes`) and its boolean mask
+      output gate:     c·2q (sigmoid of the gates, the gated output); with QK-norm c·q more, as the norm's
+                       saved queries are a view of wq's output, gates included
       dense MLP:       c·r'·h (normed input) + c·4f (w1 out, act(w1 out), w3 out, their product)
       MoE MLP:         4·(h + 2E) (router input, logits/probs) + c·k·(2h + 4f_e + 1) (each of the top-k
                        assignments: gathered input, the expert's SwiGLU, its weighted output) + 16k
@@ -67,10 +82,19 @@ def block_activation_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, to
     tp, c = lay.tp, lay.compute
     h, q, kv = m.dim, m.attention_dim, m.kv_heads * m.head_dim
     casts = lay.casts  # autocast: one cast of the norm's output per projection reading it
-    if math_attention(m, lay):  # q and k, v repeated to every head, the weights, in fp32; wo reads a copy of the output
-        gathered, split = c * (3 if casts else 1) * h, c * q + FP32 * (3 * q + m.n_heads * lay.seq_len)
+    gathered = c * (3 if casts else 1) * h
+    if m.attention_sinks:  # the eager sink kernel's inputs and weights; wo reads its output
+        split = c * q + sink_attention_bytes(m, lay)
+    elif math_attention(
+        m, lay
+    ):  # q and k, v repeated to every head, the weights, in fp32; wo reads a copy of the output
+        split = c * q + FP32 * (3 * q + m.n_heads * lay.seq_len)
     else:
-        gathered, split = c * (3 if casts else 1) * h, c * (2 * q + 2 * kv) + FP32 * m.n_heads
+        split = c * (2 * q + 2 * kv) + FP32 * m.n_heads
+    if m.attention_output_gate:  # the gates' sigmoid and the gated output wo reads (the product keeps both factors)
+        split += c * 2 * q
+        # QK-norm keeps its input, the queries: a view of wq's output, whose storage holds the gates too
+        split += c * q if m.qk_norm else 0
     if m.qk_norm:
         split += (c + FP32) * (q + kv) + FP32 * (m.n_heads + m.kv_heads)
     split += 2 * norm_bytes(m, lay)
@@ -107,13 +131,17 @@ def context_parallel_bytes(m: ModelConfig, lay: ActivationLayout) -> int:
 def checkpointed_block_bytes(m: ModelConfig, lay: ActivationLayout, layer: int, tokens: int, mode: str) -> int:
     """Saved bytes per block and rank under activation checkpointing. full: only the block's input (the
     residual stream, sequence parallel under tp). selective (assumed policy: keep the outputs of every
-    matmul and of SDPA, recompute norms, RoPE and the activation function): the input plus q, k, v, SDPA's
-    output and logsumexp, and the outputs of wo, w1, w3 and w2."""
+    matmul and of SDPA, recompute norms, RoPE and the activation function): the input plus q (with the output
+    gate's rows), k, v, SDPA's output and logsumexp (the sink kernel: its output and scores), and the outputs
+    of wo, w1, w3 and w2."""
     tp, h, c, r = lay.tp, m.dim, lay.compute, lay.residual
     if mode == "full":
         return tokens * r * h // tp
     kv, f = m.kv_heads * m.head_dim, m.ffn_dim if not m.is_moe_layer(layer) else m.moe_top_k * m.expert_ffn_dim
-    return tokens * (r * h + c * (2 * m.attention_dim + 2 * h + 2 * kv + 2 * f) + FP32 * m.n_heads) // tp
+    wq = m.attention_dim * (2 if m.attention_output_gate else 1)
+    # the sink kernel is two bmm's: its scores [heads, seq, keys] are kept, and it has no logsumexp
+    core = c * m.n_heads * lay.seq_len if m.attention_sinks else FP32 * m.n_heads
+    return tokens * (r * h + c * (wq + m.attention_dim + 2 * h + 2 * kv + 2 * f) + core) // tp
 
 
 def mtp_bytes(m: ModelConfig, lay: ActivationLayout, tokens: int) -> int:

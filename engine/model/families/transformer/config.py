@@ -1,6 +1,6 @@
 """The transformer family's config (torch-free): the `[model]` fields only it reads — grouped-query heads, the
 gated MLP's width and activation, the choice of norm, RoPE and its scaling, QK-norm, q/k/v biases, a decoupled
-head width, a sliding window, μP, the mixture of experts (`ExpertFields`) and multi-token prediction — and the
+head width, a sliding window, a gated attention output, attention sinks, μP, the mixture of experts (`ExpertFields`) and multi-token prediction — and the
 sizes they change. Registered with the family's spec in `__init__.py`."""
 
 from __future__ import annotations
@@ -74,6 +74,17 @@ class TransformerFields(NormChoice):
         gt=0,
         description="each token attends to itself and the sliding_window - 1 tokens before it (Mistral); "
         "unset = the whole causal context",
+    )
+    attention_output_gate: bool = Field(
+        False,
+        description="multiply each head's attention output by a sigmoid gate of the block's input before wo "
+        "(Qwen3-Next's gated attention): wq is twice as wide, each head's query followed by its gate",
+    )
+    attention_sinks: bool = Field(
+        False,
+        description="a learned logit per head that joins every softmax's denominator and attends to nothing "
+        "(GPT-OSS's sinks): a query may give part of its attention to no key; runs on an eager kernel "
+        "(FlexAttention for packed windows on CUDA), not SDPA",
     )
 
 

@@ -124,6 +124,8 @@ ARCHITECTURE_FIELDS = (
     "sliding_window",
     "tie_embeddings",
     "qk_norm",
+    "attention_output_gate",
+    "attention_sinks",
     "num_experts",
     "moe_top_k",
     "moe_frequency",
@@ -150,6 +152,15 @@ def hf_architecture(cfg: ModelConfig) -> str:
             "exports to (Llama, Qwen3, Qwen2/3-MoE, GLM-4-MoE: their MLPs are SwiGLU)",
             'only models trained with activation = "silu" export to Hugging Face',
         )
+    for field, model in (("attention_output_gate", "Qwen3-Next"), ("attention_sinks", "GPT-OSS")):
+        if getattr(cfg, field):
+            raise UserError(
+                f"model.{field} has no transformers class Forge exports to: {model} has it, but the rest of "
+                f"{model}'s layers are not Forge's (Qwen3-Next: gated delta-net layers and a gated shared expert; "
+                "GPT-OSS: biased, clamped experts); its attention layer maps one to one "
+                "(engine/model/families/transformer/hf.py: attention_state_for_hf)",
+                f"only models without model.{field} export to Hugging Face",
+            )
     if cfg.is_moe:
         return moe_architecture(cfg)
     if cfg.qk_norm and cfg.attention_qkv_bias:
@@ -625,6 +636,45 @@ def moe_layout(cfg: ModelConfig, architecture: str, layer: int) -> dict[str, Pie
         if architecture == QWEN2_MOE:  # gates a zero-width expert: its value cannot matter
             layout[f"{theirs}.shared_expert_gate.weight"] = Piece(None, shape=(1, cfg.dim))
     return layout
+
+
+# One attention layer, Forge "attention.<key>" ↔ HF "self_attn.<value>", for the architectures whose attention
+# layer Forge computes while the rest of their model it does not (see hf_architecture): Qwen3-Next's gated
+# attention (attention_output_gate with qk_norm; q_proj holds each head's query then its gate, as wq does) and
+# GPT-OSS's sink attention (attention_sinks).
+ATTENTION_LAYER_NAMES = {
+    "wq.weight": "q_proj.weight",
+    "wq.bias": "q_proj.bias",
+    "wk.weight": "k_proj.weight",
+    "wk.bias": "k_proj.bias",
+    "wv.weight": "v_proj.weight",
+    "wv.bias": "v_proj.bias",
+    "wo.weight": "o_proj.weight",
+    "q_norm.weight": "q_norm.weight",
+    "k_norm.weight": "k_norm.weight",
+    "sinks.weight": "sinks",
+}
+QWEN3_NEXT, GPT_OSS = "Qwen3NextForCausalLM", "GptOssForCausalLM"
+# Their RMSNorm computes x̂ · (1 + weight) (zero-centred): Forge's weight w is stored as w − 1.
+ZERO_CENTRED_NORMS = {QWEN3_NEXT: ("q_norm.weight", "k_norm.weight")}
+
+
+def attention_state_for_hf(state: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """One Forge attention layer's tensors (keys relative to the block's `attention.`) as `architecture`'s
+    attention layer names and stores them (keys relative to `self_attn.`)."""
+    if architecture not in (QWEN3_NEXT, GPT_OSS):
+        raise ValueError(f"no attention-layer mapping for {architecture}")
+    shifted = ZERO_CENTRED_NORMS.get(architecture, ())
+    return {ATTENTION_LAYER_NAMES[k]: t - 1.0 if k in shifted else t for k, t in state.items()}
+
+
+def attention_state_from_hf(state: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The inverse of `attention_state_for_hf`: an HF attention layer's tensors as Forge's attention holds them."""
+    if architecture not in (QWEN3_NEXT, GPT_OSS):
+        raise ValueError(f"no attention-layer mapping for {architecture}")
+    ours = {theirs: key for key, theirs in ATTENTION_LAYER_NAMES.items()}
+    shifted = ZERO_CENTRED_NORMS.get(architecture, ())
+    return {ours[k]: t + 1.0 if ours[k] in shifted else t for k, t in state.items()}
 
 
 MAPPING = HFMapping(

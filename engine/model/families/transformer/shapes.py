@@ -16,10 +16,16 @@ def norm_params(cfg: ModelConfig, width: int) -> int:
     return width * (2 if cfg.norm_type == "layernorm" else 1)
 
 
+def query_width(cfg: ModelConfig) -> int:
+    """wq's output width: the queries, and with the output gate (model.attention_output_gate) the gates too."""
+    return cfg.attention_dim * (2 if cfg.attention_output_gate else 1)
+
+
 def attention_params(cfg: ModelConfig) -> int:
-    """wq, wk, wv, wo, and the q/k/v biases (model.attention_qkv_bias)."""
-    d, q, kv = cfg.dim, cfg.attention_dim, cfg.kv_heads * cfg.head_dim
-    return 2 * d * q + 2 * d * kv + (q + 2 * kv if cfg.attention_qkv_bias else 0)
+    """The attention's matmul parameters: wq (with the gate's rows), wk, wv, wo, and the q/k/v biases
+    (model.attention_qkv_bias)."""
+    d, q, kv, wq = cfg.dim, cfg.attention_dim, cfg.kv_heads * cfg.head_dim, query_width(cfg)
+    return d * wq + d * q + 2 * d * kv + (wq + 2 * kv if cfg.attention_qkv_bias else 0)
 
 
 def feed_forward_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
@@ -35,7 +41,9 @@ def feed_forward_params(cfg: ModelConfig, layer: int, active: bool = False) -> i
 
 def block_params(cfg: ModelConfig, layer: int = 0, active: bool = False) -> int:
     qk_norm = 2 * cfg.head_dim if cfg.qk_norm else 0
-    return attention_params(cfg) + qk_norm + feed_forward_params(cfg, layer, active) + 2 * norm_params(cfg, cfg.dim)
+    sinks = cfg.n_heads if cfg.attention_sinks else 0
+    vectors = qk_norm + sinks + 2 * norm_params(cfg, cfg.dim)
+    return attention_params(cfg) + feed_forward_params(cfg, layer, active) + vectors
 
 
 def mtp_module_params(cfg: ModelConfig) -> int:
@@ -73,7 +81,9 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     Matmul parameters are the blocks' and the output head's (tied or not: the head matmul always runs);
     the embedding lookup and norms are not matmuls. For MoE only the active ones count (router, top_k
     routed and the shared experts), so MFU measures the work actually done. The second term is
-    attention's QKᵀ and AV, counted without the causal saving, as in PaLM's MFU definition.
+    attention's QKᵀ and AV, counted without the causal saving, as in PaLM's MFU definition. The output gate
+    (model.attention_output_gate) counts as wq's extra rows; its sigmoid and product, like the sinks' column of
+    the softmax, are elementwise and not counted.
     Each multi-token-prediction module adds its projection, block and the head over every position (it runs
     over the whole window; its last k positions are cut from its loss: engine/train/losses.py, with_mtp_loss).
     """
@@ -129,7 +139,7 @@ def moe_specs(cfg: ModelConfig, prefix: str, layer: int) -> list[ParamSpec]:
 def block_specs(cfg: ModelConfig, layer: int) -> list[ParamSpec]:
     p, d, q, kv = f"layers.{layer}", cfg.dim, cfg.attention_dim, cfg.kv_heads * cfg.head_dim
     specs = norm_specs(cfg, f"{p}.attention_norm", d, layer)
-    for name, width in (("wq", q), ("wk", kv), ("wv", kv)):
+    for name, width in (("wq", query_width(cfg)), ("wk", kv), ("wv", kv)):
         specs.append(ParamSpec(f"{p}.attention.{name}.weight", (width, d), layer, 0))
         if cfg.attention_qkv_bias:  # column parallel like its weight's rows
             specs.append(ParamSpec(f"{p}.attention.{name}.bias", (width,), layer, 0))
@@ -139,6 +149,8 @@ def block_specs(cfg: ModelConfig, layer: int) -> list[ParamSpec]:
             ParamSpec(f"{p}.attention.q_norm.weight", (cfg.head_dim,), layer),
             ParamSpec(f"{p}.attention.k_norm.weight", (cfg.head_dim,), layer),
         ]
+    if cfg.attention_sinks:  # one per query head: sharded with the heads
+        specs.append(ParamSpec(f"{p}.attention.sinks.weight", (cfg.n_heads,), layer, 0))
     specs += norm_specs(cfg, f"{p}.ffn_norm", d, layer)
     if cfg.is_moe_layer(layer):
         return specs + moe_specs(cfg, f"{p}.feed_forward", layer)

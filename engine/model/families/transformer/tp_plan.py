@@ -2,7 +2,8 @@
 
 Megatron-style with sequence parallelism: the token embedding vocabulary-sharded, its output scattered over
 the sequence; norms sequence parallel; attention and dense MLP inputs gathered over the sequence, wq/wk/wv
-and w1/w3 column-sharded (whole heads / hidden units per rank), wo and w2 row-sharded with a reduce-scatter
+and w1/w3 column-sharded (whole heads / hidden units per rank; wq's output gate rows with their heads, the
+sink logits sharded by head), wo and w2 row-sharded with a reduce-scatter
 back to the sequence-sharded residual stream; QK-norm over head-sharded q and k; the head vocabulary-sharded.
 An MoE layer runs on the full tokens on every rank (identical routing, auxiliary losses and load as on one
 device), its router replicated, its shared experts column/row-sharded with their output all-reduced; its
@@ -53,6 +54,8 @@ def layer_plan(cfg: ModelConfig, moe: bool) -> dict[str, TPStyle]:
     }
     if cfg.qk_norm:
         plan |= {"attention.q_norm": TPStyle("head_sharded_norm"), "attention.k_norm": TPStyle("head_sharded_norm")}
+    if cfg.attention_sinks:  # one logit per query head, sharded as wq shards the heads
+        plan["attention.sinks"] = TPStyle("head_sharded_vector")
     return plan
 
 
