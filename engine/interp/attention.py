@@ -77,18 +77,24 @@ class AttentionCapture:
         }
 
     def catch(self, block: str, args: tuple, kwargs: dict, caught: dict[str, torch.Tensor]) -> None:
-        """From the core's inputs (q, k, v, mask, causal), the weights of the chosen heads and queries."""
-        inputs = dict(zip(("q", "k", "v", "mask", "causal"), args)) | kwargs
+        """From the core's inputs (q, k, v, mask, causal, sinks), the weights of the chosen heads and queries."""
+        inputs = dict(zip(("q", "k", "v", "mask", "causal", "sinks"), args)) | kwargs
         caught[self.column_name(block)] = self.weights(
-            inputs["q"], inputs["k"], inputs.get("mask"), inputs.get("causal", True)
+            inputs["q"], inputs["k"], inputs.get("mask"), inputs.get("causal", True), inputs.get("sinks")
         )
 
     def weights(
-        self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = True
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        causal: bool = True,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q (batch, heads, L, d), k (batch, kv_heads, L, d) → (batch, chosen heads, queries, seq_len) fp32, with
         the masks SDPA applies (causal, and an explicit boolean or additive mask when the caller passes one);
-        queries past a short window's end are rows of zeros."""
+        queries past a short window's end are rows of zeros. With sink logits [heads] (model.attention_sinks)
+        each row's softmax has the sink's column too, left out: the row sums to what the keys received, < 1."""
         batch, n_heads, length, dim = q.shape
         heads = torch.tensor(self.heads, device=q.device)
         k = k[:, heads // (n_heads // k.shape[1])]  # the kv head each query head reads (grouped-query)
@@ -107,5 +113,9 @@ class AttentionCapture:
         if mask is not None:
             mask = mask.expand(batch, n_heads, length, k.shape[2])[:, heads][:, :, rows]
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-        out[:, :, inside, : k.shape[2]] = torch.softmax(scores, dim=-1)
+        if sinks is None:
+            out[:, :, inside, : k.shape[2]] = torch.softmax(scores, dim=-1)
+            return out
+        sink = sinks.float()[heads][None, :, None, None].expand(*scores.shape[:-1], 1)
+        out[:, :, inside, : k.shape[2]] = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         return out

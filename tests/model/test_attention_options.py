@@ -26,7 +26,7 @@ from engine.model.families.transformer.hf import (
 from engine.model.rope import rope_tables
 from engine.model.transformer import Transformer
 from tests.helpers.convert import forge, make_run, model_config, no_leftovers, random_model, said
-from tests.helpers.parity import FP64_TOL, U32
+from tests.helpers.parity import FP64_TOL, U32, fp32_bound
 
 transformers = pytest.importorskip("transformers")
 
@@ -310,3 +310,23 @@ def test_a_run_with_both_options_trains_from_the_cli_and_resumes_bitwise(tmp_pat
     assert states[0].keys() == states[1].keys() and all(torch.equal(states[0][k], states[1][k]) for k in states[0])
     assert states[0]["layers.1.attention.sinks.weight"].shape == (4,)
     assert states[0]["layers.1.attention.wq.weight"].shape == (2 * 64, 64)
+
+
+def test_extracted_attention_weights_leave_the_sinks_share_out(parity):
+    """`forge extract --attention` reads the core's inputs: with sinks the stored weights are the keys' share
+    of each softmax (the sink's column left out), so weights × V is the sink kernel's output and each row
+    sums to less than 1 (fp32, as extracted: one product over ≤ SEQ keys after a softmax, fp32_bound depth 2)."""
+    from engine.interp.attention import AttentionCapture
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, SEQ, 16, generator=g)
+    k, v = (torch.randn(1, 2, SEQ, 16, generator=g) for _ in range(2))
+    sinks = torch.tensor([-1.0, 0.0, 1.5, 3.0])
+    capture = AttentionCapture(blocks=("layers.0",), heads=(0, 1, 2, 3), query_positions=(), seq_len=SEQ)
+    caught = {}
+    capture.catch("layers.0", (q, k, v, None, True, sinks), {}, caught)
+    weights = caught["layers.0.attention.weights"][0]
+    out = sink_attention(q, k, v, None, True, sinks)[0]
+    bound = fp32_bound(v.abs().max().item(), SEQ, 2)
+    parity.close(weights @ v[0].repeat_interleave(2, dim=0), out, atol=bound, what="weights × V")
+    assert (weights.sum(-1) < 1 - 1e-3).all() and torch.all(torch.triu(weights, diagonal=1) == 0)

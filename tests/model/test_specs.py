@@ -86,5 +86,5 @@ def test_every_tensor_parallel_kind_a_plan_may_name_becomes_a_dtensor_style():
     from engine.parallel.tp import parallel_style
 
     styles = [parallel_style(TPStyle(kind), loss_parallel) for kind in TP_KINDS for loss_parallel in (False, True)]
-    assert len(styles) == 2 * len(TP_KINDS) == 22
+    assert len(styles) == 2 * len(TP_KINDS) == 24
     assert all(isinstance(style, ParallelStyle) for style in styles)
