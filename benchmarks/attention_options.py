@@ -1,9 +1,10 @@
 """The gated attention output and attention sinks on the debug shape: loss with neither, each, and both (issue 51)
 
 Trains `presets/debug.toml` (its model, data, schedule and batch) for --steps steps once per variant and seed,
-each run a `forge train` of its own, one after another, and prints a markdown table per variant: the mean
-training loss of the last 50 steps, the eval loss at the end, the largest step-to-step rise of the logged
-training loss after warmup (a loss spike), and tokens/s relative to "neither" of the same seed.
+each run a `forge train` of its own, one after another, and prints one markdown table, a row per variant
+and seed: the mean training loss of the last 50 steps, the eval loss at the end, the largest step-to-step
+rise of the training loss after step 50 (a loss spike; the preset warms up for 20), and the median tokens/s
+relative to "neither" of the same seed.
 
     OMP_NUM_THREADS=1 python benchmarks/attention_options.py --steps 500 --seeds 1,2 --work runs/attention_options
 """

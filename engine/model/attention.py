@@ -84,10 +84,9 @@ def sink_attention(
         mask = sliding_window_mask(queries, keys, keys, q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
-    weights = torch.softmax(
-        torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)
-    )
+    wide = torch.promote_types(q.dtype, torch.float32)  # the sink logit is not rounded to a bf16 score's precision
+    sink = sinks.to(wide)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores.to(wide), sink], dim=-1), dim=-1)
     return weights[..., :-1].to(v.dtype) @ v
 
 

@@ -298,8 +298,8 @@ def family_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
 
 def attention_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
     """RoPE scaling fields only for the scaling that reads them (engine/model/rope.py), consistent with each
-    other; a sliding window only with a kernel that takes its mask. (Context parallelism refuses a sliding
-    window: engine/parallel/rules.py.)"""
+    other; a sliding window only with a kernel that takes its mask; sinks only with sdpa_backend "auto", as no
+    SDPA kernel runs them. (Context parallelism refuses a sliding window and sinks: engine/parallel/rules.py.)"""
     m = cfg.model
     issues = [
         ConfigIssue(
@@ -349,21 +349,17 @@ def attention_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                 "set model.sdpa_backend to 'auto', 'efficient' or 'math', or unset model.sliding_window",
             )
         )
-    if m.attention_sinks and m.sdpa_backend not in SINK_BACKENDS:
+    if m.attention_sinks and m.sdpa_backend != "auto":
         issues.append(
             ConfigIssue(
                 "model.attention_sinks",
                 f"with model.sdpa_backend = {m.sdpa_backend!r}: no SDPA kernel takes a sink logit in the softmax's "
                 "denominator, so sink attention runs its own eager kernel (FlexAttention for packed windows on CUDA)",
-                "set model.sdpa_backend to 'auto' or 'math' (both run the sink kernel), or unset model.attention_sinks",
+                "leave model.sdpa_backend at 'auto' (a pinned SDPA kernel would be read by nothing), or unset "
+                "model.attention_sinks",
             )
         )
     return issues
-
-
-SINK_BACKENDS = ("auto", "math")
-"""The `sdpa_backend` values a model with attention sinks accepts: the sink kernel is neither SDPA's flash,
-memory-efficient nor cuDNN one, and a pinned kernel it would not run is refused rather than ignored."""
 
 
 def lora_biased_targets(cfg: JobConfig) -> list[str]:

@@ -127,6 +127,8 @@ class TPStyle:
       residual stream; "rowwise_replicate": the same, its output all-reduced to the full tokens;
     - "sequence_parallel": a norm applied to this rank's positions (weight replicated);
     - "head_sharded_norm": a norm over head_dim of head-sharded q or k [batch, seq, heads, head_dim];
+    - "head_sharded_vector": a module whose `weight` holds one value per query head (attention sinks),
+      sharded with the heads; it returns this rank's shard;
     - "gather_sequence": the module's first of `inputs` positional inputs all-gathered over the sequence
       (the others pass through);
     - "vocab_embedding": a token embedding with vocabulary-sharded rows, its output reduce-scattered over
@@ -195,7 +197,7 @@ class ModelParts:
     - `mtp`: the family's multi-token-prediction modules (engine/model/mtp.py), which run after the head on
       the last stage and look tokens up in the embedding (`tied[0]`): that stage then keeps a copy of it too;
     - `attention`: inside a block, its attention core: a parameterless module called as `core(q, k, v,
-      mask, causal)` on queries, keys and values (batch, heads, seq, head_dim) after position encoding, with
+      mask, causal)`, or `core(q, k, v, mask, causal, sinks)` with per-head sink logits, on queries, keys and values (batch, heads, seq, head_dim) after position encoding, with
       a `kernel()` context manager that picks its SDPA kernel. Context parallelism replaces it by a core that
       attends across the cp ranks (and keeps the original as `local`), and `forge extract --attention`
       recomputes the weights from its inputs. A family whose model also takes `positions` and

@@ -430,7 +430,9 @@ def packing_bytes(cfg: JobConfig, device_type: str = "cuda", in_flight: list[int
         return blocks * context_parallel_mask_bytes(cfg) + rope
     if packed_attention_backend(device_type, m.head_dim, t.seq_len) == "sdpa":
         held = 0 if t.activation_checkpointing == "none" else len(in_flight) * t.batch_size * t.seq_len**2
-        return blocks * COMPUTE_BYTES[t.mixed_precision] * t.batch_size * t.seq_len**2 + held + rope
+        # SDPA keeps the mask additive in the compute dtype; the sink kernel its boolean negation (1 byte)
+        kept = 1 if m.attention_sinks else COMPUTE_BYTES[t.mixed_precision]
+        return blocks * kept * t.batch_size * t.seq_len**2 + held + rope
     n = -(-t.seq_len // FLEX_BLOCK)
     return len(in_flight) * 4 * 4 * t.batch_size * (n + n * n) + rope
 

@@ -16,7 +16,8 @@ import math
 import pytest
 import torch
 
-from engine.model.attention import Attention, sink_attention, sliding_window_mask
+from engine.errors import UserError
+from engine.model.attention import Attention, sink_attention
 from engine.model.families.transformer.hf import (
     GPT_OSS,
     QWEN3_NEXT,
@@ -47,9 +48,15 @@ def forge_attention(cfg, seed=0):
 
 
 def causal_additive_mask(queries: int, keys: int, window: int | None = None) -> torch.Tensor:
-    """transformers' eager attention mask: 0 where a query may attend, -inf elsewhere, [1, 1, q, k]."""
-    allowed = sliding_window_mask(queries, keys, window or keys, torch.device("cpu"))
-    return torch.zeros(queries, keys, dtype=torch.float64).masked_fill(~allowed, float("-inf"))[None, None]
+    """The additive mask transformers' eager attention takes, [1, 1, q, k], written from the definition (not
+    with Forge's sliding_window_mask): query i, at position keys − queries + i, sees key j when 0 ≤ its
+    position − j < window."""
+    mask = torch.full((queries, keys), float("-inf"), dtype=torch.float64)
+    for i in range(queries):
+        for j in range(keys):
+            if 0 <= keys - queries + i - j < (window or keys):
+                mask[i, j] = 0.0
+    return mask[None, None]
 
 
 def hf_layer(layer_cls, config, ours: Attention, architecture: str):
@@ -61,14 +68,17 @@ def hf_layer(layer_cls, config, ours: Attention, architecture: str):
 
 
 def qwen3_next_norm_tolerance(seen: dict, ours: Attention) -> float:
-    """Qwen3NextRMSNorm computes in float32 whatever its input (`x.float()`), so Qwen3-Next's normed q and k
-    carry a relative error of up to 3·U32 each (the cast, rsqrt, the (1 + w) product), everything else being
-    float64. A score q·k/√d then moves by at most 6·U32·|q||k|/√d, a softmax weight p_j by at most 2·p_j times
-    the largest score change, the head's output by that times max|v|, the gate (< 1) shrinks it and wo adds up
-    a row: the bound is 12·U32 · max|q||k|/√d · max|v| · max_row Σ|wo|, from this layer's own tensors."""
+    """Qwen3NextRMSNorm computes in float32 whatever its input (`x.float()`), everything else being float64:
+    each normed q and k element carries a relative error e ≤ (d/2 + 5)·U32 (the cast; the mean of d squares,
+    summed in fp32, whose error the rsqrt halves; the rsqrt, x·rsqrt, the (1 + w) product and the cast back).
+    A score q·k/√d then moves by at most 2e·|q||k|/√d, a softmax weight p_j by at most 2·p_j times the largest
+    score change, the head's output by that times max|v|, the gate (< 1) shrinks it and wo adds up a row: the
+    bound is 4e · max|q||k|/√d · max|v| · max_row Σ|wo|, from this layer's own tensors."""
     q, k, v = seen["q"], seen["k"], seen["v"]
-    scores = q.norm(dim=-1).max() * k.norm(dim=-1).max() / math.sqrt(q.shape[-1])
-    return (12 * U32 * scores * v.abs().max() * ours.wo.weight.abs().sum(dim=1).max()).item()
+    d = q.shape[-1]
+    e = (d / 2 + 5) * U32
+    scores = q.norm(dim=-1).max() * k.norm(dim=-1).max() / math.sqrt(d)
+    return (4 * e * scores * v.abs().max() * ours.wo.weight.abs().sum(dim=1).max()).item()
 
 
 def test_the_gated_attention_layer_is_qwen3_nexts(parity):
@@ -142,6 +152,9 @@ def test_the_sink_attention_layer_is_gpt_osss(parity, window):
     parity.close(actual, expected, atol=FP64_TOL, what=f"sink attention (window {window}) vs GptOssAttention")
     back = attention_state_from_hf(theirs.state_dict(), GPT_OSS)
     assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+    # GPT-OSS's default layer has an o_proj bias, which Forge's wo has not: refused, naming it
+    with pytest.raises(UserError, match=r"o_proj\.bias"):
+        attention_state_from_hf({**theirs.state_dict(), "o_proj.bias": torch.zeros(cfg.dim)}, GPT_OSS)
     # the sinks matter: at -inf they take nothing, and the layer is plain attention
     with torch.no_grad():
         ours.sinks.weight.fill_(-math.inf)
@@ -230,6 +243,10 @@ BAD_CONFIGS = [
     (
         ["--model.attention_sinks=true", "--model.sdpa_backend=efficient"],
         ["model.attention_sinks", "model.sdpa_backend = 'efficient'"],
+    ),
+    (
+        ["--model.attention_sinks=true", "--model.sdpa_backend=math"],
+        ["model.attention_sinks", "model.sdpa_backend = 'math'", "read by nothing"],
     ),
     (
         ["--model.attention_sinks=true", "--distributed.cp=2", "--distributed.dp_shard=1", "--world-size=2"],

@@ -84,7 +84,7 @@ class TransformerFields(NormChoice):
         False,
         description="a learned logit per head that joins every softmax's denominator and attends to nothing "
         "(GPT-OSS's sinks): a query may give part of its attention to no key; runs on an eager kernel "
-        "(FlexAttention for packed windows on CUDA), not SDPA",
+        "(FlexAttention for packed windows on CUDA), not SDPA: sdpa_backend stays auto",
     )
 
 

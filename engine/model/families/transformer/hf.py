@@ -156,9 +156,8 @@ def hf_architecture(cfg: ModelConfig) -> str:
         if getattr(cfg, field):
             raise UserError(
                 f"model.{field} has no transformers class Forge exports to: {model} has it, but the rest of "
-                f"{model}'s layers are not Forge's (Qwen3-Next: gated delta-net layers and a gated shared expert; "
-                "GPT-OSS: biased, clamped experts); its attention layer maps one to one "
-                "(engine/model/families/transformer/hf.py: attention_state_for_hf)",
+                f"{model}'s layers are not Forge's (Qwen3-Next: gated delta-net layers, a gated shared expert and "
+                "partial RoPE; GPT-OSS: biased, clamped experts and an o_proj bias)",
                 f"only models without model.{field} export to Hugging Face",
             )
     if cfg.is_moe:
@@ -655,25 +654,32 @@ ATTENTION_LAYER_NAMES = {
     "sinks.weight": "sinks",
 }
 QWEN3_NEXT, GPT_OSS = "Qwen3NextForCausalLM", "GptOssForCausalLM"
-# Their RMSNorm computes x̂ · (1 + weight) (zero-centred): Forge's weight w is stored as w − 1.
-ZERO_CENTRED_NORMS = {QWEN3_NEXT: ("q_norm.weight", "k_norm.weight")}
+# architecture → the norm weights its layer stores zero-centred (x̂ · (1 + weight)): Forge's w is stored as w − 1.
+# What else their layers may have and Forge's has not does not map: a tensor (GPT-OSS's default o_proj bias,
+# attention_bias = true) is refused by name; a setting (Qwen3-Next's partial RoPE, partial_rotary_factor < 1)
+# holds no tensor, and a layer of it computes another rotation than Forge's.
+ATTENTION_LAYERS = {QWEN3_NEXT: ("q_norm.weight", "k_norm.weight"), GPT_OSS: ()}
 
 
 def attention_state_for_hf(state: dict[str, Any], architecture: str) -> dict[str, Any]:
     """One Forge attention layer's tensors (keys relative to the block's `attention.`) as `architecture`'s
     attention layer names and stores them (keys relative to `self_attn.`)."""
-    if architecture not in (QWEN3_NEXT, GPT_OSS):
-        raise ValueError(f"no attention-layer mapping for {architecture}")
-    shifted = ZERO_CENTRED_NORMS.get(architecture, ())
+    shifted = ATTENTION_LAYERS[architecture]
     return {ATTENTION_LAYER_NAMES[k]: t - 1.0 if k in shifted else t for k, t in state.items()}
 
 
 def attention_state_from_hf(state: dict[str, Any], architecture: str) -> dict[str, Any]:
-    """The inverse of `attention_state_for_hf`: an HF attention layer's tensors as Forge's attention holds them."""
-    if architecture not in (QWEN3_NEXT, GPT_OSS):
-        raise ValueError(f"no attention-layer mapping for {architecture}")
+    """The inverse of `attention_state_for_hf`: an HF attention layer's tensors as Forge's attention holds them;
+    a tensor Forge's attention has no counterpart of (an o_proj bias) is refused, naming it."""
+    shifted = ATTENTION_LAYERS[architecture]
     ours = {theirs: key for key, theirs in ATTENTION_LAYER_NAMES.items()}
-    shifted = ZERO_CENTRED_NORMS.get(architecture, ())
+    unmapped = sorted(set(state) - set(ours))
+    if unmapped:
+        raise UserError(
+            f"{architecture}'s attention layer holds {', '.join(unmapped)}, which Forge's attention has no "
+            "counterpart of",
+            "only layers without them map (GPT-OSS with attention_bias = false)",
+        )
     return {ours[k]: t + 1.0 if ours[k] in shifted else t for k, t in state.items()}
 
 
