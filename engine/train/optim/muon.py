@@ -17,11 +17,13 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from engine.train.optim.closure import loss_of
 from engine.train.optim.groups import hidden_matrices, param_groups
 from engine.train.optim.muon_config import MuonConfig
+from engine.train.optim.muon_distributed import MeshGroup, orthogonalize_owned
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic of Jordan et al.: steepest slope at 0 that still converges
 NS_EPS = 1e-7
@@ -45,16 +47,6 @@ def orthogonalize(matrix: torch.Tensor, steps: int, dtype: torch.dtype = torch.f
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
-
-
-def orthogonalize_full(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """Orthogonalize the whole matrix even when `update` is a shard of it (an FSDP2 DTensor): every rank
-    gathers the full matrix, orthogonalizes it, and keeps its own shard of the result. Orthogonalizing
-    shards separately would give a different (and wrong) update."""
-    if not isinstance(update, DTensor):
-        return orthogonalize(update, steps, dtype).to(update.dtype)
-    full = orthogonalize(update.full_tensor(), steps, dtype).to(update.dtype)
-    return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
 
 
 def update_scale(shape: torch.Size) -> float:
@@ -103,30 +95,63 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(
                     "Muon orthogonalizes 2-D matrices only; put other parameters in a group with use_muon=False"
                 )
+        # The process group of each mesh a Muon matrix is sharded on, made here, on every rank at once.
+        self.meshes: dict[DeviceMesh, MeshGroup] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if group["use_muon"] and isinstance(p, DTensor) and p.device_mesh not in self.meshes:
+                    self.meshes[p.device_mesh] = MeshGroup.of(p.device_mesh)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Momentum for every Muon matrix first, then all of them orthogonalized together (each by one rank,
+        engine/train/optim/muon_distributed.py), then the updates; AdamW for the rest."""
         loss = loss_of(closure)
+        matrices = []
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    (self._muon_update if group["use_muon"] else self._adamw_update)(p, group)
+                if p.grad is None:
+                    continue
+                if group["use_muon"]:
+                    matrices.append((p, group, self._nesterov(p, group)))
+                else:
+                    self._adamw_update(p, group)
+        directions = self._orthogonalized(matrices)
+        for (p, group, _), direction in zip(matrices, directions):
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(direction, alpha=-group["lr"] * update_scale(p.shape))
         return loss
 
-    def _muon_update(self, p: torch.Tensor, group: dict) -> None:
-        momentum, lr = group["momentum"], group["lr"]
-        state = self.state[p]
+    def _nesterov(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """B ← μ·B + (1 − μ)·g; the Nesterov look-ahead μ·B + (1 − μ)·g that Newton–Schulz orthogonalizes."""
+        momentum, state = group["momentum"], self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p)
         buffer = state["momentum_buffer"]
         buffer.lerp_(p.grad, 1 - momentum)
-        nesterov = p.grad.lerp(buffer, momentum)
-        dtype = self.ns_dtype or (
-            torch.bfloat16 if p.device.type == "cuda" else torch.promote_types(p.dtype, torch.float32)
-        )
-        direction = orthogonalize_full(nesterov, group["ns_steps"], dtype)
-        p.mul_(1 - lr * group["weight_decay"])
-        p.add_(direction, alpha=-lr * update_scale(p.shape))
+        return p.grad.lerp(buffer, momentum)
+
+    def _ns_dtype(self, p: torch.Tensor) -> torch.dtype:
+        if self.ns_dtype is not None:
+            return self.ns_dtype
+        return torch.bfloat16 if p.device.type == "cuda" else torch.promote_types(p.dtype, torch.float32)
+
+    def _orthogonalized(self, matrices: list[tuple[torch.Tensor, dict, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each Nesterov matrix orthogonalized: a plain tensor where it is, the DTensors of one mesh (and one
+        dtype and iteration count) in one exchange among that mesh's ranks, each by its owner."""
+        out: list[torch.Tensor | None] = [None] * len(matrices)
+        buckets: dict[tuple, list[int]] = {}
+        for j, (p, group, nesterov) in enumerate(matrices):
+            if isinstance(nesterov, DTensor):
+                key = (nesterov.device_mesh, nesterov.dtype, group["ns_steps"], self._ns_dtype(p))
+                buckets.setdefault(key, []).append(j)
+            else:
+                out[j] = orthogonalize(nesterov, group["ns_steps"], self._ns_dtype(p)).to(nesterov.dtype)
+        for (mesh, _, steps, dtype), js in buckets.items():
+            updates = [matrices[j][2] for j in js]
+            for j, result in zip(js, orthogonalize_owned(updates, self.meshes[mesh], orthogonalize, steps, dtype)):
+                out[j] = result
+        return out
 
     def _adamw_update(self, p: torch.Tensor, group: dict) -> None:
         """AdamW with decoupled weight decay, operation for operation as torch.optim.AdamW (single tensor)."""
