@@ -169,12 +169,14 @@ TWO_PROCESSES = {
     "allgather": [*CP2, "--distributed.cp_method=allgather"],
     "ring": [*CP2, "--distributed.cp_method=ring"],
     "ulysses": [*CP2, "--distributed.cp_method=ulysses"],
-    # recomputation reruns the collectives in backward; QK-norm sees the sharded positions
-    "ring_full_ac_qk_norm": [
+    # recomputation reruns the collectives in backward; QK-norm sees the sharded positions; the output gate
+    # (issue 51) scales the cp core's output on each rank's own positions
+    "ring_full_ac_qk_norm_gate": [
         *CP2,
         "--distributed.cp_method=ring",
         "--train.activation_checkpointing=full",
         "--model.qk_norm=true",
+        "--model.attention_output_gate=true",
     ],
     "ulysses_selective_ac": [*CP2, "--distributed.cp_method=ulysses", "--train.activation_checkpointing=selective"],
     # packed windows (data.pack_sequences): each method's document masks against the one-process packed model;
