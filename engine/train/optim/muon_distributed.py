@@ -14,8 +14,9 @@ to the least loaded rank, the longest-processing-time rule). Then per step:
    placements without any redistribution.
 
 So each matrix costs one Newton–Schulz run in the job, and a rank receives (N − 1)/N of the matrices it
-owns and 1/N of the others (against (N − 1)/N of every matrix when each rank gathers all), in two
-collectives per step for all the matrices of a mesh. A rank's Newton–Schulz work is at most its fair share
+owns and 1/N of the others (against (N − 1)/N of every matrix when each rank gathers all). The exchange
+runs in rounds of one matrix per owner (`orthogonalize_owned`): two collectives per N matrices, and an
+owner holds one whole matrix at a time. A rank's Newton–Schulz work is at most its fair share
 of the total plus the largest matrix. (`_compute_local_shape_and_global_offset` is DTensor's private helper
 behind its public `compute_local_shape_and_global_offset`, which answers for the calling rank only.) The result is exactly the one-process update: the same function of the same full
 matrix, computed once (tests/train/test_muon_distributed.py, float64).
@@ -121,12 +122,34 @@ def orthogonalize_owned(
     updates: list[DTensor], mesh: MeshGroup, orthogonalize, steps: int, dtype: torch.dtype
 ) -> list[DTensor]:
     """`orthogonalize(full, steps, dtype)` of each of `updates` (DTensors on `mesh`, of one dtype), each
-    computed on its owner only, returned in each update's own placements (the module docstring's steps)."""
-    n, me = mesh.size, mesh.rank
+    computed on its owner only, returned in each update's own placements (the module docstring's steps).
+    In rounds: round k exchanges each owner's k-th matrix, so that an owner holds one whole matrix at a time
+    (what the memory estimate's `step_copies` counts), in two collectives per round for N matrices."""
+    n = mesh.size
     blocks = [Blocks.of(u) for u in updates]
     owners = assign_owners([newton_schulz_flops(tuple(u.shape), steps) for u in updates], n)
     by_owner = [[j for j in range(len(updates)) if owners[j] == o] for o in range(n)]
+    out: list[DTensor | None] = [None] * len(updates)
+    for k in range(max(map(len, by_owner))):
+        exchange_round([js[k : k + 1] for js in by_owner], updates, blocks, mesh, orthogonalize, steps, dtype, out)
+    return out
+
+
+def exchange_round(
+    by_owner: list[list[int]],
+    updates: list[DTensor],
+    blocks: list[Blocks],
+    mesh: MeshGroup,
+    orthogonalize,
+    steps: int,
+    dtype: torch.dtype,
+    out: list[DTensor | None],
+) -> None:
+    """One round: the matrices `by_owner[o]` of each owner o to it, orthogonalized there, their blocks back
+    into `out`."""
+    n, me = mesh.size, mesh.rank
     mine = by_owner[me]
+    js = [j for owned in by_owner for j in owned]
 
     def sent_by(r: int, j: int) -> int:
         return blocks[j].numel(r) if blocks[j].senders[r] else 0
@@ -134,9 +157,9 @@ def orthogonalize_owned(
     # 1. to the owners: my block of owner 0's matrices, then of owner 1's, … (a replica sends nothing)
     to_owner = [sum(sent_by(me, j) for j in by_owner[o]) for o in range(n)]
     from_rank = [sum(sent_by(r, j) for j in mine) for r in range(n)]
-    local = [u.to_local() for u in updates]
+    local = {j: updates[j].to_local() for j in js}
     pieces = [local[j].reshape(-1) for o in range(n) for j in by_owner[o] if blocks[j].senders[me]]
-    send = torch.cat(pieces) if pieces else local[0].new_empty(0)
+    send = torch.cat(pieces) if pieces else local[js[0]].new_empty(0)
     gathered = send.new_empty(sum(from_rank))
     dist.all_to_all_single(gathered, send, from_rank, to_owner, group=mesh.group)
 
@@ -156,7 +179,6 @@ def orthogonalize_owned(
     returned = send.new_empty(sum(from_owner))
     dist.all_to_all_single(returned, back, from_owner, to_rank, group=mesh.group)
 
-    out: list[DTensor | None] = [None] * len(updates)
     for o, chunk in enumerate(returned.split(from_owner)):
         for j, piece in zip(by_owner[o], chunk.split([blocks[j].numel(me) for j in by_owner[o]])):
             u = updates[j]
@@ -164,4 +186,3 @@ def orthogonalize_owned(
                 piece.view(blocks[j].shapes[me]), u.device_mesh, u.placements, run_check=False, shape=u.shape,
                 stride=u.stride(),
             )  # fmt: skip
-    return out
