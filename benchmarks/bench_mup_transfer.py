@@ -1,4 +1,4 @@
-"""μP learning-rate transfer: the best AdamW learning rate per width, under sp and under mup.
+"""μP learning-rate transfer: the best learning rate per width (AdamW, or Muon), under sp and under mup.
 
 For each width and parametrization, the same 2-layer model shape (head size fixed at 32, FFN width 2·dim)
 trains on the same tokens of the embedded Shakespeare corpus (same seed, same batches: steps × batch × seq
@@ -10,6 +10,14 @@ that width the two parametrizations differ only in the attention scale. The clai
     python benchmarks/bench_mup_transfer.py --out benchmarks/results/mup_transfer.json
     python benchmarks/bench_mup_transfer.py --widths 64 128 --lrs 3e-3 1e-2 --steps 20   # a quick look
     python benchmarks/bench_mup_transfer.py --from-json benchmarks/results/mup_transfer.json   # the tables
+
+Under Muon (`--optimizer muon`: its hidden matrices at lr, the rest on its AdamW fallback at the same lr) the
+two parametrizations can run side by side, one process each, and their reports merge into one table:
+
+    python benchmarks/bench_mup_transfer.py --optimizer muon --parametrizations sp --out /tmp/sp.json &
+    python benchmarks/bench_mup_transfer.py --optimizer muon --parametrizations mup --out /tmp/mup.json
+    python benchmarks/bench_mup_transfer.py --from-json /tmp/sp.json /tmp/mup.json \
+        --out benchmarks/results/mup_transfer_muon.json --md benchmarks/results/mup_transfer_muon.md
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 512])
     p.add_argument("--lrs", type=float, nargs="+", default=[3.2e-4, 1e-3, 3.2e-3, 1e-2, 3.2e-2])
     p.add_argument("--parametrizations", nargs="+", default=["sp", "mup"])
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--steps", type=int, default=60)
@@ -49,7 +58,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="init seed; the training batches are drawn with seed + 1")
     p.add_argument("--out", help="write the result as JSON here")
     p.add_argument("--md", help="write the result as a Markdown table here")
-    p.add_argument("--from-json", help="only render --md from a JSON report written by an earlier run")
+    p.add_argument(
+        "--from-json",
+        nargs="+",
+        help="only merge these JSON reports (of one grid, other parametrizations) into --out / --md",
+    )
     return p
 
 
@@ -85,7 +98,9 @@ def run(cfg: ModelConfig, lr: float, args: argparse.Namespace, train: list, held
     """Held-out loss after training `cfg` at `lr` (nan if it diverged)."""
     torch.manual_seed(args.seed)
     model = build_model(cfg)
-    optimizer = build_optimizer(model, OptimizerConfig(lr=lr, weight_decay=0.0))
+    optimizer = build_optimizer(
+        model, OptimizerConfig.model_validate({"name": args.optimizer, "lr": lr, "weight_decay": 0.0})
+    )
 
     def factor(step: int) -> float:
         if step < args.warmup:
@@ -113,7 +128,7 @@ def markdown(report: dict) -> str:
     where the best learning rate went as the width grew."""
     args, rows = report["args"], report["results"]
     lrs = args["lrs"]
-    lines = []
+    lines = [f"Optimizer: {args.get('optimizer', 'adamw')}.", ""]
     for parametrization in args["parametrizations"]:
         lines += [f"### {parametrization}", "", "| width | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | best lr |"]
         lines.append("|---" * (len(lrs) + 2) + "|")
@@ -141,11 +156,39 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def merged(reports: list[dict]) -> dict:
+    """Reports of the same grid for different parametrizations (run side by side) as one report."""
+    first = reports[0]
+    for other in reports[1:]:
+        same = {k: v for k, v in other["args"].items() if k not in ("parametrizations", "out", "md", "from_json")}
+        assert same == {k: first["args"][k] for k in same}, "the reports are not of one grid"
+        assert other["commit"] == first["commit"], "the reports are of different commits"
+    args = {**first["args"], "parametrizations": [p for r in reports for p in r["args"]["parametrizations"]]}
+    return {
+        **first,
+        "args": args,
+        "results": [row for r in reports for row in r["results"]],
+        "best_lr": {k: v for r in reports for k, v in r["best_lr"].items()},
+        "seconds": [r["seconds"] for r in reports],
+        "machine": f"{first['machine']}, {len(reports)} processes side by side",
+    }
+
+
 def main() -> None:
     args = parser().parse_args()
     if args.from_json:
-        with open(args.from_json) as f:
-            print(markdown(json.load(f)))
+        reports = []
+        for path in args.from_json:
+            with open(path) as f:
+                reports.append(json.load(f))
+        report = merged(reports)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+        if args.md:
+            with open(args.md, "w") as f:
+                f.write(markdown(report))
+        print(markdown(report))
         return
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     torch.set_num_threads(args.threads)

@@ -25,9 +25,16 @@ At width multiplier 1 every factor but the attention scale is 1.
 
 The rules for AdamW carry over unchanged to Lion (every coordinate moves by exactly lr, the entrywise update
 TP V's Adam analysis assumes) and to schedule-free AdamW (Adam's preconditioner; its averaging weights are
-ratios of one group's learning rates, which a constant multiplier leaves alone). Muon is refused
-(engine/train/rules.py): its update is an orthogonal matrix, whose μP scaling is a spectral one that
-Forge's Muon (scaled to AdamW's RMS) does not follow.
+ratios of one group's learning rates, which a constant multiplier leaves alone).
+
+Muon's update of a hidden matrix is not entrywise: it is lr · 0.2·sqrt(max(fan_out, fan_in)) · O with O
+semi-orthogonal (every singular value near 1, whatever the gradient's rank), so its spectral norm is
+lr · 0.2·sqrt(max(fan_out, fan_in)). The spectral condition for feature learning (Yang, Simon & Bernstein
+2023, "A Spectral Condition for Feature Learning") asks ‖ΔW‖ = Θ(sqrt(fan_out / fan_in)). μP widens every
+hidden dimension together (`base_config`: the FFN in proportion), so fan_out / fan_in stays fixed and
+max(fan_out, fan_in) grows like the fan-in: Muon's hidden-matrix lr takes sqrt(base_fan_in / fan_in)
+(`ParamScale.muon_lr`), the square root of Adam's factor, which keeps ‖ΔW‖ at the base width's. Its init
+and everything Muon leaves to its AdamW fallback (embeddings, head, norms, biases) follow the rules above.
 
 Everything here is torch-free arithmetic on the family's `param_specs` (validate-config shows the plan);
 the model applies the init and the two logit scales (engine/model/transformer.py, attention.py), the
@@ -47,10 +54,12 @@ from engine.model.spec import spec_for
 
 @dataclass(frozen=True)
 class ParamScale:
-    """What μP does to one parameter: `init` multiplies its sp init std, `lr` the optimizer's lr."""
+    """What μP does to one parameter: `init` multiplies its sp init std, `lr` the lr of an entrywise optimizer
+    (Adam, Lion), `muon_lr` Muon's lr where Muon orthogonalizes the parameter (the module docstring)."""
 
     init: float
     lr: float
+    muon_lr: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -84,7 +93,7 @@ def mup_plan(cfg: ModelConfig) -> MupPlan | None:
     for p in spec_for(cfg).param_specs(cfg):
         if isinstance(p.owner, int) and len(p.shape) == 2:  # a hidden matrix [out, in]
             ratio = base_shapes[p.name][-1] / p.shape[-1]
-            params[p.name] = ParamScale(init=math.sqrt(ratio), lr=ratio)
+            params[p.name] = ParamScale(init=math.sqrt(ratio), lr=ratio, muon_lr=math.sqrt(ratio))
         else:  # a tied head is the embedding's parameter: its spec is the embedding's, owner "embedding"
             params[p.name] = ParamScale(init=0.0 if p.owner == "head" else 1.0, lr=1.0)
     width_mult = cfg.dim / cfg.mup_base_dim

@@ -48,16 +48,6 @@ def optimization_issues(cfg: JobConfig, world_size: int) -> list[ConfigIssue]:
                 "set scheduler.name = 'constant' or 'none' (warm up with optimizer.schedule_free_warmup_steps)",
             )
         )
-    if o.name == "muon" and cfg.model.parametrization == "mup":
-        issues.append(
-            ConfigIssue(
-                "optimizer.name",
-                'muon with model.parametrization = "mup": μP\'s learning-rate multipliers are derived for '
-                "entrywise updates (Adam, Lion); Muon's orthogonalized update needs a spectral scaling "
-                "(sqrt(fan_out/fan_in)) that Forge's Muon, scaled to AdamW's RMS, does not follow",
-                'use adamw, lion or schedule_free_adamw with mup, or parametrization = "sp" with muon',
-            )
-        )
     if o.name == "schedule_free_adamw" and o.betas[0] == 0:
         issues.append(
             ConfigIssue(

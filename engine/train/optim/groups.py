@@ -33,8 +33,9 @@ def param_groups(model: nn.Module, weight_decay: float, exclude: frozenset[int] 
     return groups if cfg is None or cfg.parametrization != "mup" else mup_lr_groups(model, groups)
 
 
-def mup_lr_groups(model: nn.Module, groups: list[dict]) -> list[dict]:
-    """Each group split by μP's learning-rate multiplier (engine/model/mup.py), which the group carries as
+def mup_lr_groups(model: nn.Module, groups: list[dict], rule: str = "lr") -> list[dict]:
+    """Each group split by μP's learning-rate multiplier (engine/model/mup.py: the `ParamScale` field `rule`,
+    "lr" for entrywise updates, "muon_lr" for Muon's orthogonalized ones), which the group carries as
     `lr_multiplier`; `apply_lr_multipliers` turns it into the group's lr once the optimizer exists. Groups
     keep the order of their first parameter, so the first is usually the hidden matrices' (lr below the base:
     `current_lr` divides by the multiplier to report the base lr). LoRA adapters
@@ -43,7 +44,7 @@ def mup_lr_groups(model: nn.Module, groups: list[dict]) -> list[dict]:
     multiplier = {}
     for raw_name, param in model.named_parameters():
         name = clean_name(raw_name)
-        multiplier[id(param)] = 1.0 if is_adapter_weight(name) else plan.params[name].lr
+        multiplier[id(param)] = 1.0 if is_adapter_weight(name) else getattr(plan.params[name], rule)
     split = []
     for group in groups:
         by_lr: dict[float, list[nn.Parameter]] = {}

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from engine.train.optim.closure import loss_of
-from engine.train.optim.groups import hidden_matrices, param_groups
+from engine.train.optim.groups import hidden_matrices, mup_lr_groups, param_groups
 from engine.train.optim.muon_config import MuonConfig
 from engine.train.optim.muon_distributed import MeshGroup, orthogonalize_owned
 
@@ -169,15 +169,19 @@ class Muon(torch.optim.Optimizer):
 
 
 def muon(model: nn.Module, cfg: MuonConfig) -> torch.optim.Optimizer:
-    """Muon on the blocks' matrices at `lr`; AdamW (decay on matrices only) on the rest at `muon_adam_lr`."""
+    """Muon on the blocks' matrices at `lr`; AdamW (decay on matrices only) on the rest at `muon_adam_lr`.
+    Under μP the matrices' lr takes Muon's multiplier (`ParamScale.muon_lr`), the rest Adam's."""
     matrices = hidden_matrices(model)
+    muon_groups = [{"params": matrices, "use_muon": True}]
+    if model.cfg.parametrization == "mup":
+        muon_groups = mup_lr_groups(model, muon_groups, rule="muon_lr")
     adam_lr = cfg.muon_adam_lr or cfg.lr
     fallback = [
         {**group, "use_muon": False, "lr": adam_lr}
         for group in param_groups(model, cfg.weight_decay, exclude=frozenset(map(id, matrices)))
     ]
     return Muon(
-        [{"params": matrices, "use_muon": True}, *fallback],
+        [*muon_groups, *fallback],
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         momentum=cfg.muon_momentum,
