@@ -6,6 +6,7 @@ Items (each its own process, so each has the GPU to itself and its own peak memo
   FP8 rowwise, each with the plain and the chunked cross-entropy: tokens/s and MFU of the last logged window
   (after compilation), the measured peak memory, and `engine.parallel.memory.estimate_memory` of the run's own
   resolved config beside it (estimate / measured);
+- the same 1B run in bf16 with `--optimizer.name=muon`: Muon's optimizer step, against the bf16 AdamW row;
 - `benchmarks/gpu_race.py`: Forge against torchtitan on the 1B shape, eager and compiled;
 - `forge train presets/moe_small.toml --distributed.ep=1`: the MoE preset on one device.
 
@@ -89,6 +90,11 @@ def train_items(args: argparse.Namespace, work: Path) -> list[Item]:
             items.append(Item(name, "train", "forge", [*argv, "--run-dir", str(run_dir)], run_dir))
             if recipe and args.toy:
                 items[-1].skip = "not run: toy mode (no FP8 on CPU)"
+    # Muon's optimizer step at 1B (each hidden matrix orthogonalized by Newton–Schulz in bf16): its tokens/s
+    # against the "1b bf16 cross_entropy" row above, which differs from it only in the optimizer
+    run_dir = work / "1b_bf16_muon"
+    argv = ["train", "presets/1b.toml", *size, *common, "--optimizer.name=muon", "--run-dir", str(run_dir)]
+    items.append(Item("1b bf16 muon", "train", "forge", argv, run_dir))
     moe_size = (
         [
             "--model.dim=64",

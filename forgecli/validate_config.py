@@ -159,7 +159,8 @@ def mup_rows(table: Table, mup: dict[str, Any]) -> None:
     table.add_row("  attention scale (q·k ×)", f"{mup['attention_scale']:g} (1/head_dim)")
     for group in mup["groups"]:
         table.add_row(
-            f"  init std ×{group['init_std_mult']:.4g}, lr ×{group['lr_mult']:.4g}", escape(", ".join(group["params"]))
+            f"  init std ×{group['init_std_mult']:.4g}, lr ×{group['lr_mult']:.4g} (muon ×{group['muon_lr_mult']:.4g})",
+            escape(", ".join(group["params"])),
         )
 
 

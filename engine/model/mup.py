@@ -119,10 +119,10 @@ def summary(cfg: ModelConfig) -> dict | None:
     plan = mup_plan(cfg)
     if plan is None:
         return None
-    groups: dict[tuple[float, float], list[str]] = {}
+    groups: dict[tuple[float, float, float], list[str]] = {}
     for name, scale in plan.params.items():
         pattern = re.sub(r"\.\d+\.", ".*.", name)
-        names = groups.setdefault((scale.init, scale.lr), [])
+        names = groups.setdefault((scale.init, scale.lr, scale.muon_lr), [])
         if pattern not in names:
             names.append(pattern)
     return {
@@ -130,5 +130,8 @@ def summary(cfg: ModelConfig) -> dict | None:
         "width_mult": plan.width_mult,
         "output_multiplier": plan.output_multiplier,
         "attention_scale": plan.attention_scale,
-        "groups": [{"init_std_mult": i, "lr_mult": lr, "params": names} for (i, lr), names in groups.items()],
+        "groups": [
+            {"init_std_mult": i, "lr_mult": lr, "muon_lr_mult": muon, "params": names}
+            for (i, lr, muon), names in groups.items()
+        ],
     }

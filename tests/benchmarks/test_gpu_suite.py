@@ -19,7 +19,7 @@ from engine.metrics.mfu import peak_flops
 from engine.parallel.memory import estimate_memory
 from tests.conftest import REPO
 
-MEASURED = ("1b bf16 cross_entropy", "1b bf16 chunked_cross_entropy", "moe_small ep=1")
+MEASURED = ("1b bf16 cross_entropy", "1b bf16 chunked_cross_entropy", "1b bf16 muon", "moe_small ep=1")
 
 
 def test_the_gpu_suite_runs_at_toy_size_and_records_measured_values(tmp_path):
@@ -32,7 +32,7 @@ def test_the_gpu_suite_runs_at_toy_size_and_records_measured_values(tmp_path):
     table = (out.parent / "suite.md").read_text()
     assert report["toy"] and report["in_process"] and report["machine"]["torch"] == torch.__version__
     assert len(report["machine"]["commit"]) >= 7
-    assert len(report["train"]) == 7 and not list((tmp_path / "runs").glob("*/metrics.jsonl")), "run dirs removed"
+    assert len(report["train"]) == 8 and not list((tmp_path / "runs").glob("*/metrics.jsonl")), "run dirs removed"
     peak = peak_flops(torch.device("cpu"), torch.bfloat16)
     for name in MEASURED:
         row = report["train"][name]
