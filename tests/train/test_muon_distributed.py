@@ -194,3 +194,32 @@ def test_a_muon_run_resumes_bitwise_and_in_another_layout(tmp_path, parity):
     tol, other = tolerance(whole), records(tmp_path / "other")
     for step in (4, 5, 6):
         parity.within(f"loss step {step}", abs(other[step]["loss"] - records(whole)[step]["loss"]), tol.loss_at(step))
+
+
+MUON = ["--optimizer.name=muon", "--optimizer.lr=0.01"]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param("pp2", id="pp2"),  # each stage's optimizer holds its own matrices: plain tensors, local
+        pytest.param("ep2", id="ep2"),  # the dense matrices FSDP-sharded over both ranks, the experts by ep
+    ],
+)
+def test_muon_under_pipeline_and_expert_parallelism_trains_as_one_process(tmp_path, layout, parity):
+    """`forge train --optimizer.name=muon` under pp = 2 and under ep = 2 (the MoE model), 2 processes, logs one
+    process's per-step losses and gradient norms within the layouts' fp32 tolerances (TrainingTolerance)."""
+    from tests.helpers.layouts import MOE, PIPELINE, forge, records, tolerance
+
+    args, batch = ([*MUON, *PIPELINE], {"batch_size": 4}) if layout == "pp2" else ([*MUON, *MOE], {})
+    one, two = tmp_path / "one", tmp_path / "two"
+    single_args = [a for a in args if not a.startswith("--distributed.")]
+    assert forge(one, *single_args).returncode == 0
+    result = forge(two, *args, *(["--distributed.ep=2"] if layout == "ep2" else []), nproc=2, **batch)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours, ref, tol = records(two), records(one), tolerance(one)
+    assert sorted(ours) == sorted(ref) == list(range(1, 7))
+    for step in ref:
+        parity.within(f"{layout} loss step {step}", abs(ours[step]["loss"] - ref[step]["loss"]), tol.loss_at(step))
+        gap = abs(ours[step]["grad_norm"] / ref[step]["grad_norm"] - 1)
+        parity.within(f"{layout} grad norm step {step}", gap, tol.norm_at(step))
